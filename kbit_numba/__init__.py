@@ -1,0 +1,24 @@
+"""kbit_numba: low-bit weight-quantized inference kernels for NVIDIA GPUs, written in Numba CUDA.
+
+Formats and their NumPy reference live in ``formats`` and ``reference``; kernels in one module per
+family (``quantize``, ...); PTX helpers in ``intrinsics``; shared device helpers in ``device``.
+Under Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) the package installs warp primitives so
+that the same kernels run on the CPU.
+"""
+from numba.core import config as _config
+
+if _config.ENABLE_CUDASIM:
+    from . import _sim
+
+    _sim.install()
+
+from . import reference  # noqa: E402
+from .formats import BLOCK, K_BITS, KbitWeight, codebook, e4m4_decode, e4m4_encode  # noqa: E402
+from .codec import dequantize, quantize, repack_tiled  # noqa: E402
+
+SIMULATOR = bool(_config.ENABLE_CUDASIM)
+
+__version__ = "0.1.0"
+
+__all__ = ["BLOCK", "K_BITS", "KbitWeight", "codebook", "e4m4_encode", "e4m4_decode", "reference",
+           "quantize", "dequantize", "repack_tiled", "SIMULATOR"]

@@ -1,0 +1,90 @@
+"""Turning user inputs into checked device arrays, and user streams into Numba streams.
+
+Accepted arrays: NumPy arrays (copied to the device), Numba device arrays, and anything with
+``__cuda_array_interface__`` (CuPy, PyTorch; zero-copy). PyTorch bfloat16 cannot cross the CUDA array
+interface: pass ``t.view(torch.int16)`` and ``bf16=True``.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda
+
+FLOAT_DTYPES = (np.float16, np.float32)
+
+
+def is_numba_device_array(x):
+    """A Numba device array (or the simulator's stand-in for one)."""
+    return hasattr(x, "copy_to_host") and hasattr(x, "is_c_contiguous")
+
+
+def is_device_array(x):
+    return is_numba_device_array(x) or hasattr(x, "__cuda_array_interface__")
+
+
+def device_array(x, name, dtypes, ndim=None, stream=0):
+    """Checked, C-contiguous device array view of ``x`` (NumPy input is copied to the device)."""
+    if isinstance(x, np.ndarray):
+        arr = x
+    elif is_device_array(x):
+        arr = x if is_numba_device_array(x) else cuda.as_cuda_array(x)
+    else:
+        raise TypeError(f"{name} must be a NumPy array or a CUDA array (device array, CuPy, torch), "
+                        f"got {type(x).__name__}")
+    dtypes = tuple(np.dtype(d) for d in dtypes)
+    if arr.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {arr.dtype}")
+    if ndim is not None and arr.ndim not in (ndim if isinstance(ndim, tuple) else (ndim,)):
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(arr.shape)}")
+    if not _c_contiguous(arr):
+        raise ValueError(f"{name} must be C-contiguous (call .contiguous()/np.ascontiguousarray first)")
+    if isinstance(arr, np.ndarray):
+        return cuda.to_device(arr, stream=stream)
+    return arr
+
+
+def _c_contiguous(arr):
+    if isinstance(arr, np.ndarray):
+        return arr.flags.c_contiguous
+    return arr.is_c_contiguous()
+
+
+def float_input(x, name, bf16, ndim, stream=0):
+    """A float16/float32 array, or bfloat16 bits as int16 when ``bf16`` is set."""
+    dtypes = (np.int16, np.uint16) if bf16 else FLOAT_DTYPES
+    arr = device_array(x, name, dtypes, ndim, stream)
+    return arr, ("bfloat16" if bf16 else str(arr.dtype))
+
+
+def output(out, name, shape, dtype, stream=0):
+    """Preallocated ``out`` checked for shape/dtype, or a new device array."""
+    dtype = np.dtype(dtype)
+    if out is None:
+        return cuda.device_array(shape, dtype=dtype, stream=stream)
+    arr = device_array(out, name, (dtype,), len(shape))
+    if tuple(arr.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(arr.shape)}")
+    return arr
+
+
+def flat_view(arr, dtype=None):
+    """1-D view of a C-contiguous device array, optionally reinterpreted as ``dtype``."""
+    flat = arr.reshape(arr.size) if arr.ndim != 1 else arr
+    return flat.view(np.dtype(dtype)) if dtype is not None else flat
+
+
+def as_stream(stream):
+    """None/0 -> default stream; a Numba stream as is; a torch/CuPy stream (or a raw handle) is wrapped."""
+    if stream is None or (isinstance(stream, int) and stream == 0):
+        return 0
+    if isinstance(stream, int):
+        return cuda.external_stream(stream)
+    if hasattr(stream, "cuda_stream"):                       # torch.cuda.Stream
+        return cuda.external_stream(stream.cuda_stream)
+    if type(stream).__module__.startswith("cupy"):            # cupy.cuda.Stream
+        return cuda.external_stream(stream.ptr)
+    return stream
+
+
+def check_finite_host(x, name):
+    if isinstance(x, np.ndarray) and x.dtype.kind == "f" and not np.all(np.isfinite(x)):
+        raise ValueError(f"{name} contains NaN or Inf")

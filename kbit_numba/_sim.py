@@ -1,0 +1,125 @@
+"""Warp primitives for Numba's CUDA simulator.
+
+The simulator runs one Python thread per CUDA thread but has no ``shfl_*_sync``, ``ballot_sync`` or
+``syncwarp``. We add them to its fake ``cuda`` module with PTX ``shfl.sync`` semantics: the simulated
+lanes of a warp meet at a ``threading.Barrier``, publish their value, read their source lane's value,
+and meet again before the slots can be reused. Kernels therefore call the same ``cuda.*`` names on the
+GPU and here. As on the GPU, every lane of the warp must reach the call (no early ``return`` before a
+warp collective); a lane that never arrives makes the others fail with a clear error after a timeout.
+
+Installed by ``kbit_numba/__init__.py`` only when ``NUMBA_ENABLE_CUDASIM=1``.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+WARP = 32
+_TIMEOUT_S = 120.0
+
+
+class _WarpExchange:
+    def __init__(self, nlanes):
+        self.barrier = threading.Barrier(nlanes, timeout=_TIMEOUT_S)
+        self.slots = [None] * WARP
+
+
+_registry_lock = threading.Lock()
+
+
+def _exchange(value):
+    """Publish ``value`` for this lane; return the list of all lanes' values (a snapshot)."""
+    t = threading.current_thread()
+    mod = _kernel_module()
+    bx, by, bz = mod.blockDim.x, mod.blockDim.y, mod.blockDim.z
+    nthreads = bx * by * bz
+    tid = t.thread_id
+    warp = tid // WARP
+    key = (tuple(t.blockIdx), warp)
+    with _registry_lock:
+        table = mod.__dict__.setdefault("_kbit_warps", {})
+        ex = table.get(key)
+        if ex is None:
+            ex = table[key] = _WarpExchange(min(WARP, nthreads - warp * WARP))
+    ex.slots[tid % WARP] = value
+    try:
+        ex.barrier.wait()
+        snapshot = list(ex.slots)
+        ex.barrier.wait()
+    except threading.BrokenBarrierError:
+        raise RuntimeError("simulated warp collective: not every lane of the warp arrived "
+                           "(a lane returned early or took another branch)") from None
+    return snapshot
+
+
+def _kernel_module():
+    from numba.cuda.simulator.kernel import _get_kernel_context
+    return _get_kernel_context()
+
+
+def _lane():
+    return threading.current_thread().thread_id % WARP
+
+
+def _typed(value, like):
+    """Keep the NumPy scalar type of the caller's value (shuffles move bits, not Python ints)."""
+    return type(like)(value) if isinstance(like, np.generic) else value
+
+
+def shfl_sync(mask, value, src_lane):
+    vals = _exchange(value)
+    src = int(src_lane) % WARP
+    got = vals[src]
+    return _typed(value if got is None else got, value)
+
+
+def shfl_xor_sync(mask, value, lane_mask):
+    vals = _exchange(value)
+    got = vals[_lane() ^ (int(lane_mask) % WARP)]
+    return _typed(value if got is None else got, value)
+
+
+def shfl_down_sync(mask, value, delta):
+    vals = _exchange(value)
+    src = _lane() + int(delta)
+    got = vals[src] if src < WARP else None
+    return _typed(value if got is None else got, value)
+
+
+def shfl_up_sync(mask, value, delta):
+    vals = _exchange(value)
+    src = _lane() - int(delta)
+    got = vals[src] if src >= 0 else None
+    return _typed(value if got is None else got, value)
+
+
+def ballot_sync(mask, predicate):
+    vals = _exchange(bool(predicate))
+    word = 0
+    for lane, v in enumerate(vals):
+        if v and (int(mask) >> lane) & 1:
+            word |= 1 << lane
+    return np.uint32(word)
+
+
+def syncwarp(mask=0xFFFFFFFF):
+    _exchange(None)
+
+
+def activemask():
+    return np.uint32(0xFFFFFFFF)
+
+
+def install():
+    """Add the warp primitives to the simulator's fake ``cuda`` module (idempotent)."""
+    from numba.cuda.simulator.kernelapi import FakeCUDAModule
+
+    def method(fn):
+        return lambda self, *args: fn(*args)
+
+    for name, fn in (("shfl_sync", shfl_sync), ("shfl_xor_sync", shfl_xor_sync),
+                     ("shfl_down_sync", shfl_down_sync), ("shfl_up_sync", shfl_up_sync),
+                     ("ballot_sync", ballot_sync), ("syncwarp", syncwarp),
+                     ("activemask", activemask)):
+        setattr(FakeCUDAModule, name, method(fn))

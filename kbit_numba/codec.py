@@ -1,0 +1,265 @@
+"""GPU quantize, dequantize and flat->tiled repack of the kbit format.
+
+quantize:   one warp per 32-element block. Lane j holds element j; the absmax is a warp max; each lane
+            picks its nearest codebook entry; bit plane b is one ``ballot_sync`` and lane b stores it.
+dequantize: one thread per 8 consecutive outputs (a quarter block), so a warp writes 512 contiguous
+            bytes of float16 with one 16-byte store per thread; the codebook sits in shared memory
+            (at most 32 float32 words in distinct banks: any lookup pattern is conflict-free).
+repack:     one thread per (block, bit-plane) word.
+
+Reference twins: ``reference.quantize``, ``reference.dequantize``, ``reference.repack_tiled``.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+from numba import cuda
+
+from . import _arrays
+from .device import FULL_MASK, F32_MAX, WARP, e4m4_decode, e4m4_encode, make_loader, tiled_block, warp_max
+from .formats import BLOCK, TILE_N, KbitWeight, check_codebook, check_k, padded_k, LAYOUTS, ABSMAX_FORMATS
+from .intrinsics import f16x2_as_u32, f32_as_u32, stg128
+
+QUANT_THREADS = 256          # 8 warps = 8 blocks per CTA
+DEQUANT_THREADS = 256        # 64 blocks per CTA
+ELEMS_PER_THREAD = 8         # dequantize: 8 outputs = 16 bytes of float16 per thread
+THREADS_PER_BLOCK = BLOCK // ELEMS_PER_THREAD
+MAX_CODES = 32
+
+
+# ------------------------------------------------------------------------------------------------
+# Kernels
+# ------------------------------------------------------------------------------------------------
+@lru_cache(maxsize=None)
+def make_quantize_kernel(k, layout, absmax_format, src):
+    """Kernel(W[N*K], packed u32, absmax, codebook f32[2**k], N, K, n_kb, err i32[1]).
+
+    n_kb = blocks per stored row (tiled: K padded to 64, the padding blocks are zeros)."""
+    n_codes = 1 << k
+    tiled = layout == "tiled"
+    e4m4 = absmax_format == "e4m4"
+    load = make_loader(src)
+
+    def quantize_kernel(W, packed, absmax, cb, N, K, n_kb, err):
+        gwarp = (cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x) // WARP
+        lane = cuda.laneid
+        if gwarp < N * n_kb:                       # warp-uniform: whole warps skip together
+            n = gwarp // n_kb
+            kb = gwarp - n * n_kb
+            kk = kb * BLOCK + lane
+            x = np.float32(0.0)
+            if kk < K:
+                x = load(W, n * K + kk)
+            if not abs(x) <= F32_MAX:              # NaN or Inf: flag it, quantize the block anyway
+                err[0] = 1
+                x = np.float32(0.0)
+            amax = warp_max(abs(x))
+            xn = x / max(amax, np.float32(1e-8))   # the true absmax picks the index
+            best = np.uint32(0)
+            best_d = abs(xn - cb[0])
+            for i in range(1, n_codes):            # ties keep the lower index, as reference does
+                d = abs(xn - cb[i])
+                if d < best_d:
+                    best = np.uint32(i)
+                    best_d = d
+            if kb * BLOCK >= K:                    # tiled padding block: all-zero words
+                best = np.uint32(0)
+            slot = tiled_block(n, kb, N) if tiled else gwarp
+            for b in range(k):
+                word = cuda.ballot_sync(FULL_MASK, (best >> np.uint32(b)) & np.uint32(1))
+                if lane == b:
+                    packed[slot * k + b] = word
+            if lane == 0:
+                absmax[slot] = e4m4_encode(amax) if e4m4 else amax
+
+    return cuda.jit(quantize_kernel)
+
+
+@lru_cache(maxsize=None)
+def make_dequantize_kernel(k, layout, absmax_format, out_dtype):
+    """Kernel(packed u32, absmax, codebook f32[2**k], out u32 view, N, K).
+    Thread g writes outputs 8g .. 8g+7 of the row-major [N, K] result."""
+    n_codes = 1 << k
+    tiled = layout == "tiled"
+    e4m4 = absmax_format == "e4m4"
+    f16 = np.dtype(out_dtype) == np.float16
+
+    def dequantize_kernel(packed, absmax, cb, out, N, K):
+        cb_sh = cuda.shared.array(MAX_CODES, np.float32)
+        tid = cuda.threadIdx.x
+        if tid < n_codes:
+            cb_sh[tid] = cb[tid]
+        cuda.syncthreads()
+        g = cuda.blockIdx.x * cuda.blockDim.x + tid
+        kbr = K // BLOCK
+        blk = g // THREADS_PER_BLOCK
+        if blk < N * kbr:
+            n = blk // kbr
+            kb = blk - n * kbr
+            slot = tiled_block(n, kb, N) if tiled else blk
+            scale = e4m4_decode(absmax[slot]) if e4m4 else absmax[slot]
+            shift = np.uint32((g % THREADS_PER_BLOCK) * ELEMS_PER_THREAD)
+            planes = cuda.local.array(k, np.uint32)
+            for b in range(k):
+                planes[b] = packed[slot * k + b] >> shift
+            vals = cuda.local.array(ELEMS_PER_THREAD, np.float32)
+            for j in range(ELEMS_PER_THREAD):
+                idx = np.uint32(0)
+                for b in range(k):
+                    idx |= ((planes[b] >> np.uint32(j)) & np.uint32(1)) << np.uint32(b)
+                vals[j] = cb_sh[idx] * scale
+            if f16:
+                stg128(out, g * 4,
+                       f16x2_as_u32(np.float16(vals[0]), np.float16(vals[1])),
+                       f16x2_as_u32(np.float16(vals[2]), np.float16(vals[3])),
+                       f16x2_as_u32(np.float16(vals[4]), np.float16(vals[5])),
+                       f16x2_as_u32(np.float16(vals[6]), np.float16(vals[7])))
+            else:
+                stg128(out, g * 8, f32_as_u32(vals[0]), f32_as_u32(vals[1]),
+                       f32_as_u32(vals[2]), f32_as_u32(vals[3]))
+                stg128(out, g * 8 + 4, f32_as_u32(vals[4]), f32_as_u32(vals[5]),
+                       f32_as_u32(vals[6]), f32_as_u32(vals[7]))
+
+    return cuda.jit(dequantize_kernel)
+
+
+@lru_cache(maxsize=None)
+def make_repack_kernel(k, absmax_dtype):
+    """Kernel(flat packed, flat absmax, tiled packed, tiled absmax, N, K, n_kb_tiled): one thread per
+    tiled word; padding blocks (K rounded up to 64) get zero words and zero absmax."""
+    zero = np.dtype(absmax_dtype).type(0)
+
+    def repack_kernel(fpacked, fabsmax, tpacked, tabsmax, N, K, n_kb):
+        g = cuda.grid(1)
+        if g < N * n_kb * k:
+            blk = g // k
+            bit = g - blk * k
+            n = blk // n_kb
+            kb = blk - n * n_kb
+            slot = tiled_block(n, kb, N)
+            kbr = K // BLOCK
+            inside = kb < kbr
+            src = n * kbr + kb
+            tpacked[slot * k + bit] = fpacked[src * k + bit] if inside else np.uint32(0)
+            if bit == 0:
+                tabsmax[slot] = fabsmax[src] if inside else zero
+
+    return cuda.jit(repack_kernel)
+
+
+# ------------------------------------------------------------------------------------------------
+# Launchers
+# ------------------------------------------------------------------------------------------------
+def _grid(n_threads, tpb):
+    return max(1, -(-n_threads // tpb))
+
+
+def quantize(W, k=4, codebook=None, absmax_format="e4m4", layout="flat", bf16=False, stream=None):
+    """Quantize W[N, K] (float16/float32, or bfloat16 bits as int16 with ``bf16=True``) on the GPU.
+
+    Returns a KbitWeight whose arrays are device arrays. Bit-for-bit equal to ``reference.quantize``
+    (then ``reference.repack_tiled`` for ``layout='tiled'``)."""
+    k = check_k(k)
+    cb = check_codebook(codebook, k)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if absmax_format not in ABSMAX_FORMATS:
+        raise ValueError(f"absmax_format must be one of {ABSMAX_FORMATS}, got {absmax_format!r}")
+    _arrays.check_finite_host(W, "W")
+    stream = _arrays.as_stream(stream)
+    Wd, src = _arrays.float_input(W, "W", bf16, 2, stream)
+    N, K = Wd.shape
+    if K % BLOCK or K == 0 or N == 0:
+        raise ValueError(f"W must have N > 0 and K a positive multiple of {BLOCK}, got shape {(N, K)}")
+    if layout == "tiled" and N % TILE_N:
+        raise ValueError(f"layout='tiled' needs N % {TILE_N} == 0, got N={N}")
+    n_kb = padded_k(K, layout) // BLOCK
+    packed = cuda.device_array(N * n_kb * k, dtype=np.uint32, stream=stream)
+    absmax = cuda.device_array(N * n_kb, dtype=np.uint8 if absmax_format == "e4m4" else np.float32,
+                               stream=stream)
+    cb_d = cuda.to_device(cb, stream=stream)
+    err = cuda.to_device(np.zeros(1, np.int32), stream=stream)
+    kern = make_quantize_kernel(k, layout, absmax_format, src)
+    kern[_grid(N * n_kb * WARP, QUANT_THREADS), QUANT_THREADS, stream](
+        _arrays.flat_view(Wd), packed, absmax, cb_d, np.int32(N), np.int32(K), np.int32(n_kb), err)
+    if err.copy_to_host(stream=stream)[0]:
+        raise ValueError("W contains NaN or Inf")
+    return KbitWeight(packed, absmax, cb_d, k, (N, K), layout, absmax_format)
+
+
+def _device_weight(qw, stream=0):
+    """The same KbitWeight with device arrays (NumPy arrays are copied over)."""
+    if not isinstance(qw, KbitWeight):
+        raise TypeError(f"expected a KbitWeight, got {type(qw).__name__}")
+    want_absmax = np.uint8 if qw.absmax_format == "e4m4" else np.float32
+    packed = _arrays.device_array(qw.packed, "qw.packed", (np.uint32,), 1, stream)
+    absmax = _arrays.device_array(qw.absmax, "qw.absmax", (want_absmax,), 1, stream)
+    cb = _arrays.device_array(np.asarray(qw.codebook, np.float32) if isinstance(qw.codebook, (list, tuple))
+                              else qw.codebook, "qw.codebook", (np.float32,), 1, stream)
+    if cb.shape[0] != 1 << qw.k:
+        raise ValueError(f"codebook must hold {1 << qw.k} values for k={qw.k}")
+    return KbitWeight(packed, absmax, cb, qw.k, qw.shape, qw.layout, qw.absmax_format)
+
+
+def dequantize(qw, dtype=np.float16, out=None, stream=None):
+    """KbitWeight (flat or tiled, E4M4 or fp32 absmax) -> device array [N, K] of float16/float32."""
+    dtype = np.dtype(dtype)
+    if dtype not in (np.dtype(np.float16), np.dtype(np.float32)):
+        raise TypeError(f"dtype must be float16 or float32, got {dtype}")
+    stream = _arrays.as_stream(stream)
+    qw = _device_weight(qw, stream)
+    N, K = qw.shape
+    out = _arrays.output(out, "out", (N, K), dtype, stream)
+    _check_aligned(out, 16, "out")
+    kern = make_dequantize_kernel(qw.k, qw.layout, qw.absmax_format, dtype.name)
+    n_threads = N * K // ELEMS_PER_THREAD
+    kern[_grid(n_threads, DEQUANT_THREADS), DEQUANT_THREADS, stream](
+        qw.packed, qw.absmax, qw.codebook, _arrays.flat_view(out, np.uint32), np.int32(N), np.int32(K))
+    return out
+
+
+def repack_tiled(qw, stream=None):
+    """Flat -> tiled layout on the device (N % 128 == 0; K padded to a multiple of 64 with zero blocks)."""
+    stream = _arrays.as_stream(stream)
+    qw = _device_weight(qw, stream)
+    if qw.layout == "tiled":
+        return qw
+    N, K = qw.shape
+    if N % TILE_N:
+        raise ValueError(f"the tiled layout needs N % {TILE_N} == 0, got N={N}")
+    n_kb = padded_k(K, "tiled") // BLOCK
+    packed = cuda.device_array(N * n_kb * qw.k, dtype=np.uint32, stream=stream)
+    absmax = cuda.device_array(N * n_kb, dtype=qw.absmax.dtype, stream=stream)
+    kern = make_repack_kernel(qw.k, qw.absmax.dtype.name)
+    kern[_grid(N * n_kb * qw.k, 256), 256, stream](
+        qw.packed, qw.absmax, packed, absmax, np.int32(N), np.int32(K), np.int32(n_kb))
+    return KbitWeight(packed, absmax, qw.codebook, qw.k, qw.shape, "tiled", qw.absmax_format)
+
+
+def _check_aligned(arr, nbytes, name):
+    ptr = arr.__cuda_array_interface__["data"][0] if hasattr(arr, "__cuda_array_interface__") else None
+    if ptr is not None and ptr % nbytes:
+        raise ValueError(f"{name} must be {nbytes}-byte aligned for 16-byte stores (got address {ptr:#x})")
+
+
+def kernel_specializations():
+    """(name, kernel, argument types) for every specialisation, for the PTX checks."""
+    from numba import types as t
+    u32, i32 = t.uint32[::1], t.int32
+    src_types = {"float16": t.float16[::1], "float32": t.float32[::1], "bfloat16": t.int16[::1]}
+    out = []
+    for k in (2, 3, 4, 5):
+        for layout in LAYOUTS:
+            for fmt in ABSMAX_FORMATS:
+                am = t.uint8[::1] if fmt == "e4m4" else t.float32[::1]
+                for src, st in src_types.items():
+                    out.append((f"quantize k={k} {layout} {fmt} {src}", make_quantize_kernel(k, layout, fmt, src),
+                                (st, u32, am, t.float32[::1], i32, i32, i32, t.int32[::1])))
+                for od in ("float16", "float32"):
+                    out.append((f"dequantize k={k} {layout} {fmt} {od}", make_dequantize_kernel(k, layout, fmt, od),
+                                (u32, am, t.float32[::1], u32, i32, i32)))
+        for ad in ("uint8", "float32"):
+            am = t.uint8[::1] if ad == "uint8" else t.float32[::1]
+            out.append((f"repack k={k} {ad}", make_repack_kernel(k, ad), (u32, am, u32, am, i32, i32, i32)))
+    return out

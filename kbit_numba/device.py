@@ -1,0 +1,98 @@
+"""Device helpers shared by every kernel family: element loaders, E4M4, warp reductions, tiled indices.
+
+All are ``cuda.jit(device=True)`` functions that NVVM inlines; under the simulator they run as Python.
+Integer math is kept in explicit uint32/int32 and float constants in float32 so that Numba emits
+32-bit instructions (it widens plain Python ints and floats to 64 bits).
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+from numba import cuda
+
+from .formats import E4M4_BIAS, TILE_N
+from .intrinsics import f32_as_u32, u32_as_f32
+
+FULL_MASK = 0xFFFFFFFF
+WARP = 32
+F32_MAX = np.float32(3.4028235e38)
+_E4M4_SUB_SCALE = np.float32(2.0 ** (1 - E4M4_BIAS) / 16)   # value of one mantissa step, e = 0
+_E4M4_EXP_OFFSET = np.uint32(127 - E4M4_BIAS)               # E4M4 exponent -> float32 exponent
+
+
+@lru_cache(maxsize=None)
+def make_loader(src):
+    """Device function ``load(arr, i) -> float32`` for 'float16', 'float32' or 'bfloat16' (int16 bits)."""
+    if src == "bfloat16":
+        @cuda.jit(device=True, inline=True)
+        def load(arr, i):
+            return u32_as_f32((np.uint32(arr[i]) & np.uint32(0xFFFF)) << np.uint32(16))
+    elif src in ("float16", "float32"):
+        @cuda.jit(device=True, inline=True)
+        def load(arr, i):
+            return np.float32(arr[i])
+    else:
+        raise ValueError(f"unknown element type {src!r}")
+    return load
+
+
+@cuda.jit(device=True, inline=True)
+def e4m4_decode(byte):
+    """uint8 E4M4 -> float32: built from bits for e > 0, m * 2**-14 for e = 0."""
+    b = np.uint32(byte)
+    e = b >> np.uint32(4)
+    m = b & np.uint32(15)
+    normal = u32_as_f32(((e + _E4M4_EXP_OFFSET) << np.uint32(23)) | (m << np.uint32(19)))
+    return normal if e != np.uint32(0) else np.float32(m) * _E4M4_SUB_SCALE
+
+
+@cuda.jit(device=True, inline=True)
+def e4m4_encode(v):
+    """float32 >= 0 -> uint8 E4M4, the same rule as formats.e4m4_encode (half-even, clamped)."""
+    bits = f32_as_u32(v)
+    ex = np.int32((bits >> np.uint32(23)) & np.uint32(0xFF))
+    if ex == 0:
+        return np.uint8(0)
+    eb = ex - np.int32(127 - E4M4_BIAS)
+    if eb > 15:
+        return np.uint8(0xFF)
+    if eb <= 0:   # subnormal byte: m = rint(v * 2**14); the scaling is exact
+        t = v * np.float32(16384.0)
+        fl = np.uint32(t)
+        d = t - np.float32(fl)
+        if d > np.float32(0.5) or (d == np.float32(0.5) and (fl & np.uint32(1)) != np.uint32(0)):
+            fl += np.uint32(1)
+        return np.uint8(min(fl, np.uint32(15)))
+    frac = bits & np.uint32(0x7FFFFF)
+    m = frac >> np.uint32(19)
+    rem = frac & np.uint32(0x7FFFF)
+    if rem > np.uint32(0x40000) or (rem == np.uint32(0x40000) and (m & np.uint32(1)) != np.uint32(0)):
+        m += np.uint32(1)
+    m = min(m, np.uint32(15))
+    return np.uint8((np.uint32(eb) << np.uint32(4)) | m)
+
+
+@cuda.jit(device=True, inline=True)
+def warp_max(v):
+    """Max over the 32 lanes (butterfly: every lane ends with the result)."""
+    for off in (16, 8, 4, 2, 1):
+        v = max(v, cuda.shfl_xor_sync(FULL_MASK, v, off))
+    return v
+
+
+@cuda.jit(device=True, inline=True)
+def warp_sum(v):
+    """Sum over the 32 lanes (butterfly: every lane ends with the result)."""
+    for off in (16, 8, 4, 2, 1):
+        v += cuda.shfl_xor_sync(FULL_MASK, v, off)
+    return v
+
+
+@cuda.jit(device=True, inline=True)
+def tiled_block(n, kb_all, N):
+    """Tiled layout: index of the (column, block) slot, i.e. tile*256 + col*2 + kb.
+    Word offset = slot * k + bit; absmax offset = slot (formats.tiled_word_index)."""
+    n_tiles = N // np.int32(TILE_N)
+    tile = (kb_all >> np.int32(1)) * n_tiles + n // np.int32(TILE_N)
+    return tile * np.int32(2 * TILE_N) + (n % np.int32(TILE_N)) * np.int32(2) + (kb_all & np.int32(1))

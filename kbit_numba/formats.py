@@ -1,0 +1,230 @@
+"""The kbit blockwise codebook format: constants, codebooks, E4M4 absmax, the weight container.
+
+Layout facts (byte-compatible with bitsandbytes' kbit format):
+
+* ``W[N, K]`` (nn.Linear layout) is cut into blocks of ``BLOCK = 32`` consecutive elements of the
+  row-major matrix; K must be a multiple of 32, so a block never crosses a row.
+* Each element is replaced by the index of the nearest codebook entry (2**k entries, k = 2..5) after
+  dividing by the block's absmax.
+* A block's indices are stored as k uint32 *bit planes*: word b holds bit b of all 32 indices,
+  element j at bit j.
+* A block's absmax is one E4M4 byte (``e4m4_encode``) or a float32 (``absmax_format='fp32'``).
+* ``layout='flat'``: block ``blk = n*(K//32) + kb`` owns words ``blk*k .. blk*k+k-1`` and absmax
+  ``blk``. ``layout='tiled'``: see :func:`tiled_word_index`; the tensor-core and grouped kernels read it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from functools import lru_cache
+
+import numpy as np
+
+BLOCK = 32                 # elements per quantization block (one warp, one bit per lane)
+K_BITS = (2, 3, 4, 5)      # supported bit widths
+E4M4_BIAS = 11             # exponent bias of the absmax byte
+E4M4_MAX = 31.0            # largest encodable absmax: 2**(15-11) * (1 + 15/16)
+TILE_K = 64                # tiled layout: K elements per tile (two blocks)
+TILE_N = 128               # tiled layout: columns per tile
+LAYOUTS = ("flat", "tiled")
+ABSMAX_FORMATS = ("e4m4", "fp32")
+
+
+def check_k(k):
+    if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or int(k) not in K_BITS:
+        raise ValueError(f"k must be one of {K_BITS}, got {k!r}")
+    return int(k)
+
+
+# --------------------------------------------------------------------------------------------
+# Codebooks
+# --------------------------------------------------------------------------------------------
+def _norm_ppf(p: float) -> float:
+    """Inverse standard-normal CDF to float64 precision (Acklam's rational start + Halley steps)."""
+    a = (-3.969683028665376e01, 2.209460984245205e02, -2.759285104469687e02,
+         1.383577518672690e02, -3.066479806614716e01, 2.506628277459239e00)
+    b = (-5.447609879822406e01, 1.615858368580409e02, -1.556989798598866e02,
+         6.680131188771972e01, -1.328068155288572e01)
+    c = (-7.784894002430293e-03, -3.223964580411365e-01, -2.400758277161838e00,
+         -2.549732539343734e00, 4.374664141464968e00, 2.938163982698783e00)
+    d = (7.784695709041462e-03, 3.224671290700398e-01, 2.445134137142996e00,
+         3.754408661907416e00)
+    if p < 0.02425:
+        q = math.sqrt(-2 * math.log(p))
+        x = (((((c[0]*q + c[1])*q + c[2])*q + c[3])*q + c[4])*q + c[5]) / \
+            ((((d[0]*q + d[1])*q + d[2])*q + d[3])*q + 1)
+    elif p > 1 - 0.02425:
+        return -_norm_ppf(1 - p)
+    else:
+        q = p - 0.5
+        r = q * q
+        x = (((((a[0]*r + a[1])*r + a[2])*r + a[3])*r + a[4])*r + a[5])*q / \
+            (((((b[0]*r + b[1])*r + b[2])*r + b[3])*r + b[4])*r + 1)
+    for _ in range(2):  # Halley refinement on Phi(x) - p
+        e = 0.5 * math.erfc(-x / math.sqrt(2)) - p
+        u = e * math.sqrt(2 * math.pi) * math.exp(x * x / 2)
+        x = x - u / (1 + x * u / 2)
+    return x
+
+
+@lru_cache(maxsize=None)
+def _codebook(k):
+    n = 1 << k
+    v = np.array([_norm_ppf(p) for p in np.linspace(0.5 / n, 1 - 0.5 / n, n)], dtype=np.float64)
+    v /= np.max(np.abs(v))
+    out = v.astype(np.float32)
+    out.flags.writeable = False
+    return out
+
+
+def codebook(k):
+    """The 2**k normal-float codebook: sorted, symmetric, no zero, max |v| = 1 (float32 copy)."""
+    return _codebook(check_k(k)).copy()
+
+
+def check_codebook(cb, k):
+    """Validate a user codebook: 2**k sorted float32-representable values in [-1, 1]."""
+    k = check_k(k)
+    if cb is None:
+        return codebook(k)
+    cb = np.asarray(cb)
+    if cb.ndim != 1 or cb.shape[0] != (1 << k):
+        raise ValueError(f"codebook for k={k} must have shape ({1 << k},), got {cb.shape}")
+    if not np.issubdtype(cb.dtype, np.floating):
+        raise TypeError(f"codebook must be floating point, got {cb.dtype}")
+    cb = cb.astype(np.float32)
+    if not np.all(np.isfinite(cb)) or np.any(np.abs(cb) > 1):
+        raise ValueError("codebook values must be finite and within [-1, 1]")
+    if np.any(np.diff(cb) < 0):
+        raise ValueError("codebook must be sorted ascending")
+    return cb
+
+
+# --------------------------------------------------------------------------------------------
+# E4M4 absmax bytes
+# --------------------------------------------------------------------------------------------
+def e4m4_encode(absmax):
+    """float -> uint8 E4M4 (bias 11). Normal: 2**(e-11) * (1 + m/16); e = 0: 2**-10 * m/16.
+
+    Exponent from the float32 bits (exact), mantissa rounded half-to-even and clamped to 15
+    (no carry into the exponent), exponent clamped to 0..15: the bitsandbytes encoder's rule.
+    """
+    v = np.abs(np.asarray(absmax, dtype=np.float32))
+    bits = v.view(np.uint32).astype(np.int64)
+    e = ((bits >> 23) & 0xFF) - 127                   # floor(log2 v) for normal float32
+    frac = bits & 0x7FFFFF
+    m = frac >> 19                                    # top 4 mantissa bits ...
+    rem = frac & 0x7FFFF
+    m = m + ((rem > 0x40000) | ((rem == 0x40000) & ((m & 1) == 1)))   # ... rounded half-even
+    m = np.minimum(m, 15)
+    eb = np.clip(e + E4M4_BIAS, 0, 15)
+    # subnormal byte: m = rint(v * 2**14) (exact scaling, then round half-even), clamped
+    m_sub = np.minimum(np.rint(v.astype(np.float64) * 2.0 ** 14), 15).astype(np.int64)
+    m = np.where(eb == 0, m_sub, np.where(e + E4M4_BIAS > 15, 15, m))
+    byte = (eb << 4) | m
+    byte = np.where((bits >> 23) == 0, 0, byte)       # zero and float32 subnormals -> 0
+    return byte.astype(np.uint8)
+
+
+def e4m4_decode(byte):
+    """uint8 E4M4 -> float32."""
+    b = np.asarray(byte).astype(np.uint8).astype(np.int64)
+    e = b >> 4
+    m = (b & 15).astype(np.float64)
+    val = np.where(e > 0, np.ldexp(1.0 + m / 16.0, e - E4M4_BIAS), np.ldexp(m / 16.0, 1 - E4M4_BIAS))
+    return val.astype(np.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# Layout index maps
+# --------------------------------------------------------------------------------------------
+def padded_k(K, layout):
+    return -(-K // TILE_K) * TILE_K if layout == "tiled" else K
+
+
+def tiled_word_index(n, kb_all, bit, N, k):
+    """Word offset of (column n, k-block kb_all, plane bit) in the tiled layout."""
+    n_tiles = N // TILE_N
+    tile = (kb_all // 2) * n_tiles + n // TILE_N
+    return tile * (TILE_N * 2 * k) + ((n % TILE_N) * 2 + kb_all % 2) * k + bit
+
+
+def tiled_absmax_index(n, kb_all, N):
+    n_tiles = N // TILE_N
+    tile = (kb_all // 2) * n_tiles + n // TILE_N
+    return tile * (TILE_N * 2) + (n % TILE_N) * 2 + kb_all % 2
+
+
+# --------------------------------------------------------------------------------------------
+# The weight container
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class KbitWeight:
+    """A kbit-quantized weight W[N, K].
+
+    packed:  uint32 bit-plane words, ``n_blocks * k`` of them (tiled: K padded to 64).
+    absmax:  uint8 E4M4 bytes or float32, one per block.
+    codebook: float32[2**k].
+    Arrays are NumPy arrays (reference) or device arrays (GPU functions).
+    """
+    packed: object
+    absmax: object
+    codebook: object
+    k: int
+    shape: tuple
+    layout: str = "flat"
+    absmax_format: str = "e4m4"
+
+    def __post_init__(self):
+        check_k(self.k)
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.absmax_format not in ABSMAX_FORMATS:
+            raise ValueError(f"absmax_format must be one of {ABSMAX_FORMATS}, got {self.absmax_format!r}")
+        N, K = self.shape
+        if K % BLOCK:
+            raise ValueError(f"K must be a multiple of {BLOCK}, got {K}")
+        if self.layout == "tiled" and N % TILE_N:
+            raise ValueError(f"the tiled layout needs N % {TILE_N} == 0, got N={N}")
+        want = self.n_blocks * self.k
+        if _size(self.packed) != want:
+            raise ValueError(f"packed must hold {want} uint32 words, got {_size(self.packed)}")
+        if _size(self.absmax) != self.n_blocks:
+            raise ValueError(f"absmax must hold {self.n_blocks} values, got {_size(self.absmax)}")
+
+    @property
+    def N(self):
+        return self.shape[0]
+
+    @property
+    def K(self):
+        return self.shape[1]
+
+    @property
+    def n_kblocks(self):
+        """Blocks per row, counting the tiled layout's zero padding."""
+        return padded_k(self.K, self.layout) // BLOCK
+
+    @property
+    def n_blocks(self):
+        return self.N * self.n_kblocks
+
+    @property
+    def nbytes(self):
+        """Bytes a kernel must read to use every weight once."""
+        return self.n_blocks * (4 * self.k + (1 if self.absmax_format == "e4m4" else 4))
+
+    @property
+    def on_device(self):
+        return not isinstance(self.packed, np.ndarray)
+
+    def to_numpy(self):
+        """A copy whose arrays are NumPy arrays."""
+        def host(a):
+            return np.array(a.copy_to_host() if hasattr(a, "copy_to_host") else a)
+        return replace(self, packed=host(self.packed), absmax=host(self.absmax),
+                       codebook=host(self.codebook))
+
+
+def _size(a):
+    return int(np.prod(a.shape))

@@ -1,0 +1,264 @@
+"""PTX instructions Numba does not expose, as tiny inline-asm intrinsics, each with a Python twin.
+
+Each ``ptx_*`` function is a ``numba.cuda.extending.intrinsic`` that emits one PTX instruction through
+llvmlite's ``InlineAsm``; each ``py_*`` function is its pure-Python/NumPy twin with the same semantics.
+Kernels import the plain names (``ldg128``, ``dp4a``, ...): on the GPU they are the PTX versions, under
+Numba's CUDA simulator (which cannot run inline asm) the twins. ``tests/test_intrinsics.py`` checks
+every PTX version against its twin on random inputs on the GPU.
+
+| name         | PTX                                   | why a kernel wants it                          |
+|--------------|---------------------------------------|------------------------------------------------|
+| ldg128(a, i) | ld.global.nc.v4.u32                   | one 16-byte read-only load of a[i..i+3]        |
+| ldg64(a, i)  | ld.global.nc.v2.u32                   | one 8-byte read-only load of a[i..i+1]         |
+| stg128(...)  | st.global.v4.u32                      | one 16-byte store (coalesced 512 B per warp)   |
+| dp4a(a,b,c)  | dp4a.s32.s32                          | 4 int8 products + add in one instruction       |
+| lop3(a,b,c,L)| lop3.b32 (L a literal truth table)    | any 3-input bitwise function in one instruction|
+| prmt(a,b,s)  | prmt.b32                              | byte permute / byte lookup from 8 bytes        |
+| f32_as_u32 / u32_as_f32 / f16x2_as_u32 | bit casts (no instruction) | move between float and bit views |
+"""
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import config
+from numba.core.errors import RequireLiteralValue
+from numba.cuda.extending import intrinsic
+
+SIMULATOR = bool(config.ENABLE_CUDASIM)
+
+_i32 = ir.IntType(32)
+_u32x = [types.uint32] * 4
+
+
+def _element_ptr(context, builder, arrty, arr, index, indexty):
+    """Pointer to element ``index`` of a 1-D array (no wraparound, no bounds check)."""
+    data = context.make_array(arrty)(context, builder, value=arr).data
+    idx = context.cast(builder, index, indexty, types.intp)
+    return builder.gep(data, [idx])
+
+
+def _check_u32_array(arr, name):
+    if not (isinstance(arr, types.Array) and arr.ndim == 1 and arr.dtype in (types.uint32, types.int32)):
+        raise TypeError(f"{name} needs a 1-D uint32/int32 array, got {arr}")
+
+
+def _asm_args(builder, context, args, argtys):
+    return [context.cast(builder, a, t, types.uint32) for a, t in zip(args, argtys)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory
+# ---------------------------------------------------------------------------------------------
+@intrinsic
+def ptx_ldg128(typingctx, arr, index):
+    """(u32, u32, u32, u32) = arr[index .. index+3], one ld.global.nc.v4.u32 (index % 4 == 0)."""
+    _check_u32_array(arr, "ldg128")
+    sig = types.UniTuple(types.uint32, 4)(arr, index)
+
+    def codegen(context, builder, sig, args):
+        ptr = _element_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        fty = ir.FunctionType(ir.LiteralStructType([_i32] * 4), [ptr.type])
+        asm = ir.InlineAsm(fty, "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l")
+        res = builder.call(asm, [ptr])
+        return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, i) for i in range(4)])
+
+    return sig, codegen
+
+
+@intrinsic
+def ptx_ldg64(typingctx, arr, index):
+    """(u32, u32) = arr[index .. index+1], one ld.global.nc.v2.u32 (index % 2 == 0)."""
+    _check_u32_array(arr, "ldg64")
+    sig = types.UniTuple(types.uint32, 2)(arr, index)
+
+    def codegen(context, builder, sig, args):
+        ptr = _element_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        fty = ir.FunctionType(ir.LiteralStructType([_i32] * 2), [ptr.type])
+        asm = ir.InlineAsm(fty, "ld.global.nc.v2.u32 {$0, $1}, [$2];", "=r,=r,l")
+        res = builder.call(asm, [ptr])
+        return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, i) for i in range(2)])
+
+    return sig, codegen
+
+
+@intrinsic
+def ptx_stg128(typingctx, arr, index, a, b, c, d):
+    """arr[index .. index+3] = (a, b, c, d), one st.global.v4.u32 (index % 4 == 0)."""
+    _check_u32_array(arr, "stg128")
+    sig = types.void(arr, index, a, b, c, d)
+
+    def codegen(context, builder, sig, args):
+        ptr = _element_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        vals = _asm_args(builder, context, args[2:], sig.args[2:])
+        fty = ir.FunctionType(ir.VoidType(), [ptr.type] + [_i32] * 4)
+        asm = ir.InlineAsm(fty, "st.global.v4.u32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r",
+                           side_effect=True)
+        builder.call(asm, [ptr] + vals)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def py_ldg128(arr, index):
+    i = int(index)
+    return tuple(np.uint32(arr[i + j]) for j in range(4))
+
+
+def py_ldg64(arr, index):
+    i = int(index)
+    return np.uint32(arr[i]), np.uint32(arr[i + 1])
+
+
+def py_stg128(arr, index, a, b, c, d):
+    i = int(index)
+    for j, v in enumerate((a, b, c, d)):
+        arr[i + j] = np.uint32(int(v) & 0xFFFFFFFF)
+
+
+# ---------------------------------------------------------------------------------------------
+# Integer ALU
+# ---------------------------------------------------------------------------------------------
+def _u32_asm(n_in, text):
+    fty = ir.FunctionType(_i32, [_i32] * n_in)
+    return ir.InlineAsm(fty, text, "=r," + ",".join(["r"] * n_in))
+
+
+@intrinsic
+def ptx_dp4a(typingctx, a, b, c):
+    """int32: c + sum of the four signed byte products of a and b (dp4a.s32.s32)."""
+    sig = types.int32(a, b, c)
+
+    def codegen(context, builder, sig, args):
+        vals = [context.cast(builder, v, t, types.int32) for v, t in zip(args, sig.args)]
+        return builder.call(_u32_asm(3, "dp4a.s32.s32 $0, $1, $2, $3;"), vals)
+
+    return sig, codegen
+
+
+@intrinsic
+def ptx_lop3(typingctx, a, b, c, lut):
+    """uint32: the bitwise function of (a, b, c) whose truth table is the literal ``lut``
+    (bit (a<<2 | b<<1 | c) of lut; e.g. (a & b) | c is 0xEA, a ^ b ^ c is 0x96)."""
+    if not isinstance(lut, types.IntegerLiteral):
+        raise RequireLiteralValue("lop3's truth table must be an integer literal")
+    table = int(lut.literal_value) & 0xFF
+    sig = types.uint32(a, b, c, lut)
+
+    def codegen(context, builder, sig, args):
+        vals = _asm_args(builder, context, args[:3], sig.args[:3])
+        return builder.call(_u32_asm(3, f"lop3.b32 $0, $1, $2, $3, {table};"), vals)
+
+    return sig, codegen
+
+
+@intrinsic
+def ptx_prmt(typingctx, a, b, sel):
+    """uint32: bytes picked from the 8-byte value {b, a} by the four selector nibbles of sel (prmt.b32)."""
+    sig = types.uint32(a, b, sel)
+
+    def codegen(context, builder, sig, args):
+        vals = _asm_args(builder, context, args, sig.args)
+        return builder.call(_u32_asm(3, "prmt.b32 $0, $1, $2, $3;"), vals)
+
+    return sig, codegen
+
+
+def _sbytes(x):
+    return np.array([int(x) & 0xFFFFFFFF], dtype=np.uint32).view(np.int8).astype(np.int64)
+
+
+def py_dp4a(a, b, c):
+    r = int((_sbytes(a) * _sbytes(b)).sum()) + int(c)
+    return np.int32(((r + 2**31) % 2**32) - 2**31)
+
+
+def py_lop3(a, b, c, lut):
+    a, b, c, lut = int(a) & 0xFFFFFFFF, int(b) & 0xFFFFFFFF, int(c) & 0xFFFFFFFF, int(lut) & 0xFF
+    out = 0
+    for sel in range(8):   # the truth table's minterms
+        if (lut >> sel) & 1:
+            ta = a if sel & 4 else ~a
+            tb = b if sel & 2 else ~b
+            tc = c if sel & 1 else ~c
+            out |= ta & tb & tc
+    return np.uint32(out & 0xFFFFFFFF)
+
+
+def py_prmt(a, b, sel):
+    src = (int(a) & 0xFFFFFFFF) | ((int(b) & 0xFFFFFFFF) << 32)
+    sel = int(sel)
+    out = 0
+    for i in range(4):
+        s = (sel >> (4 * i)) & 0xF
+        byte = (src >> (8 * (s & 7))) & 0xFF
+        if s & 8:   # sign-replicate mode
+            byte = 0xFF if byte & 0x80 else 0
+        out |= byte << (8 * i)
+    return np.uint32(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bit casts
+# ---------------------------------------------------------------------------------------------
+@intrinsic
+def ptx_u32_as_f32(typingctx, x):
+    """Reinterpret uint32 bits as float32."""
+    sig = types.float32(x)
+
+    def codegen(context, builder, sig, args):
+        v = context.cast(builder, args[0], sig.args[0], types.uint32)
+        return builder.bitcast(v, ir.FloatType())
+
+    return sig, codegen
+
+
+@intrinsic
+def ptx_f32_as_u32(typingctx, x):
+    """Reinterpret float32 bits as uint32."""
+    sig = types.uint32(x)
+
+    def codegen(context, builder, sig, args):
+        v = context.cast(builder, args[0], sig.args[0], types.float32)
+        return builder.bitcast(v, _i32)
+
+    return sig, codegen
+
+
+@intrinsic
+def ptx_f16x2_as_u32(typingctx, lo, hi):
+    """Two float16 values -> uint32 (lo in bits 0..15), e.g. for a 16-byte store of eight halves."""
+    sig = types.uint32(lo, hi)
+
+    def codegen(context, builder, sig, args):
+        h = [context.cast(builder, v, t, types.float16) for v, t in zip(args, sig.args)]
+        b = [builder.zext(builder.bitcast(v, ir.IntType(16)), _i32) for v in h]
+        return builder.or_(b[0], builder.shl(b[1], ir.Constant(_i32, 16)))
+
+    return sig, codegen
+
+
+def py_u32_as_f32(x):
+    return np.array([int(x) & 0xFFFFFFFF], dtype=np.uint32).view(np.float32)[0]
+
+
+def py_f32_as_u32(x):
+    return np.array([x], dtype=np.float32).view(np.uint32)[0]
+
+
+def py_f16x2_as_u32(lo, hi):
+    h = np.array([lo, hi], dtype=np.float16).view(np.uint16).astype(np.uint32)
+    return np.uint32(h[0] | (h[1] << 16))
+
+
+# ---------------------------------------------------------------------------------------------
+# The names kernels use
+# ---------------------------------------------------------------------------------------------
+PAIRS = {name: (globals()["ptx_" + name], globals()["py_" + name])
+         for name in ("ldg128", "ldg64", "stg128", "dp4a", "lop3", "prmt",
+                      "u32_as_f32", "f32_as_u32", "f16x2_as_u32")}
+
+_pick = 1 if SIMULATOR else 0
+ldg128, ldg64, stg128, dp4a, lop3, prmt, u32_as_f32, f32_as_u32, f16x2_as_u32 = (
+    PAIRS[n][_pick] for n in ("ldg128", "ldg64", "stg128", "dp4a", "lop3", "prmt",
+                              "u32_as_f32", "f32_as_u32", "f16x2_as_u32"))

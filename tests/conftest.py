@@ -1,0 +1,53 @@
+"""Test modes.
+
+* A machine with a CUDA GPU: the kernels run on it (simulator off).
+* No GPU: Numba's CUDA simulator is switched on here, before numba is first imported, with a short
+  thread switch interval (the simulator runs one Python thread per CUDA thread).
+* ``KBIT_NUMBA_PTX_ONLY=1`` (set by tests/test_ptx.py for its child process): no simulator; kernels are
+  only compiled to PTX. Without a driver, Numba asks the driver for the current device's compute
+  capability when a kernel calls a device function; a stand-in answers sm_90.
+"""
+import ctypes
+import os
+import sys
+
+PTX_ONLY = os.environ.get("KBIT_NUMBA_PTX_ONLY") == "1"
+
+
+def _gpu_present():
+    for name in ("libcuda.so.1", "libcuda.so"):
+        try:
+            lib = ctypes.CDLL(name)
+        except OSError:
+            continue
+        count = ctypes.c_int(0)
+        return lib.cuInit(0) == 0 and lib.cuDeviceGetCount(ctypes.byref(count)) == 0 and count.value > 0
+    return False
+
+
+if PTX_ONLY:
+    os.environ.pop("NUMBA_ENABLE_CUDASIM", None)
+elif "NUMBA_ENABLE_CUDASIM" not in os.environ and not _gpu_present():
+    os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+
+if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+    sys.setswitchinterval(1e-4)
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile(
+    "default", deadline=None, derandomize=bool(os.environ.get("CI")),
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.load_profile("default")
+
+from numba import cuda  # noqa: E402
+
+if PTX_ONLY and not cuda.is_available():
+    import numba.cuda.dispatcher as _dispatcher
+
+    class _Sm90:
+        compute_capability = (9, 0)
+
+    _dispatcher.get_current_device = lambda: _Sm90()
+
+import kbit_numba  # noqa: E402,F401  (installs the simulator's warp primitives)

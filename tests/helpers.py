@@ -1,0 +1,24 @@
+"""Shared test helpers: mode flags, example sizes and random weights."""
+import os
+
+import numpy as np
+from hypothesis import strategies as st
+
+import kbit_numba
+
+SIM = kbit_numba.SIMULATOR
+PTX_ONLY = os.environ.get("KBIT_NUMBA_PTX_ONLY") == "1"
+# The simulator runs one Python thread per CUDA thread: keep its problems to a few blocks.
+EXAMPLES = 6 if SIM else 40
+MAX_N = 8 if SIM else 300
+MAX_KB = 4 if SIM else 40        # K = 32 * kb
+
+
+def random_weight(rng, N, K, scale=1.0, dtype=np.float32):
+    """Normal weights with per-row magnitudes spread over decades (exercises E4M4's range)."""
+    W = rng.standard_normal((N, K)) * scale * np.exp(rng.uniform(-4, 1.5, size=(N, 1)))
+    return W.astype(dtype)
+
+
+seeds = st.integers(0, 2**32 - 1)
+ks = st.sampled_from([2, 3, 4, 5])

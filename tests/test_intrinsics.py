@@ -1,0 +1,107 @@
+"""PTX intrinsics against their Python twins, and the simulator's warp primitives against PTX semantics."""
+import numpy as np
+import pytest
+from numba import cuda
+
+from kbit_numba import intrinsics as I
+from helpers import PTX_ONLY, SIM
+
+FULL = 0xFFFFFFFF
+
+
+# ---- the twins themselves, on known values -------------------------------------------------------
+def test_twins_known_values():
+    assert I.py_dp4a(0x01020304, 0x01010101, 10) == 20
+    assert I.py_dp4a(0xFF00FF00, 0x02020202, 0) == -4            # bytes are signed
+    assert I.py_lop3(0b1100, 0b1010, 0b0110, 0xEA) == (0b1100 & 0b1010) | 0b0110
+    assert I.py_lop3(0b1100, 0b1010, 0b0110, 0x96) == 0b1100 ^ 0b1010 ^ 0b0110
+    assert I.py_prmt(0x33221100, 0x77665544, 0x0000_7531) == 0x77553311
+    assert I.py_prmt(0x00000080, 0, 0x0008) & 0xFF == 0xFF           # sign replicate
+    assert I.py_u32_as_f32(0x3F800000) == 1.0 and I.py_f32_as_u32(np.float32(-2.0)) == 0xC0000000
+    assert I.py_f16x2_as_u32(1.0, -2.0) == 0xC0003C00
+
+
+# ---- PTX versions against the twins on random inputs (GPU) ---------------------------------------
+@cuda.jit
+def _alu_kernel(a, b, c, out):
+    i = cuda.grid(1)
+    if i < a.size:
+        out[i, 0] = I.dp4a(a[i], b[i], c[i])
+        out[i, 1] = I.lop3(a[i], b[i], c[i], 0xEA)
+        out[i, 2] = I.lop3(a[i], b[i], c[i], 0x96)
+        out[i, 3] = I.lop3(a[i], b[i], c[i], 0x1B)
+        out[i, 4] = I.prmt(a[i], b[i], c[i])
+        out[i, 5] = I.f32_as_u32(I.u32_as_f32(a[i]))
+        out[i, 6] = I.f16x2_as_u32(np.float16(I.u32_as_f32(b[i] & np.uint32(0x3FFFFFFF))), np.float16(-1.5))
+
+
+@cuda.jit
+def _mem_kernel(src, dst):
+    i = cuda.grid(1) * 4
+    if i < src.size:
+        w0, w1, w2, w3 = I.ldg128(src, i)
+        v0, v1 = I.ldg64(src, i + 2)
+        I.stg128(dst, i, w3 ^ v1, w2 ^ v0, w1, w0)
+
+
+@pytest.mark.skipif(SIM or PTX_ONLY, reason="the PTX versions run on a GPU only (the simulator runs the twins)")
+def test_ptx_matches_twins():
+    rng = np.random.default_rng(0)
+    n = 4096
+    a, b = (rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32) for _ in range(2))
+    c = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
+    out = cuda.device_array((n, 7), np.uint32)
+    _alu_kernel[n // 128, 128](a.view(np.int32), b, c, out)
+    got = out.copy_to_host()
+    for i in range(0, n, 7):   # the twins are slow Python: check a spread of rows
+        assert got[i, 0] == np.uint32(np.int64(I.py_dp4a(a[i], b[i], c[i])) & 0xFFFFFFFF)
+        assert got[i, 1] == I.py_lop3(a[i], b[i], c[i], 0xEA)
+        assert got[i, 2] == I.py_lop3(a[i], b[i], c[i], 0x96)
+        assert got[i, 3] == I.py_lop3(a[i], b[i], c[i], 0x1B)
+        assert got[i, 4] == I.py_prmt(a[i], b[i], c[i])
+        assert got[i, 5] == a[i]
+        want = I.py_f16x2_as_u32(np.float16(I.py_u32_as_f32(b[i] & 0x3FFFFFFF)), np.float16(-1.5))
+        assert got[i, 6] == want
+
+
+def test_vector_loads_and_stores():
+    """Runs the active versions: PTX on the GPU, twins on the simulator."""
+    src = np.arange(64, dtype=np.uint32) * np.uint32(2654435761)
+    dst = cuda.device_array(64, np.uint32)
+    _mem_kernel[1, 16](cuda.to_device(src), dst)
+    s = src.reshape(-1, 4)
+    want = np.stack([s[:, 3] ^ s[:, 3], s[:, 2] ^ s[:, 2], s[:, 1], s[:, 0]], axis=1).reshape(-1)
+    np.testing.assert_array_equal(dst.copy_to_host(), want)
+
+
+# ---- warp primitives: the same expectations on the GPU and on the simulator -----------------------
+@cuda.jit
+def _warp_kernel(x, out):
+    t = cuda.threadIdx.x
+    v = x[t]
+    out[t, 0] = cuda.shfl_sync(FULL, v, 5)
+    out[t, 1] = cuda.shfl_xor_sync(FULL, v, 3)
+    out[t, 2] = cuda.shfl_down_sync(FULL, v, 4)
+    out[t, 3] = cuda.shfl_up_sync(FULL, v, 2)
+    out[t, 4] = cuda.ballot_sync(FULL, v & 1)
+    s = v
+    for off in (16, 8, 4, 2, 1):
+        s += cuda.shfl_xor_sync(FULL, s, off)
+    out[t, 5] = s
+    cuda.syncwarp(FULL)
+
+
+def test_warp_primitives():
+    x = (np.arange(64, dtype=np.int32) * 7919) % 1000
+    out = cuda.device_array((64, 6), np.int64)
+    _warp_kernel[1, 64](cuda.to_device(x), out)
+    got = out.copy_to_host()
+    for t in range(64):
+        w, lane = t // 32 * 32, t % 32
+        assert got[t, 0] == x[w + 5]
+        assert got[t, 1] == x[w + (lane ^ 3)]
+        assert got[t, 2] == x[w + lane + 4] if lane + 4 < 32 else got[t, 2] == x[t]
+        assert got[t, 3] == x[w + lane - 2] if lane >= 2 else got[t, 3] == x[t]
+        ballot = sum(1 << j for j in range(32) if x[w + j] & 1)
+        assert np.uint32(got[t, 4]) == np.uint32(ballot)
+        assert got[t, 5] == x[w:w + 32].sum()

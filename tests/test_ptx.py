@@ -1,0 +1,67 @@
+"""Compile every kernel specialisation to PTX for sm_90 and check what the PTX must contain.
+
+Runs where PTX can be produced: on a GPU machine directly, and without a GPU in a child process that
+has the simulator off (``KBIT_NUMBA_PTX_ONLY=1``; needs ``numba-cuda[cu13]`` for NVVM). Under the
+simulator the single test below spawns that child and fails if any of its checks fail.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+from numba import cuda
+
+from helpers import SIM
+
+CC = (9, 0)
+
+
+def _specializations():
+    from kbit_numba import codec
+    return codec.kernel_specializations()
+
+
+def _requirements(name):
+    """Substrings the PTX of a kernel must contain, and ones it must not."""
+    must, never = [], ["ld.local", "st.local"]       # register arrays stayed in registers
+    if name.startswith("quantize"):
+        must += ["vote.sync.ballot.b32"]
+        must += ["shfl.sync.bfly"]                       # the absmax warp reduction
+    if name.startswith("dequantize"):
+        must += ["st.global.v4.u32", "ld.shared"]        # 16-byte stores, codebook in shared memory
+    return must, never
+
+
+if SIM:
+    def test_ptx_in_child_process():
+        env = dict(os.environ, KBIT_NUMBA_PTX_ONLY="1")
+        env.pop("NUMBA_ENABLE_CUDASIM", None)
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                              cwd=os.path.dirname(__file__), env=env, capture_output=True, text=True)
+        print(proc.stdout[-3000:], proc.stderr[-3000:])
+        assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+        assert " passed" in proc.stdout and " skipped" not in proc.stdout.splitlines()[-1]
+else:
+    def test_intrinsics_ptx():
+        from numba import types as t
+
+        from test_intrinsics import _alu_kernel, _mem_kernel
+        u32 = t.uint32[::1]
+        ptx, _ = cuda.compile_ptx(_alu_kernel.py_func, (t.int32[::1], u32, u32, t.uint32[:, ::1]), cc=CC)
+        for s in ("dp4a.s32.s32", "lop3.b32", "prmt.b32"):
+            assert s in ptx, s
+        for lut in (234, 150, 27):                         # 0xEA, 0x96, 0x1B reached the instruction
+            assert f", {lut};" in ptx
+        ptx, _ = cuda.compile_ptx(_mem_kernel.py_func, (u32, u32), cc=CC)
+        for s in ("ld.global.nc.v4.u32", "ld.global.nc.v2.u32", "st.global.v4.u32"):
+            assert s in ptx, s
+
+    @pytest.mark.parametrize("spec", _specializations(), ids=lambda s: s[0])
+    def test_kernel_ptx(spec):
+        name, kernel, argtypes = spec
+        ptx, _ = cuda.compile_ptx(kernel.py_func, argtypes, cc=CC)
+        must, never = _requirements(name)
+        for s in must:
+            assert s in ptx, f"{name}: expected {s!r} in the PTX"
+        for s in never:
+            assert s not in ptx, f"{name}: unexpected {s!r} in the PTX"
