@@ -1,0 +1,21 @@
+"""Small launches of every kernel family for compute-sanitizer (memcheck / racecheck) on the device:
+
+    compute-sanitizer --tool memcheck python benchmarks/sanitize.py
+"""
+import numpy as np
+
+import kbit_numba as kb
+
+rng = np.random.default_rng(0)
+for k in (2, 3, 4, 5):
+    for layout in ("flat", "tiled"):
+        W = rng.standard_normal((128, 96)).astype(np.float16)
+        qw = kb.quantize(W, k=k, layout=layout)
+        for dt in (np.float16, np.float32):
+            kb.dequantize(qw, dtype=dt).copy_to_host()
+        if layout == "flat":
+            kb.repack_tiled(qw)
+        if hasattr(kb, "gemv"):
+            for M in (1, 2, 3, 4):
+                kb.gemv(rng.standard_normal((M, 96)).astype(np.float16), qw).copy_to_host()
+print("sanitize workload done")

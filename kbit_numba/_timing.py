@@ -1,0 +1,97 @@
+"""GPU timing for the benchmark: many launches captured into one CUDA graph, timed with events.
+
+Numba's per-launch host overhead (tens of microseconds) is larger than the kernels, so launches are
+captured into a CUDA graph and the graph is replayed; the time per launch is the replay time divided by
+the launches in it, median over several replays. Each launch uses the next of several weight buffers
+whose total exceeds the L2 cache, so every launch reads its weights from DRAM.
+
+Capture goes through ``torch.cuda.graph`` when torch is installed (Numba launches on
+``cuda.external_stream`` of torch's capture stream; cuBLAS calls captured alongside) and through the CUDA
+driver's stream capture (``cuda.bindings``) otherwise.
+"""
+from __future__ import annotations
+
+import statistics
+
+from numba import cuda
+
+try:  # optional
+    import torch
+except ImportError:  # pragma: no cover - depends on the machine
+    torch = None
+
+
+def l2_bytes():
+    dev = cuda.get_current_device()
+    return int(getattr(dev, "L2_CACHE_SIZE", 50 * 2**20))
+
+
+def rotation_count(bytes_per_copy, factor=3, at_least=2, at_most=4096):
+    """How many copies of an operand make the rotation exceed ``factor`` x the L2 size."""
+    need = -(-factor * l2_bytes() // max(1, bytes_per_copy))
+    return int(min(at_most, max(at_least, need)))
+
+
+def graph_time_us(launch, n_launch, replays=7, warmup=2):
+    """Median microseconds per ``launch(i, stream)`` call, i = 0..n_launch-1, from CUDA-graph replays."""
+    if torch is not None and torch.cuda.is_available():
+        return _graph_time_torch(launch, n_launch, replays, warmup)
+    return _graph_time_driver(launch, n_launch, replays, warmup)
+
+
+def _graph_time_torch(launch, n_launch, replays, warmup):
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        ns = cuda.external_stream(side.cuda_stream)
+        for i in range(min(n_launch, 2)):   # compile, load modules, create cuBLAS handles
+            launch(i, ns)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        ns = cuda.external_stream(torch.cuda.current_stream().cuda_stream)
+        for i in range(n_launch):
+            launch(i, ns)
+    times = []
+    for r in range(warmup + replays):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        g.replay()
+        stop.record()
+        stop.synchronize()
+        if r >= warmup:
+            times.append(start.elapsed_time(stop) * 1e3 / n_launch)
+    del g
+    return statistics.median(times)
+
+
+def _graph_time_driver(launch, n_launch, replays, warmup):
+    from cuda.bindings import driver as drv
+
+    def check(res):
+        err = res[0] if isinstance(res, tuple) else res
+        if err != drv.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"CUDA driver call failed: {err}")
+        return res[1] if isinstance(res, tuple) and len(res) > 1 else None
+
+    stream = cuda.stream()
+    for i in range(min(n_launch, 2)):
+        launch(i, stream)
+    stream.synchronize()
+    handle = drv.CUstream(int(stream.handle.value if hasattr(stream.handle, "value") else stream.handle))
+    check(drv.cuStreamBeginCapture(handle, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
+    for i in range(n_launch):
+        launch(i, stream)
+    graph = check(drv.cuStreamEndCapture(handle))
+    gexec = check(drv.cuGraphInstantiate(graph, 0))
+    times = []
+    for r in range(warmup + replays):
+        start, stop = cuda.event(), cuda.event()
+        start.record(stream)
+        check(drv.cuGraphLaunch(gexec, handle))
+        stop.record(stream)
+        stop.synchronize()
+        if r >= warmup:
+            times.append(cuda.event_elapsed_time(start, stop) * 1e3 / n_launch)
+    check(drv.cuGraphExecDestroy(gexec))
+    check(drv.cuGraphDestroy(graph))
+    return statistics.median(times)

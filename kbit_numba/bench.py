@@ -1,0 +1,244 @@
+"""``python -m kbit_numba.bench``: the benchmark grid against cuBLAS fp16, timed honestly.
+
+Every number is GPU time per launch from CUDA-graph replays over rotating weight buffers whose total
+exceeds the L2 cache (see ``_timing``), median of several replays. The device's read and copy bandwidth
+ceilings are measured in the same run, and every kernel row reports its bandwidth on the bytes it must
+read (and write) as a % of the matching ceiling, next to cuBLAS fp16 (``torch.matmul``) on the same shape.
+
+Without a GPU it says so and runs a tiny correctness demo on Numba's CUDA simulator instead.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+SEED_SHAPES = ["2048x5120", "5120x2048", "2048x4096", "2048x512", "4096x2048", "4096x14336"]  # K x N
+KS = [2, 3, 4, 5]
+MS = [1, 2, 3, 4, 8]
+KERNELS = ["gemv", "dequantize"]
+READ_CEILING_BYTES = 1 << 30
+
+
+def _parse_list(text, conv=str):
+    return [conv(t) for t in text.split(",") if t]
+
+
+def _shape(text):
+    K, N = (int(v) for v in text.lower().split("x"))
+    return K, N
+
+
+# ------------------------------------------------------------------------------------------------
+# Ceilings
+# ------------------------------------------------------------------------------------------------
+def _ceiling_kernels():
+    from numba import cuda
+
+    from .intrinsics import ldg128, stg128
+
+    @cuda.jit
+    def read_kernel(src, out):
+        """Every thread reads 16 bytes per step (grid-stride); the xor keeps the loads alive."""
+        i = cuda.grid(1) * 4
+        stride = cuda.gridsize(1) * 4
+        acc = np.uint32(0)
+        while i < src.size:
+            a, b, c, d = ldg128(src, i)
+            acc ^= a ^ b ^ c ^ d
+            i += stride
+        if acc == np.uint32(0x9E3779B9):
+            out[0] = acc
+
+    @cuda.jit
+    def copy_kernel(src, dst):
+        i = cuda.grid(1) * 4
+        stride = cuda.gridsize(1) * 4
+        while i < src.size:
+            a, b, c, d = ldg128(src, i)
+            stg128(dst, i, a, b, c, d)
+            i += stride
+
+    return read_kernel, copy_kernel
+
+
+def measure_ceilings():
+    """(read GB/s, copy GB/s counting bytes read + written) of simple 16-byte-per-thread Numba kernels."""
+    from numba import cuda
+
+    from ._timing import graph_time_us
+
+    read_kernel, copy_kernel = _ceiling_kernels()
+    n_words = READ_CEILING_BYTES // 4
+    src = cuda.device_array(n_words, np.uint32)
+    dst = cuda.device_array(n_words, np.uint32)
+    out = cuda.device_array(1, np.uint32)
+    sms = cuda.get_current_device().MULTIPROCESSOR_COUNT
+    grid, block = sms * 8, 256
+    t_read = graph_time_us(lambda i, s: read_kernel[grid, block, s](src, out), 4)
+    t_copy = graph_time_us(lambda i, s: copy_kernel[grid, block, s](src, dst), 4)
+    return READ_CEILING_BYTES / t_read / 1e3, 2 * READ_CEILING_BYTES / t_copy / 1e3
+
+
+# ------------------------------------------------------------------------------------------------
+# Rows
+# ------------------------------------------------------------------------------------------------
+def _rotating_weights(K, N, k, n_copies, rng):
+    """n_copies independent quantized weights of one shape (the rotation that defeats the L2)."""
+    from . import codec
+
+    base = rng.standard_normal((N, K)).astype(np.float16) * np.float16(0.02)
+    first = codec.quantize(base, k=k)
+    copies = [first]
+    for _ in range(n_copies - 1):
+        # same values, fresh buffers: a device-to-device copy is enough to defeat the cache
+        from numba import cuda
+        p = cuda.device_array_like(first.packed)
+        p.copy_to_device(first.packed)
+        a = cuda.device_array_like(first.absmax)
+        a.copy_to_device(first.absmax)
+        copies.append(type(first)(p, a, first.codebook, k, first.shape, first.layout, first.absmax_format))
+    return copies
+
+
+def cublas_row(K, N, M):
+    """cuBLAS fp16 (torch.matmul) time for A[M, K] @ W[K, N] with rotating W, or None without torch."""
+    from ._timing import graph_time_us, rotation_count, torch
+
+    if torch is None or not torch.cuda.is_available():
+        return None
+    n = rotation_count(K * N * 2)
+    Ws = [torch.randn(N, K, device="cuda", dtype=torch.float16) * 0.02 for _ in range(n)]
+    A = torch.randn(M, K, device="cuda", dtype=torch.float16)
+    C = torch.empty(M, N, device="cuda", dtype=torch.float16)
+
+    def launch(i, _stream):
+        torch.matmul(A, Ws[i % n].t(), out=C)
+
+    t = graph_time_us(launch, n * max(1, 64 // n))
+    del Ws
+    return t
+
+
+def dequantize_rows(shapes, ks, ceilings, progress):
+    from numba import cuda
+
+    from . import codec
+    from ._timing import graph_time_us, rotation_count
+
+    rows = []
+    rng = np.random.default_rng(0)
+    for K, N in shapes:
+        out = cuda.device_array((N, K), np.float16)
+        for k in ks:
+            progress(f"dequantize {K}x{N} k={k}")
+            nbytes = N * K // 32 * (4 * k + 1)
+            n = rotation_count(nbytes)
+            ws = _rotating_weights(K, N, k, n, rng)
+            t = graph_time_us(lambda i, s: codec.dequantize(ws[i % n], out=out, stream=s), n * max(1, 64 // n))
+            moved = nbytes + N * K * 2
+            rows.append(dict(kernel="dequantize", shape=f"{K}x{N}", k=k, M=None, us=t,
+                             GBps=moved / t / 1e3, pct_ceiling=100 * moved / t / 1e3 / ceilings["copy_GBps"],
+                             ceiling="copy (read+write)"))
+            del ws
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------
+# Output
+# ------------------------------------------------------------------------------------------------
+def format_table(rows):
+    head = f"{'kernel':<11} {'K x N':>11} {'k':>2} {'M':>3} {'us':>8} {'GB/s':>7} {'%ceil':>6} {'cuBLAS us':>9} {'speedup':>7}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        cb = r.get("cublas_us")
+        lines.append(f"{r['kernel']:<11} {r['shape']:>11} {r['k']:>2} {r['M'] if r['M'] else '-':>3} "
+                     f"{r['us']:8.2f} {r['GBps']:7.0f} {r['pct_ceiling']:6.1f} "
+                     f"{(f'{cb:9.2f}' if cb else '        -')} "
+                     f"{(f'{cb / r['us']:6.2f}x' if cb else '      -')}")
+    return "\n".join(lines)
+
+
+def _demo():
+    """No GPU: a tiny correctness demo on the simulator."""
+    import kbit_numba as kb
+
+    rng = np.random.default_rng(0)
+    W = rng.standard_normal((4, 64)).astype(np.float32)
+    qw = kb.quantize(W, k=4)
+    ok = np.array_equal(kb.dequantize(qw, dtype=np.float32).copy_to_host(), kb.reference.dequantize(qw))
+    print(f"simulator demo: quantize + dequantize of a 4x64 matrix equals the NumPy reference: {ok}")
+    return 0 if ok else 1
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m kbit_numba.bench", description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default=",".join(SEED_SHAPES), help="K x N list, e.g. 2048x5120,4096x14336")
+    p.add_argument("--k", default=",".join(map(str, KS)))
+    p.add_argument("--m", default=",".join(map(str, MS)))
+    p.add_argument("--kernels", default=",".join(KERNELS))
+    p.add_argument("--json", help="write the rows and the ceilings as JSON to this file")
+    p.add_argument("--csv", help="write the rows as CSV to this file")
+    p.add_argument("--demo", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+
+    from numba.core import config
+    if args.demo or config.ENABLE_CUDASIM:
+        return _demo()
+    from numba import cuda
+    if not cuda.is_available():
+        print("No CUDA GPU found: timings need one. Running a correctness demo on Numba's CUDA simulator instead.")
+        env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+        return subprocess.call([sys.executable, "-m", "kbit_numba.bench", "--demo"], env=env)
+
+    shapes = [_shape(s) for s in _parse_list(args.shapes)]
+    ks = _parse_list(args.k, int)
+    ms = _parse_list(args.m, int)
+    kernels = _parse_list(args.kernels)
+
+    def progress(msg):
+        print(f"  .. {msg}", file=sys.stderr, flush=True)
+
+    dev = cuda.get_current_device()
+    name = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
+    progress("measuring bandwidth ceilings")
+    read_bw, copy_bw = measure_ceilings()
+    ceilings = dict(read_GBps=read_bw, copy_GBps=copy_bw)
+    rows = []
+    if "dequantize" in kernels:
+        rows += dequantize_rows(shapes, ks, ceilings, progress)
+    if "gemv" in kernels:
+        from .gemv import bench_rows
+        rows += bench_rows(shapes, ks, ms, ceilings, progress)
+    cublas = {}
+    for r in rows:
+        if r["M"] is not None:
+            key = (r["shape"], r["M"])
+            if key not in cublas:
+                progress(f"cuBLAS fp16 {r['shape']} M={r['M']}")
+                cublas[key] = cublas_row(*_shape(r["shape"]), r["M"])
+            r["cublas_us"] = cublas[key]
+    print(f"device: {name}; read ceiling {read_bw:.0f} GB/s, copy ceiling {copy_bw:.0f} GB/s (read+write)")
+    if not any(r.get("cublas_us") for r in rows if r["M"]):
+        print("cuBLAS baseline: unavailable (install torch to time it)")
+    print(format_table(rows))
+    result = dict(device=name, ceilings=ceilings, rows=rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    if args.csv:
+        import csv
+        keys = sorted({k for r in rows for k in r})
+        with open(args.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, keys)
+            w.writeheader()
+            w.writerows(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
