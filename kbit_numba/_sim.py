@@ -11,6 +11,7 @@ Installed by ``kbit_numba/__init__.py`` only when ``NUMBA_ENABLE_CUDASIM=1``.
 """
 from __future__ import annotations
 
+import sys
 import threading
 
 import numpy as np
@@ -111,9 +112,39 @@ def activemask():
     return np.uint32(0xFFFFFFFF)
 
 
+_shared_lock = threading.Lock()
+
+
+def _shared_array(self, shape, dtype, alignment=None):
+    """The simulator's ``cuda.shared.array`` with its lookup-or-create under a lock.
+
+    The stock version creates the block's array on first use without a lock, so two threads arriving
+    together can each get a private array (seen: a reduction read a slot nobody wrote). Arrays are
+    identified, as there, by the calling file and line. ``alignment`` is accepted and has no effect
+    (simulated kernels address shared arrays by index only)."""
+    from numba.core import types
+    from numba.np import numpy_support
+
+    if isinstance(dtype, types.Type):
+        dtype = numpy_support.as_dtype(dtype)
+    if shape == 0:
+        count = self._dynshared_size // np.dtype(dtype).itemsize
+        return np.frombuffer(self._dynshared.data, dtype=dtype, count=count)
+    frame = sys._getframe(1)
+    caller = (frame.f_code.co_filename, frame.f_lineno)
+    with _shared_lock:
+        res = self._allocations.get(caller)
+        if res is None:
+            res = self._allocations[caller] = np.empty(shape, dtype)
+    return res
+
+
 def install():
-    """Add the warp primitives to the simulator's fake ``cuda`` module (idempotent)."""
-    from numba.cuda.simulator.kernelapi import FakeCUDAModule
+    """Add the warp primitives to the simulator's fake ``cuda`` module, and make its shared-array
+    allocation thread-safe (idempotent)."""
+    from numba.cuda.simulator.kernelapi import FakeCUDAModule, FakeCUDAShared
+
+    FakeCUDAShared.array = _shared_array
 
     def method(fn):
         return lambda self, *args: fn(*args)

@@ -120,8 +120,78 @@ def cublas_row(K, N, M):
         torch.matmul(A, Ws[i % n].t(), out=C)
 
     t = graph_time_us(launch, n * max(1, 64 // n))
-    del Ws
     return t
+
+
+def gemv_rows(shapes, ks, ms, ceilings, progress, tunings=(None,)):
+    """Scalar GEMV rows: every shape x k x M (M <= 4), each tuning (None = the package's choice)."""
+    from numba import cuda
+
+    from . import scalar_gemv
+    from ._timing import graph_time_us, rotation_count
+
+    rows = []
+    rng = np.random.default_rng(1)
+    for K, N in shapes:
+        for k in ks:
+            nbytes = N * K // 32 * (4 * k + 1)
+            n = rotation_count(nbytes)
+            ws = _rotating_weights(K, N, k, n, rng)
+            for M in [m for m in ms if m <= scalar_gemv.MAX_M]:
+                A = cuda.to_device(rng.standard_normal((M, K)).astype(np.float16))
+                out = cuda.device_array((M, N), np.float16)
+                for tuning in tunings:
+                    label = "gemv" if tuning is None else f"gemv[CB={tuning[0]},r={tuning[1]}]"
+                    progress(f"{label} {K}x{N} k={k} M={M}")
+                    plans = [scalar_gemv._plan(A, w, out, 0, np.float16, False, tuning) for w in ws]
+
+                    def launch(i, s, plans=plans):
+                        kern, grid, block, args, _ = plans[i % n]
+                        kern[grid, block, s](*args)
+
+                    t = graph_time_us(launch, n * max(1, 64 // n))
+                    moved = nbytes + M * K * 2 + M * N * 2
+                    rows.append(dict(kernel=label, shape=f"{K}x{N}", k=k, M=M, us=t, GBps=moved / t / 1e3,
+                                     pct_ceiling=100 * moved / t / 1e3 / ceilings["read_GBps"],
+                                     ceiling="read"))
+    return rows
+
+
+def host_overhead_rows(progress, K=2048, N=5120, k=4, calls=3000):
+    """Host microseconds per call: gemv() through the dispatcher, a PreparedGemv.run(), and a small
+    torch op, measured the same way (wall clock over many calls, one sync at the end)."""
+    import time
+
+    from numba import cuda
+
+    import kbit_numba as kb
+    from ._timing import torch
+
+    rng = np.random.default_rng(2)
+    qw = kb.quantize(rng.standard_normal((N, K)).astype(np.float16), k=k)
+    A = cuda.to_device(rng.standard_normal((1, K)).astype(np.float16))
+    out = cuda.device_array((1, N), np.float16)
+    prep = kb.prepare_gemv(A, qw, out=out)
+    cases = [("gemv() dispatcher call", lambda: kb.gemv(A, qw, out=out)),
+             ("PreparedGemv.run()", prep.run)]
+    if torch is not None and torch.cuda.is_available():
+        x = torch.randn(1, K, device="cuda", dtype=torch.float16)
+        w = torch.randn(K, 8, device="cuda", dtype=torch.float16)
+        y = torch.empty(1, 8, device="cuda", dtype=torch.float16)
+        cases.append(("torch.matmul(out=) (a torch op)", lambda: torch.matmul(x, w, out=y)))
+    rows = []
+    for name, fn in cases:
+        progress(f"host overhead: {name}")
+        for _ in range(100):
+            fn()
+        cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        t1 = time.perf_counter()
+        cuda.synchronize()
+        rows.append(dict(what=name, host_us_per_call=(t1 - t0) / calls * 1e6))
+    return rows
 
 
 def dequantize_rows(shapes, ks, ceilings, progress):
@@ -144,7 +214,6 @@ def dequantize_rows(shapes, ks, ceilings, progress):
             rows.append(dict(kernel="dequantize", shape=f"{K}x{N}", k=k, M=None, us=t,
                              GBps=moved / t / 1e3, pct_ceiling=100 * moved / t / 1e3 / ceilings["copy_GBps"],
                              ceiling="copy (read+write)"))
-            del ws
     return rows
 
 
@@ -152,14 +221,15 @@ def dequantize_rows(shapes, ks, ceilings, progress):
 # Output
 # ------------------------------------------------------------------------------------------------
 def format_table(rows):
-    head = f"{'kernel':<11} {'K x N':>11} {'k':>2} {'M':>3} {'us':>8} {'GB/s':>7} {'%ceil':>6} {'cuBLAS us':>9} {'speedup':>7}"
+    head = f"{'kernel':<17} {'K x N':>11} {'k':>2} {'M':>3} {'us':>8} {'GB/s':>7} {'%ceil':>6} {'cuBLAS us':>9} {'speedup':>7}"
     lines = [head, "-" * len(head)]
     for r in rows:
         cb = r.get("cublas_us")
-        lines.append(f"{r['kernel']:<11} {r['shape']:>11} {r['k']:>2} {r['M'] if r['M'] else '-':>3} "
-                     f"{r['us']:8.2f} {r['GBps']:7.0f} {r['pct_ceiling']:6.1f} "
-                     f"{(f'{cb:9.2f}' if cb else '        -')} "
-                     f"{(f'{cb / r['us']:6.2f}x' if cb else '      -')}")
+        m = r["M"] if r["M"] else "-"
+        cb_txt = f"{cb:9.2f}" if cb else "        -"
+        sp_txt = f"{cb / r['us']:6.2f}x" if cb else "      -"
+        lines.append(f"{r['kernel']:<17} {r['shape']:>11} {r['k']:>2} {m:>3} {r['us']:8.2f} {r['GBps']:7.0f} "
+                     f"{r['pct_ceiling']:6.1f} {cb_txt} {sp_txt}")
     return "\n".join(lines)
 
 
@@ -183,6 +253,8 @@ def main(argv=None):
     p.add_argument("--kernels", default=",".join(KERNELS))
     p.add_argument("--json", help="write the rows and the ceilings as JSON to this file")
     p.add_argument("--csv", help="write the rows as CSV to this file")
+    p.add_argument("--sweep", help="gemv tunings CB:max_registers to time, e.g. 4:64,8:none")
+    p.add_argument("--overhead", action="store_true", help="also measure host time per call")
     p.add_argument("--demo", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
@@ -212,8 +284,11 @@ def main(argv=None):
     if "dequantize" in kernels:
         rows += dequantize_rows(shapes, ks, ceilings, progress)
     if "gemv" in kernels:
-        from .gemv import bench_rows
-        rows += bench_rows(shapes, ks, ms, ceilings, progress)
+        rows += gemv_rows(shapes, ks, ms, ceilings, progress)
+    if args.sweep:
+        tunings = [tuple(None if v == "none" else int(v) for v in t.split(":")) for t in _parse_list(args.sweep)]
+        rows += gemv_rows(shapes, ks, ms, ceilings, progress, tunings)
+    overhead = host_overhead_rows(progress) if args.overhead else []
     cublas = {}
     for r in rows:
         if r["M"] is not None:
@@ -223,10 +298,12 @@ def main(argv=None):
                 cublas[key] = cublas_row(*_shape(r["shape"]), r["M"])
             r["cublas_us"] = cublas[key]
     print(f"device: {name}; read ceiling {read_bw:.0f} GB/s, copy ceiling {copy_bw:.0f} GB/s (read+write)")
-    if not any(r.get("cublas_us") for r in rows if r["M"]):
+    if any(r["M"] for r in rows) and not any(r.get("cublas_us") for r in rows if r["M"]):
         print("cuBLAS baseline: unavailable (install torch to time it)")
     print(format_table(rows))
-    result = dict(device=name, ceilings=ceilings, rows=rows)
+    for r in overhead:
+        print(f"host overhead  {r['what']:<34} {r['host_us_per_call']:7.1f} us/call")
+    result = dict(device=name, ceilings=ceilings, rows=rows, host_overhead=overhead)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -12,13 +12,21 @@ import numpy as np
 from numba import cuda
 
 from .formats import E4M4_BIAS, TILE_N
-from .intrinsics import f32_as_u32, u32_as_f32
+from .intrinsics import SIMULATOR, f32_as_u32, u32_as_f32
 
 FULL_MASK = 0xFFFFFFFF
 WARP = 32
 F32_MAX = np.float32(3.4028235e38)
 _E4M4_SUB_SCALE = np.float32(2.0 ** (1 - E4M4_BIAS) / 16)   # value of one mantissa step, e = 0
 _E4M4_EXP_OFFSET = np.uint32(127 - E4M4_BIAS)               # E4M4 exponent -> float32 exponent
+
+
+def jit_kernel(fn, max_registers=None):
+    """``cuda.jit`` a kernel, with a register cap where one is asked for (the simulator rejects the
+    keyword, and has no registers to cap)."""
+    if max_registers and not SIMULATOR:
+        return cuda.jit(fn, max_registers=max_registers)
+    return cuda.jit(fn)
 
 
 @lru_cache(maxsize=None)

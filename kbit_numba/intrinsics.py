@@ -15,6 +15,12 @@ every PTX version against its twin on random inputs on the GPU.
 | lop3(a,b,c,L)| lop3.b32 (L a literal truth table)    | any 3-input bitwise function in one instruction|
 | prmt(a,b,s)  | prmt.b32                              | byte permute / byte lookup from 8 bytes        |
 | f32_as_u32 / u32_as_f32 / f16x2_as_u32 | bit casts (no instruction) | move between float and bit views |
+| shared_addr(a) | cvta.to.shared                        | 32-bit shared-window address of a shared array |
+| lds_f32(a, p) | ld.shared.f32 [p]                     | table lookup at a 32-bit byte address p        |
+
+``shared_addr``/``lds_f32`` let a kernel build a lookup address with 32-bit bit operations (e.g. one
+``prmt`` that drops an index byte into the low byte of an aligned table's address) instead of Numba's
+64-bit generic array indexing. Their twins treat the address as a byte offset into the array (base 0).
 """
 from __future__ import annotations
 
@@ -114,6 +120,46 @@ def py_stg128(arr, index, a, b, c, d):
     i = int(index)
     for j, v in enumerate((a, b, c, d)):
         arr[i + j] = np.uint32(int(v) & 0xFFFFFFFF)
+
+
+@intrinsic
+def ptx_shared_addr(typingctx, arr):
+    """uint32 shared-window address of element 0 of a shared array (cvta.to.shared)."""
+    if not isinstance(arr, types.Array):
+        raise TypeError(f"shared_addr needs a shared array, got {arr}")
+    sig = types.uint32(arr)
+
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, value=args[0]).data
+        generic = builder.ptrtoint(data, ir.IntType(64))
+        fty = ir.FunctionType(ir.IntType(64), [ir.IntType(64)])
+        shared = builder.call(ir.InlineAsm(fty, "cvta.to.shared.u64 $0, $1;", "=l,l"), [generic])
+        return builder.trunc(shared, _i32)
+
+    return sig, codegen
+
+
+@intrinsic
+def ptx_lds_f32(typingctx, arr, addr):
+    """float32 at shared byte address ``addr`` (ld.shared.f32 with a 32-bit address). ``arr`` is the
+    shared array the address points into; only the simulator's twin reads it."""
+    sig = types.float32(arr, addr)
+
+    def codegen(context, builder, sig, args):
+        a = context.cast(builder, args[1], sig.args[1], types.uint32)
+        fty = ir.FunctionType(ir.FloatType(), [_i32])
+        asm = ir.InlineAsm(fty, "ld.shared.f32 $0, [$1];", "=f,r")
+        return builder.call(asm, [a])
+
+    return sig, codegen
+
+
+def py_shared_addr(arr):
+    return np.uint32(0)
+
+
+def py_lds_f32(arr, addr):
+    return np.float32(arr[int(addr) >> 2])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -254,11 +300,10 @@ def py_f16x2_as_u32(lo, hi):
 # ---------------------------------------------------------------------------------------------
 # The names kernels use
 # ---------------------------------------------------------------------------------------------
-PAIRS = {name: (globals()["ptx_" + name], globals()["py_" + name])
-         for name in ("ldg128", "ldg64", "stg128", "dp4a", "lop3", "prmt",
-                      "u32_as_f32", "f32_as_u32", "f16x2_as_u32")}
+NAMES = ("ldg128", "ldg64", "stg128", "shared_addr", "lds_f32", "dp4a", "lop3", "prmt",
+         "u32_as_f32", "f32_as_u32", "f16x2_as_u32")
+PAIRS = {name: (globals()["ptx_" + name], globals()["py_" + name]) for name in NAMES}
 
 _pick = 1 if SIMULATOR else 0
-ldg128, ldg64, stg128, dp4a, lop3, prmt, u32_as_f32, f32_as_u32, f16x2_as_u32 = (
-    PAIRS[n][_pick] for n in ("ldg128", "ldg64", "stg128", "dp4a", "lop3", "prmt",
-                              "u32_as_f32", "f32_as_u32", "f16x2_as_u32"))
+(ldg128, ldg64, stg128, shared_addr, lds_f32, dp4a, lop3, prmt,
+ u32_as_f32, f32_as_u32, f16x2_as_u32) = (PAIRS[n][_pick] for n in NAMES)

@@ -17,8 +17,8 @@ CC = (9, 0)
 
 
 def _specializations():
-    from kbit_numba import codec
-    return codec.kernel_specializations()
+    from kbit_numba import codec, scalar_gemv
+    return codec.kernel_specializations() + scalar_gemv.kernel_specializations()
 
 
 def _requirements(name):
@@ -29,6 +29,11 @@ def _requirements(name):
         must += ["shfl.sync.bfly"]                       # the absmax warp reduction
     if name.startswith("dequantize"):
         must += ["st.global.v4.u32", "ld.shared"]        # 16-byte stores, codebook in shared memory
+    if name.startswith("gemv"):
+        k = int(name.split("k=")[1].split()[0])
+        must += ["shfl.sync.bfly.b32", "prmt.b32", "ld.shared.f32", "cvta.to.shared"]
+        must += {4: ["ld.global.nc.v4.u32"], 2: ["ld.global.nc.v2.u32"]}.get(k, [])
+        never += ["ld.shared.f64", "cvt.rn.f32.f64"]         # no float64 crept into the inner loop
     return must, never
 
 
@@ -60,6 +65,7 @@ else:
     def test_kernel_ptx(spec):
         name, kernel, argtypes = spec
         ptx, _ = cuda.compile_ptx(kernel.py_func, argtypes, cc=CC)
+        assert f".target sm_{CC[0]}{CC[1]}" in ptx
         must, never = _requirements(name)
         for s in must:
             assert s in ptx, f"{name}: expected {s!r} in the PTX"

@@ -1,0 +1,88 @@
+"""A prepared kernel launch: Numba's argument marshalling done once, then one ``cuLaunchKernel`` per call.
+
+A Numba dispatcher call costs tens of microseconds of host time (typing the arguments, converting each
+array to its ABI fields), several times a decode-step GEMV. For repeated launches with the same buffers
+(a decode loop, a CUDA graph) ``PreparedLaunch`` compiles the kernel for the arguments' types once,
+packs the kernel parameters once in Numba's ABI, and each call is a single driver launch.
+
+Numba's kernel ABI, per argument (``numba.cuda.dispatcher._Kernel._prepare_args``):
+* an array: meminfo (0), parent (0), nitems, itemsize, data pointer, shape[ndim], strides[ndim] — all
+  pointer-sized integers;
+* an integer / float scalar: its C value.
+
+Buffers are bound by address: write new inputs *into* the bound arrays between calls. Under the
+simulator (no driver) a call is an ordinary kernel launch.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+from numba import types
+
+from .intrinsics import SIMULATOR
+
+_CTYPES = {types.int32: ctypes.c_int32, types.int64: ctypes.c_int64, types.uint32: ctypes.c_uint32,
+           types.uint64: ctypes.c_uint64, types.float32: ctypes.c_float, types.float64: ctypes.c_double}
+
+
+def _device_ptr(arr):
+    return int(arr.__cuda_array_interface__["data"][0])
+
+
+class PreparedLaunch:
+    """``kernel[grid, block, stream](*args)`` with the arguments fixed; call it to launch.
+
+    ``args`` must be device arrays (Numba or CUDA-array-interface objects) and NumPy scalars."""
+
+    def __init__(self, kernel, grid, block, args, stream=0, shared_bytes=0):
+        self.kernel, self.grid, self.block, self.args = kernel, grid, block, tuple(args)
+        self.stream = stream
+        if SIMULATOR:
+            self._launch = self._launch_numba
+            return
+        from cuda.bindings import driver
+
+        self._driver = driver
+        argtypes = tuple(kernel.typeof_pyval(a) for a in self.args)
+        compiled = kernel.compile(argtypes)
+        self._func = driver.CUfunction(int(compiled._codelibrary.get_cufunc().handle))
+        self._fields = []                       # ctypes values, kept alive with the pointer array
+        for ty, val in zip(argtypes, self.args):
+            if isinstance(ty, types.Array):
+                shape = tuple(val.shape)
+                itemsize = np.dtype(val.dtype).itemsize
+                strides = tuple(val.strides) if getattr(val, "strides", None) else \
+                    tuple(int(np.prod(shape[i + 1:])) * itemsize for i in range(len(shape)))
+                vals = [0, 0, int(np.prod(shape)), itemsize, _device_ptr(val), *shape, *strides]
+                self._fields += [ctypes.c_int64(int(v)) for v in vals]
+            elif ty in _CTYPES:
+                self._fields.append(_CTYPES[ty](val))
+            else:
+                raise TypeError(f"PreparedLaunch cannot pass an argument of type {ty}")
+        self._params = (ctypes.c_void_p * len(self._fields))(
+            *[ctypes.addressof(f) for f in self._fields])
+        self._params_addr = ctypes.addressof(self._params)
+        self._shared = shared_bytes
+        self._grid3 = tuple(grid) + (1,) * (3 - len(grid)) if isinstance(grid, tuple) else (grid, 1, 1)
+        self._block3 = tuple(block) + (1,) * (3 - len(block)) if isinstance(block, tuple) else (block, 1, 1)
+        self._launch = self._launch_driver
+
+    def _launch_numba(self, stream):
+        self.kernel[self.grid, self.block, stream](*self.args)
+
+    def _stream_handle(self, stream):
+        if stream is None or isinstance(stream, int):
+            return stream or 0
+        handle = stream.handle
+        return int(getattr(handle, "value", handle) or 0)
+
+    def _launch_driver(self, stream):
+        err, = self._driver.cuLaunchKernel(self._func, *self._grid3, *self._block3, self._shared,
+                                           self._stream_handle(stream), self._params_addr, 0)
+        if err != self._driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuLaunchKernel failed: {err}")
+
+    def __call__(self, stream=None):
+        """Launch on ``stream`` (default: the stream given at preparation)."""
+        self._launch(self.stream if stream is None else stream)

@@ -1,0 +1,283 @@
+"""Scalar GEMV for decoding: C[M, N] = A[M, K] @ W[N, K]^T for M = 1..4 (kbit weights, k = 2..5).
+
+Design (numbers in benchmarks/README.md):
+
+* **A lane owns one 32-element K-block for the whole launch.** A CTA has ``KW = ceil(K / 1024)`` warps
+  side by side along K, so lane ``l`` of warp ``w`` owns block ``kb = 32 w + l``. Its 32 x M activations
+  are loaded once into registers and reused for every column the CTA visits (a persistent grid walks
+  the columns), so A costs no loads in the inner loop.
+* **Per column a lane reads its block's k bit-plane words** (one 16-byte ``ld.global.nc.v4`` for k = 4,
+  8 bytes for k = 2, k words otherwise: the warp reads 32*k*4 contiguous bytes) and one absmax. ``CB``
+  columns are loaded before any is used, to keep enough bytes in flight.
+* **Decode = a bit-matrix transpose into byte fields.** Word ``F_i`` (i = 0..7) gathers bit i+8t of
+  every plane into byte t, already multiplied by 4: ``F_i = OR_b ((plane_b >> i) & 0x01010101) << (b+2)``
+  (one shift and one and-or per plane and word: k/2 integer ops per weight). Byte t of ``F_i`` is then
+  the byte offset of element ``i + 8t``'s codebook entry in shared memory (float32, 2**k words in
+  distinct banks: conflict-free whatever the indices). The A registers are stored in that element
+  order, so the permutation costs nothing.
+* **Each weight is looked up once and used for all M rows** (M FMAs, float32 accumulate); the block's
+  sum is scaled by its absmax once.
+* **Reduction**: the CB*M partial sums of a lane are reduced across the warp by a reduce-scatter
+  butterfly (31 shuffles for 32 values instead of 5 per value), then across the KW warps in shared
+  memory.
+
+Reference twin: ``reference.gemv``. Tests: ``tests/test_gemv.py``.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+from numba import cuda
+from numba.cuda.misc.special import literal_unroll
+
+from . import _arrays
+from .codec import _device_weight, MAX_CODES
+from .device import FULL_MASK, WARP, e4m4_decode, jit_kernel, make_loader, tiled_block
+from .formats import BLOCK, KbitWeight
+from .intrinsics import ldg64, ldg128, lds_f32, prmt, shared_addr
+from .launch import PreparedLaunch
+
+MAX_M = 4
+MAX_KW = 32                      # warps per CTA along K: K <= 32 * 32 * 32 = 32768
+FIELD = 8                        # bits per index field in the transposed words
+N_FIELDS = BLOCK // FIELD        # 4 fields (elements i, i+8, i+16, i+24) per word
+N_WORDS = FIELD                  # 8 transposed words per block
+ONES = 0x01010101                # bit 0 of every byte
+CTA_WARPS_TARGET = 32            # resident warps per SM the grid aims for
+CB_ALIGN = 256                   # codebook's shared address has a zero low byte
+PRMT_KEEP_HIGH = 0x7650          # prmt selector: bytes 1..3 from the 2nd operand (the address)
+MAX_REGISTERS = {1: None, 2: None, 3: None, 4: None}   # per M; chosen from the device sweep
+
+
+@lru_cache(maxsize=None)
+def make_gemv_kernel(k, M, CB, layout, absmax_format, a_src, out_dtype, max_registers=None):
+    """Kernel(A[M*K], packed, absmax, codebook, out[M*N], N, K, n_kb), launched with KW warps per CTA.
+
+    k: bits; M: rows of A (1..4); CB: columns per iteration (1, 2, 4 or 8); max_registers: a register
+    cap per thread (more resident warps against fewer registers; see benchmarks/README.md)."""
+    assert 1 <= M <= MAX_M and CB in (1, 2, 4, 8)
+    n_codes = 1 << k
+    CM = CB * M                                    # partial sums per lane per iteration ...
+    tiled = layout == "tiled"
+    e4m4 = absmax_format == "e4m4"
+    f16_out = np.dtype(out_dtype) == np.float16
+    load_a = make_loader(a_src)
+    V = 1 << (CM - 1).bit_length()                 # ... padded to a power of two (<= 32)
+    V_LOG = V.bit_length() - 1
+    COLS = tuple(range(CB))                        # literal_unroll(COLS): column loops fully unrolled,
+    #                                                so per-column registers never spill to local memory
+
+    def gemv_kernel(A, packed, absmax, cb, out, N, K, n_kb):
+        # 256-byte aligned, so an index byte (idx*4 < 128) can be merged into the address's low byte
+        cb_sh = cuda.shared.array(MAX_CODES, np.float32, alignment=CB_ALIGN)
+        part = cuda.shared.array((MAX_KW, WARP), np.float32)
+        cb_addr = shared_addr(cb_sh)
+        tid = cuda.threadIdx.x
+        lane = tid % WARP
+        warp = tid // WARP
+        n_warps = cuda.blockDim.x // WARP
+        if tid < n_codes:
+            cb_sh[tid] = cb[tid]
+        kbr = K // BLOCK
+        kb = warp * WARP + lane
+        active = kb < kbr
+
+        # this lane's activations, in the transposed element order: a[m, 4i + t] = A[m, 32 kb + i + 8t]
+        a = cuda.local.array((M, BLOCK), np.float32)
+        for m in range(M):
+            for i in range(N_WORDS):
+                for t in range(N_FIELDS):
+                    a[m, i * N_FIELDS + t] = load_a(A, m * K + kb * BLOCK + i + FIELD * t) if active \
+                        else np.float32(0.0)
+        cuda.syncthreads()
+
+        n_groups = (N + CB - 1) // CB
+        planes = cuda.local.array((CB, k), np.uint32)
+        scale = cuda.local.array(CB, np.float32)
+        acc = cuda.local.array(V, np.float32)
+        s = cuda.local.array(M, np.float32)
+        for g in range(cuda.blockIdx.x, n_groups, cuda.gridDim.x):
+            n0 = g * CB
+            # ---- issue every load of the CB columns before using any --------------------------
+            for c in literal_unroll(COLS):
+                n = n0 + c
+                if active and n < N:
+                    slot = tiled_block(n, kb, N) if tiled else n * n_kb + kb
+                    if k == 4:
+                        planes[c, 0], planes[c, 1], planes[c, 2], planes[c, 3] = ldg128(packed, slot * 4)
+                    elif k == 2:
+                        planes[c, 0], planes[c, 1] = ldg64(packed, slot * 2)
+                    else:
+                        for b in range(k):
+                            planes[c, b] = packed[slot * k + b]
+                    scale[c] = e4m4_decode(absmax[slot]) if e4m4 else absmax[slot]
+                else:
+                    for b in range(k):
+                        planes[c, b] = np.uint32(0)
+                    scale[c] = np.float32(0.0)
+            # ---- decode each block once, use it for all M rows ---------------------------------
+            for j in range(CM, V):
+                acc[j] = np.float32(0.0)
+            for c in literal_unroll(COLS):
+                for m in range(M):
+                    s[m] = np.float32(0.0)
+                for i in range(N_WORDS):
+                    f = np.uint32(0)
+                    for b in range(k):
+                        sh = i - b - 2                      # move bit i+8t of plane b to bit b+2 of byte t
+                        moved = planes[c, b] >> np.uint32(sh) if sh >= 0 else planes[c, b] << np.uint32(-sh)
+                        f |= moved & np.uint32(ONES << (b + 2))
+                    for t in range(N_FIELDS):
+                        # one prmt: byte t of f (= 4*idx) becomes the low byte of the codebook address
+                        v = lds_f32(cb_sh, prmt(f, cb_addr, np.uint32(t | PRMT_KEEP_HIGH)))
+                        for m in range(M):
+                            s[m] += v * a[m, i * N_FIELDS + t]
+                for m in range(M):
+                    acc[c * M + m] = s[m] * scale[c]
+            # ---- reduce-scatter over the warp: lane l ends with value v(l) -----------------------
+            half = V
+            for step in range(V_LOG):
+                half //= 2
+                off = WARP >> (step + 1)
+                upper = (lane & off) != 0
+                for j in range(half):
+                    send = acc[j] if upper else acc[j + half]
+                    keep = acc[j + half] if upper else acc[j]
+                    acc[j] = keep + cuda.shfl_xor_sync(FULL_MASK, send, off)
+            r = acc[0]
+            off = WARP >> (V_LOG + 1)
+            while off > 0:                                   # lanes sharing a value finish the sum
+                r += cuda.shfl_xor_sync(FULL_MASK, r, off)
+                off //= 2
+            # value index held by this lane: bits of lane >> (5 - V_LOG), most significant first
+            low = WARP >> V_LOG
+            if lane % low == 0:
+                v_idx = 0
+                bit = V // 2
+                for step in range(V_LOG):
+                    if lane & (WARP >> (step + 1)):
+                        v_idx += bit
+                    bit //= 2
+                part[warp, v_idx] = r
+            cuda.syncthreads()
+            if tid < CM:
+                c = tid // M
+                m = tid - c * M
+                n = n0 + c
+                total = np.float32(0.0)
+                for w in range(n_warps):
+                    total += part[w, tid]
+                if n < N:
+                    out[m * N + n] = np.float16(total) if f16_out else total
+            cuda.syncthreads()
+
+    return jit_kernel(gemv_kernel, max_registers)
+
+
+def _choose_cb(N, n_sm):
+    """Columns per iteration: 8 for big N (more loads in flight), fewer when N is small so that
+    every SM still gets two column groups."""
+    cb = 8
+    while cb > 1 and -(-N // cb) < 2 * n_sm:
+        cb //= 2
+    return cb
+
+
+def _sm_count():
+    try:
+        return cuda.get_current_device().MULTIPROCESSOR_COUNT
+    except Exception:   # the simulator has no such attribute
+        return 2
+
+
+def _plan(A, qw, out, stream, out_dtype, bf16, tuning=None):
+    """Validate the inputs and choose the specialisation: (kernel, grid, block, args, out)."""
+    if not isinstance(qw, KbitWeight):
+        raise TypeError(f"qw must be a KbitWeight, got {type(qw).__name__}")
+    Ad, a_src = _arrays.float_input(A, "A", bf16, (1, 2), stream)
+    shape = tuple(Ad.shape)
+    M = 1 if len(shape) == 1 else shape[0]
+    N, K = qw.shape
+    if shape[-1] != K:
+        raise ValueError(f"A has K={shape[-1]}, the weight has K={K}")
+    if not 1 <= M <= MAX_M:
+        raise ValueError(f"gemv handles M = 1..{MAX_M} rows, got M={M}")
+    if K > MAX_KW * WARP * BLOCK:
+        raise ValueError(f"gemv handles K <= {MAX_KW * WARP * BLOCK}, got K={K}")
+    if out is not None:                   # a given buffer decides the output type
+        out = _arrays.device_array(out, "out", (np.float16, np.float32))
+        out_dtype = out.dtype
+    out_dtype = np.dtype(out_dtype)
+    if out_dtype not in (np.dtype(np.float16), np.dtype(np.float32)):
+        raise TypeError(f"out_dtype must be float16 or float32, got {out_dtype}")
+    qw = _device_weight(qw, stream)
+    out = _arrays.output(out, "out", (M, N) if len(shape) == 2 else (N,), out_dtype, stream)
+    n_sm = _sm_count()
+    CB, max_regs = tuning or (_choose_cb(N, n_sm), MAX_REGISTERS[M])
+    kw = -(-(K // BLOCK) // WARP)
+    kern = make_gemv_kernel(qw.k, M, CB, qw.layout, qw.absmax_format, a_src, out_dtype.name, max_regs)
+    grid = min(-(-N // CB), n_sm * max(1, CTA_WARPS_TARGET // kw))
+    args = (_arrays.flat_view(Ad), qw.packed, qw.absmax, qw.codebook, _arrays.flat_view(out),
+            np.int32(N), np.int32(K), np.int32(qw.n_kblocks))
+    return kern, grid, kw * WARP, args, out
+
+
+def gemv(A, qw, out=None, stream=None, out_dtype=np.float16, bf16=False):
+    """C[M, N] = A[M, K] @ W^T for M = 1..4 with W a kbit weight (flat or tiled, E4M4 or fp32 absmax).
+
+    A: float16/float32 [M, K] or [K] (bfloat16 as int16 bits with ``bf16=True``); returns a device array
+    [M, N] (or [N]) of ``out_dtype`` (float16 or float32), or writes into ``out``."""
+    stream = _arrays.as_stream(stream)
+    kern, grid, block, args, out = _plan(A, qw, out, stream, out_dtype, bf16)
+    kern[grid, block, stream](*args)
+    return out
+
+
+class PreparedGemv:
+    """A gemv bound to its activation buffer, weight, output buffer and stream, for decode loops and
+    CUDA graphs: each ``run()`` is one driver launch (no argument typing or checking).
+
+    Write the next activations into ``prepared.A`` (same shape, dtype and address) before ``run()``;
+    results land in ``prepared.out``."""
+
+    def __init__(self, A, qw, out=None, stream=None, out_dtype=np.float16, bf16=False):
+        stream = _arrays.as_stream(stream)
+        if isinstance(A, np.ndarray):
+            raise TypeError("prepare_gemv binds buffers by address: pass A as a device array")
+        kern, grid, block, args, self.out = _plan(A, qw, out, stream, out_dtype, bf16)
+        self.A = A
+        self._launch = PreparedLaunch(kern, grid, block, args, stream)
+
+    def run(self, stream=None):
+        """Launch (on ``stream`` if given, else the bound one); returns ``out``."""
+        self._launch(None if stream is None else _arrays.as_stream(stream))
+        return self.out
+
+
+def prepare_gemv(A, qw, out=None, stream=None, out_dtype=np.float16, bf16=False):
+    """The fast path for repeated gemv calls: see :class:`PreparedGemv`."""
+    return PreparedGemv(A, qw, out, stream, out_dtype, bf16)
+
+
+def kernel_specializations():
+    """(name, kernel, argument types) for the PTX checks: every (k, M) at the default configuration,
+    and every value of each other factor (CB, layout, absmax format, A type, output type) with every k.
+    (A full product would be 768 compilations of several seconds each.)"""
+    from numba import types as t
+    nb = {"float16": t.float16[::1], "float32": t.float32[::1], "bfloat16": t.int16[::1]}
+    base = dict(M=1, CB=8, layout="flat", fmt="e4m4", a_src="float16", od="float16")
+    variants = [dict(M=M) for M in (1, 2, 3, 4)]
+    variants += [dict(M=2, CB=cb) for cb in (1, 2, 4)]
+    variants += [dict(layout="tiled", M=3), dict(fmt="fp32", M=4), dict(a_src="float32", M=2),
+                 dict(a_src="bfloat16"), dict(od="float32", M=3)]
+    specs = []
+    for k in (2, 3, 4, 5):
+        for v in variants:
+            c = dict(base, **v)
+            am = t.uint8[::1] if c["fmt"] == "e4m4" else t.float32[::1]
+            name = f"gemv k={k} M={c['M']} CB={c['CB']} {c['layout']} {c['fmt']} A={c['a_src']} out={c['od']}"
+            kern = make_gemv_kernel(k, c["M"], c["CB"], c["layout"], c["fmt"], c["a_src"], c["od"])
+            specs.append((name, kern, (nb[c["a_src"]], t.uint32[::1], am, t.float32[::1], nb[c["od"]],
+                                       t.int32, t.int32, t.int32)))
+    return specs

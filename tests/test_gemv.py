@@ -1,0 +1,126 @@
+"""Scalar GEMV (M = 1..4) against reference.gemv, on the simulator (CI) and the GPU."""
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+from numba import cuda
+
+import kbit_numba as kb
+from kbit_numba import reference as ref
+from helpers import EXAMPLES, SIM, ks, random_weight, seeds
+
+MAX_N = 12 if SIM else 700
+MAX_KB = 5 if SIM else 70          # K = 32 * kb: odd multiples of 32, and past 1024 (several warps) on the GPU
+
+
+def check_close(got, A, qw, bf16=False, out_dtype=np.float32):
+    """Tolerance of float32 accumulation: 1e-5 of sum_j |a_j w_j| (K <= 2240 terms, relative eps 6e-8
+    each, with margin), plus one float16 rounding of the result when the output is float16."""
+    want = ref.gemv(A, qw, bf16=bf16)
+    Af = ref.as_float32(A, bf16).reshape(want.shape[0], -1).astype(np.float64)
+    scale = np.abs(Af) @ np.abs(ref.dequantize(qw).astype(np.float64)).T
+    tol = 1e-5 * scale + 1e-30
+    if out_dtype == np.float16:
+        tol = tol + np.abs(want) * 2.0 ** -11 + 6e-8
+    got = np.asarray(got, np.float64).reshape(want.shape)
+    assert np.all(np.isfinite(got))
+    err = np.abs(got - want)
+    assert np.all(err <= tol), f"max error {err.max()} (tolerance there {tol.flat[err.argmax()]})"
+
+
+def _activations(rng, M, K, a_dtype, one_d=False):
+    A = rng.standard_normal((M, K)).astype(np.float32)
+    if a_dtype == "bfloat16":
+        A = ref.float32_to_bf16_bits(A)
+    else:
+        A = A.astype(a_dtype)
+    return A[0] if one_d else A
+
+
+@settings(max_examples=EXAMPLES * 2)
+@given(seeds, ks, st.integers(1, 4), st.integers(1, MAX_N), st.integers(1, MAX_KB),
+       st.sampled_from(["e4m4", "fp32"]), st.sampled_from(["float16", "float32", "bfloat16"]),
+       st.sampled_from([np.float16, np.float32]))
+def test_gemv_flat(seed, k, M, N, kbn, fmt, a_dtype, out_dtype):
+    rng = np.random.default_rng(seed)
+    K = 32 * kbn
+    qw = ref.quantize(random_weight(rng, N, K), k=k, absmax_format=fmt)
+    A = _activations(rng, M, K, a_dtype)
+    bf16 = a_dtype == "bfloat16"
+    out = kb.gemv(A, qw, out_dtype=out_dtype, bf16=bf16)
+    assert out.shape == (M, N) and out.dtype == np.dtype(out_dtype)
+    check_close(out.copy_to_host(), A, qw, bf16, out_dtype)
+
+
+@settings(max_examples=EXAMPLES)
+@given(seeds, ks, st.integers(1, 4), st.integers(1, 2), st.integers(1, MAX_KB), st.sampled_from(["e4m4", "fp32"]))
+def test_gemv_tiled(seed, k, M, ntiles, kbn, fmt):
+    rng = np.random.default_rng(seed)
+    K = 32 * kbn
+    flat = ref.quantize(random_weight(rng, 128 * ntiles, K), k=k, absmax_format=fmt)
+    tiled = kb.repack_tiled(flat)
+    A = _activations(rng, M, K, "float16")
+    got = kb.gemv(A, tiled, out_dtype=np.float32).copy_to_host()
+    check_close(got, A, flat)
+
+
+def test_gemv_vector_input_and_out_buffer():
+    rng = np.random.default_rng(5)
+    qw = kb.quantize(random_weight(rng, 7, 96), k=3)
+    a = _activations(rng, 1, 96, "float16", one_d=True)
+    out = cuda.device_array(7, np.float32)
+    res = kb.gemv(cuda.to_device(a), qw, out=out, stream=cuda.stream())
+    assert res is out
+    check_close(out.copy_to_host()[None], a[None], qw.to_numpy())
+
+
+def test_prepared_gemv_matches_and_rebinds_inputs():
+    rng = np.random.default_rng(6)
+    qw = kb.quantize(random_weight(rng, 9, 64), k=4)
+    A = cuda.to_device(_activations(rng, 2, 64, "float16"))
+    prep = kb.prepare_gemv(A, qw, out_dtype=np.float32)
+    check_close(prep.run().copy_to_host(), A.copy_to_host(), qw.to_numpy())
+    A2 = _activations(rng, 2, 64, "float16")
+    A.copy_to_device(A2)                          # the next step's activations, same buffer
+    check_close(prep.run().copy_to_host(), A2, qw.to_numpy())
+
+
+@pytest.mark.parametrize("kwargs, err, match", [
+    (dict(M=5), ValueError, "M = 1..4"),
+    (dict(K=96), ValueError, "K=96"),
+    (dict(a_dtype=np.int8), TypeError, "dtype"),
+    (dict(out_dtype=np.int32), TypeError, "out_dtype"),
+])
+def test_gemv_rejects_bad_input(kwargs, err, match):
+    qw = ref.quantize(np.ones((4, 64), np.float32), k=2)
+    M, K = kwargs.get("M", 1), kwargs.get("K", 64)
+    A = np.ones((M, K), kwargs.get("a_dtype", np.float16))
+    with pytest.raises(err, match=match):
+        kb.gemv(A, qw, out_dtype=kwargs.get("out_dtype", np.float16))
+    with pytest.raises(TypeError, match="KbitWeight"):
+        kb.gemv(np.ones((1, 64), np.float16), qw.packed)
+
+
+@pytest.mark.skipif(SIM, reason="CUDA graphs need a GPU")
+def test_gemv_captured_in_torch_cuda_graph():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(7)
+    W = random_weight(rng, 512, 2048)
+    qw = kb.quantize(W, k=4)
+    A = torch.randn(4, 2048, device="cuda", dtype=torch.float16)
+    out = torch.empty(4, 512, device="cuda", dtype=torch.float16)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        prep = kb.prepare_gemv(A, qw, out=out, stream=side)
+        prep.run()                                            # warm up outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        s = torch.cuda.current_stream()
+        prep.run(stream=s)                                     # the prepared launch ...
+        kb.gemv(A[:1], qw, out=out[:1], stream=s)              # ... and a plain one, both captured
+    for _ in range(2):
+        A.copy_(torch.randn(4, 2048, device="cuda", dtype=torch.float16))
+        out.zero_()
+        g.replay()
+        torch.cuda.synchronize()
+        check_close(out.cpu().numpy(), A.cpu().numpy(), qw.to_numpy(), out_dtype=np.float16)
