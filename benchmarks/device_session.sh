@@ -15,5 +15,5 @@ if [ -z "${SKIP_SANITIZER:-}" ]; then
   compute-sanitizer --tool racecheck --print-limit 5 python3 benchmarks/sanitize.py 2>&1 | tail -3 | tee "$OUT/racecheck.log"
 fi
 if [ "$#" -gt 0 ]; then
-  python3 -m kbit_numba.bench "$@" --json "$OUT/bench.json" 2>"$OUT/bench_progress.log" | tee "$OUT/bench.txt"
+  python3 -m kbit_numba.bench "$@" --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>"$OUT/bench_progress.log" | tee "$OUT/bench.txt"
 fi

@@ -88,3 +88,12 @@ def as_stream(stream):
 def check_finite_host(x, name):
     if isinstance(x, np.ndarray) and x.dtype.kind == "f" and not np.all(np.isfinite(x)):
         raise ValueError(f"{name} contains NaN or Inf")
+
+
+def check_aligned(arr, nbytes, name):
+    """Kernels that use 16-byte loads/stores need the buffer's address aligned (Numba/CuPy/torch
+    allocations are; a view into the middle of a buffer may not be)."""
+    ptr = arr.__cuda_array_interface__["data"][0] if hasattr(arr, "__cuda_array_interface__") else None
+    if ptr is not None and ptr % nbytes:
+        raise ValueError(f"{name} must be {nbytes}-byte aligned for 16-byte accesses (address {ptr:#x}); "
+                         "pass a fresh or .contiguous() copy")

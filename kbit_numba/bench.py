@@ -233,6 +233,37 @@ def format_table(rows):
     return "\n".join(lines)
 
 
+def plot(rows, path, device):
+    """Speedup over cuBLAS fp16 against M, one panel per shape, one line per (kernel, k)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("--plot needs matplotlib (pip install matplotlib); no plot written")
+        return
+    rows = [r for r in rows if r["M"] and r.get("cublas_us")]
+    shapes = sorted({r["shape"] for r in rows}, key=lambda s: [int(v) for v in s.split("x")])
+    if not shapes:
+        print("no rows with a cuBLAS baseline to plot")
+        return
+    fig, axes = plt.subplots(1, len(shapes), figsize=(3.2 * len(shapes), 3.2), squeeze=False, sharey=True)
+    for ax, shape in zip(axes[0], shapes):
+        for key in sorted({(r["kernel"], r["k"]) for r in rows if r["shape"] == shape}):
+            pts = sorted((r["M"], r["cublas_us"] / r["us"]) for r in rows
+                         if r["shape"] == shape and (r["kernel"], r["k"]) == key)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{key[0]} k={key[1]}")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_title(f"K x N = {shape}", fontsize=9)
+        ax.set_xlabel("M")
+    axes[0][0].set_ylabel("speedup vs cuBLAS fp16")
+    axes[0][-1].legend(fontsize=7)
+    fig.suptitle(device, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot written to {path}")
+
+
 def _demo():
     """No GPU: a tiny correctness demo on the simulator."""
     import kbit_numba as kb
@@ -253,6 +284,7 @@ def main(argv=None):
     p.add_argument("--kernels", default=",".join(KERNELS))
     p.add_argument("--json", help="write the rows and the ceilings as JSON to this file")
     p.add_argument("--csv", help="write the rows as CSV to this file")
+    p.add_argument("--plot", help="write a speedup-vs-M plot (PNG) to this file (needs matplotlib)")
     p.add_argument("--sweep", help="gemv tunings CB:max_registers to time, e.g. 4:64,8:none")
     p.add_argument("--overhead", action="store_true", help="also measure host time per call")
     p.add_argument("--demo", action="store_true", help=argparse.SUPPRESS)
@@ -307,6 +339,8 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
+    if args.plot:
+        plot(rows, args.plot, name)
     if args.csv:
         import csv
         keys = sorted({k for r in rows for k in r})

@@ -211,7 +211,7 @@ def dequantize(qw, dtype=np.float16, out=None, stream=None):
     qw = _device_weight(qw, stream)
     N, K = qw.shape
     out = _arrays.output(out, "out", (N, K), dtype, stream)
-    _check_aligned(out, 16, "out")
+    _arrays.check_aligned(out, 16, "out")
     kern = make_dequantize_kernel(qw.k, qw.layout, qw.absmax_format, dtype.name)
     n_threads = N * K // ELEMS_PER_THREAD
     kern[_grid(n_threads, DEQUANT_THREADS), DEQUANT_THREADS, stream](
@@ -235,12 +235,6 @@ def repack_tiled(qw, stream=None):
     kern[_grid(N * n_kb * qw.k, 256), 256, stream](
         qw.packed, qw.absmax, packed, absmax, np.int32(N), np.int32(K), np.int32(n_kb))
     return KbitWeight(packed, absmax, qw.codebook, qw.k, qw.shape, "tiled", qw.absmax_format)
-
-
-def _check_aligned(arr, nbytes, name):
-    ptr = arr.__cuda_array_interface__["data"][0] if hasattr(arr, "__cuda_array_interface__") else None
-    if ptr is not None and ptr % nbytes:
-        raise ValueError(f"{name} must be {nbytes}-byte aligned for 16-byte stores (got address {ptr:#x})")
 
 
 def kernel_specializations():

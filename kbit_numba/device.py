@@ -12,7 +12,7 @@ import numpy as np
 from numba import cuda
 
 from .formats import E4M4_BIAS, TILE_N
-from .intrinsics import SIMULATOR, f32_as_u32, u32_as_f32
+from .intrinsics import SIMULATOR, f16_bits_to_f32, f32_as_u32, u32_as_f32
 
 FULL_MASK = 0xFFFFFFFF
 WARP = 32
@@ -43,6 +43,28 @@ def make_loader(src):
     else:
         raise ValueError(f"unknown element type {src!r}")
     return load
+
+
+@lru_cache(maxsize=None)
+def make_word_unpacker(src):
+    """(unpack(word, e) -> float32 element e of a uint32 word, elements per word) for arrays read as
+    uint32 words: two float16 or bfloat16 values (element 0 in the low half) or one float32."""
+    if src == "float32":
+        @cuda.jit(device=True, inline=True)
+        def unpack(word, e):
+            return u32_as_f32(word)
+        return unpack, 1
+    if src == "float16":
+        @cuda.jit(device=True, inline=True)
+        def unpack(word, e):
+            return f16_bits_to_f32(word >> np.uint32(16 * e))
+        return unpack, 2
+    if src == "bfloat16":
+        @cuda.jit(device=True, inline=True)
+        def unpack(word, e):
+            return u32_as_f32(word << np.uint32(16) if e == 0 else word & np.uint32(0xFFFF0000))
+        return unpack, 2
+    raise ValueError(f"unknown element type {src!r}")
 
 
 @cuda.jit(device=True, inline=True)

@@ -15,6 +15,7 @@ every PTX version against its twin on random inputs on the GPU.
 | lop3(a,b,c,L)| lop3.b32 (L a literal truth table)    | any 3-input bitwise function in one instruction|
 | prmt(a,b,s)  | prmt.b32                              | byte permute / byte lookup from 8 bytes        |
 | f32_as_u32 / u32_as_f32 / f16x2_as_u32 | bit casts (no instruction) | move between float and bit views |
+| f16_bits_to_f32(x) | cvt.f32.f16 of x's low 16 bits       | unpack half values read as uint32 words        |
 | shared_addr(a) | cvta.to.shared                        | 32-bit shared-window address of a shared array |
 | lds_f32(a, p) | ld.shared.f32 [p]                     | table lookup at a 32-bit byte address p        |
 
@@ -284,6 +285,23 @@ def ptx_f16x2_as_u32(typingctx, lo, hi):
     return sig, codegen
 
 
+@intrinsic
+def ptx_f16_bits_to_f32(typingctx, x):
+    """float32 value of the float16 whose bits are the low 16 bits of x (cvt.f32.f16)."""
+    sig = types.float32(x)
+
+    def codegen(context, builder, sig, args):
+        v = context.cast(builder, args[0], sig.args[0], types.uint32)
+        h = builder.bitcast(builder.trunc(v, ir.IntType(16)), ir.HalfType())
+        return builder.fpext(h, ir.FloatType())
+
+    return sig, codegen
+
+
+def py_f16_bits_to_f32(x):
+    return np.float32(np.array([int(x) & 0xFFFF], dtype=np.uint16).view(np.float16)[0])
+
+
 def py_u32_as_f32(x):
     return np.array([int(x) & 0xFFFFFFFF], dtype=np.uint32).view(np.float32)[0]
 
@@ -301,9 +319,9 @@ def py_f16x2_as_u32(lo, hi):
 # The names kernels use
 # ---------------------------------------------------------------------------------------------
 NAMES = ("ldg128", "ldg64", "stg128", "shared_addr", "lds_f32", "dp4a", "lop3", "prmt",
-         "u32_as_f32", "f32_as_u32", "f16x2_as_u32")
+         "u32_as_f32", "f32_as_u32", "f16x2_as_u32", "f16_bits_to_f32")
 PAIRS = {name: (globals()["ptx_" + name], globals()["py_" + name]) for name in NAMES}
 
 _pick = 1 if SIMULATOR else 0
 (ldg128, ldg64, stg128, shared_addr, lds_f32, dp4a, lop3, prmt,
- u32_as_f32, f32_as_u32, f16x2_as_u32) = (PAIRS[n][_pick] for n in NAMES)
+ u32_as_f32, f32_as_u32, f16x2_as_u32, f16_bits_to_f32) = (PAIRS[n][_pick] for n in NAMES)

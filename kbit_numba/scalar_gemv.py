@@ -33,7 +33,7 @@ from numba.cuda.misc.special import literal_unroll
 
 from . import _arrays
 from .codec import _device_weight, MAX_CODES
-from .device import FULL_MASK, WARP, e4m4_decode, jit_kernel, make_loader, tiled_block
+from .device import FULL_MASK, WARP, e4m4_decode, jit_kernel, make_word_unpacker, tiled_block
 from .formats import BLOCK, KbitWeight
 from .intrinsics import ldg64, ldg128, lds_f32, prmt, shared_addr
 from .launch import PreparedLaunch
@@ -47,7 +47,10 @@ ONES = 0x01010101                # bit 0 of every byte
 CTA_WARPS_TARGET = 32            # resident warps per SM the grid aims for
 CB_ALIGN = 256                   # codebook's shared address has a zero low byte
 PRMT_KEEP_HIGH = 0x7650          # prmt selector: bytes 1..3 from the 2nd operand (the address)
-MAX_REGISTERS = {1: None, 2: None, 3: None, 4: None}   # per M; chosen from the device sweep
+# Tuning from the H200 sweeps in benchmarks/README.md: 2 columns per iteration was best or within 5%
+# of best for M = 1..4 on 2048x5120 and 4096x14336; register caps only hurt (spills, fewer FMA chains).
+DEFAULT_CB = 2
+MAX_REGISTERS = {1: None, 2: None, 3: None, 4: None}
 
 
 @lru_cache(maxsize=None)
@@ -62,66 +65,98 @@ def make_gemv_kernel(k, M, CB, layout, absmax_format, a_src, out_dtype, max_regi
     tiled = layout == "tiled"
     e4m4 = absmax_format == "e4m4"
     f16_out = np.dtype(out_dtype) == np.float16
-    load_a = make_loader(a_src)
+    word_to_f32, A_PER_WORD = make_word_unpacker(a_src)   # A is read as uint32 words
+    absmax_t = np.uint8 if e4m4 else np.float32
     V = 1 << (CM - 1).bit_length()                 # ... padded to a power of two (<= 32)
     V_LOG = V.bit_length() - 1
-    COLS = tuple(range(CB))                        # literal_unroll(COLS): column loops fully unrolled,
+    COLS = tuple(range(CB))                        # literal_unroll(COLS/ROWS): loops fully unrolled,
+    ROWS = tuple(range(M))
+    S_LEN = M * N_FIELDS                           # per-row partial sums, one per field
     #                                                so per-column registers never spill to local memory
 
     def gemv_kernel(A, packed, absmax, cb, out, N, K, n_kb):
         # 256-byte aligned, so an index byte (idx*4 < 128) can be merged into the address's low byte
         cb_sh = cuda.shared.array(MAX_CODES, np.float32, alignment=CB_ALIGN)
-        part = cuda.shared.array((MAX_KW, WARP), np.float32)
-        cb_addr = shared_addr(cb_sh)
+        part = cuda.shared.array((2, MAX_KW, WARP), np.float32)   # double-buffered warp partials
         tid = cuda.threadIdx.x
         lane = tid % WARP
         warp = tid // WARP
         n_warps = cuda.blockDim.x // WARP
+        kb = warp * WARP + lane
+        active = kb < K // BLOCK
+        n_groups = (N + CB - 1) // CB
+        g = cuda.blockIdx.x
+
+        # ---- 1. start the first column group's weight loads: DRAM latency overlaps the setup below ---
+        nxt = cuda.local.array((CB, k), np.uint32)
+        nxt_absmax = cuda.local.array(CB, absmax_t)
+        for c in literal_unroll(COLS):
+            n = g * CB + c
+            if active and n < N:
+                slot = tiled_block(n, kb, N) if tiled else n * n_kb + kb
+                if k == 4:
+                    nxt[c, 0], nxt[c, 1], nxt[c, 2], nxt[c, 3] = ldg128(packed, slot * 4)
+                elif k == 2:
+                    nxt[c, 0], nxt[c, 1] = ldg64(packed, slot * 2)
+                else:
+                    for b in range(k):
+                        nxt[c, b] = packed[slot * k + b]
+                nxt_absmax[c] = absmax[slot]
+            else:
+                for b in range(k):
+                    nxt[c, b] = np.uint32(0)
+                nxt_absmax[c] = absmax_t(0)
+
+        # ---- 2. this lane's activations, 16-byte loads, in the transposed element order --------------
+        #         a[m, 4i + t] = A[m, 32 kb + i + 8t]
+        a = cuda.local.array((M, BLOCK), np.float32)
+        a_live = np.float32(1.0) if active else np.float32(0.0)
+        for m in literal_unroll(ROWS):
+            base = (m * K + kb * BLOCK) // A_PER_WORD
+            if not active:                                     # a valid address; values zeroed below
+                base = 0
+            for q in range(BLOCK // A_PER_WORD // 4):          # 4 words per 16-byte load
+                w4 = ldg128(A, base + 4 * q)
+                for h in range(4):
+                    for e in range(A_PER_WORD):                 # element j of the block
+                        j = (4 * q + h) * A_PER_WORD + e
+                        a[m, (j % FIELD) * N_FIELDS + j // FIELD] = word_to_f32(w4[h], e) * a_live
         if tid < n_codes:
             cb_sh[tid] = cb[tid]
-        kbr = K // BLOCK
-        kb = warp * WARP + lane
-        active = kb < kbr
-
-        # this lane's activations, in the transposed element order: a[m, 4i + t] = A[m, 32 kb + i + 8t]
-        a = cuda.local.array((M, BLOCK), np.float32)
-        for m in range(M):
-            for i in range(N_WORDS):
-                for t in range(N_FIELDS):
-                    a[m, i * N_FIELDS + t] = load_a(A, m * K + kb * BLOCK + i + FIELD * t) if active \
-                        else np.float32(0.0)
+        cb_addr = shared_addr(cb_sh)
         cuda.syncthreads()
 
-        n_groups = (N + CB - 1) // CB
         planes = cuda.local.array((CB, k), np.uint32)
         scale = cuda.local.array(CB, np.float32)
         acc = cuda.local.array(V, np.float32)
-        s = cuda.local.array(M, np.float32)
-        for g in range(cuda.blockIdx.x, n_groups, cuda.gridDim.x):
+        s = cuda.local.array(S_LEN, np.float32)
+        parity = 0
+        while g < n_groups:
             n0 = g * CB
-            # ---- issue every load of the CB columns before using any --------------------------
+            # ---- 3. take the prefetched group, start loading the next one ----------------------
             for c in literal_unroll(COLS):
-                n = n0 + c
+                for b in range(k):
+                    planes[c, b] = nxt[c, b]
+                scale[c] = e4m4_decode(nxt_absmax[c]) if e4m4 else nxt_absmax[c]
+            g += cuda.gridDim.x
+            for c in literal_unroll(COLS):
+                n = g * CB + c
                 if active and n < N:
                     slot = tiled_block(n, kb, N) if tiled else n * n_kb + kb
                     if k == 4:
-                        planes[c, 0], planes[c, 1], planes[c, 2], planes[c, 3] = ldg128(packed, slot * 4)
+                        nxt[c, 0], nxt[c, 1], nxt[c, 2], nxt[c, 3] = ldg128(packed, slot * 4)
                     elif k == 2:
-                        planes[c, 0], planes[c, 1] = ldg64(packed, slot * 2)
+                        nxt[c, 0], nxt[c, 1] = ldg64(packed, slot * 2)
                     else:
                         for b in range(k):
-                            planes[c, b] = packed[slot * k + b]
-                    scale[c] = e4m4_decode(absmax[slot]) if e4m4 else absmax[slot]
-                else:
-                    for b in range(k):
-                        planes[c, b] = np.uint32(0)
-                    scale[c] = np.float32(0.0)
-            # ---- decode each block once, use it for all M rows ---------------------------------
+                            nxt[c, b] = packed[slot * k + b]
+                    nxt_absmax[c] = absmax[slot]
+            # ---- 4. decode each block once, use it for all M rows --------------------------------
             for j in range(CM, V):
                 acc[j] = np.float32(0.0)
             for c in literal_unroll(COLS):
-                for m in range(M):
-                    s[m] = np.float32(0.0)
+                for j in range(M * N_FIELDS):
+                    s[j] = np.float32(0.0)
                 for i in range(N_WORDS):
                     f = np.uint32(0)
                     for b in range(k):
@@ -131,11 +166,12 @@ def make_gemv_kernel(k, M, CB, layout, absmax_format, a_src, out_dtype, max_regi
                     for t in range(N_FIELDS):
                         # one prmt: byte t of f (= 4*idx) becomes the low byte of the codebook address
                         v = lds_f32(cb_sh, prmt(f, cb_addr, np.uint32(t | PRMT_KEEP_HIGH)))
-                        for m in range(M):
-                            s[m] += v * a[m, i * N_FIELDS + t]
+                        for m in range(M):           # one chain per field: 4 independent FMA chains
+                            s[m * N_FIELDS + t] += v * a[m, i * N_FIELDS + t]
                 for m in range(M):
-                    acc[c * M + m] = s[m] * scale[c]
-            # ---- reduce-scatter over the warp: lane l ends with value v(l) -----------------------
+                    acc[c * M + m] = ((s[m * N_FIELDS] + s[m * N_FIELDS + 1]) +
+                                      (s[m * N_FIELDS + 2] + s[m * N_FIELDS + 3])) * scale[c]
+            # ---- 5. reduce-scatter over the warp: lane l ends with value v(l) ----------------------
             half = V
             for step in range(V_LOG):
                 half //= 2
@@ -151,15 +187,15 @@ def make_gemv_kernel(k, M, CB, layout, absmax_format, a_src, out_dtype, max_regi
                 r += cuda.shfl_xor_sync(FULL_MASK, r, off)
                 off //= 2
             # value index held by this lane: bits of lane >> (5 - V_LOG), most significant first
-            low = WARP >> V_LOG
-            if lane % low == 0:
+            if lane % (WARP >> V_LOG) == 0:
                 v_idx = 0
                 bit = V // 2
                 for step in range(V_LOG):
                     if lane & (WARP >> (step + 1)):
                         v_idx += bit
                     bit //= 2
-                part[warp, v_idx] = r
+                part[parity, warp, v_idx] = r
+            # ---- 6. across the K-warps; the other parity's buffer is next iteration's -------------
             cuda.syncthreads()
             if tid < CM:
                 c = tid // M
@@ -167,21 +203,12 @@ def make_gemv_kernel(k, M, CB, layout, absmax_format, a_src, out_dtype, max_regi
                 n = n0 + c
                 total = np.float32(0.0)
                 for w in range(n_warps):
-                    total += part[w, tid]
+                    total += part[parity, w, tid]
                 if n < N:
                     out[m * N + n] = np.float16(total) if f16_out else total
-            cuda.syncthreads()
+            parity ^= 1
 
     return jit_kernel(gemv_kernel, max_registers)
-
-
-def _choose_cb(N, n_sm):
-    """Columns per iteration: 8 for big N (more loads in flight), fewer when N is small so that
-    every SM still gets two column groups."""
-    cb = 8
-    while cb > 1 and -(-N // cb) < 2 * n_sm:
-        cb //= 2
-    return cb
 
 
 def _sm_count():
@@ -214,11 +241,12 @@ def _plan(A, qw, out, stream, out_dtype, bf16, tuning=None):
     qw = _device_weight(qw, stream)
     out = _arrays.output(out, "out", (M, N) if len(shape) == 2 else (N,), out_dtype, stream)
     n_sm = _sm_count()
-    CB, max_regs = tuning or (_choose_cb(N, n_sm), MAX_REGISTERS[M])
+    CB, max_regs = tuning or (DEFAULT_CB, MAX_REGISTERS[M])
     kw = -(-(K // BLOCK) // WARP)
     kern = make_gemv_kernel(qw.k, M, CB, qw.layout, qw.absmax_format, a_src, out_dtype.name, max_regs)
     grid = min(-(-N // CB), n_sm * max(1, CTA_WARPS_TARGET // kw))
-    args = (_arrays.flat_view(Ad), qw.packed, qw.absmax, qw.codebook, _arrays.flat_view(out),
+    _arrays.check_aligned(Ad, 16, "A")
+    args = (_arrays.flat_view(Ad, np.uint32), qw.packed, qw.absmax, qw.codebook, _arrays.flat_view(out),
             np.int32(N), np.int32(K), np.int32(qw.n_kblocks))
     return kern, grid, kw * WARP, args, out
 
@@ -278,6 +306,6 @@ def kernel_specializations():
             am = t.uint8[::1] if c["fmt"] == "e4m4" else t.float32[::1]
             name = f"gemv k={k} M={c['M']} CB={c['CB']} {c['layout']} {c['fmt']} A={c['a_src']} out={c['od']}"
             kern = make_gemv_kernel(k, c["M"], c["CB"], c["layout"], c["fmt"], c["a_src"], c["od"])
-            specs.append((name, kern, (nb[c["a_src"]], t.uint32[::1], am, t.float32[::1], nb[c["od"]],
+            specs.append((name, kern, (t.uint32[::1], t.uint32[::1], am, t.float32[::1], nb[c["od"]],
                                        t.int32, t.int32, t.int32)))
     return specs

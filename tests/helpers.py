@@ -9,7 +9,8 @@ import kbit_numba
 SIM = kbit_numba.SIMULATOR
 PTX_ONLY = os.environ.get("KBIT_NUMBA_PTX_ONLY") == "1"
 # The simulator runs one Python thread per CUDA thread: keep its problems to a few blocks.
-EXAMPLES = 6 if SIM else 40
+# On the GPU every new specialisation costs seconds of compilation: examples stay modest there too.
+EXAMPLES = 6 if SIM else 12
 MAX_N = 8 if SIM else 300
 MAX_KB = 4 if SIM else 40        # K = 32 * kb
 
