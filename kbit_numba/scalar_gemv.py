@@ -71,7 +71,6 @@ def make_gemv_kernel(k, M, CB, layout, absmax_format, a_src, out_dtype, max_regi
     V_LOG = V.bit_length() - 1
     COLS = tuple(range(CB))                        # literal_unroll(COLS/ROWS): loops fully unrolled,
     ROWS = tuple(range(M))
-    S_LEN = M * N_FIELDS                           # per-row partial sums, one per field
     #                                                so per-column registers never spill to local memory
 
     def gemv_kernel(A, packed, absmax, cb, out, N, K, n_kb):
@@ -129,7 +128,7 @@ def make_gemv_kernel(k, M, CB, layout, absmax_format, a_src, out_dtype, max_regi
         planes = cuda.local.array((CB, k), np.uint32)
         scale = cuda.local.array(CB, np.float32)
         acc = cuda.local.array(V, np.float32)
-        s = cuda.local.array(S_LEN, np.float32)
+        s = cuda.local.array(M, np.float32)
         parity = 0
         while g < n_groups:
             n0 = g * CB
@@ -155,8 +154,8 @@ def make_gemv_kernel(k, M, CB, layout, absmax_format, a_src, out_dtype, max_regi
             for j in range(CM, V):
                 acc[j] = np.float32(0.0)
             for c in literal_unroll(COLS):
-                for j in range(M * N_FIELDS):
-                    s[j] = np.float32(0.0)
+                for m in range(M):
+                    s[m] = np.float32(0.0)
                 for i in range(N_WORDS):
                     f = np.uint32(0)
                     for b in range(k):
@@ -166,11 +165,10 @@ def make_gemv_kernel(k, M, CB, layout, absmax_format, a_src, out_dtype, max_regi
                     for t in range(N_FIELDS):
                         # one prmt: byte t of f (= 4*idx) becomes the low byte of the codebook address
                         v = lds_f32(cb_sh, prmt(f, cb_addr, np.uint32(t | PRMT_KEEP_HIGH)))
-                        for m in range(M):           # one chain per field: 4 independent FMA chains
-                            s[m * N_FIELDS + t] += v * a[m, i * N_FIELDS + t]
+                        for m in range(M):
+                            s[m] += v * a[m, i * N_FIELDS + t]
                 for m in range(M):
-                    acc[c * M + m] = ((s[m * N_FIELDS] + s[m * N_FIELDS + 1]) +
-                                      (s[m * N_FIELDS + 2] + s[m * N_FIELDS + 3])) * scale[c]
+                    acc[c * M + m] = s[m] * scale[c]
             # ---- 5. reduce-scatter over the warp: lane l ends with value v(l) ----------------------
             half = V
             for step in range(V_LOG):
