@@ -97,3 +97,12 @@ def check_aligned(arr, nbytes, name):
     if ptr is not None and ptr % nbytes:
         raise ValueError(f"{name} must be {nbytes}-byte aligned for 16-byte accesses (address {ptr:#x}); "
                          "pass a fresh or .contiguous() copy")
+
+
+def to_host(x):
+    """A NumPy copy of a host or device array."""
+    if isinstance(x, np.ndarray):
+        return x
+    if hasattr(x, "copy_to_host"):
+        return x.copy_to_host()
+    return cuda.as_cuda_array(x).copy_to_host()

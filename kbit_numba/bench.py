@@ -157,6 +157,64 @@ def gemv_rows(shapes, ks, ms, ceilings, progress, tunings=(None,)):
     return rows
 
 
+def moe_rows(ceilings, progress, E=512, batch=32, top_k=8, k=4, shapes=((2048, 512), (512, 2048))):
+    """MoE decode step: ``batch`` tokens routed top-``top_k`` over E experts of one shape. Three ways:
+    grouped_gemv (one launch), one gemv launch per active expert, and a cuBLAS fp16 matmul per active
+    expert; each timed as a whole step in a CUDA graph, alternating between two copies of every expert
+    (each copy larger than the L2)."""
+    from numba import cuda
+
+    import kbit_numba as kb
+    from . import scalar_gemv
+    from ._timing import graph_time_us, torch
+
+    rng = np.random.default_rng(3)
+    routes = np.stack([rng.choice(E, top_k, replace=False) for _ in range(batch)])   # [batch, top_k]
+    counts = np.bincount(routes.reshape(-1), minlength=E)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    active = np.nonzero(counts)[0]
+    T = int(offsets[-1])
+    rows = []
+    for K, N in shapes:
+        progress(f"MoE {E} experts {K}x{N}: quantizing")
+        base = [kb.reference.quantize(rng.standard_normal((N, K)).astype(np.float32) * 0.02, k=k)
+                for _ in range(8)]                             # 8 distinct weights, reused round-robin
+        sets = [kb.stack_experts([base[(e + s) % 8] for e in range(E)]) for s in range(2)]
+        A = cuda.to_device(rng.standard_normal((T, K)).astype(np.float16))
+        out = cuda.device_array((T, N), np.float16)
+        d_offsets = cuda.to_device(offsets)
+        max_tok = int(counts.max())
+        nbytes = len(active) * N * K // 32 * (4 * k + 1)
+
+        def grouped(i, s):
+            kb.grouped_gemv(A, sets[i % 2], d_offsets, out=out, stream=s, max_tokens=max_tok)
+
+        plans = [[scalar_gemv._plan(A[offsets[e]:offsets[e + 1]], st.expert(e), out[offsets[e]:offsets[e + 1]],
+                                    0, np.float16, False) for e in active] for st in sets]
+
+        def per_expert(i, s):
+            for kern, grid, block, args, _ in plans[i % 2]:
+                kern[grid, block, s](*args)
+
+        cases = [("grouped_gemv", grouped), ("gemv per expert", per_expert)]
+        if torch is not None and torch.cuda.is_available():
+            Ws = [[torch.randn(N, K, device="cuda", dtype=torch.float16) * 0.02 for _ in range(E)] for _ in range(2)]
+            At = torch.randn(T, K, device="cuda", dtype=torch.float16)
+            Ot = torch.empty(T, N, device="cuda", dtype=torch.float16)
+
+            def cublas(i, s):
+                for e in active:
+                    torch.matmul(At[offsets[e]:offsets[e + 1]], Ws[i % 2][e].t(), out=Ot[offsets[e]:offsets[e + 1]])
+
+            cases.append(("cuBLAS fp16 per expert", cublas))
+        for name, fn in cases:
+            progress(f"MoE {K}x{N}: {name}")
+            t = graph_time_us(fn, 8)
+            rows.append(dict(kernel=name, shape=f"{K}x{N}", experts=E, active=int(len(active)), tokens=T,
+                             max_tokens=max_tok, us=t, GBps=nbytes / t / 1e3))
+    return rows
+
+
 def host_overhead_rows(progress, K=2048, N=5120, k=4, calls=3000):
     """Host microseconds per call: gemv() through the dispatcher, a PreparedGemv.run(), and a small
     torch op, measured the same way (wall clock over many calls, one sync at the end)."""
@@ -287,6 +345,7 @@ def main(argv=None):
     p.add_argument("--plot", help="write a speedup-vs-M plot (PNG) to this file (needs matplotlib)")
     p.add_argument("--sweep", help="gemv tunings CB:max_registers to time, e.g. 4:64,8:none")
     p.add_argument("--overhead", action="store_true", help="also measure host time per call")
+    p.add_argument("--moe", action="store_true", help="also time the MoE case (512 experts, batch 32, top-8)")
     p.add_argument("--demo", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
@@ -321,6 +380,7 @@ def main(argv=None):
         tunings = [tuple(None if v == "none" else int(v) for v in t.split(":")) for t in _parse_list(args.sweep)]
         rows += gemv_rows(shapes, ks, ms, ceilings, progress, tunings)
     overhead = host_overhead_rows(progress) if args.overhead else []
+    moe = moe_rows(ceilings, progress) if args.moe else []
     cublas = {}
     for r in rows:
         if r["M"] is not None:
@@ -335,7 +395,10 @@ def main(argv=None):
     print(format_table(rows))
     for r in overhead:
         print(f"host overhead  {r['what']:<34} {r['host_us_per_call']:7.1f} us/call")
-    result = dict(device=name, ceilings=ceilings, rows=rows, host_overhead=overhead)
+    for r in moe:
+        print(f"MoE {r['experts']} experts ({r['active']} active, {r['tokens']} token rows) {r['shape']:>9}  "
+              f"{r['kernel']:<24} {r['us']:8.2f} us  {r['GBps']:6.0f} GB/s")
+    result = dict(device=name, ceilings=ceilings, rows=rows, host_overhead=overhead, moe=moe)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

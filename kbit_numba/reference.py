@@ -129,3 +129,16 @@ def block_error_bound(qw_flat, W):
     cb = np.asarray(qw_flat.codebook, dtype=np.float64)
     half_gap = max(np.max(np.diff(cb)) / 2, 1 - cb[-1], cb[0] + 1)
     return half_gap * amax + np.abs(amax - decoded_absmax(qw_flat))
+
+
+def grouped_gemv(A, experts, offsets, bf16=False):
+    """MoE: out[t] = A[t] @ dequantize(expert e)^T for the tokens offsets[e] <= t < offsets[e+1]."""
+    A = as_float32(A, bf16)
+    offsets = np.asarray(offsets)
+    N = experts.expert_shape[0]
+    out = np.zeros((A.shape[0], N), np.float32)
+    for e in range(experts.n_experts):
+        t0, t1 = int(offsets[e]), int(offsets[e + 1])
+        if t1 > t0:
+            out[t0:t1] = gemv(A[t0:t1], experts.expert(e))
+    return out

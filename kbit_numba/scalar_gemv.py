@@ -25,6 +25,7 @@ Reference twin: ``reference.gemv``. Tests: ``tests/test_gemv.py``.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
@@ -34,7 +35,7 @@ from numba.cuda.misc.special import literal_unroll
 from . import _arrays
 from .codec import _device_weight, MAX_CODES
 from .device import FULL_MASK, WARP, e4m4_decode, jit_kernel, make_word_unpacker, tiled_block
-from .formats import BLOCK, KbitWeight
+from .formats import BLOCK, KbitWeight, padded_k
 from .intrinsics import ldg64, ldg128, lds_f32, prmt, shared_addr
 from .launch import PreparedLaunch
 
@@ -54,11 +55,14 @@ MAX_REGISTERS = {1: None, 2: None, 3: None, 4: None}
 
 
 @lru_cache(maxsize=None)
-def make_gemv_kernel(k, M, CB, layout, absmax_format, a_src, out_dtype, max_registers=None):
-    """Kernel(A[M*K], packed, absmax, codebook, out[M*N], N, K, n_kb), launched with KW warps per CTA.
+def make_gemv_kernel(k, M, CB, layout, absmax_format, a_src, out_dtype, max_registers=None, grouped=False):
+    """Kernel(A[T*K], packed, absmax, codebook, out[T*N], N, K, n_kb, offsets), KW warps per CTA.
 
     k: bits; M: rows of A (1..4); CB: columns per iteration (1, 2, 4 or 8); max_registers: a register
-    cap per thread (more resident warps against fewer registers; see benchmarks/README.md)."""
+    cap per thread (more resident warps against fewer registers; see benchmarks/README.md).
+    grouped: the MoE variant. blockIdx.y is an expert e whose weights follow the previous experts' in
+    packed/absmax; its tokens are rows offsets[e] .. offsets[e+1]-1 of A and out (at most M of them;
+    CTAs of experts without tokens exit at once). Not grouped: offsets is unused, the M rows are 0..M-1."""
     assert 1 <= M <= MAX_M and CB in (1, 2, 4, 8)
     n_codes = 1 << k
     CM = CB * M                                    # partial sums per lane per iteration ...
@@ -70,10 +74,20 @@ def make_gemv_kernel(k, M, CB, layout, absmax_format, a_src, out_dtype, max_regi
     V = 1 << (CM - 1).bit_length()                 # ... padded to a power of two (<= 32)
     V_LOG = V.bit_length() - 1
     COLS = tuple(range(CB))                        # literal_unroll(COLS/ROWS): loops fully unrolled,
-    ROWS = tuple(range(M))
-    #                                                so per-column registers never spill to local memory
+    ROWS = tuple(range(M))                         # so per-column registers never spill to local memory
 
-    def gemv_kernel(A, packed, absmax, cb, out, N, K, n_kb):
+    def gemv_kernel(A, packed, absmax, cb, out, N, K, n_kb, offsets):
+        if grouped:                                 # this CTA's expert and its token rows
+            expert = cuda.blockIdx.y
+            row0 = offsets[expert]
+            rows = offsets[expert + 1] - row0
+            if rows <= 0:                           # whole CTA: no barrier is skipped by a subset
+                return
+            first_slot = expert * N * n_kb
+        else:
+            row0 = 0
+            rows = M
+            first_slot = 0
         # 256-byte aligned, so an index byte (idx*4 < 128) can be merged into the address's low byte
         cb_sh = cuda.shared.array(MAX_CODES, np.float32, alignment=CB_ALIGN)
         part = cuda.shared.array((2, MAX_KW, WARP), np.float32)   # double-buffered warp partials
@@ -92,7 +106,7 @@ def make_gemv_kernel(k, M, CB, layout, absmax_format, a_src, out_dtype, max_regi
         for c in literal_unroll(COLS):
             n = g * CB + c
             if active and n < N:
-                slot = tiled_block(n, kb, N) if tiled else n * n_kb + kb
+                slot = first_slot + (tiled_block(n, kb, N) if tiled else n * n_kb + kb)
                 if k == 4:
                     nxt[c, 0], nxt[c, 1], nxt[c, 2], nxt[c, 3] = ldg128(packed, slot * 4)
                 elif k == 2:
@@ -109,10 +123,11 @@ def make_gemv_kernel(k, M, CB, layout, absmax_format, a_src, out_dtype, max_regi
         # ---- 2. this lane's activations, 16-byte loads, in the transposed element order --------------
         #         a[m, 4i + t] = A[m, 32 kb + i + 8t]
         a = cuda.local.array((M, BLOCK), np.float32)
-        a_live = np.float32(1.0) if active else np.float32(0.0)
         for m in literal_unroll(ROWS):
-            base = (m * K + kb * BLOCK) // A_PER_WORD
-            if not active:                                     # a valid address; values zeroed below
+            live = active and m < rows
+            a_live = np.float32(1.0) if live else np.float32(0.0)
+            base = ((row0 + m) * K + kb * BLOCK) // A_PER_WORD
+            if not live:                                       # a valid address; values zeroed below
                 base = 0
             for q in range(BLOCK // A_PER_WORD // 4):          # 4 words per 16-byte load
                 w4 = ldg128(A, base + 4 * q)
@@ -141,7 +156,7 @@ def make_gemv_kernel(k, M, CB, layout, absmax_format, a_src, out_dtype, max_regi
             for c in literal_unroll(COLS):
                 n = g * CB + c
                 if active and n < N:
-                    slot = tiled_block(n, kb, N) if tiled else n * n_kb + kb
+                    slot = first_slot + (tiled_block(n, kb, N) if tiled else n * n_kb + kb)
                     if k == 4:
                         nxt[c, 0], nxt[c, 1], nxt[c, 2], nxt[c, 3] = ldg128(packed, slot * 4)
                     elif k == 2:
@@ -202,11 +217,20 @@ def make_gemv_kernel(k, M, CB, layout, absmax_format, a_src, out_dtype, max_regi
                 total = np.float32(0.0)
                 for w in range(n_warps):
                     total += part[parity, w, tid]
-                if n < N:
-                    out[m * N + n] = np.float16(total) if f16_out else total
+                if n < N and m < rows:
+                    out[(row0 + m) * N + n] = np.float16(total) if f16_out else total
+            if grouped and rows > M and tid < CB and n0 + tid < N:
+                for r in range(M, rows):              # more tokens than this kernel holds: NaN, never
+                    out[(row0 + r) * N + n0 + tid] = np.float16(np.nan) if f16_out else np.float32(np.nan)
             parity ^= 1
 
     return jit_kernel(gemv_kernel, max_registers)
+
+
+@lru_cache(maxsize=None)
+def _no_offsets():
+    """The offsets argument of a plain (not grouped) launch: unused, but the kernel ABI has it."""
+    return cuda.to_device(np.zeros(2, np.int32))
 
 
 def _sm_count():
@@ -245,7 +269,7 @@ def _plan(A, qw, out, stream, out_dtype, bf16, tuning=None):
     grid = min(-(-N // CB), n_sm * max(1, CTA_WARPS_TARGET // kw))
     _arrays.check_aligned(Ad, 16, "A")
     args = (_arrays.flat_view(Ad, np.uint32), qw.packed, qw.absmax, qw.codebook, _arrays.flat_view(out),
-            np.int32(N), np.int32(K), np.int32(qw.n_kblocks))
+            np.int32(N), np.int32(K), np.int32(qw.n_kblocks), _no_offsets())
     return kern, grid, kw * WARP, args, out
 
 
@@ -286,6 +310,100 @@ def prepare_gemv(A, qw, out=None, stream=None, out_dtype=np.float16, bf16=False)
     return PreparedGemv(A, qw, out, stream, out_dtype, bf16)
 
 
+@dataclass(frozen=True)
+class KbitExperts:
+    """E kbit weights of one shape, k, layout, absmax format and codebook, stored back to back:
+    expert e's words are packed[e*words : (e+1)*words] (its own flat or tiled layout), its absmax
+    values absmax[e*blocks : (e+1)*blocks]. Build with :func:`stack_experts`."""
+    packed: object
+    absmax: object
+    codebook: object
+    k: int
+    expert_shape: tuple
+    n_experts: int
+    layout: str = "flat"
+    absmax_format: str = "e4m4"
+
+    def expert(self, e):
+        """Expert e as a KbitWeight (views, no copy)."""
+        N, K = self.expert_shape
+        b = N * padded_k(K, self.layout) // BLOCK
+        w = b * self.k
+        return KbitWeight(self.packed[e * w:(e + 1) * w], self.absmax[e * b:(e + 1) * b], self.codebook,
+                          self.k, self.expert_shape, self.layout, self.absmax_format)
+
+
+def stack_experts(experts, stream=None):
+    """A list of KbitWeights (same shape, k, layout, absmax format, codebook) -> KbitExperts on the device."""
+    experts = list(experts)
+    if not experts or not all(isinstance(w, KbitWeight) for w in experts):
+        raise TypeError("stack_experts needs a non-empty list of KbitWeight")
+    w0 = experts[0]
+    key = (w0.shape, w0.k, w0.layout, w0.absmax_format)
+    cb0 = _arrays.to_host(w0.codebook)
+    for w in experts[1:]:
+        if (w.shape, w.k, w.layout, w.absmax_format) != key:
+            raise ValueError(f"every expert must have shape/k/layout/absmax_format {key}, "
+                             f"got {(w.shape, w.k, w.layout, w.absmax_format)}")
+        if not np.array_equal(_arrays.to_host(w.codebook), cb0):
+            raise ValueError("every expert must use the same codebook")
+    stream = _arrays.as_stream(stream)
+    packed = np.concatenate([_arrays.to_host(w.packed).reshape(-1) for w in experts])
+    absmax = np.concatenate([_arrays.to_host(w.absmax).reshape(-1) for w in experts])
+    return KbitExperts(cuda.to_device(packed, stream=stream), cuda.to_device(absmax, stream=stream),
+                       cuda.to_device(cb0.astype(np.float32), stream=stream), w0.k, w0.shape, len(experts),
+                       w0.layout, w0.absmax_format)
+
+
+def grouped_gemv(A, experts, expert_offsets, out=None, stream=None, out_dtype=np.float16, bf16=False,
+                 max_tokens=None):
+    """MoE expert GEMV in one launch: out[t] = A[t] @ W_e^T for the tokens t of each expert e.
+
+    A: [T, K] tokens sorted by expert; expert_offsets: int32 [E+1], expert e's tokens are rows
+    offsets[e] .. offsets[e+1]-1 (0..4 per expert; empty experts cost nothing); experts: KbitExperts.
+    Returns out [T, N]. The kernel is specialised for at most ``max_tokens`` tokens per expert; left
+    None it is read from the offsets (a small device-to-host copy when they live on the device). Rows of
+    an expert beyond ``max_tokens`` come out NaN, never silently wrong (use a larger ``max_tokens``)."""
+    stream = _arrays.as_stream(stream)
+    if not isinstance(experts, KbitExperts):
+        raise TypeError(f"experts must be a KbitExperts (see stack_experts), got {type(experts).__name__}")
+    E = experts.n_experts
+    N, K = experts.expert_shape
+    Ad, a_src = _arrays.float_input(A, "A", bf16, 2, stream)
+    T = tuple(Ad.shape)[0]
+    if tuple(Ad.shape)[1] != K:
+        raise ValueError(f"A has K={tuple(Ad.shape)[1]}, the experts have K={K}")
+    offs = _arrays.device_array(expert_offsets, "expert_offsets", (np.int32,), 1, stream)
+    if offs.shape[0] != E + 1:
+        raise ValueError(f"expert_offsets must hold E+1 = {E + 1} values, got {offs.shape[0]}")
+    if max_tokens is None:
+        h = _arrays.to_host(expert_offsets) if isinstance(expert_offsets, np.ndarray) else offs.copy_to_host()
+        if h[0] != 0 or h[-1] != T or np.any(np.diff(h) < 0):
+            raise ValueError(f"expert_offsets must rise from 0 to T={T}")
+        max_tokens = int(np.max(np.diff(h))) if E else 0
+    if max_tokens > MAX_M:
+        raise ValueError(f"grouped_gemv handles up to {MAX_M} tokens per expert, got {max_tokens}")
+    M = max(1, int(max_tokens))
+    out_dtype = np.dtype(out.dtype if isinstance(out, np.ndarray) else
+                         (_arrays.device_array(out, "out", (np.float16, np.float32)).dtype if out is not None
+                          else out_dtype))
+    out = _arrays.output(out, "out", (T, N), out_dtype, stream)
+    _arrays.check_aligned(Ad, 16, "A")
+    n_sm = _sm_count()
+    kw = -(-(K // BLOCK) // WARP)
+    CB = DEFAULT_CB
+    n_groups = -(-N // CB)
+    gx = max(1, min(n_groups, -(-n_sm * max(1, CTA_WARPS_TARGET // kw) // max(1, E))))
+    kern = make_gemv_kernel(experts.k, M, CB, experts.layout, experts.absmax_format, a_src, out_dtype.name,
+                            None, True)
+    n_kb = padded_k(K, experts.layout) // BLOCK
+    if E and T:
+        kern[(gx, E), kw * WARP, stream](_arrays.flat_view(Ad, np.uint32), experts.packed, experts.absmax,
+                                         experts.codebook, _arrays.flat_view(out), np.int32(N), np.int32(K),
+                                         np.int32(n_kb), offs)
+    return out
+
+
 def kernel_specializations():
     """(name, kernel, argument types) for the PTX checks: every (k, M) at the default configuration,
     and every value of each other factor (CB, layout, absmax format, A type, output type) with every k.
@@ -296,14 +414,16 @@ def kernel_specializations():
     variants = [dict(M=M) for M in (1, 2, 3, 4)]
     variants += [dict(M=2, CB=cb) for cb in (1, 2, 4)]
     variants += [dict(layout="tiled", M=3), dict(fmt="fp32", M=4), dict(a_src="float32", M=2),
-                 dict(a_src="bfloat16"), dict(od="float32", M=3)]
+                 dict(a_src="bfloat16"), dict(od="float32", M=3), dict(grouped=True, M=2)]
     specs = []
     for k in (2, 3, 4, 5):
         for v in variants:
             c = dict(base, **v)
             am = t.uint8[::1] if c["fmt"] == "e4m4" else t.float32[::1]
             name = f"gemv k={k} M={c['M']} CB={c['CB']} {c['layout']} {c['fmt']} A={c['a_src']} out={c['od']}"
-            kern = make_gemv_kernel(k, c["M"], c["CB"], c["layout"], c["fmt"], c["a_src"], c["od"])
+            kern = make_gemv_kernel(k, c["M"], c["CB"], c["layout"], c["fmt"], c["a_src"], c["od"], None,
+                                    c.get("grouped", False))
+            name += " grouped" if c.get("grouped") else ""
             specs.append((name, kern, (t.uint32[::1], t.uint32[::1], am, t.float32[::1], nb[c["od"]],
-                                       t.int32, t.int32, t.int32)))
+                                       t.int32, t.int32, t.int32, t.int32[::1])))
     return specs

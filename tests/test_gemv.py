@@ -124,3 +124,67 @@ def test_gemv_captured_in_torch_cuda_graph():
         g.replay()
         torch.cuda.synchronize()
         check_close(out.cpu().numpy(), A.cpu().numpy(), qw.to_numpy(), out_dtype=np.float16)
+
+
+# ---- grouped expert GEMV (MoE) ---------------------------------------------------------------------
+def _experts(rng, E, N, K, k, layout="flat"):
+    ws = [ref.quantize(random_weight(rng, N, K), k=k) for _ in range(E)]
+    if layout == "tiled":
+        ws = [ref.repack_tiled(w) for w in ws]
+    return kb.stack_experts(ws)
+
+
+@settings(max_examples=EXAMPLES)
+@given(seeds, ks, st.lists(st.integers(0, 4), min_size=1, max_size=4), st.integers(1, 10),
+       st.integers(1, MAX_KB // 2 + 1), st.sampled_from([np.float16, np.float32]))
+def test_grouped_gemv(seed, k, counts, N, kbn, out_dtype):
+    """Tokens routed to experts (0..4 each, empty experts included) in one launch."""
+    rng = np.random.default_rng(seed)
+    K = 32 * kbn
+    experts = _experts(rng, len(counts), N, K, k)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    A = rng.standard_normal((max(1, offsets[-1]), K)).astype(np.float16)[:offsets[-1]]
+    if offsets[-1] == 0:
+        A = np.zeros((0, K), np.float16)
+    got = kb.grouped_gemv(A, experts, offsets, out_dtype=out_dtype).copy_to_host()
+    assert got.shape == (offsets[-1], N)
+    if offsets[-1]:
+        want = ref.grouped_gemv(A, experts, offsets)
+        Af = A.astype(np.float64)
+        scale = np.zeros_like(want, dtype=np.float64)
+        for e in range(len(counts)):
+            t0, t1 = offsets[e], offsets[e + 1]
+            scale[t0:t1] = np.abs(Af[t0:t1]) @ np.abs(ref.dequantize(experts.expert(e)).astype(np.float64)).T
+        tol = 1e-5 * scale + (np.abs(want) * 2.0 ** -11 + 6e-8 if out_dtype == np.float16 else 1e-30)
+        assert np.all(np.abs(got - want) <= tol)
+
+
+def test_grouped_gemv_tiled_and_device_offsets():
+    rng = np.random.default_rng(8)
+    experts = _experts(rng, 3, 128, 64, 4, layout="tiled")
+    offsets = np.array([0, 2, 2, 3], np.int32)
+    A = rng.standard_normal((3, 64)).astype(np.float16)
+    got = kb.grouped_gemv(cuda.to_device(A), experts, cuda.to_device(offsets), out_dtype=np.float32)
+    np.testing.assert_allclose(got.copy_to_host(), ref.grouped_gemv(A, experts, offsets), rtol=1e-4, atol=1e-4)
+
+
+def test_grouped_gemv_more_tokens_than_specialised_gives_nan_not_garbage():
+    rng = np.random.default_rng(9)
+    experts = _experts(rng, 2, 4, 32, 2)
+    offsets = np.array([0, 3, 4], np.int32)
+    A = rng.standard_normal((4, 32)).astype(np.float16)
+    got = kb.grouped_gemv(A, experts, cuda.to_device(offsets), out_dtype=np.float32, max_tokens=2).copy_to_host()
+    want = ref.grouped_gemv(A, experts, offsets)
+    np.testing.assert_allclose(got[[0, 1, 3]], want[[0, 1, 3]], rtol=1e-4, atol=1e-4)
+    assert np.all(np.isnan(got[2]))
+    with pytest.raises(ValueError, match="up to 4 tokens"):
+        kb.grouped_gemv(np.zeros((5, 32), np.float16), experts, np.array([0, 5, 5], np.int32))
+
+
+def test_stack_experts_rejects_mixed_experts():
+    a = ref.quantize(np.ones((4, 32), np.float32), k=2)
+    b = ref.quantize(np.ones((4, 64), np.float32), k=2)
+    with pytest.raises(ValueError, match="shape"):
+        kb.stack_experts([a, b])
+    with pytest.raises(TypeError):
+        kb.stack_experts([])
