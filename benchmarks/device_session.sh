@@ -8,7 +8,9 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c "import numpy, numba, numba_cuda, llvmlite; print('numpy', numpy.__version__, 'numba', numba.__version__, 'numba-cuda', numba_cuda.__version__, 'llvmlite', llvmlite.__version__)"
 if [ -z "${SKIP_TESTS:-}" ]; then
-  python3 -m pytest -q -x tests -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log" | tail -5
+  # PYTEST_K: an optional -k expression
+  python3 -m pytest -q -x tests -p no:cacheprovider --durations=8 ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 \
+    | tee "$OUT/gpu_tests.log" | tail -15
 fi
 if [ -z "${SKIP_SANITIZER:-}" ]; then
   compute-sanitizer --tool memcheck --print-limit 5 python3 benchmarks/sanitize.py 2>&1 | tail -4 | tee "$OUT/memcheck.log"
