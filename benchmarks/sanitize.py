@@ -18,4 +18,9 @@ for k in (2, 3, 4, 5):
         if hasattr(kb, "gemv"):
             for M in (1, 2, 3, 4):
                 kb.gemv(rng.standard_normal((M, 96)).astype(np.float16), qw).copy_to_host()
+if hasattr(kb, "grouped_gemv"):
+    experts = kb.stack_experts([kb.reference.quantize(rng.standard_normal((128, 64)).astype(np.float32), k=4)
+                                for _ in range(3)])
+    kb.grouped_gemv(rng.standard_normal((5, 64)).astype(np.float16), experts,
+                    np.array([0, 2, 2, 5], np.int32)).copy_to_host()
 print("sanitize workload done")

@@ -36,7 +36,7 @@ from . import _arrays
 from .codec import _device_weight, MAX_CODES
 from .device import FULL_MASK, WARP, e4m4_decode, jit_kernel, make_word_unpacker, tiled_block
 from .formats import BLOCK, KbitWeight, padded_k
-from .intrinsics import ldg64, ldg128, lds_f32, prmt, shared_addr
+from .intrinsics import ldg64, ldg128, lds_f32, prmt, shared_addr, u32_as_f32
 from .launch import PreparedLaunch
 
 MAX_M = 4
@@ -219,9 +219,11 @@ def make_gemv_kernel(k, M, CB, layout, absmax_format, a_src, out_dtype, max_regi
                     total += part[parity, w, tid]
                 if n < N and m < rows:
                     out[(row0 + m) * N + n] = np.float16(total) if f16_out else total
-            if grouped and rows > M and tid < CB and n0 + tid < N:
+            col = np.int32(n0) + np.int32(tid)
+            if grouped and rows > M and tid < CB and col < N:
+                nan = u32_as_f32(np.uint32(0x7FC00000))    # (a float16 NaN literal is invalid NVVM IR)
                 for r in range(M, rows):              # more tokens than this kernel holds: NaN, never
-                    out[(row0 + r) * N + n0 + tid] = np.float16(np.nan) if f16_out else np.float32(np.nan)
+                    out[np.int32(row0 + r) * np.int32(N) + col] = np.float16(nan) if f16_out else nan
             parity ^= 1
 
     return jit_kernel(gemv_kernel, max_registers)
