@@ -76,6 +76,23 @@ def make_gemv_kernel(k, M, CB, layout, absmax_format, a_src, out_dtype, max_regi
     COLS = tuple(range(CB))                        # literal_unroll(COLS/ROWS): loops fully unrolled,
     ROWS = tuple(range(M))                         # so per-column registers never spill to local memory
 
+    @cuda.jit(device=True, inline="always")
+    def load_group(packed, absmax, g, first_slot, kb, active, N, n_kb, nxt, nxt_absmax):
+        """Issue the loads of column group g: this lane's block of each of its CB columns (k plane
+        words in one 16- or 8-byte load where k allows, and the absmax) into nxt / nxt_absmax."""
+        for c in literal_unroll(COLS):
+            n = g * CB + c
+            if active and n < N:
+                slot = first_slot + (tiled_block(n, kb, N) if tiled else n * n_kb + kb)
+                if k == 4:
+                    nxt[c, 0], nxt[c, 1], nxt[c, 2], nxt[c, 3] = ldg128(packed, slot * 4)
+                elif k == 2:
+                    nxt[c, 0], nxt[c, 1] = ldg64(packed, slot * 2)
+                else:
+                    for b in range(k):
+                        nxt[c, b] = packed[slot * k + b]
+                nxt_absmax[c] = absmax[slot]
+
     def gemv_kernel(A, packed, absmax, cb, out, N, K, n_kb, offsets):
         if grouped:                                 # this CTA's expert and its token rows
             expert = cuda.blockIdx.y
@@ -103,22 +120,11 @@ def make_gemv_kernel(k, M, CB, layout, absmax_format, a_src, out_dtype, max_regi
         # ---- 1. start the first column group's weight loads: DRAM latency overlaps the setup below ---
         nxt = cuda.local.array((CB, k), np.uint32)
         nxt_absmax = cuda.local.array(CB, absmax_t)
-        for c in literal_unroll(COLS):
-            n = g * CB + c
-            if active and n < N:
-                slot = first_slot + (tiled_block(n, kb, N) if tiled else n * n_kb + kb)
-                if k == 4:
-                    nxt[c, 0], nxt[c, 1], nxt[c, 2], nxt[c, 3] = ldg128(packed, slot * 4)
-                elif k == 2:
-                    nxt[c, 0], nxt[c, 1] = ldg64(packed, slot * 2)
-                else:
-                    for b in range(k):
-                        nxt[c, b] = packed[slot * k + b]
-                nxt_absmax[c] = absmax[slot]
-            else:
-                for b in range(k):
-                    nxt[c, b] = np.uint32(0)
-                nxt_absmax[c] = absmax_t(0)
+        for c in literal_unroll(COLS):          # columns past N (and idle lanes) contribute zeros
+            for b in range(k):
+                nxt[c, b] = np.uint32(0)
+            nxt_absmax[c] = absmax_t(0)
+        load_group(packed, absmax, g, first_slot, kb, active, N, n_kb, nxt, nxt_absmax)
 
         # ---- 2. this lane's activations, 16-byte loads, in the transposed element order --------------
         #         a[m, 4i + t] = A[m, 32 kb + i + 8t]
@@ -153,18 +159,7 @@ def make_gemv_kernel(k, M, CB, layout, absmax_format, a_src, out_dtype, max_regi
                     planes[c, b] = nxt[c, b]
                 scale[c] = e4m4_decode(nxt_absmax[c]) if e4m4 else nxt_absmax[c]
             g += cuda.gridDim.x
-            for c in literal_unroll(COLS):
-                n = g * CB + c
-                if active and n < N:
-                    slot = first_slot + (tiled_block(n, kb, N) if tiled else n * n_kb + kb)
-                    if k == 4:
-                        nxt[c, 0], nxt[c, 1], nxt[c, 2], nxt[c, 3] = ldg128(packed, slot * 4)
-                    elif k == 2:
-                        nxt[c, 0], nxt[c, 1] = ldg64(packed, slot * 2)
-                    else:
-                        for b in range(k):
-                            nxt[c, b] = packed[slot * k + b]
-                    nxt_absmax[c] = absmax[slot]
+            load_group(packed, absmax, g, first_slot, kb, active, N, n_kb, nxt, nxt_absmax)
             # ---- 4. decode each block once, use it for all M rows --------------------------------
             for j in range(CM, V):
                 acc[j] = np.float32(0.0)
