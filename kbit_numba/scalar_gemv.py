@@ -7,8 +7,9 @@ Design (numbers in benchmarks/README.md):
   are loaded once into registers and reused for every column the CTA visits (a persistent grid walks
   the columns), so A costs no loads in the inner loop.
 * **Per column a lane reads its block's k bit-plane words** (one 16-byte ``ld.global.nc.v4`` for k = 4,
-  8 bytes for k = 2, k words otherwise: the warp reads 32*k*4 contiguous bytes) and one absmax. ``CB``
-  columns are loaded before any is used, to keep enough bytes in flight.
+  8 bytes for k = 2, k words otherwise: the warp reads 32*k*4 contiguous bytes) and one absmax. The
+  loads of the next group of ``CB`` columns are issued before the current group is decoded (a register
+  double buffer), and the very first ones before A is loaded, so DRAM latency overlaps work.
 * **Decode = a bit-matrix transpose into byte fields.** Word ``F_i`` (i = 0..7) gathers bit i+8t of
   every plane into byte t, already multiplied by 4: ``F_i = OR_b ((plane_b >> i) & 0x01010101) << (b+2)``
   (one shift and one and-or per plane and word: k/2 integer ops per weight). Byte t of ``F_i`` is then
@@ -19,9 +20,14 @@ Design (numbers in benchmarks/README.md):
   sum is scaled by its absmax once.
 * **Reduction**: the CB*M partial sums of a lane are reduced across the warp by a reduce-scatter
   butterfly (31 shuffles for 32 values instead of 5 per value), then across the KW warps in shared
-  memory.
+  memory (double-buffered: one barrier per iteration).
+* **Grouped (MoE)** is the same kernel with a flag: ``blockIdx.y`` picks an expert, its weights sit after
+  the previous experts', its token rows come from ``offsets``.
 
-Reference twin: ``reference.gemv``. Tests: ``tests/test_gemv.py``.
+Measured on an H200 the kernel is issue-bound (~10 SASS instructions per weight), not memory-bound;
+benchmarks/README.md has the numbers and the next steps. K is limited to 32768 (32 warps x 1024).
+
+Reference twins: ``reference.gemv``, ``reference.grouped_gemv``. Tests: ``tests/test_gemv.py``.
 """
 from __future__ import annotations
 
@@ -49,7 +55,7 @@ CTA_WARPS_TARGET = 32            # resident warps per SM the grid aims for
 CB_ALIGN = 256                   # codebook's shared address has a zero low byte
 PRMT_KEEP_HIGH = 0x7650          # prmt selector: bytes 1..3 from the 2nd operand (the address)
 # Tuning from the H200 sweeps in benchmarks/README.md: 2 columns per iteration was best or within 5%
-# of best for M = 1..4 on 2048x5120 and 4096x14336; register caps only hurt (spills, fewer FMA chains).
+# of best for M = 1..4 on 2048x5120 and 4096x14336; register caps only hurt (spills).
 DEFAULT_CB = 2
 MAX_REGISTERS = {1: None, 2: None, 3: None, 4: None}
 
