@@ -55,12 +55,28 @@ def float_input(x, name, bf16, ndim, stream=0):
     return arr, ("bfloat16" if bf16 else str(arr.dtype))
 
 
+def output_dtype(out, dtype, dtype_name="out_dtype"):
+    """The output type: a given ``out`` buffer's (which must be a device array), else ``dtype``;
+    float16 or float32 either way."""
+    name = dtype_name
+    if out is not None:
+        if isinstance(out, np.ndarray):
+            raise TypeError("out must be a device array (results are written on the GPU), got a NumPy array")
+        dtype, name = device_array(out, "out", FLOAT_DTYPES).dtype, "out"
+    dtype = np.dtype(dtype)
+    if dtype not in (np.dtype(np.float16), np.dtype(np.float32)):
+        raise TypeError(f"{name} must be float16 or float32, got {dtype}")
+    return dtype
+
+
 def output(out, name, shape, dtype, stream=0):
-    """Preallocated ``out`` checked for shape/dtype, or a new device array."""
+    """Preallocated ``out`` (a device array) checked for shape/dtype, or a new device array."""
+    if isinstance(out, np.ndarray):
+        raise TypeError(f"{name} must be a device array (results are written on the GPU), got a NumPy array")
     dtype = np.dtype(dtype)
     if out is None:
         return cuda.device_array(shape, dtype=dtype, stream=stream)
-    arr = device_array(out, name, (dtype,), len(shape))
+    arr = device_array(out, name, (dtype,), len(shape))       # (NumPy is refused just above)
     if tuple(arr.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(arr.shape)}")
     return arr

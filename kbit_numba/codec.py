@@ -203,10 +203,9 @@ def _device_weight(qw, stream=0):
 
 
 def dequantize(qw, dtype=np.float16, out=None, stream=None):
-    """KbitWeight (flat or tiled, E4M4 or fp32 absmax) -> device array [N, K] of float16/float32."""
-    dtype = np.dtype(dtype)
-    if dtype not in (np.dtype(np.float16), np.dtype(np.float32)):
-        raise TypeError(f"dtype must be float16 or float32, got {dtype}")
+    """KbitWeight (flat or tiled, E4M4 or fp32 absmax) -> device array [N, K] of float16/float32
+    (``dtype``; a preallocated ``out`` device array decides the type itself)."""
+    dtype = _arrays.output_dtype(out, dtype, "dtype")        # a given out decides the type
     stream = _arrays.as_stream(stream)
     qw = _device_weight(qw, stream)
     N, K = qw.shape

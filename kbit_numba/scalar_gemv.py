@@ -257,12 +257,7 @@ def _plan(A, qw, out, stream, out_dtype, bf16, tuning=None):
         raise ValueError(f"gemv handles M = 1..{MAX_M} rows, got M={M}")
     if K > MAX_KW * WARP * BLOCK:
         raise ValueError(f"gemv handles K <= {MAX_KW * WARP * BLOCK}, got K={K}")
-    if out is not None:                   # a given buffer decides the output type
-        out = _arrays.device_array(out, "out", (np.float16, np.float32))
-        out_dtype = out.dtype
-    out_dtype = np.dtype(out_dtype)
-    if out_dtype not in (np.dtype(np.float16), np.dtype(np.float32)):
-        raise TypeError(f"out_dtype must be float16 or float32, got {out_dtype}")
+    out_dtype = _arrays.output_dtype(out, out_dtype)
     qw = _device_weight(qw, stream)
     out = _arrays.output(out, "out", (M, N) if len(shape) == 2 else (N,), out_dtype, stream)
     n_sm = _sm_count()
@@ -387,9 +382,7 @@ def grouped_gemv(A, experts, expert_offsets, out=None, stream=None, out_dtype=np
     if max_tokens > MAX_M:
         raise ValueError(f"grouped_gemv handles up to {MAX_M} tokens per expert, got {max_tokens}")
     M = max(1, int(max_tokens))
-    out_dtype = np.dtype(out.dtype if isinstance(out, np.ndarray) else
-                         (_arrays.device_array(out, "out", (np.float16, np.float32)).dtype if out is not None
-                          else out_dtype))
+    out_dtype = _arrays.output_dtype(out, out_dtype)
     out = _arrays.output(out, "out", (T, N), out_dtype, stream)
     _arrays.check_aligned(Ad, 16, "A")
     n_sm = _sm_count()

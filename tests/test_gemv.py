@@ -88,7 +88,7 @@ def test_prepared_gemv_matches_and_rebinds_inputs():
     (dict(M=5), ValueError, "M = 1..4"),
     (dict(K=96), ValueError, "K=96"),
     (dict(a_dtype=np.int8), TypeError, "dtype"),
-    (dict(out_dtype=np.int32), TypeError, "out_dtype"),
+    (dict(out_dtype=np.int32), TypeError, "float16 or float32"),
 ])
 def test_gemv_rejects_bad_input(kwargs, err, match):
     qw = ref.quantize(np.ones((4, 64), np.float32), k=2)
@@ -98,6 +98,8 @@ def test_gemv_rejects_bad_input(kwargs, err, match):
         kb.gemv(A, qw, out_dtype=kwargs.get("out_dtype", np.float16))
     with pytest.raises(TypeError, match="KbitWeight"):
         kb.gemv(np.ones((1, 64), np.float16), qw.packed)
+    with pytest.raises(TypeError, match="device array"):       # results could never reach a NumPy out
+        kb.gemv(np.ones((1, 64), np.float16), qw, out=np.zeros((1, 4), np.float16))
 
 
 @pytest.mark.skipif(SIM, reason="CUDA graphs need a GPU")
