@@ -89,6 +89,8 @@ def measure_ceilings():
 # ------------------------------------------------------------------------------------------------
 def _rotating_weights(K, N, k, n_copies, rng):
     """n_copies independent quantized weights of one shape (the rotation that defeats the L2)."""
+    from numba import cuda
+
     from . import codec
 
     base = rng.standard_normal((N, K)).astype(np.float16) * np.float16(0.02)
@@ -96,7 +98,6 @@ def _rotating_weights(K, N, k, n_copies, rng):
     copies = [first]
     for _ in range(n_copies - 1):
         # same values, fresh buffers: a device-to-device copy is enough to defeat the cache
-        from numba import cuda
         p = cuda.device_array_like(first.packed)
         p.copy_to_device(first.packed)
         a = cuda.device_array_like(first.absmax)
@@ -157,7 +158,7 @@ def gemv_rows(shapes, ks, ms, ceilings, progress, tunings=(None,)):
     return rows
 
 
-def moe_rows(ceilings, progress, E=512, batch=32, top_k=8, k=4, shapes=((2048, 512), (512, 2048))):
+def moe_rows(progress, E=512, batch=32, top_k=8, k=4, shapes=((2048, 512), (512, 2048))):
     """MoE decode step: ``batch`` tokens routed top-``top_k`` over E experts of one shape. Three ways:
     grouped_gemv (one launch), one gemv launch per active expert, and a cuBLAS fp16 matmul per active
     expert; each timed as a whole step in a CUDA graph, alternating between two copies of every expert
@@ -380,7 +381,7 @@ def main(argv=None):
         tunings = [tuple(None if v == "none" else int(v) for v in t.split(":")) for t in _parse_list(args.sweep)]
         rows += gemv_rows(shapes, ks, ms, ceilings, progress, tunings)
     overhead = host_overhead_rows(progress) if args.overhead else []
-    moe = moe_rows(ceilings, progress) if args.moe else []
+    moe = moe_rows(progress) if args.moe else []
     cublas = {}
     for r in rows:
         if r["M"] is not None:

@@ -112,14 +112,6 @@ def warp_max(v):
 
 
 @cuda.jit(device=True, inline=True)
-def warp_sum(v):
-    """Sum over the 32 lanes (butterfly: every lane ends with the result)."""
-    for off in (16, 8, 4, 2, 1):
-        v += cuda.shfl_xor_sync(FULL_MASK, v, off)
-    return v
-
-
-@cuda.jit(device=True, inline=True)
 def tiled_block(n, kb_all, N):
     """Tiled layout: index of the (column, block) slot, i.e. tile*256 + col*2 + kb.
     Word offset = slot * k + bit; absmax offset = slot (formats.tiled_word_index)."""
