@@ -1,26 +1,37 @@
 """Small launches of every kernel family for compute-sanitizer (memcheck / racecheck) on the device:
 
-    compute-sanitizer --tool memcheck python benchmarks/sanitize.py
+    compute-sanitizer --tool memcheck python benchmarks/sanitize.py [codec,gemv,grouped,gemm]
+
+(default: every family; name some to check only those).
 """
+import sys
+
 import numpy as np
 
 import kbit_numba as kb
 
+families = sys.argv[1].split(",") if len(sys.argv) > 1 else ["codec", "gemv", "grouped", "gemm"]
 rng = np.random.default_rng(0)
 for k in (2, 3, 4, 5):
     for layout in ("flat", "tiled"):
         W = rng.standard_normal((128, 96)).astype(np.float16)
         qw = kb.quantize(W, k=k, layout=layout)
-        for dt in (np.float16, np.float32):
-            kb.dequantize(qw, dtype=dt).copy_to_host()
-        if layout == "flat":
-            kb.repack_tiled(qw)
-        if hasattr(kb, "gemv"):
+        if "codec" in families:
+            for dt in (np.float16, np.float32):
+                kb.dequantize(qw, dtype=dt).copy_to_host()
+            if layout == "flat":
+                kb.repack_tiled(qw)
+        if "gemv" in families:
             for M in (1, 2, 3, 4):
                 kb.gemv(rng.standard_normal((M, 96)).astype(np.float16), qw).copy_to_host()
-if hasattr(kb, "grouped_gemv"):
+        if "gemm" in families and layout == "tiled":     # K = 96: a half-empty last K tile
+            for M, split in ((5, 1), (20, 2), (40, None), (70, 2)):
+                kb.gemm(rng.standard_normal((M, 96)).astype(np.float16), qw, split=split).copy_to_host()
+            kb.gemm(kb.reference.float32_to_bf16_bits(rng.standard_normal((9, 96)).astype(np.float32)), qw,
+                    bf16=True).copy_to_host()
+if "grouped" in families:
     experts = kb.stack_experts([kb.reference.quantize(rng.standard_normal((128, 64)).astype(np.float32), k=4)
                                 for _ in range(3)])
     kb.grouped_gemv(rng.standard_normal((5, 64)).astype(np.float16), experts,
                     np.array([0, 2, 2, 5], np.int32)).copy_to_host()
-print("sanitize workload done")
+print("sanitize workload done:", ",".join(families))

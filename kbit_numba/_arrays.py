@@ -55,6 +55,19 @@ def float_input(x, name, bf16, ndim, stream=0):
     return arr, ("bfloat16" if bf16 else str(arr.dtype))
 
 
+def activations(A, qw, bf16, stream=0):
+    """Checked activations for ``A @ W^T`` with W the KbitWeight ``qw``: (device A, element type, M, A's
+    shape); A is [M, K] or [K] with W's K."""
+    from .formats import KbitWeight
+    if not isinstance(qw, KbitWeight):
+        raise TypeError(f"qw must be a KbitWeight, got {type(qw).__name__}")
+    Ad, a_src = float_input(A, "A", bf16, (1, 2), stream)
+    shape = tuple(Ad.shape)
+    if shape[-1] != qw.shape[1]:
+        raise ValueError(f"A has K={shape[-1]}, the weight has K={qw.shape[1]}")
+    return Ad, a_src, (1 if len(shape) == 1 else shape[0]), shape
+
+
 def output_dtype(out, dtype, dtype_name="out_dtype"):
     """The output type: a given ``out`` buffer's (which must be a device array), else ``dtype``;
     float16 or float32 either way."""

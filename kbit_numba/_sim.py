@@ -29,7 +29,7 @@ class _WarpExchange:
 _registry_lock = threading.Lock()
 
 
-def _exchange(value):
+def exchange(value):
     """Publish ``value`` for this lane; return the list of all lanes' values (a snapshot)."""
     t = threading.current_thread()
     mod = _kernel_module()
@@ -59,7 +59,7 @@ def _kernel_module():
     return _get_kernel_context()
 
 
-def _lane():
+def lane_id():
     return threading.current_thread().thread_id % WARP
 
 
@@ -69,34 +69,34 @@ def _typed(value, like):
 
 
 def shfl_sync(mask, value, src_lane):
-    vals = _exchange(value)
+    vals = exchange(value)
     src = int(src_lane) % WARP
     got = vals[src]
     return _typed(value if got is None else got, value)
 
 
 def shfl_xor_sync(mask, value, lane_mask):
-    vals = _exchange(value)
-    got = vals[_lane() ^ (int(lane_mask) % WARP)]
+    vals = exchange(value)
+    got = vals[lane_id() ^ (int(lane_mask) % WARP)]
     return _typed(value if got is None else got, value)
 
 
 def shfl_down_sync(mask, value, delta):
-    vals = _exchange(value)
-    src = _lane() + int(delta)
+    vals = exchange(value)
+    src = lane_id() + int(delta)
     got = vals[src] if src < WARP else None
     return _typed(value if got is None else got, value)
 
 
 def shfl_up_sync(mask, value, delta):
-    vals = _exchange(value)
-    src = _lane() - int(delta)
+    vals = exchange(value)
+    src = lane_id() - int(delta)
     got = vals[src] if src >= 0 else None
     return _typed(value if got is None else got, value)
 
 
 def ballot_sync(mask, predicate):
-    vals = _exchange(bool(predicate))
+    vals = exchange(bool(predicate))
     word = 0
     for lane, v in enumerate(vals):
         if v and (int(mask) >> lane) & 1:
@@ -105,7 +105,7 @@ def ballot_sync(mask, predicate):
 
 
 def syncwarp(mask=0xFFFFFFFF):
-    _exchange(None)
+    exchange(None)
 
 
 def activemask():

@@ -19,8 +19,9 @@ import numpy as np
 
 SEED_SHAPES = ["2048x5120", "5120x2048", "2048x4096", "2048x512", "4096x2048", "4096x14336"]  # K x N
 KS = [2, 3, 4, 5]
-MS = [1, 2, 3, 4, 8]
-KERNELS = ["gemv", "dequantize"]
+MS = [1, 2, 3, 4, 8, 16, 32, 64, 128, 512]
+KERNELS = ["gemv", "gemm", "dequant_matmul", "linear", "dequantize"]
+TUNE_MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 READ_CEILING_BYTES = 1 << 30
 
 
@@ -158,6 +159,105 @@ def gemv_rows(shapes, ks, ms, ceilings, progress, tunings=(None,)):
     return rows
 
 
+def _tiled_copies(ws):
+    from . import codec
+    return [codec.repack_tiled(w) for w in ws]
+
+
+def _mm_row(label, K, N, k, M, t, nbytes, ceilings):
+    moved = nbytes + M * K * 2 + M * N * 2
+    return dict(kernel=label, shape=f"{K}x{N}", k=k, M=M, us=t, GBps=moved / t / 1e3,
+                pct_ceiling=100 * moved / t / 1e3 / ceilings["read_GBps"], ceiling="read")
+
+
+def matmul_rows(shapes, ks, ms, ceilings, progress, kernels=("gemm", "dequant_matmul", "linear")):
+    """Any-M rows on rotating tiled weights: the tensor-core GEMM, dequantize + cuBLAS fp16 (torch), and
+    ``linear`` (whatever the package's table picks). Percent of the read ceiling counts the kbit bytes."""
+    from numba import cuda
+
+    from . import codec, dispatch as lin, tensor_gemm
+    from ._timing import graph_time_us, rotation_count, torch
+
+    rows = []
+    rng = np.random.default_rng(4)
+    for K, N in shapes:
+        if N % 128:
+            continue
+        for k in ks:
+            nbytes = N * K // 32 * (4 * k + 1)
+            n = rotation_count(nbytes)
+            ws = _tiled_copies(_rotating_weights(K, N, k, n, rng))
+            wbuf = cuda.device_array((N, K), np.float16)
+            space = lin.Workspace()
+            for M in ms:
+                A = cuda.to_device(rng.standard_normal((M, K)).astype(np.float16))
+                out = cuda.device_array((M, N), np.float16)
+                sums = space.sums(M * N)
+                cases = []
+                if "gemm" in kernels:
+                    plans = [tensor_gemm.plan(A, w, out, 0, np.float16, False, sums)[0] for w in ws]
+
+                    def gemm_launch(i, s, plans=plans):
+                        for kern, grid, block, args in plans[i % n]:
+                            kern[grid, block, s](*args)
+                    cases.append(("gemm", gemm_launch))
+                if "dequant_matmul" in kernels and torch is not None:
+                    At, Ot, Wt = (torch.as_tensor(x, device="cuda") for x in (A, out, wbuf))
+
+                    def dq_launch(i, s, At=At, Ot=Ot, Wt=Wt):
+                        codec.dequantize(ws[i % n], out=wbuf, stream=s)
+                        torch.matmul(At, Wt.t(), out=Ot)      # torch's current stream is the capture stream
+                    cases.append(("dequant_matmul", dq_launch))
+                if "linear" in kernels:
+                    choice = lin.choose(M, N, K, "tiled")
+
+                    def lin_launch(i, s, choice=choice):
+                        lin.linear(A, ws[i % n], out=out, stream=s, workspace=space, kernel=choice)
+                    cases.append((f"linear[{choice}]", lin_launch))
+                for label, fn in cases:
+                    progress(f"{label} {K}x{N} k={k} M={M}")
+                    t = graph_time_us(fn, n * max(1, 32 // n))
+                    rows.append(_mm_row(label, K, N, k, M, t, nbytes, ceilings))
+    return rows
+
+
+def tune_table(rows, device):
+    """The ``linear`` table from measured rows: per shape, the fastest kernel at each measured M (a rule
+    covers the Ms up to the next measured one); the general rules pick, per M, the kernel with the best
+    geometric-mean time relative to the per-shape best."""
+    times = {}
+    for r in rows:
+        kern = r["kernel"]
+        if kern in ("gemv", "gemm", "dequant_matmul") and r["M"]:
+            times.setdefault((r["shape"], r["M"]), {})[kern] = min(r["us"], times.get((r["shape"], r["M"]), {}).get(kern, 1e30))
+
+    def compress(points):
+        rules = []
+        for M, kern in sorted(points):
+            if rules and rules[-1][1] == kern:
+                rules[-1][0] = M
+            else:
+                rules.append([M, kern])
+        rules[-1][0] = None
+        return rules
+
+    shapes = {}
+    for shape in sorted({s for s, _ in times}):
+        shapes[shape] = compress([(M, min(t, key=t.get)) for (s, M), t in times.items() if s == shape])
+    general = []
+    for M in sorted({M for _, M in times}):
+        score = {}
+        for (s, m), t in times.items():
+            if m == M:
+                best = min(t.values())
+                for kern, us in t.items():
+                    score.setdefault(kern, []).append(np.log(us / best))
+        full = [kn for kn, v in score.items() if len(v) == max(len(x) for x in score.values())]
+        general.append((M, min(full, key=lambda kn: np.mean(score[kn]))))
+    return dict(device=device, rules=compress(general), shapes=shapes,
+                note="written by python -m kbit_numba.bench --tune (GPU time, CUDA graphs, L2-cold)")
+
+
 def moe_rows(progress, E=512, batch=32, top_k=8, k=4, shapes=((2048, 512), (512, 2048))):
     """MoE decode step: ``batch`` tokens routed top-``top_k`` over E experts of one shape. Three ways:
     grouped_gemv (one launch), one gemv launch per active expert, and a cuBLAS fp16 matmul per active
@@ -280,14 +380,14 @@ def dequantize_rows(shapes, ks, ceilings, progress):
 # Output
 # ------------------------------------------------------------------------------------------------
 def format_table(rows):
-    head = f"{'kernel':<17} {'K x N':>11} {'k':>2} {'M':>3} {'us':>8} {'GB/s':>7} {'%ceil':>6} {'cuBLAS us':>9} {'speedup':>7}"
+    head = f"{'kernel':<22} {'K x N':>11} {'k':>2} {'M':>3} {'us':>8} {'GB/s':>7} {'%ceil':>6} {'cuBLAS us':>9} {'speedup':>7}"
     lines = [head, "-" * len(head)]
     for r in rows:
         cb = r.get("cublas_us")
         m = r["M"] if r["M"] else "-"
         cb_txt = f"{cb:9.2f}" if cb else "        -"
         sp_txt = f"{cb / r['us']:6.2f}x" if cb else "      -"
-        lines.append(f"{r['kernel']:<17} {r['shape']:>11} {r['k']:>2} {m:>3} {r['us']:8.2f} {r['GBps']:7.0f} "
+        lines.append(f"{r['kernel']:<22} {r['shape']:>11} {r['k']:>2} {m:>3} {r['us']:8.2f} {r['GBps']:7.0f} "
                      f"{r['pct_ceiling']:6.1f} {cb_txt} {sp_txt}")
     return "\n".join(lines)
 
@@ -347,6 +447,10 @@ def main(argv=None):
     p.add_argument("--sweep", help="gemv tunings CB:max_registers to time, e.g. 4:64,8:none")
     p.add_argument("--overhead", action="store_true", help="also measure host time per call")
     p.add_argument("--moe", action="store_true", help="also time the MoE case (512 experts, batch 32, top-8)")
+    p.add_argument("--tune", nargs="?", const="", metavar="FILE",
+                   help="time gemv, gemm and dequant_matmul (k=4 unless --k is given) over --shapes and "
+                        "M = %s (unless --m is given) and write the linear() table for this GPU (default: "
+                        "kbit_numba/tuning/<gpu>.json)" % ",".join(map(str, TUNE_MS)))
     p.add_argument("--demo", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
@@ -360,9 +464,10 @@ def main(argv=None):
         return subprocess.call([sys.executable, "-m", "kbit_numba.bench", "--demo"], env=env)
 
     shapes = [_shape(s) for s in _parse_list(args.shapes)]
-    ks = _parse_list(args.k, int)
-    ms = _parse_list(args.m, int)
-    kernels = _parse_list(args.kernels)
+    given = set(a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:]))
+    ks = _parse_list(args.k, int) if "--k" in given or args.tune is None else [4]
+    ms = _parse_list(args.m, int) if "--m" in given or args.tune is None else TUNE_MS
+    kernels = _parse_list(args.kernels) if args.tune is None else ["gemv", "gemm", "dequant_matmul"]
 
     def progress(msg):
         print(f"  .. {msg}", file=sys.stderr, flush=True)
@@ -377,6 +482,9 @@ def main(argv=None):
         rows += dequantize_rows(shapes, ks, ceilings, progress)
     if "gemv" in kernels:
         rows += gemv_rows(shapes, ks, ms, ceilings, progress)
+    mm = [kn for kn in ("gemm", "dequant_matmul", "linear") if kn in kernels]
+    if mm:
+        rows += matmul_rows(shapes, ks, ms, ceilings, progress, mm)
     if args.sweep:
         tunings = [tuple(None if v == "none" else int(v) for v in t.split(":")) for t in _parse_list(args.sweep)]
         rows += gemv_rows(shapes, ks, ms, ceilings, progress, tunings)
@@ -400,6 +508,14 @@ def main(argv=None):
         print(f"MoE {r['experts']} experts ({r['active']} active, {r['tokens']} token rows) {r['shape']:>9}  "
               f"{r['kernel']:<24} {r['us']:8.2f} us  {r['GBps']:6.0f} GB/s")
     result = dict(device=name, ceilings=ceilings, rows=rows, host_overhead=overhead, moe=moe)
+    if args.tune is not None:
+        from .dispatch import TUNING_DIR, device_key
+        table = tune_table(rows, name)
+        path = args.tune or os.path.join(TUNING_DIR, device_key(name) + ".json")
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(table, f, indent=1)
+        print(f"linear() table written to {path}: rules {table['rules']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

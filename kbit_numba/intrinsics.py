@@ -18,6 +18,17 @@ every PTX version against its twin on random inputs on the GPU.
 | f16_bits_to_f32(x) | cvt.f32.f16 of x's low 16 bits       | unpack half values read as uint32 words        |
 | shared_addr(a) | cvta.to.shared                        | 32-bit shared-window address of a shared array |
 | lds_f32(a, p) | ld.shared.f32 [p]                     | table lookup at a 32-bit byte address p        |
+| lds_u32(a, p) | ld.shared.u32 [p]                     | the same for a table of uint32 (f16x2 pairs)   |
+| hmul2(a, b)  | mul.rn.f16x2                          | two half products in one instruction           |
+| bmul2(a, b)  | mul.rn.bf16x2                         | the same for bfloat16 pairs                    |
+| cp_async16(dst, p, src, i, n) | cp.async.cg.shared.global 16 B | global -> shared without registers  |
+| cp_async_commit() / cp_async_wait(n) | cp.async.commit_group / wait_group n | double buffering |
+| ldmatrix_x4(a, p) | ldmatrix.sync.aligned.m8n8.x4.b16 | the A fragment of mma.m16n8k16 from shared  |
+| mma_f16(a0..a3, b0, b1, c0..c3) | mma.sync.aligned.m16n8k16 f32.f16.f16.f32 | tensor cores |
+| mma_bf16(...) | the same with .bf16 inputs           |                                                |
+
+The warp-collective ones (``ldmatrix_x4``, ``mma_*``) have twins that meet the other simulated lanes of the
+warp (``_sim.exchange``) and compute the PTX fragment layout in NumPy; the ``cp.async`` twins copy at once.
 
 ``shared_addr``/``lds_f32`` let a kernel build a lookup address with 32-bit bit operations (e.g. one
 ``prmt`` that drops an index byte into the low byte of an aligned table's address) instead of Numba's
@@ -161,6 +172,229 @@ def py_shared_addr(arr):
 
 def py_lds_f32(arr, addr):
     return np.float32(arr[int(addr) >> 2])
+
+
+@intrinsic
+def ptx_lds_u32(typingctx, arr, addr):
+    """uint32 at shared byte address ``addr`` (ld.shared.u32), like ``lds_f32``."""
+    sig = types.uint32(arr, addr)
+
+    def codegen(context, builder, sig, args):
+        a = context.cast(builder, args[1], sig.args[1], types.uint32)
+        return builder.call(ir.InlineAsm(ir.FunctionType(_i32, [_i32]), "ld.shared.u32 $0, [$1];", "=r,r"), [a])
+
+    return sig, codegen
+
+
+def py_lds_u32(arr, addr):
+    return np.uint32(arr[int(addr) >> 2])
+
+
+@intrinsic
+def ptx_cp_async16(typingctx, dst, dst_addr, src, src_index, src_bytes):
+    """16 bytes from src[src_index .. +3] (a uint32 global array) to the shared byte address dst_addr
+    without passing through registers (cp.async.cg); only ``src_bytes`` (0 or 16) are read, the rest
+    of the 16 bytes is zero-filled. ``dst`` is the shared array (only the twin reads it)."""
+    _check_u32_array(src, "cp_async16")
+    sig = types.void(dst, dst_addr, src, src_index, src_bytes)
+
+    def codegen(context, builder, sig, args):
+        ptr = _element_ptr(context, builder, sig.args[2], args[2], args[3], sig.args[3])
+        d = context.cast(builder, args[1], sig.args[1], types.uint32)
+        n = context.cast(builder, args[4], sig.args[4], types.uint32)
+        fty = ir.FunctionType(ir.VoidType(), [_i32, ptr.type, _i32])
+        text = ("{ .reg .u64 g; cvta.to.global.u64 g, $1; "
+                "cp.async.cg.shared.global [$0], [g], 16, $2; }")
+        builder.call(ir.InlineAsm(fty, text, "r,l,r", side_effect=True), [d, ptr, n])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def ptx_cp_async_commit(typingctx):
+    """Close the group of cp.async copies issued so far by this thread (cp.async.commit_group)."""
+    sig = types.void()
+
+    def codegen(context, builder, sig, args):
+        fty = ir.FunctionType(ir.VoidType(), [])
+        builder.call(ir.InlineAsm(fty, "cp.async.commit_group;", "", side_effect=True), [])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def ptx_cp_async_wait(typingctx, pending):
+    """Wait until at most ``pending`` (an integer literal) of this thread's cp.async groups are in
+    flight (cp.async.wait_group). Other threads' copies need a barrier after it."""
+    if not isinstance(pending, types.IntegerLiteral):
+        raise RequireLiteralValue("cp_async_wait's count must be an integer literal")
+    n = int(pending.literal_value)
+    sig = types.void(pending)
+
+    def codegen(context, builder, sig, args):
+        fty = ir.FunctionType(ir.VoidType(), [])
+        builder.call(ir.InlineAsm(fty, f"cp.async.wait_group {n};", "~{memory}", side_effect=True), [])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def py_cp_async16(dst, dst_addr, src, src_index, src_bytes):
+    d, i = int(dst_addr) >> 2, int(src_index)
+    for j in range(4):
+        dst[d + j] = src[i + j] if int(src_bytes) else 0
+
+
+def py_cp_async_commit():
+    pass
+
+
+def py_cp_async_wait(pending):
+    pass
+
+
+@intrinsic
+def ptx_ldmatrix_x4(typingctx, arr, addr):
+    """(r0, r1, r2, r3) = ldmatrix.sync.aligned.m8n8.x4.shared.b16 [addr]: four 8x8 matrices of 16-bit
+    values; lanes 8i..8i+7 give the shared byte addresses of matrix i's rows (16 bytes each), and lane l
+    receives in r_i the two values of matrix i at row l//4, columns 2(l%4) and 2(l%4)+1."""
+    sig = types.UniTuple(types.uint32, 4)(arr, addr)
+
+    def codegen(context, builder, sig, args):
+        a = context.cast(builder, args[1], sig.args[1], types.uint32)
+        fty = ir.FunctionType(ir.LiteralStructType([_i32] * 4), [_i32])
+        asm = ir.InlineAsm(fty, "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];",
+                           "=r,=r,=r,=r,r", side_effect=True)
+        res = builder.call(asm, [a])
+        return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, i) for i in range(4)])
+
+    return sig, codegen
+
+
+def py_ldmatrix_x4(arr, addr):
+    from ._sim import exchange, lane_id
+    addrs = exchange(int(addr))
+    lane = lane_id()
+    return tuple(np.uint32(arr[(addrs[8 * i + lane // 4] + 4 * (lane % 4)) >> 2]) for i in range(4))
+
+
+def _mma_intrinsic(dtype):
+    text = (f"mma.sync.aligned.m16n8k16.row.col.f32.{dtype}.{dtype}.f32 "
+            "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};")
+
+    def mma(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        sig = types.UniTuple(types.float32, 4)(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
+
+        def codegen(context, builder, sig, args):
+            regs = _asm_args(builder, context, args[:6], sig.args[:6])
+            acc = [context.cast(builder, v, t, types.float32) for v, t in zip(args[6:], sig.args[6:])]
+            f32 = ir.FloatType()
+            fty = ir.FunctionType(ir.LiteralStructType([f32] * 4), [_i32] * 6 + [f32] * 4)
+            asm = ir.InlineAsm(fty, text, "=f,=f,=f,=f," + ",".join(["r"] * 6 + ["f"] * 4))
+            res = builder.call(asm, regs + acc)
+            return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, i) for i in range(4)])
+
+        return sig, codegen
+
+    mma.__name__ = mma.__qualname__ = f"ptx_mma_{dtype}"
+    mma.__doc__ = (f"(d0..d3) = A @ B + C on the tensor cores, mma.sync.aligned.m16n8k16 with {dtype} inputs and "
+                   "float32 accumulation. Per lane (g = lane//4, t = lane%4), each register two values, the "
+                   "lower index in the low half: a0 = A[g, 2t..2t+1], a1 = A[g+8, 2t..], a2 = A[g, 2t+8..], "
+                   "a3 = A[g+8, 2t+8..]; b0 = B[2t..2t+1, g], b1 = B[2t+8..2t+9, g]; c0, c1 = C[g, 2t], "
+                   "C[g, 2t+1]; c2, c3 = C[g+8, 2t], C[g+8, 2t+1] (d likewise).")
+    return intrinsic(mma)
+
+
+ptx_mma_f16 = _mma_intrinsic("f16")
+ptx_mma_bf16 = _mma_intrinsic("bf16")
+
+
+def _halves(word, bf16):
+    w = np.array([int(word) & 0xFFFFFFFF], dtype=np.uint32)
+    if bf16:
+        return (w.view(np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return w.view(np.float16).astype(np.float64)
+
+
+def _fragment_maps():
+    """Row/column of every value of the m16n8k16 fragments, by lane: A (32 x 8), B (32 x 4), C (32 x 4)."""
+    lane = np.arange(32)[:, None]
+    g, t = lane // 4, lane % 4
+    j = np.arange(8)[None, :]                       # value j of register j // 2
+    a_row = g + 8 * ((j // 2) % 2)
+    a_col = 2 * t + (j % 2) + 8 * (j // 4)
+    jb = np.arange(4)[None, :]
+    b_row = 2 * t + (jb % 2) + 8 * (jb // 2)
+    c_row = g + 8 * (jb // 2)
+    c_col = 2 * t + (jb % 2)
+    return a_row, a_col, b_row, g + 0 * jb, c_row, c_col
+
+
+_FRAG = _fragment_maps()
+
+
+def _py_mma(bf16, *regs):
+    from ._sim import exchange, lane_id
+    frags = exchange(regs)
+    bits = np.array([[int(r) & 0xFFFFFFFF for r in f[:6]] for f in frags], np.uint32)
+    if bf16:
+        vals = (bits.view(np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    else:
+        vals = bits.view(np.float16).astype(np.float64)   # (32, 12): lane, value (low half first)
+    a_row, a_col, b_row, b_col, c_row, c_col = _FRAG
+    A, B, C = np.zeros((16, 16)), np.zeros((16, 8)), np.zeros((16, 8))
+    A[a_row, a_col] = vals[:, :8]
+    B[b_row, b_col] = vals[:, 8:]
+    C[c_row, c_col] = np.array([f[6:] for f in frags], np.float64)
+    D = (A @ B + C).astype(np.float32)
+    lane = lane_id()
+    return tuple(D[c_row[lane], c_col[lane]])
+
+
+def py_mma_f16(*args):
+    return _py_mma(False, *args)
+
+
+def py_mma_bf16(*args):
+    return _py_mma(True, *args)
+
+
+def _mul2_intrinsic(dtype):
+    def mul2(typingctx, a, b):
+        sig = types.uint32(a, b)
+
+        def codegen(context, builder, sig, args):
+            return builder.call(_u32_asm(2, f"mul.rn.{dtype}x2 $0, $1, $2;"),
+                                _asm_args(builder, context, args, sig.args))
+
+        return sig, codegen
+
+    mul2.__name__ = mul2.__qualname__ = f"ptx_mul2_{dtype}"
+    mul2.__doc__ = f"uint32: two {dtype} products (mul.rn.{dtype}x2) of the pairs packed in a and b."
+    return intrinsic(mul2)
+
+
+ptx_hmul2 = _mul2_intrinsic("f16")
+ptx_bmul2 = _mul2_intrinsic("bf16")
+
+
+def py_hmul2(a, b):   # a float16 product of two float16 values is exact in float32: one rounding
+    p = (_halves(a, False) * _halves(b, False)).astype(np.float32).astype(np.float16)
+    return np.uint32(int(p.view(np.uint16)[0]) | int(p.view(np.uint16)[1]) << 16)
+
+
+def py_bmul2(a, b):
+    p = (_halves(a, True) * _halves(b, True)).astype(np.float32)
+    bits = [int(_f32_to_bf16_bits(v)) for v in p]
+    return np.uint32(bits[0] | bits[1] << 16)
+
+
+def _f32_to_bf16_bits(v):
+    """Round-to-nearest-even float32 -> bfloat16 bits (finite values)."""
+    u = int(np.array([v], np.float32).view(np.uint32)[0])
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
 
 
 # ---------------------------------------------------------------------------------------------
@@ -318,10 +552,12 @@ def py_f16x2_as_u32(lo, hi):
 # ---------------------------------------------------------------------------------------------
 # The names kernels use
 # ---------------------------------------------------------------------------------------------
-NAMES = ("ldg128", "ldg64", "stg128", "shared_addr", "lds_f32", "dp4a", "lop3", "prmt",
+NAMES = ("ldg128", "ldg64", "stg128", "shared_addr", "lds_f32", "lds_u32", "cp_async16", "cp_async_commit",
+         "cp_async_wait", "ldmatrix_x4", "mma_f16", "mma_bf16", "hmul2", "bmul2", "dp4a", "lop3", "prmt",
          "u32_as_f32", "f32_as_u32", "f16x2_as_u32", "f16_bits_to_f32")
 PAIRS = {name: (globals()["ptx_" + name], globals()["py_" + name]) for name in NAMES}
 
 _pick = 1 if SIMULATOR else 0
-(ldg128, ldg64, stg128, shared_addr, lds_f32, dp4a, lop3, prmt,
+(ldg128, ldg64, stg128, shared_addr, lds_f32, lds_u32, cp_async16, cp_async_commit, cp_async_wait,
+ ldmatrix_x4, mma_f16, mma_bf16, hmul2, bmul2, dp4a, lop3, prmt,
  u32_as_f32, f32_as_u32, f16x2_as_u32, f16_bits_to_f32) = (PAIRS[n][_pick] for n in NAMES)

@@ -245,14 +245,8 @@ def _sm_count():
 
 def _plan(A, qw, out, stream, out_dtype, bf16, tuning=None):
     """Validate the inputs and choose the specialisation: (kernel, grid, block, args, out)."""
-    if not isinstance(qw, KbitWeight):
-        raise TypeError(f"qw must be a KbitWeight, got {type(qw).__name__}")
-    Ad, a_src = _arrays.float_input(A, "A", bf16, (1, 2), stream)
-    shape = tuple(Ad.shape)
-    M = 1 if len(shape) == 1 else shape[0]
+    Ad, a_src, M, shape = _arrays.activations(A, qw, bf16, stream)
     N, K = qw.shape
-    if shape[-1] != K:
-        raise ValueError(f"A has K={shape[-1]}, the weight has K={K}")
     if not 1 <= M <= MAX_M:
         raise ValueError(f"gemv handles M = 1..{MAX_M} rows, got M={M}")
     if K > MAX_KW * WARP * BLOCK:

@@ -23,3 +23,13 @@ def random_weight(rng, N, K, scale=1.0, dtype=np.float32):
 
 seeds = st.integers(0, 2**32 - 1)
 ks = st.sampled_from([2, 3, 4, 5])
+
+
+def assert_within(got, want, tol, out_dtype=np.float32):
+    """|got - want| <= tol everywhere (plus one float16 rounding of the result for a float16 output)."""
+    if out_dtype == np.float16:
+        tol = tol + np.abs(want) * 2.0 ** -11 + 6e-8
+    got = np.asarray(got, np.float64).reshape(want.shape)
+    assert np.all(np.isfinite(got))
+    err = np.abs(got - want)
+    assert np.all(err <= tol), f"max error {err.max()} (tolerance there {tol.flat[err.argmax()]})"

@@ -6,7 +6,7 @@ from numba import cuda
 
 import kbit_numba as kb
 from kbit_numba import reference as ref
-from helpers import EXAMPLES, SIM, ks, random_weight, seeds
+from helpers import assert_within, EXAMPLES, SIM, ks, random_weight, seeds
 
 MAX_N = 12 if SIM else 700
 MAX_KB = 5 if SIM else 70          # K = 32 * kb: odd multiples of 32, and past 1024 (several warps) on the GPU
@@ -19,12 +19,7 @@ def check_close(got, A, qw, bf16=False, out_dtype=np.float32):
     Af = ref.as_float32(A, bf16).reshape(want.shape[0], -1).astype(np.float64)
     scale = np.abs(Af) @ np.abs(ref.dequantize(qw).astype(np.float64)).T
     tol = 1e-5 * scale + 1e-30
-    if out_dtype == np.float16:
-        tol = tol + np.abs(want) * 2.0 ** -11 + 6e-8
-    got = np.asarray(got, np.float64).reshape(want.shape)
-    assert np.all(np.isfinite(got))
-    err = np.abs(got - want)
-    assert np.all(err <= tol), f"max error {err.max()} (tolerance there {tol.flat[err.argmax()]})"
+    assert_within(got, want, tol, out_dtype)
 
 
 def _activations(rng, M, K, a_dtype, one_d=False):

@@ -19,6 +19,8 @@ def test_twins_known_values():
     assert I.py_prmt(0x00000080, 0, 0x0008) & 0xFF == 0xFF           # sign replicate
     assert I.py_u32_as_f32(0x3F800000) == 1.0 and I.py_f32_as_u32(np.float32(-2.0)) == 0xC0000000
     assert I.py_f16x2_as_u32(1.0, -2.0) == 0xC0003C00
+    assert I.py_hmul2(I.py_f16x2_as_u32(1.5, -2.0), I.py_f16x2_as_u32(2.0, 0.5)) == I.py_f16x2_as_u32(3.0, -1.0)
+    assert I.py_bmul2(0x40003FC0, 0x3F004000) == 0x3F804040     # bf16 pairs (1.5, 2) * (2, 0.5) = (3, 1)
 
 
 # ---- PTX versions against the twins on random inputs (GPU) ---------------------------------------
@@ -72,6 +74,53 @@ def test_vector_loads_and_stores():
     s = src.reshape(-1, 4)
     want = np.stack([s[:, 3] ^ s[:, 3], s[:, 2] ^ s[:, 2], s[:, 1], s[:, 0]], axis=1).reshape(-1)
     np.testing.assert_array_equal(dst.copy_to_host(), want)
+
+
+# ---- tensor-core path: cp.async -> ldmatrix -> mma, against NumPy (PTX on the GPU, twins here) -------
+ROW = 12        # staged row of 16 halves padded to 24 (48 bytes: 16-byte aligned ldmatrix rows)
+SH_WORDS = 16 * ROW     # (a shared array shape must be a constant name, not an expression)
+
+
+@cuda.jit
+def _mma_kernel(a, w, c, d, use_bf16):
+    """D (16 x 8) = A (16 x 16, row-major halves as words) @ W^T (W: 8 x 16) + C, one warp."""
+    sh = cuda.shared.array(SH_WORDS, np.uint32, alignment=16)
+    lane = cuda.threadIdx.x
+    g, t = lane // 4, lane % 4
+    base = I.shared_addr(sh)
+    row, chunk = lane // 2, lane % 2                    # 32 copies of 16 bytes = the whole of A
+    I.cp_async16(sh, base + np.uint32(4 * (row * ROW + 4 * chunk)), a, row * 8 + 4 * chunk, np.uint32(16))
+    I.cp_async_commit()
+    I.cp_async_wait(0)
+    cuda.syncwarp()
+    a0, a1, a2, a3 = I.ldmatrix_x4(sh, base + np.uint32(4 * ((lane % 16) * ROW + (lane // 16) * 4)))
+    b0, b1 = w[g * 8 + t], w[g * 8 + 4 + t]             # B = W^T: column g = row g of W
+    if use_bf16:
+        r = I.mma_bf16(a0, a1, a2, a3, b0, b1, c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t], c[g + 8, 2 * t + 1])
+    else:
+        r = I.mma_f16(a0, a1, a2, a3, b0, b1, c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t], c[g + 8, 2 * t + 1])
+    d[g, 2 * t], d[g, 2 * t + 1], d[g + 8, 2 * t], d[g + 8, 2 * t + 1] = r
+
+
+@pytest.mark.skipif(PTX_ONLY, reason="runs a kernel")
+@pytest.mark.parametrize("use_bf16", [False, True])
+def test_cp_async_ldmatrix_mma(use_bf16):
+    rng = np.random.default_rng(1)
+    A = rng.standard_normal((16, 16)).astype(np.float32)
+    W = rng.standard_normal((8, 16)).astype(np.float32)
+    C = rng.standard_normal((16, 8)).astype(np.float32)
+    if use_bf16:
+        from kbit_numba.reference import bf16_bits_to_float32, float32_to_bf16_bits
+        Ab, Wb = float32_to_bf16_bits(A), float32_to_bf16_bits(W)
+        A, W = bf16_bits_to_float32(Ab), bf16_bits_to_float32(Wb)
+        a_words, w_words = Ab.view(np.uint32).reshape(-1), Wb.view(np.uint32).reshape(-1)
+    else:
+        A, W = A.astype(np.float16), W.astype(np.float16)
+        a_words, w_words = A.view(np.uint32).reshape(-1), W.view(np.uint32).reshape(-1)
+    d = cuda.device_array((16, 8), np.float32)
+    _mma_kernel[1, 32](cuda.to_device(a_words), cuda.to_device(w_words), cuda.to_device(C), d, use_bf16)
+    want = A.astype(np.float64) @ W.astype(np.float64).T + C
+    np.testing.assert_allclose(d.copy_to_host(), want, rtol=1e-5, atol=1e-5)
 
 
 # ---- warp primitives: the same expectations on the GPU and on the simulator -----------------------

@@ -17,8 +17,9 @@ CC = (9, 0)
 
 
 def _specializations():
-    from kbit_numba import codec, scalar_gemv
-    return codec.kernel_specializations() + scalar_gemv.kernel_specializations()
+    from kbit_numba import codec, scalar_gemv, tensor_gemm
+    return (codec.kernel_specializations() + scalar_gemv.kernel_specializations()
+            + tensor_gemm.kernel_specializations())
 
 
 def _requirements(name):
@@ -34,6 +35,15 @@ def _requirements(name):
         must += ["shfl.sync.bfly.b32", "prmt.b32", "ld.shared.f32", "cvta.to.shared"]
         must += {4: ["ld.global.nc.v4.u32"], 2: ["ld.global.nc.v2.u32"]}.get(k, [])
         never += ["ld.shared.f64", "cvt.rn.f32.f64"]         # no float64 crept into the inner loop
+    if name.startswith("gemm"):
+        bf16 = "A=bfloat16" in name
+        must += ["mma.sync.aligned.m16n8k16.row.col.f32." + ("bf16.bf16" if bf16 else "f16.f16") + ".f32",
+                 "ldmatrix.sync.aligned.m8n8.x4.shared.b16", "cp.async.cg.shared.global",
+                 "cp.async.wait_group 1", "mul.rn." + ("bf16x2" if bf16 else "f16x2"), "ld.shared.u32"]
+        must += {4: ["ld.global.nc.v4.u32"], 2: ["ld.global.nc.v4.u32"]}.get(int(name.split("k=")[1][0]),
+                                                                          ["ld.global.nc.v2.u32"])
+        if "split=True" in name:
+            must += ["atom.global.add.f32"]
     return must, never
 
 

@@ -1,0 +1,38 @@
+"""Split-K / m-tile sweep of the tensor-core GEMM on the device (GPU time, CUDA graphs, L2-cold):
+
+    python benchmarks/sweep_gemm.py [KxN,...] [M,...]
+"""
+import sys
+
+import numpy as np
+from numba import cuda
+
+from kbit_numba import bench, tensor_gemm
+from kbit_numba._timing import graph_time_us, rotation_count
+
+shapes = [bench._shape(s) for s in (sys.argv[1] if len(sys.argv) > 1 else "2048x5120,4096x14336").split(",")]
+ms = [int(m) for m in (sys.argv[2] if len(sys.argv) > 2 else "8,16,32,64").split(",")]
+rng = np.random.default_rng(0)
+sm = cuda.get_current_device().MULTIPROCESSOR_COUNT
+print(f"{'K x N':>11} {'M':>4} {'MT':>3} {'split':>5} {'CTAs':>6} {'us':>8}  cuBLAS")
+for K, N in shapes:
+    nbytes = N * K // 32 * 17
+    n = rotation_count(nbytes)
+    ws = bench._tiled_copies(bench._rotating_weights(K, N, 4, n, rng))
+    for M in ms:
+        A = cuda.to_device(rng.standard_normal((M, K)).astype(np.float16))
+        out = cuda.device_array((M, N), np.float16)
+        sums = tensor_gemm.workspace(M, N)
+        cub = bench.cublas_row(K, N, M)
+        auto = tensor_gemm.choose_split(M, N, K, tensor_gemm.m_tile_for(M), sm)[0]
+        for mt in sorted({tensor_gemm.m_tile_for(M), 1, 2}):
+            for split in sorted({auto, 4, 8, 16, 32}):
+                plans = [tensor_gemm.plan(A, w, out, 0, np.float16, False, sums, split, mt)[0] for w in ws]
+
+                def launch(i, s, plans=plans):
+                    for kern, grid, block, args in plans[i % n]:
+                        kern[grid, block, s](*args)
+                t = graph_time_us(launch, n * max(1, 32 // n))
+                ctas = plans[0][0][1][0] * plans[0][0][1][1] * plans[0][0][1][2]
+                print(f"{K:>5}x{N:<5} {M:>4} {mt:>3} {split:>5} {ctas:>6} {t:8.2f}  {cub:7.2f}"
+                      + ("  (auto)" if split == auto and mt == tensor_gemm.m_tile_for(M) else ""), flush=True)

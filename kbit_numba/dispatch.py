@@ -1,0 +1,257 @@
+"""One entry point for C = A @ W^T: ``linear`` picks scalar GEMV, tensor-core GEMM or dequantize + cuBLAS.
+
+The choice depends on M and the shape and comes from a per-GPU table, ``kbit_numba/tuning/<gpu>.json``,
+written by ``python -m kbit_numba.bench --tune`` on that GPU (loaded by device name; unknown GPUs get
+``DEFAULT_TABLE``). A table holds general rules (``[[max_m, kernel], ...]``, the first rule with
+M <= max_m wins, ``null`` = any M) and per-shape rules for the shapes it measured (key ``"KxN"``).
+
+A rule is only followed when its kernel applies; otherwise the next applicable one in ``FALLBACK``:
+``gemv`` needs M <= 4 (bigger M runs it in slices of 4 rows), ``gemm`` the tiled layout,
+``dequant_matmul`` torch or CuPy for the cuBLAS call.
+
+``KbitLinear`` keeps a weight ready for repeated calls: a tiled copy (which serves gemv and gemm), a
+``Workspace`` (split-K sums, the dequantized weight) and prepared launches for decode loops.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from functools import lru_cache
+
+import numpy as np
+from numba import cuda
+
+from . import _arrays, scalar_gemv, tensor_gemm
+from .codec import _device_weight, dequantize, repack_tiled
+from .formats import TILE_N, KbitWeight
+from .launch import PreparedLaunch
+
+KERNELS = ("gemv", "gemm", "dequant_matmul")
+FALLBACK = ("gemm", "dequant_matmul", "gemv")
+TUNING_DIR = os.path.join(os.path.dirname(__file__), "tuning")
+DEFAULT_TABLE = {"device": "default", "rules": [[4, "gemv"], [256, "gemm"], [None, "dequant_matmul"]],
+                 "shapes": {}}
+
+
+# ---- the per-GPU table ---------------------------------------------------------------------------
+def device_key(name):
+    """'NVIDIA H200' -> 'nvidia_h200' (the table's file name)."""
+    if isinstance(name, bytes):
+        name = name.decode()
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+
+
+@lru_cache(maxsize=None)
+def load_table(name=None):
+    """The table for GPU ``name`` (default: the current device), or DEFAULT_TABLE."""
+    if name is None:
+        try:
+            name = cuda.get_current_device().name
+        except Exception:          # the simulator
+            return DEFAULT_TABLE
+    path = os.path.join(TUNING_DIR, device_key(name) + ".json")
+    if not os.path.exists(path):
+        return DEFAULT_TABLE
+    with open(path) as f:
+        return json.load(f)
+
+
+def choose(M, N, K, layout, table=None, backend=None):
+    """The kernel ``linear`` runs for an M x K input and an N x K weight of ``layout``. ``backend``:
+    the cuBLAS route ('torch', 'cupy', or False for none); None asks ``matmul_backend()``."""
+    table = table or load_table()
+    rules = table.get("shapes", {}).get(f"{K}x{N}", table["rules"])
+    want = next(kern for max_m, kern in rules if max_m is None or M <= max_m)
+    usable = {"gemv": M <= scalar_gemv.MAX_M, "gemm": layout == "tiled",
+              "dequant_matmul": bool(backend if backend is not None else matmul_backend())}
+    for kern in (want,) + FALLBACK:
+        if usable.get(kern, False):
+            return kern
+    return "gemv"                  # any M, in slices of 4 rows
+
+
+# ---- dequantize + cuBLAS ---------------------------------------------------------------------------
+@lru_cache(maxsize=None)
+def matmul_backend():
+    """'torch' or 'cupy' (whichever imports, torch first) for the cuBLAS call, or None."""
+    for name in ("torch", "cupy"):
+        try:
+            __import__(name)
+            return name
+        except Exception:
+            continue
+    return None
+
+
+class Workspace:
+    """Reusable device buffers for ``linear``: the float32 split-K sums (kept zeroed by the kernels) and
+    the dequantized weight. Grown on demand; one launch at a time per workspace."""
+
+    def __init__(self):
+        self._sums = None
+        self._weights = {}
+
+    def sums(self, n, stream=0):
+        if self._sums is None or self._sums.shape[0] < n:
+            self._sums = tensor_gemm.workspace(n, 1, stream)
+        return self._sums
+
+    def weight(self, shape, dtype, stream=0):
+        key = (tuple(shape), np.dtype(dtype).str)
+        if key not in self._weights:
+            self._weights[key] = cuda.device_array(shape, dtype, stream=stream)
+        return self._weights[key]
+
+
+def _stream_handle(stream):
+    if stream is None or isinstance(stream, int):
+        return stream or 0
+    handle = stream.handle
+    return int(getattr(handle, "value", handle) or 0)
+
+
+def _cublas_matmul(Ad, Wd, out, stream):
+    """out = Ad @ Wd^T with torch or CuPy on ``stream`` (all device arrays, same float dtype)."""
+    backend = matmul_backend()
+    handle = _stream_handle(stream)
+    if backend == "torch":
+        import torch
+        a, w, o = (torch.as_tensor(x, device="cuda") for x in (Ad, Wd, out))
+        s = torch.cuda.ExternalStream(handle) if handle else torch.cuda.default_stream()
+        with torch.cuda.stream(s):
+            if o.dtype == a.dtype:
+                torch.matmul(a, w.t(), out=o)
+            else:
+                o.copy_(torch.matmul(a, w.t()))
+    elif backend == "cupy":
+        import cupy
+        a, w, o = (cupy.asarray(x) for x in (Ad, Wd, out))
+        with cupy.cuda.ExternalStream(handle) if handle else cupy.cuda.Stream.null:
+            if o.dtype == a.dtype:
+                cupy.matmul(a, w.T, out=o)
+            else:
+                o[...] = cupy.matmul(a, w.T)
+    else:
+        raise RuntimeError("dequant_matmul needs torch or CuPy for the cuBLAS call; neither is installed")
+
+
+def dequant_matmul(A, qw, out=None, stream=None, out_dtype=np.float16, workspace=None):
+    """C = A @ W^T as ``dequantize`` into a reusable buffer, then cuBLAS (torch or CuPy). A float16 or
+    float32; the weight is dequantized to A's type."""
+    stream = _arrays.as_stream(stream)
+    Ad = _arrays.device_array(A, "A", _arrays.FLOAT_DTYPES, (1, 2), stream)
+    N, K = qw.shape
+    if tuple(Ad.shape)[-1] != K:
+        raise ValueError(f"A has K={tuple(Ad.shape)[-1]}, the weight has K={K}")
+    out_dtype = _arrays.output_dtype(out, out_dtype)
+    out = _arrays.output(out, "out", tuple(Ad.shape)[:-1] + (N,), out_dtype, stream)
+    ws = workspace or Workspace()
+    Wd = dequantize(qw, dtype=Ad.dtype, out=ws.weight((N, K), Ad.dtype, stream), stream=stream)
+    _cublas_matmul(Ad, Wd, out, stream)
+    return out
+
+
+# ---- the entry point -------------------------------------------------------------------------------
+def _rows(A):
+    shape = tuple(A.shape)
+    return 1 if len(shape) == 1 else shape[0]
+
+
+def linear(A, qw, out=None, stream=None, workspace=None, out_dtype=np.float16, bf16=False, kernel=None,
+           table=None):
+    """C[M, N] = A[M, K] @ W^T for any M, by the fastest applicable kernel for this GPU, M and shape.
+
+    A: float16/float32 [M, K] or [K] (bfloat16 as int16 bits with ``bf16=True``); qw: a KbitWeight (the
+    tensor-core GEMM needs the tiled layout: ``KbitLinear`` keeps one). ``workspace``: a ``Workspace``
+    reused across calls (else buffers are allocated per call). ``kernel`` forces 'gemv', 'gemm' or
+    'dequant_matmul'. Returns a device array [M, N] (or [N]) of ``out_dtype``, or ``out``."""
+    if not isinstance(qw, KbitWeight):
+        raise TypeError(f"qw must be a KbitWeight, got {type(qw).__name__}")
+    stream = _arrays.as_stream(stream)
+    M = _rows(A)
+    N, K = qw.shape
+    kernel = kernel or choose(M, N, K, qw.layout, table)
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    if bf16 and kernel == "dequant_matmul":       # cuBLAS through torch/CuPy takes no int16 bf16 bits
+        kernel = "gemm" if qw.layout == "tiled" else "gemv"
+    ws = workspace or Workspace()
+    if kernel == "gemm":
+        sums = ws.sums(M * N, stream)
+        return tensor_gemm.gemm(A, qw, out, stream, out_dtype, bf16, sums)
+    if kernel == "dequant_matmul":
+        return dequant_matmul(A, qw, out, stream, out_dtype, ws)
+    if M <= scalar_gemv.MAX_M:
+        return scalar_gemv.gemv(A, qw, out, stream, out_dtype, bf16)
+    Ad, _ = _arrays.float_input(A, "A", bf16, 2, stream)   # gemv in slices of 4 rows
+    out_dtype = _arrays.output_dtype(out, out_dtype)
+    out = _arrays.output(out, "out", (M, N), out_dtype, stream)
+    for r in range(0, M, scalar_gemv.MAX_M):
+        scalar_gemv.gemv(Ad[r:r + scalar_gemv.MAX_M], qw, out[r:r + scalar_gemv.MAX_M], stream, out_dtype, bf16)
+    return out
+
+
+class KbitLinear:
+    """A kbit weight kept ready for repeated ``linear`` calls (decode and prefill steps).
+
+    Holds the weight on the device in the tiled layout when N is a multiple of 128 (gemv and gemm both
+    read it; otherwise the flat layout, served by gemv and dequantize + cuBLAS), and a ``Workspace``.
+    ``layer(A)`` is ``linear(A, weight, workspace=...)``; ``layer.prepare(A, out)`` binds buffers once and
+    returns an object whose ``run()`` replays the chosen launches with no argument checking (CUDA-graph
+    capturable; write new inputs into the bound ``A``)."""
+
+    def __init__(self, qw, table=None, stream=None):
+        stream = _arrays.as_stream(stream)
+        qw = _device_weight(qw, stream)
+        if qw.layout == "flat" and qw.shape[0] % TILE_N == 0:
+            qw = repack_tiled(qw, stream=stream)
+        self.weight = qw
+        self.table = table
+        self.workspace = Workspace()
+
+    def kernel_for(self, M):
+        N, K = self.weight.shape
+        return choose(M, N, K, self.weight.layout, self.table)
+
+    def __call__(self, A, out=None, stream=None, out_dtype=np.float16, bf16=False, kernel=None):
+        return linear(A, self.weight, out, stream, self.workspace, out_dtype, bf16, kernel, self.table)
+
+    def prepare(self, A, out=None, stream=None, out_dtype=np.float16, bf16=False, kernel=None):
+        return PreparedLinear(self, A, out, stream, out_dtype, bf16, kernel)
+
+
+class PreparedLinear:
+    """``KbitLinear`` bound to its A and out buffers and a stream: ``run()`` replays the launches."""
+
+    def __init__(self, layer, A, out, stream, out_dtype, bf16, kernel):
+        if isinstance(A, np.ndarray):
+            raise TypeError("prepare binds buffers by address: pass A as a device array")
+        stream = _arrays.as_stream(stream)
+        M = _rows(A)
+        w = layer.weight
+        self.kernel = kernel or layer.kernel_for(M)
+        self.A, self.stream = A, stream
+        if self.kernel == "gemm":
+            launches, self.out, _ = tensor_gemm.plan(A, w, out, stream, out_dtype, bf16,
+                                                     layer.workspace.sums(M * w.shape[0], stream))
+            self._launches = [PreparedLaunch(k, g, b, a, stream) for k, g, b, a in launches]
+        elif self.kernel == "gemv" and M <= scalar_gemv.MAX_M:
+            kern, grid, block, args, self.out = scalar_gemv._plan(A, w, out, stream, out_dtype, bf16)
+            self._launches = [PreparedLaunch(kern, grid, block, args, stream)]
+        else:                                      # dequantize + cuBLAS, or gemv slices: the checked path
+            self.out = _arrays.output(out, "out", tuple(A.shape)[:-1] + (w.shape[0],),
+                                      _arrays.output_dtype(out, out_dtype), stream)
+            self._launches = None
+            self._call = lambda s: linear(A, w, self.out, s, layer.workspace, out_dtype, bf16, self.kernel,
+                                          layer.table)
+
+    def run(self, stream=None):
+        """Launch (on ``stream`` if given, else the bound one); returns ``out``."""
+        s = self.stream if stream is None else _arrays.as_stream(stream)
+        if self._launches is None:
+            self._call(s)
+        else:
+            for launch in self._launches:
+                launch(s)
+        return self.out

@@ -1,0 +1,357 @@
+"""Tensor-core GEMM: C[M, N] = A[M, K] @ W[N, K]^T for any M, with tiled kbit weights (k = 2..5).
+
+Design (numbers in benchmarks/README.md):
+
+* **A CTA of 4 warps computes a BM x 128 tile of C** (BM = 16 * MT rows, one column tile of the tiled
+  layout) over a range of K tiles of 64 (two kbit blocks each). Warp w owns columns 32w .. 32w+31:
+  four n8 tiles of ``mma.sync.m16n8k16`` (fp16 or bf16 in, float32 accumulate).
+* **A goes global -> shared with ``cp.async``** (16 bytes a copy, zero-filled past M and K), double
+  buffered against the MMAs. Staged rows are padded to 72 halves (144 bytes): the 8 row addresses of
+  one ``ldmatrix`` then start in 8 different 4-bank groups (conflict-free). ``ldmatrix.x4`` yields the
+  A fragment of an m16n8k16 MMA in one instruction.
+* **B fragments come straight from the bit planes.** Lane (g, t) = (lane // 4, lane % 4) needs elements
+  2t, 2t+1 and 2t+8, 2t+9 (and +16) of column g's block. ``(plane >> 2t) & 0x03030303`` keeps exactly
+  those element pairs, one pair per byte; OR-ing the k planes at bit offset 2b turns each byte into a
+  2k-bit "pair code" (k = 5: a fifth plane in a second word). A shared table of 2^(2k) codebook pairs
+  (f16x2 words) maps the code to the B register; one ``mul.rn.f16x2`` by the block's absmax scales it.
+  The four lanes of a quad read the same plane words (one 32-byte sector, broadcast by L1).
+* **The next K tile's plane words are loaded before this tile's MMAs** (a register double buffer).
+* **Split-K** over ``blockIdx.z`` when the C tiles are too few for the SMs: partial tiles are added
+  atomically into a float32 workspace; a second small kernel writes the output and zeroes the
+  workspace again, so a workspace stays ready for the next call (one launch at a time per workspace).
+
+Precision: W's codebook values, absmax and their product are rounded to fp16 (bf16 with bf16 A), and
+float32 A is converted to fp16 first; accumulation is float32 (tests/test_gemm.py states the tolerance).
+Reference twin: ``reference.gemv`` (any M). Tests: ``tests/test_gemm.py``.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+from numba import cuda
+
+from . import _arrays
+from .codec import _device_weight
+from .device import WARP, e4m4_decode
+from .formats import TILE_K, TILE_N
+from .intrinsics import (bmul2, cp_async16, cp_async_commit, cp_async_wait, f16x2_as_u32, f32_as_u32, hmul2,
+                         ldg64, ldg128, ldmatrix_x4, lds_u32, mma_bf16, mma_f16, shared_addr)
+
+WARPS = 4
+THREADS = WARPS * WARP
+BN = TILE_N                      # 128 columns per CTA: one tile of the tiled layout
+BK = TILE_K                      # 64 = two kbit blocks per K step
+MMA_M, MMA_N = 16, 8
+N_SUB = BN // WARPS // MMA_N     # 4 n8 MMA tiles per warp
+ROW_WORDS = BK // 2 + 4          # staged A row: 64 halves + 8 halves of padding (conflict-free ldmatrix)
+CHUNKS_PER_ROW = BK // 8         # 16-byte cp.async copies per staged row
+PAIR_MASK = 0x03030303           # bits 0 and 1 of every byte: one element pair per byte
+M_TILES = (1, 2, 4)              # MT: BM = 16 * MT rows of A per CTA
+FINISH_THREADS = 256
+
+
+@lru_cache(maxsize=None)
+def make_gemm_kernel(k, MT, absmax_format, a_type, out_dtype, split_k):
+    """Kernel(A_u32, packed, absmax, codebook, out, workspace, M, N, K, tiles_per_split), 128 threads,
+    grid (N / 128, ceil(M / (16 MT)), splits).
+
+    k: bits; MT: 16-row MMA tiles per CTA (1, 2 or 4); a_type: 'float16' or 'bfloat16' (the MMA input
+    type; A is read as uint32 words of two values); split_k: partial sums go atomically into the float32
+    workspace (grid.z > 1), else straight to ``out`` (workspace unused)."""
+    assert k in (2, 3, 4, 5) and MT in M_TILES
+    BM = MMA_M * MT
+    STAGE_WORDS = BM * ROW_WORDS
+    A_SH_WORDS = 2 * STAGE_WORDS                   # two stages (a shared array's shape must be a constant)
+    N_PAIRS = 1 << (2 * k)
+    WORDS = 2 * k                                  # plane words per column per K tile (two blocks)
+    e4m4 = absmax_format == "e4m4"
+    absmax_t = np.uint8 if e4m4 else np.float32
+    bf16 = a_type == "bfloat16"
+    mma = mma_bf16 if bf16 else mma_f16
+    mul2 = bmul2 if bf16 else hmul2
+    f16_out = np.dtype(out_dtype) == np.float16
+
+    @cuda.jit(device=True, inline="always")
+    def half_bits(v):
+        """float32 -> the 16-bit pattern of the MMA input type (round to nearest even)."""
+        if bf16:
+            u = f32_as_u32(v)
+            return (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+        return f16x2_as_u32(np.float16(v), np.float16(0))
+
+    @cuda.jit(device=True, inline="always")
+    def load_tile(packed, absmax, tile, col0, wv, am):
+        """This lane's plane words and absmax values of K tile ``tile`` for its N_SUB columns."""
+        for j in range(N_SUB):
+            slot = tile * np.int32(2 * BN) + (col0 + np.int32(8 * j)) * np.int32(2)   # (column, block 0)
+            base = slot * np.int32(k)
+            if WORDS % 4 == 0:                     # k = 2, 4: 16-byte aligned, 16-byte loads
+                for q in range(WORDS // 4):
+                    wv[j, 4 * q], wv[j, 4 * q + 1], wv[j, 4 * q + 2], wv[j, 4 * q + 3] = \
+                        ldg128(packed, base + np.int32(4 * q))
+            else:                                  # k = 3, 5: 8-byte aligned
+                for q in range(k):
+                    wv[j, 2 * q], wv[j, 2 * q + 1] = ldg64(packed, base + np.int32(2 * q))
+            am[j, 0] = absmax[slot]
+            am[j, 1] = absmax[slot + np.int32(1)]
+
+    @cuda.jit(device=True, inline="always")
+    def stage_a(A, a_sh, a_base, kt, buf, m0, M, K, tid):
+        """cp.async the BM x 64 slice of A for K tile kt into stage ``buf`` (zeros past M and K)."""
+        for i in range(MT):                        # BM * 8 copies = MT per thread
+            c = tid + np.int32(i * THREADS)
+            row = c // np.int32(CHUNKS_PER_ROW)
+            ch = c % np.int32(CHUNKS_PER_ROW)
+            grow = m0 + row
+            gcol = kt * np.int32(BK) + ch * np.int32(8)
+            ok = grow < M and gcol < K
+            src = (grow * K + gcol) // np.int32(2) if ok else np.int32(0)
+            dst = a_base + np.uint32(4) * np.uint32(buf * np.int32(STAGE_WORDS) + row * np.int32(ROW_WORDS)
+                                                    + ch * np.int32(4))
+            cp_async16(a_sh, dst, A, src, np.uint32(16) if ok else np.uint32(0))
+
+    def gemm_kernel(A, packed, absmax, cb, out, ws, M, N, K, tiles_per_split):
+        table = cuda.shared.array(N_PAIRS, np.uint32)
+        a_sh = cuda.shared.array(A_SH_WORDS, np.uint32, alignment=16)
+        tid = np.int32(cuda.threadIdx.x)
+        lane = tid % np.int32(WARP)
+        warp = tid // np.int32(WARP)
+        g = lane >> np.int32(2)
+        t = lane & np.int32(3)
+        n_tile = np.int32(cuda.blockIdx.x)
+        m0 = np.int32(cuda.blockIdx.y) * np.int32(BM)
+        k_tiles = (K + np.int32(BK - 1)) // np.int32(BK)
+        kt0 = np.int32(cuda.blockIdx.z) * tiles_per_split
+        kt1 = min(kt0 + tiles_per_split, k_tiles)
+        n_tiles = N // np.int32(BN)
+        col0 = warp * np.int32(N_SUB * MMA_N) + g
+        a_base = shared_addr(a_sh)
+        tb = shared_addr(table)
+
+        # ---- the pair table: code bit 2b (2b+1) is plane b of the even (odd) element -----------------
+        for code in range(tid, N_PAIRS, THREADS):
+            i0 = 0
+            i1 = 0
+            for b in range(k):
+                i0 |= ((code >> (2 * b)) & 1) << b
+                i1 |= ((code >> (2 * b + 1)) & 1) << b
+            table[code] = half_bits(cb[i0]) | (half_bits(cb[i1]) << np.uint32(16))
+
+        acc = cuda.local.array((MT, N_SUB, 4), np.float32)
+        for mt in range(MT):
+            for j in range(N_SUB):
+                for r in range(4):
+                    acc[mt, j, r] = np.float32(0.0)
+        wv = cuda.local.array((N_SUB, WORDS), np.uint32)
+        am = cuda.local.array((N_SUB, 2), absmax_t)
+        nwv = cuda.local.array((N_SUB, WORDS), np.uint32)
+        nam = cuda.local.array((N_SUB, 2), absmax_t)
+        afr = cuda.local.array((MT, 2, 4), np.uint32)
+        breg = cuda.local.array(4, np.uint32)
+
+        if kt0 < kt1:
+            stage_a(A, a_sh, a_base, kt0, np.int32(0), m0, M, K, tid)
+            load_tile(packed, absmax, kt0 * n_tiles + n_tile, col0, wv, am)
+        cp_async_commit()
+        shift = np.uint32(2) * np.uint32(t)       # this lane's element pair sits at bits 2t, 2t+1
+        for kt in range(kt0, kt1):
+            buf = (kt - kt0) & np.int32(1)
+            if kt + 1 < kt1:                       # next tile: A copies in flight, plane words in registers
+                stage_a(A, a_sh, a_base, kt + np.int32(1), buf ^ np.int32(1), m0, M, K, tid)
+                load_tile(packed, absmax, (kt + np.int32(1)) * n_tiles + n_tile, col0, nwv, nam)
+            cp_async_commit()
+            cp_async_wait(1)                       # this thread's copies of tile kt have landed ...
+            cuda.syncthreads()                     # ... and everyone's (also: the table is written)
+            for kb in range(2):                    # the two kbit blocks of the tile = 2 x 2 MMA k-steps
+                for mt in range(MT):
+                    for s in range(2):
+                        word = (buf * np.int32(STAGE_WORDS) + (np.int32(16 * mt) + (lane & np.int32(15)))
+                                * np.int32(ROW_WORDS) + np.int32(16 * kb + 8 * s) + (lane >> np.int32(4)) * np.int32(4))
+                        afr[mt, s, 0], afr[mt, s, 1], afr[mt, s, 2], afr[mt, s, 3] = \
+                            ldmatrix_x4(a_sh, a_base + np.uint32(4) * np.uint32(word))
+                for j in range(N_SUB):
+                    x = np.uint32(0)               # planes 0..3: one pair code per byte
+                    y = np.uint32(0)               # plane 4 (k = 5)
+                    for b in range(k):
+                        v = (wv[j, kb * k + b] >> shift) & np.uint32(PAIR_MASK)
+                        if b < 4:
+                            x |= v << np.uint32(2 * b)
+                        else:
+                            y |= v
+                    s2 = half_bits(e4m4_decode(am[j, kb]) if e4m4 else np.float32(am[j, kb]))
+                    s2 |= s2 << np.uint32(16)
+                    for q in range(4):             # byte q: elements 8q + 2t, 8q + 2t + 1
+                        code = (x >> np.uint32(8 * q)) & np.uint32(0xFF)
+                        if k == 5:
+                            code |= ((y >> np.uint32(8 * q)) & np.uint32(3)) << np.uint32(8)
+                        breg[q] = mul2(lds_u32(table, tb + code * np.uint32(4)), s2)
+                    for mt in range(MT):
+                        for s in range(2):
+                            acc[mt, j, 0], acc[mt, j, 1], acc[mt, j, 2], acc[mt, j, 3] = mma(
+                                afr[mt, s, 0], afr[mt, s, 1], afr[mt, s, 2], afr[mt, s, 3],
+                                breg[2 * s], breg[2 * s + 1],
+                                acc[mt, j, 0], acc[mt, j, 1], acc[mt, j, 2], acc[mt, j, 3])
+            cuda.syncthreads()                     # stage buf may be overwritten from here on
+            for j in range(N_SUB):
+                for w in range(WORDS):
+                    wv[j, w] = nwv[j, w]
+                am[j, 0] = nam[j, 0]
+                am[j, 1] = nam[j, 1]
+        cp_async_wait(0)
+
+        # ---- epilogue: c0, c1 = C[g, 2t..2t+1]; c2, c3 = C[g+8, 2t..2t+1] of each 16 x 8 tile ---------
+        for mt in range(MT):
+            for j in range(N_SUB):
+                col = n_tile * np.int32(BN) + col0 - g + np.int32(8 * j) + np.int32(2) * t
+                for h in range(2):
+                    row = m0 + np.int32(16 * mt + 8 * h) + g
+                    if row < M:
+                        i = row * N + col
+                        if split_k:
+                            cuda.atomic.add(ws, i, acc[mt, j, 2 * h])
+                            cuda.atomic.add(ws, i + np.int32(1), acc[mt, j, 2 * h + 1])
+                        elif f16_out:
+                            out[i] = np.float16(acc[mt, j, 2 * h])
+                            out[i + np.int32(1)] = np.float16(acc[mt, j, 2 * h + 1])
+                        else:
+                            out[i] = acc[mt, j, 2 * h]
+                            out[i + np.int32(1)] = acc[mt, j, 2 * h + 1]
+
+    return cuda.jit(gemm_kernel)
+
+
+@lru_cache(maxsize=None)
+def make_finish_kernel(out_dtype):
+    """Kernel(ws, out, n): out[i] = ws[i] (converted), ws[i] = 0 -- the split-K epilogue."""
+    f16_out = np.dtype(out_dtype) == np.float16
+
+    def finish_kernel(ws, out, n):
+        i = cuda.grid(1)
+        if i < n:
+            v = ws[i]
+            out[i] = np.float16(v) if f16_out else v
+            ws[i] = np.float32(0.0)
+
+    return cuda.jit(finish_kernel)
+
+
+@lru_cache(maxsize=None)
+def _to_half_kernel():
+    def to_half(src, dst, n):
+        i = cuda.grid(1)
+        if i < n:
+            dst[i] = np.float16(src[i])
+    return cuda.jit(to_half)
+
+
+def _sm_count():
+    try:
+        return cuda.get_current_device().MULTIPROCESSOR_COUNT
+    except Exception:   # the simulator has no such attribute
+        return 2
+
+
+def m_tile_for(M):
+    """MT (16-row MMA tiles per CTA) for M rows: the fewest that cover M, at most 4."""
+    for mt in M_TILES:
+        if M <= MMA_M * mt:
+            return mt
+    return M_TILES[-1]
+
+
+def choose_split(M, N, K_padded, MT, n_sm, target_waves=2):
+    """K splits so that the CTAs fill about ``target_waves`` CTAs per SM (no split ever empty)."""
+    k_tiles = K_padded // BK
+    tiles = (N // BN) * -(-M // (MMA_M * MT))
+    split = max(1, min(k_tiles, -(-target_waves * n_sm // tiles)))
+    per = -(-k_tiles // split)
+    return -(-k_tiles // per), per
+
+
+def workspace(M, N, stream=0):
+    """A zeroed float32 split-K workspace for an M x N output (the kernels leave it zeroed)."""
+    return cuda.to_device(np.zeros(M * N, np.float32), stream=stream)
+
+
+def plan(A, qw, out=None, stream=0, out_dtype=np.float16, bf16=False, ws=None, split=None, m_tile=None):
+    """Validate and choose the launches: ([(kernel, grid, block, args), ...], out, ws)."""
+    Ad, a_src, M, shape = _arrays.activations(A, qw, bf16, stream)
+    if qw.layout != "tiled":
+        raise ValueError("gemm reads the tiled layout: convert the weight once with repack_tiled(qw)")
+    N, K = qw.shape
+    if M < 1 or M * K >= 2**31 or M * N >= 2**31:
+        raise ValueError(f"gemm needs 1 <= M and M*K, M*N < 2**31 (32-bit indices), got M={M}")
+    out_dtype = _arrays.output_dtype(out, out_dtype)
+    qw = _device_weight(qw, stream)
+    out = _arrays.output(out, "out", (M, N) if len(shape) == 2 else (N,), out_dtype, stream)
+    launches = []
+    if a_src == "float32":                        # the MMAs take fp16: convert A once
+        half = cuda.device_array(M * K, np.float16, stream=stream)
+        launches.append((_to_half_kernel(), -(-M * K // FINISH_THREADS), FINISH_THREADS,
+                         (_arrays.flat_view(Ad), half, np.int32(M * K))))
+        Ad, a_src = half, "float16"
+    _arrays.check_aligned(Ad, 16, "A")
+    MT = m_tile or m_tile_for(M)
+    Kp = qw.n_kblocks * 32
+    if split:
+        per = -(-(Kp // BK) // split)
+        n_split = -(-(Kp // BK) // per)
+    else:
+        n_split, per = choose_split(M, N, Kp, MT, _sm_count())
+    kern = make_gemm_kernel(qw.k, MT, qw.absmax_format, a_src, out_dtype.name, n_split > 1)
+    if n_split > 1:
+        if ws is None:
+            ws = workspace(M, N, stream)
+        ws = _arrays.device_array(ws, "workspace", (np.float32,), 1)
+        if ws.shape[0] < M * N:
+            raise ValueError(f"workspace must hold at least M*N = {M * N} float32 values")
+    ws_arg = ws if n_split > 1 else _no_workspace()
+    grid = (N // BN, -(-M // (MMA_M * MT)), n_split)
+    launches.append((kern, grid, THREADS, (_arrays.flat_view(Ad, np.uint32), qw.packed, qw.absmax, qw.codebook,
+                                           _arrays.flat_view(out), ws_arg, np.int32(M), np.int32(N),
+                                           np.int32(K), np.int32(per))))
+    if n_split > 1:
+        launches.append((make_finish_kernel(out_dtype.name), -(-M * N // FINISH_THREADS), FINISH_THREADS,
+                         (ws, _arrays.flat_view(out), np.int32(M * N))))
+    return launches, out, ws
+
+
+@lru_cache(maxsize=None)
+def _no_workspace():
+    return cuda.to_device(np.zeros(1, np.float32))
+
+
+def gemm(A, qw, out=None, stream=None, out_dtype=np.float16, bf16=False, workspace=None, split=None,
+         m_tile=None):
+    """C[M, N] = A[M, K] @ W^T on the tensor cores, any M; W a tiled kbit weight (``repack_tiled``).
+
+    A: float16 [M, K] or [K] (float32 is converted to float16 first; bfloat16 as int16 bits with
+    ``bf16=True`` runs bf16 MMAs). Returns a device array [M, N] (or [N]) of ``out_dtype`` (float16 or
+    float32), or writes into ``out``. ``workspace``: a zeroed float32 device array of >= M*N values for
+    split-K (allocated per call if needed and not given; it is left zeroed). ``split``/``m_tile``
+    override the K-split count and the 16-row tiles per CTA (1, 2, 4) chosen from the shape."""
+    stream = _arrays.as_stream(stream)
+    launches, out, _ = plan(A, qw, out, stream, out_dtype, bf16, workspace, split, m_tile)
+    for kern, grid, block, args in launches:
+        kern[grid, block, stream](*args)
+    return out
+
+
+def kernel_specializations():
+    """(name, kernel, argument types) for the PTX checks: every (k, MT) with float16 A, E4M4 absmax and
+    split-K, and each other factor (bf16 A, fp32 absmax, float32 out, no split) with every k."""
+    from numba import types as t
+    nb = {"float16": t.float16[::1], "float32": t.float32[::1]}
+    variants = [dict(MT=mt) for mt in M_TILES]
+    variants += [dict(a="bfloat16"), dict(fmt="fp32", MT=2), dict(od="float32", split=False)]
+    specs = []
+    for k in (2, 3, 4, 5):
+        for v in variants:
+            c = dict(dict(MT=1, fmt="e4m4", a="float16", od="float16", split=True), **v)
+            am = t.uint8[::1] if c["fmt"] == "e4m4" else t.float32[::1]
+            name = f"gemm k={k} MT={c['MT']} {c['fmt']} A={c['a']} out={c['od']} split={c['split']}"
+            kern = make_gemm_kernel(k, c["MT"], c["fmt"], c["a"], c["od"], c["split"])
+            specs.append((name, kern, (t.uint32[::1], t.uint32[::1], am, t.float32[::1], nb[c["od"]],
+                                       t.float32[::1], t.int32, t.int32, t.int32, t.int32)))
+    return specs

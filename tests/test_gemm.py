@@ -1,0 +1,98 @@
+"""Tensor-core GEMM (any M, tiled weights) against reference.gemv, on the simulator (CI) and the GPU."""
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+from numba import cuda
+
+import kbit_numba as kb
+from kbit_numba import tensor_gemm as G
+from kbit_numba import reference as ref
+from helpers import assert_within, EXAMPLES, SIM, ks, random_weight, seeds
+
+# The simulator runs 128 Python threads per CTA and meets them at every ldmatrix/mma: keep it to a few
+# CTAs (the split-K test covers every m-tile size there). The GPU goes past 16 and 32 rows (every m-tile
+# size), several CTA rows and column tiles, and long K.
+MAX_M = 24 if SIM else 200
+MAX_NT = 1 if SIM else 3              # column tiles of 128
+MAX_KB = 3 if SIM else 70             # K = 32 * kb (odd multiples of 32: a half-empty last K tile)
+
+
+def check_close(got, A, qw_flat, bf16=False, out_dtype=np.float32):
+    """The MMA path rounds each weight to the input type (codebook value, absmax and their product:
+    3 roundings of u = 2**-11 for fp16, 2**-8 for bf16; E4M4 absmax values are exact) and, for float32 A,
+    A to fp16 (one more). Accumulation is float32. Tolerance: (4u + 1e-5) * sum_j |a_j w_j|, plus
+    2**-24 * sum_j |a_j| for fp16 subnormal weights, plus one rounding of a float16 output."""
+    want = ref.gemv(A, qw_flat, bf16=bf16)
+    Af = ref.as_float32(A, bf16).reshape(want.shape[0], -1).astype(np.float64)
+    u = 2.0 ** -8 if bf16 else 2.0 ** -11
+    scale = np.abs(Af) @ np.abs(ref.dequantize(qw_flat).astype(np.float64)).T
+    tol = (4 * u + 1e-5) * scale + 2.0 ** -24 * np.abs(Af).sum(axis=1, keepdims=True) + 1e-30
+    assert_within(got, want, tol, out_dtype)
+
+
+def _weights(rng, k, n_tiles, K, fmt="e4m4"):
+    flat = ref.quantize(random_weight(rng, 128 * n_tiles, K), k=k, absmax_format=fmt)
+    return flat, ref.repack_tiled(flat)
+
+
+@settings(max_examples=EXAMPLES if SIM else EXAMPLES * 2)
+@given(seeds, ks, st.integers(1, MAX_M), st.integers(1, MAX_NT), st.integers(1, MAX_KB),
+       st.sampled_from(["e4m4", "fp32"]), st.sampled_from([np.float16, np.float32]), st.sampled_from([None, 1, 2]))
+def test_gemm(seed, k, M, n_tiles, kbn, fmt, out_dtype, split):
+    rng = np.random.default_rng(seed)
+    K = 32 * kbn
+    flat, tiled = _weights(rng, k, n_tiles, K, fmt)
+    A = rng.standard_normal((M, K)).astype(np.float16)
+    out = kb.gemm(A, tiled, out_dtype=out_dtype, split=split)
+    assert out.shape == (M, 128 * n_tiles) and out.dtype == np.dtype(out_dtype)
+    check_close(out.copy_to_host(), A, flat, out_dtype=out_dtype)
+
+
+@settings(max_examples=EXAMPLES // 2 if SIM else EXAMPLES)
+@given(seeds, ks, st.integers(1, MAX_M), st.integers(1, MAX_KB), st.sampled_from(["float32", "bfloat16"]))
+def test_gemm_other_activation_types(seed, k, M, kbn, a_dtype):
+    """float32 A (converted to fp16 first) and bfloat16 A (bf16 MMAs)."""
+    rng = np.random.default_rng(seed)
+    K = 32 * kbn
+    flat, tiled = _weights(rng, k, 1, K)
+    A = rng.standard_normal((M, K)).astype(np.float32)
+    bf16 = a_dtype == "bfloat16"
+    if bf16:
+        A = ref.float32_to_bf16_bits(A)
+    out = kb.gemm(A, tiled, out_dtype=np.float32, bf16=bf16)
+    check_close(out.copy_to_host(), A, flat, bf16=bf16)
+
+
+@pytest.mark.parametrize("m_tile", [1, 2, 4])
+def test_gemm_split_k_workspace_is_left_zeroed(m_tile):
+    rng = np.random.default_rng(11)
+    flat, tiled = _weights(rng, 4, 1, 128)                    # 2 K tiles, split 2 ways
+    A = rng.standard_normal((20, 128)).astype(np.float16)
+    ws = G.workspace(20, 128)
+    for _ in range(2):                                         # the second call reuses the workspace
+        out = kb.gemm(cuda.to_device(A), tiled, workspace=ws, split=2, m_tile=m_tile, out_dtype=np.float32)
+        check_close(out.copy_to_host(), A, flat)
+    assert not np.any(ws.copy_to_host())
+
+
+def test_gemm_vector_input_and_out_buffer():
+    rng = np.random.default_rng(12)
+    flat, tiled = _weights(rng, 3, 1, 96)
+    a = rng.standard_normal(96).astype(np.float16)
+    out = cuda.device_array(128, np.float16)
+    res = kb.gemm(a, tiled, out=out, stream=cuda.stream())
+    assert res is out
+    check_close(out.copy_to_host()[None], a[None], flat, out_dtype=np.float16)
+
+
+def test_gemm_rejects_bad_input():
+    flat = ref.quantize(np.ones((128, 128), np.float32), k=2)
+    with pytest.raises(ValueError, match="repack_tiled"):
+        kb.gemm(np.ones((8, 128), np.float16), flat)
+    tiled = ref.repack_tiled(flat)
+    with pytest.raises(ValueError, match="K=32"):
+        kb.gemm(np.ones((8, 32), np.float16), tiled)
+    with pytest.raises(TypeError, match="dtype"):
+        kb.gemm(np.ones((8, 128), np.int8), tiled)
+    with pytest.raises(ValueError, match="workspace"):
+        kb.gemm(np.ones((8, 128), np.float16), tiled, split=2, workspace=cuda.device_array(10, np.float32))

@@ -1,0 +1,94 @@
+"""linear(): the kernel choice (table rules, fallbacks) and correctness for every M, on the simulator and GPU."""
+import numpy as np
+import pytest
+from numba import cuda
+
+import kbit_numba as kb
+from kbit_numba import dispatch as L
+from kbit_numba import reference as ref
+from helpers import SIM, random_weight
+from test_gemm import check_close
+
+TABLE = {"device": "test", "rules": [[4, "gemv"], [64, "gemm"], [None, "dequant_matmul"]],
+         "shapes": {"256x128": [[2, "gemv"], [None, "gemm"]]}}
+
+
+def test_choose_follows_rules_shapes_and_fallbacks():
+    ch = lambda M, N=512, K=64, layout="tiled", backend="torch": L.choose(M, N, K, layout, TABLE, backend)  # noqa
+    assert [ch(M) for M in (1, 4, 5, 64, 65, 4096)] == ["gemv", "gemv", "gemm", "gemm", "dequant_matmul",
+                                                         "dequant_matmul"]
+    assert [ch(M, 128, 256) for M in (1, 2, 3, 1000)] == ["gemv", "gemv", "gemm", "gemm"]   # per-shape rules
+    assert ch(8, layout="flat") == "dequant_matmul"           # no tiled copy: no gemm
+    assert ch(8, layout="flat", backend=False) == "gemv"      # no torch/CuPy either: gemv in slices
+    assert ch(100, backend=False) == "gemm"                   # no cuBLAS: the tensor cores serve every M
+
+
+def test_table_lookup_by_device_name(tmp_path, monkeypatch):
+    assert L.device_key(b"NVIDIA H200") == "nvidia_h200"
+    assert L.load_table("Some Unknown GPU 9000") is L.DEFAULT_TABLE
+    (tmp_path / "my_gpu.json").write_text('{"device": "My GPU", "rules": [[null, "gemm"]], "shapes": {}}')
+    monkeypatch.setattr(L, "TUNING_DIR", str(tmp_path))
+    L.load_table.cache_clear()
+    try:
+        assert L.load_table("My GPU")["rules"] == [[None, "gemm"]]
+    finally:
+        L.load_table.cache_clear()
+
+
+# (The simulator's scalar GEMV is slow on 128 columns: there M = 1 stands for the gemv route.)
+@pytest.mark.parametrize("M", [1, 6, 17] if SIM else [1, 4, 5, 16, 33, 64, 200, 600])
+def test_linear_any_m(M):
+    rng = np.random.default_rng(M)
+    K = 96
+    flat = ref.quantize(random_weight(rng, 128, K), k=4)
+    layer = kb.KbitLinear(flat)
+    assert layer.weight.layout == "tiled"
+    A = rng.standard_normal((M, K)).astype(np.float16)
+    out = layer(A, out_dtype=np.float32)
+    assert out.shape == (M, 128)
+    check_close(out.copy_to_host(), A, flat)
+
+
+@pytest.mark.parametrize("kernel", ["gemv", "gemm", "dequant_matmul"])
+def test_linear_forced_kernels_agree(kernel):
+    if kernel == "dequant_matmul" and L.matmul_backend() is None:
+        pytest.skip("dequant_matmul needs torch or CuPy")
+    rng = np.random.default_rng(3)
+    N = 8 if kernel == "gemv" and SIM else 128                   # gemv: 6 rows = slices of 4 and 2
+    flat = ref.quantize(random_weight(rng, N, 64), k=3)
+    w = flat if N % 128 else ref.repack_tiled(flat)
+    A = rng.standard_normal((6, 64)).astype(np.float16)
+    out = kb.linear(cuda.to_device(A), w, kernel=kernel, out_dtype=np.float32, workspace=kb.Workspace())
+    check_close(out.copy_to_host(), A, flat)
+
+
+def test_linear_flat_weight_with_n_not_a_tile_multiple():
+    rng = np.random.default_rng(4)
+    flat = ref.quantize(random_weight(rng, 20, 64), k=2)
+    layer = kb.KbitLinear(flat)
+    assert layer.weight.layout == "flat"
+    A = rng.standard_normal((7, 64)).astype(np.float16)
+    check_close(layer(A, out_dtype=np.float32).copy_to_host(), A, flat)
+
+
+@pytest.mark.parametrize("M", [8] if SIM else [2, 8])     # (prepared gemv: also tests/test_gemv.py)
+def test_prepared_linear_rebinds_inputs(M):
+    rng = np.random.default_rng(5)
+    flat = ref.quantize(random_weight(rng, 128, 64), k=4)
+    layer = kb.KbitLinear(flat)
+    A = cuda.to_device(rng.standard_normal((M, 64)).astype(np.float16))
+    prep = layer.prepare(A, out_dtype=np.float32, kernel="gemv" if M <= 4 else "gemm")
+    check_close(prep.run().copy_to_host(), A.copy_to_host(), flat)
+    A2 = rng.standard_normal((M, 64)).astype(np.float16)
+    A.copy_to_device(A2)
+    check_close(prep.run().copy_to_host(), A2, flat)
+
+
+def test_linear_rejects_bad_input():
+    flat = ref.quantize(np.ones((128, 64), np.float32), k=2)
+    with pytest.raises(TypeError, match="KbitWeight"):
+        kb.linear(np.ones((2, 64), np.float16), flat.packed)
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        kb.linear(np.ones((2, 64), np.float16), flat, kernel="magic")
+    with pytest.raises(ValueError, match="K=32"):
+        kb.linear(np.ones((8, 32), np.float16), flat)
