@@ -21,7 +21,7 @@ SEED_SHAPES = ["2048x5120", "5120x2048", "2048x4096", "2048x512", "4096x2048", "
 KS = [2, 3, 4, 5]
 MS = [1, 2, 3, 4, 8, 16, 32, 64, 128, 512]
 KERNELS = ["gemv", "gemm", "dequant_matmul", "linear", "dequantize"]
-TUNE_MS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+TUNE_MS = [1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512]
 READ_CEILING_BYTES = 1 << 30
 
 
@@ -259,14 +259,15 @@ def tune_table(rows, device):
 
 
 def moe_rows(progress, E=512, batch=32, top_k=8, k=4, shapes=((2048, 512), (512, 2048))):
-    """MoE decode step: ``batch`` tokens routed top-``top_k`` over E experts of one shape. Three ways:
-    grouped_gemv (one launch), one gemv launch per active expert, and a cuBLAS fp16 matmul per active
+    """MoE step: ``batch`` tokens routed top-``top_k`` over E experts of one shape. Ways: grouped_gemv (one
+    launch) and one gemv launch per active expert (only while every expert has <= 4 tokens),
+    grouped_gemm on tiled copies (one launch, any token count), and a cuBLAS fp16 matmul per active
     expert; each timed as a whole step in a CUDA graph, alternating between two copies of every expert
     (each copy larger than the L2)."""
     from numba import cuda
 
     import kbit_numba as kb
-    from . import scalar_gemv
+    from . import scalar_gemv, tensor_gemm
     from ._timing import graph_time_us, torch
 
     rng = np.random.default_rng(3)
@@ -281,6 +282,8 @@ def moe_rows(progress, E=512, batch=32, top_k=8, k=4, shapes=((2048, 512), (512,
         base = [kb.reference.quantize(rng.standard_normal((N, K)).astype(np.float32) * 0.02, k=k)
                 for _ in range(8)]                             # 8 distinct weights, reused round-robin
         sets = [kb.stack_experts([base[(e + s) % 8] for e in range(E)]) for s in range(2)]
+        tiled = [kb.reference.repack_tiled(b) for b in base]
+        tsets = [kb.stack_experts([tiled[(e + s) % 8] for e in range(E)]) for s in range(2)]
         A = cuda.to_device(rng.standard_normal((T, K)).astype(np.float16))
         out = cuda.device_array((T, N), np.float16)
         d_offsets = cuda.to_device(offsets)
@@ -290,14 +293,22 @@ def moe_rows(progress, E=512, batch=32, top_k=8, k=4, shapes=((2048, 512), (512,
         def grouped(i, s):
             kb.grouped_gemv(A, sets[i % 2], d_offsets, out=out, stream=s, max_tokens=max_tok)
 
-        plans = [[scalar_gemv._plan(A[offsets[e]:offsets[e + 1]], st.expert(e), out[offsets[e]:offsets[e + 1]],
-                                    0, np.float16, False) for e in active] for st in sets]
+        ws = tensor_gemm.new_workspace(T, N)
 
-        def per_expert(i, s):
-            for kern, grid, block, args, _ in plans[i % 2]:
-                kern[grid, block, s](*args)
+        def grouped_mma(i, s):
+            kb.grouped_gemm(A, tsets[i % 2], d_offsets, out=out, stream=s, workspace=ws,
+                            m_tile=tensor_gemm.m_tile_for(max_tok))
 
-        cases = [("grouped_gemv", grouped), ("gemv per expert", per_expert)]
+        cases = [("grouped_gemm", grouped_mma)]
+        if max_tok <= scalar_gemv.MAX_M:
+            plans = [[scalar_gemv._plan(A[offsets[e]:offsets[e + 1]], st.expert(e), out[offsets[e]:offsets[e + 1]],
+                                        0, np.float16, False) for e in active] for st in sets]
+
+            def per_expert(i, s):
+                for kern, grid, block, args, _ in plans[i % 2]:
+                    kern[grid, block, s](*args)
+
+            cases = [("grouped_gemv", grouped), ("gemv per expert", per_expert)] + cases
         if torch is not None and torch.cuda.is_available():
             Ws = [[torch.randn(N, K, device="cuda", dtype=torch.float16) * 0.02 for _ in range(E)] for _ in range(2)]
             At = torch.randn(T, K, device="cuda", dtype=torch.float16)
@@ -311,7 +322,7 @@ def moe_rows(progress, E=512, batch=32, top_k=8, k=4, shapes=((2048, 512), (512,
         for name, fn in cases:
             progress(f"MoE {K}x{N}: {name}")
             t = graph_time_us(fn, 8)
-            rows.append(dict(kernel=name, shape=f"{K}x{N}", experts=E, active=int(len(active)), tokens=T,
+            rows.append(dict(kernel=name, shape=f"{K}x{N}", experts=E, batch=batch, active=int(len(active)), tokens=T,
                              max_tokens=max_tok, us=t, GBps=nbytes / t / 1e3))
     return rows
 
@@ -489,7 +500,7 @@ def main(argv=None):
         tunings = [tuple(None if v == "none" else int(v) for v in t.split(":")) for t in _parse_list(args.sweep)]
         rows += gemv_rows(shapes, ks, ms, ceilings, progress, tunings)
     overhead = host_overhead_rows(progress) if args.overhead else []
-    moe = moe_rows(progress) if args.moe else []
+    moe = (moe_rows(progress) + moe_rows(progress, batch=512)) if args.moe else []
     cublas = {}
     for r in rows:
         if r["M"] is not None:
@@ -505,7 +516,8 @@ def main(argv=None):
     for r in overhead:
         print(f"host overhead  {r['what']:<34} {r['host_us_per_call']:7.1f} us/call")
     for r in moe:
-        print(f"MoE {r['experts']} experts ({r['active']} active, {r['tokens']} token rows) {r['shape']:>9}  "
+        print(f"MoE {r['experts']} experts, batch {r['batch']} ({r['active']} active, {r['tokens']} token rows, "
+              f"<= {r['max_tokens']} per expert) {r['shape']:>9}  "
               f"{r['kernel']:<24} {r['us']:8.2f} us  {r['GBps']:6.0f} GB/s")
     result = dict(device=name, ceilings=ceilings, rows=rows, host_overhead=overhead, moe=moe)
     if args.tune is not None:

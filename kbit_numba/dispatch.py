@@ -94,7 +94,7 @@ class Workspace:
 
     def sums(self, n, stream=0):
         if self._sums is None or self._sums.shape[0] < n:
-            self._sums = tensor_gemm.workspace(n, 1, stream)
+            self._sums = tensor_gemm.new_workspace(n, 1, stream)
         return self._sums
 
     def weight(self, shape, dtype, stream=0):

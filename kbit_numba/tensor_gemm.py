@@ -52,13 +52,17 @@ FINISH_THREADS = 256
 
 
 @lru_cache(maxsize=None)
-def make_gemm_kernel(k, MT, absmax_format, a_type, out_dtype, split_k):
-    """Kernel(A_u32, packed, absmax, codebook, out, workspace, M, N, K, tiles_per_split), 128 threads,
-    grid (N / 128, ceil(M / (16 MT)), splits).
+def make_gemm_kernel(k, MT, absmax_format, a_type, out_dtype, split_k, grouped=False):
+    """Kernel(A_u32, packed, absmax, codebook, out, workspace, M, N, K, tiles_per_split, offsets, tiles),
+    128 threads, grid (N / 128, ceil(M / (16 MT)), splits).
 
     k: bits; MT: 16-row MMA tiles per CTA (1, 2 or 4); a_type: 'float16' or 'bfloat16' (the MMA input
     type; A is read as uint32 words of two values); split_k: partial sums go atomically into the float32
-    workspace (grid.z > 1), else straight to ``out`` (workspace unused)."""
+    workspace (grid.z > 1), else straight to ``out`` (workspace unused).
+    grouped: the MoE variant (``grouped_gemm``). Row tile ``blockIdx.y`` is a work item: a binary search in
+    ``tiles`` (tiles[e] = row tiles of the experts before e) finds its expert e, whose token rows are
+    offsets[e] .. offsets[e+1]-1 of A and out and whose weights follow the previous experts' in
+    packed/absmax. Not grouped: offsets and tiles are unused."""
     assert k in (2, 3, 4, 5) and MT in M_TILES
     BM = MMA_M * MT
     STAGE_WORDS = BM * ROW_WORDS
@@ -81,10 +85,11 @@ def make_gemm_kernel(k, MT, absmax_format, a_type, out_dtype, split_k):
         return f16x2_as_u32(np.float16(v), np.float16(0))
 
     @cuda.jit(device=True, inline="always")
-    def load_tile(packed, absmax, tile, col0, wv, am):
-        """This lane's plane words and absmax values of K tile ``tile`` for its N_SUB columns."""
+    def load_tile(packed, absmax, slot0, tile, col0, wv, am):
+        """This lane's plane words and absmax values of K tile ``tile`` for its N_SUB columns (the weight's
+        blocks start at block ``slot0``)."""
         for j in range(N_SUB):
-            slot = tile * np.int32(2 * BN) + (col0 + np.int32(8 * j)) * np.int32(2)   # (column, block 0)
+            slot = slot0 + tile * np.int32(2 * BN) + (col0 + np.int32(8 * j)) * np.int32(2)   # (column, block 0)
             base = slot * np.int32(k)
             if WORDS % 4 == 0:                     # k = 2, 4: 16-byte aligned, 16-byte loads
                 for q in range(WORDS // 4):
@@ -97,21 +102,21 @@ def make_gemm_kernel(k, MT, absmax_format, a_type, out_dtype, split_k):
             am[j, 1] = absmax[slot + np.int32(1)]
 
     @cuda.jit(device=True, inline="always")
-    def stage_a(A, a_sh, a_base, kt, buf, m0, M, K, tid):
-        """cp.async the BM x 64 slice of A for K tile kt into stage ``buf`` (zeros past M and K)."""
+    def stage_a(A, a_sh, a_base, kt, buf, m0, m_end, K, tid):
+        """cp.async rows m0 .. m0+BM-1 of A for K tile kt into stage ``buf`` (zeros from m_end and K on)."""
         for i in range(MT):                        # BM * 8 copies = MT per thread
             c = tid + np.int32(i * THREADS)
             row = c // np.int32(CHUNKS_PER_ROW)
             ch = c % np.int32(CHUNKS_PER_ROW)
             grow = m0 + row
             gcol = kt * np.int32(BK) + ch * np.int32(8)
-            ok = grow < M and gcol < K
+            ok = grow < m_end and gcol < K
             src = (grow * K + gcol) // np.int32(2) if ok else np.int32(0)
             dst = a_base + np.uint32(4) * np.uint32(buf * np.int32(STAGE_WORDS) + row * np.int32(ROW_WORDS)
                                                     + ch * np.int32(4))
             cp_async16(a_sh, dst, A, src, np.uint32(16) if ok else np.uint32(0))
 
-    def gemm_kernel(A, packed, absmax, cb, out, ws, M, N, K, tiles_per_split):
+    def gemm_kernel(A, packed, absmax, cb, out, ws, M, N, K, tiles_per_split, offsets, tiles):
         table = cuda.shared.array(N_PAIRS, np.uint32)
         a_sh = cuda.shared.array(A_SH_WORDS, np.uint32, alignment=16)
         tid = np.int32(cuda.threadIdx.x)
@@ -120,8 +125,27 @@ def make_gemm_kernel(k, MT, absmax_format, a_type, out_dtype, split_k):
         g = lane >> np.int32(2)
         t = lane & np.int32(3)
         n_tile = np.int32(cuda.blockIdx.x)
-        m0 = np.int32(cuda.blockIdx.y) * np.int32(BM)
         k_tiles = (K + np.int32(BK - 1)) // np.int32(BK)
+        if grouped:                                # work item -> (expert, its row tile): binary search
+            n_experts = np.int32(offsets.shape[0] - 1)
+            item = np.int32(cuda.blockIdx.y)
+            if item >= tiles[n_experts]:           # the grid's bound on the work items overshoots
+                return                             # (the whole CTA: no barrier is skipped by a subset)
+            lo = np.int32(0)                       # invariant: tiles[lo] <= item < tiles[hi]
+            hi = n_experts
+            while hi - lo > np.int32(1):
+                mid = (lo + hi) >> np.int32(1)
+                if tiles[mid] <= item:
+                    lo = mid
+                else:
+                    hi = mid
+            m0 = offsets[lo] + (item - tiles[lo]) * np.int32(BM)
+            m_end = offsets[lo + np.int32(1)]
+            slot0 = lo * N * k_tiles * np.int32(2)   # blocks of the experts before this one
+        else:
+            m0 = np.int32(cuda.blockIdx.y) * np.int32(BM)
+            m_end = M
+            slot0 = np.int32(0)
         kt0 = np.int32(cuda.blockIdx.z) * tiles_per_split
         kt1 = min(kt0 + tiles_per_split, k_tiles)
         n_tiles = N // np.int32(BN)
@@ -151,15 +175,15 @@ def make_gemm_kernel(k, MT, absmax_format, a_type, out_dtype, split_k):
         breg = cuda.local.array(4, np.uint32)
 
         if kt0 < kt1:
-            stage_a(A, a_sh, a_base, kt0, np.int32(0), m0, M, K, tid)
-            load_tile(packed, absmax, kt0 * n_tiles + n_tile, col0, wv, am)
+            stage_a(A, a_sh, a_base, kt0, np.int32(0), m0, m_end, K, tid)
+            load_tile(packed, absmax, slot0, kt0 * n_tiles + n_tile, col0, wv, am)
         cp_async_commit()
         shift = np.uint32(2) * np.uint32(t)       # this lane's element pair sits at bits 2t, 2t+1
         for kt in range(kt0, kt1):
             buf = (kt - kt0) & np.int32(1)
             if kt + 1 < kt1:                       # next tile: A copies in flight, plane words in registers
-                stage_a(A, a_sh, a_base, kt + np.int32(1), buf ^ np.int32(1), m0, M, K, tid)
-                load_tile(packed, absmax, (kt + np.int32(1)) * n_tiles + n_tile, col0, nwv, nam)
+                stage_a(A, a_sh, a_base, kt + np.int32(1), buf ^ np.int32(1), m0, m_end, K, tid)
+                load_tile(packed, absmax, slot0, (kt + np.int32(1)) * n_tiles + n_tile, col0, nwv, nam)
             cp_async_commit()
             cp_async_wait(1)                       # this thread's copies of tile kt have landed ...
             cuda.syncthreads()                     # ... and everyone's (also: the table is written)
@@ -206,7 +230,7 @@ def make_gemm_kernel(k, MT, absmax_format, a_type, out_dtype, split_k):
                 col = n_tile * np.int32(BN) + col0 - g + np.int32(8 * j) + np.int32(2) * t
                 for h in range(2):
                     row = m0 + np.int32(16 * mt + 8 * h) + g
-                    if row < M:
+                    if row < m_end:
                         i = row * N + col
                         if split_k:
                             cuda.atomic.add(ws, i, acc[mt, j, 2 * h])
@@ -269,7 +293,7 @@ def choose_split(M, N, K_padded, MT, n_sm, target_waves=2):
     return -(-k_tiles // per), per
 
 
-def workspace(M, N, stream=0):
+def new_workspace(M, N, stream=0):
     """A zeroed float32 split-K workspace for an M x N output (the kernels leave it zeroed)."""
     return cuda.to_device(np.zeros(M * N, np.float32), stream=stream)
 
@@ -302,7 +326,7 @@ def plan(A, qw, out=None, stream=0, out_dtype=np.float16, bf16=False, ws=None, s
     kern = make_gemm_kernel(qw.k, MT, qw.absmax_format, a_src, out_dtype.name, n_split > 1)
     if n_split > 1:
         if ws is None:
-            ws = workspace(M, N, stream)
+            ws = new_workspace(M, N, stream)
         ws = _arrays.device_array(ws, "workspace", (np.float32,), 1)
         if ws.shape[0] < M * N:
             raise ValueError(f"workspace must hold at least M*N = {M * N} float32 values")
@@ -310,11 +334,17 @@ def plan(A, qw, out=None, stream=0, out_dtype=np.float16, bf16=False, ws=None, s
     grid = (N // BN, -(-M // (MMA_M * MT)), n_split)
     launches.append((kern, grid, THREADS, (_arrays.flat_view(Ad, np.uint32), qw.packed, qw.absmax, qw.codebook,
                                            _arrays.flat_view(out), ws_arg, np.int32(M), np.int32(N),
-                                           np.int32(K), np.int32(per))))
+                                           np.int32(K), np.int32(per), _no_offsets(), _no_offsets())))
     if n_split > 1:
         launches.append((make_finish_kernel(out_dtype.name), -(-M * N // FINISH_THREADS), FINISH_THREADS,
                          (ws, _arrays.flat_view(out), np.int32(M * N))))
     return launches, out, ws
+
+
+@lru_cache(maxsize=None)
+def _no_offsets():
+    """The offsets/tiles arguments of a plain (not grouped) launch: unused, but the kernel ABI has them."""
+    return cuda.to_device(np.zeros(2, np.int32))
 
 
 @lru_cache(maxsize=None)
@@ -344,14 +374,98 @@ def kernel_specializations():
     from numba import types as t
     nb = {"float16": t.float16[::1], "float32": t.float32[::1]}
     variants = [dict(MT=mt) for mt in M_TILES]
-    variants += [dict(a="bfloat16"), dict(fmt="fp32", MT=2), dict(od="float32", split=False)]
+    variants += [dict(a="bfloat16"), dict(fmt="fp32", MT=2), dict(od="float32", split=False),
+                 dict(grouped=True, MT=2)]
     specs = []
     for k in (2, 3, 4, 5):
         for v in variants:
             c = dict(dict(MT=1, fmt="e4m4", a="float16", od="float16", split=True), **v)
             am = t.uint8[::1] if c["fmt"] == "e4m4" else t.float32[::1]
             name = f"gemm k={k} MT={c['MT']} {c['fmt']} A={c['a']} out={c['od']} split={c['split']}"
-            kern = make_gemm_kernel(k, c["MT"], c["fmt"], c["a"], c["od"], c["split"])
+            name += " grouped" if c.get("grouped") else ""
+            kern = make_gemm_kernel(k, c["MT"], c["fmt"], c["a"], c["od"], c["split"], c.get("grouped", False))
             specs.append((name, kern, (t.uint32[::1], t.uint32[::1], am, t.float32[::1], nb[c["od"]],
-                                       t.float32[::1], t.int32, t.int32, t.int32, t.int32)))
+                                       t.float32[::1], t.int32, t.int32, t.int32, t.int32, t.int32[::1],
+                                       t.int32[::1])))
     return specs
+
+
+@lru_cache(maxsize=None)
+def _tile_offsets_kernel(BM):
+    def tile_offsets(offsets, tiles):
+        """tiles[e] = sum over experts before e of ceil(tokens / BM) (one thread: E is small)."""
+        if cuda.grid(1) == 0:
+            acc = np.int32(0)
+            tiles[0] = acc
+            for e in range(offsets.shape[0] - 1):
+                acc += (offsets[e + 1] - offsets[e] + np.int32(BM - 1)) // np.int32(BM)
+                tiles[e + 1] = acc
+    return cuda.jit(tile_offsets)
+
+
+def grouped_gemm(A, experts, expert_offsets, out=None, stream=None, out_dtype=np.float16, bf16=False,
+                 workspace=None, split=None, m_tile=None):
+    """MoE expert GEMM in one launch, any number of tokens per expert: out[t] = A[t] @ W_e^T for the tokens
+    t of each expert e (rows offsets[e] .. offsets[e+1]-1 of A, sorted by expert).
+
+    experts: KbitExperts in the tiled layout (``stack_experts`` of ``repack_tiled`` weights). Work items
+    (expert, 16*MT-row tile) are found by a binary search over per-expert tile offsets computed on the
+    device, so the offsets may live there (CUDA-graph friendly). ``m_tile``: MT, by default from the
+    largest expert's token count when the offsets are a NumPy array, else 1. Other arguments as ``gemm``."""
+    from .scalar_gemv import KbitExperts
+    stream = _arrays.as_stream(stream)
+    if not isinstance(experts, KbitExperts):
+        raise TypeError(f"experts must be a KbitExperts (see stack_experts), got {type(experts).__name__}")
+    if experts.layout != "tiled":
+        raise ValueError("grouped_gemm reads the tiled layout: stack repack_tiled(...) weights")
+    E = experts.n_experts
+    N, K = experts.expert_shape
+    Ad, a_src = _arrays.float_input(A, "A", bf16, 2, stream)
+    T = tuple(Ad.shape)[0]
+    if tuple(Ad.shape)[1] != K:
+        raise ValueError(f"A has K={tuple(Ad.shape)[1]}, the experts have K={K}")
+    offs = _arrays.device_array(expert_offsets, "expert_offsets", (np.int32,), 1, stream)
+    if offs.shape[0] != E + 1:
+        raise ValueError(f"expert_offsets must hold E+1 = {E + 1} values, got {offs.shape[0]}")
+    if isinstance(expert_offsets, np.ndarray):
+        h = expert_offsets
+        if h[0] != 0 or h[-1] != T or np.any(np.diff(h) < 0):
+            raise ValueError(f"expert_offsets must rise from 0 to T={T}")
+        m_tile = m_tile or m_tile_for(int(np.max(np.diff(h))) if E else 1)
+    MT = m_tile or 1
+    if T * K >= 2**31 or T * N >= 2**31 or E * N * K // 32 * experts.k >= 2**31:
+        raise ValueError("grouped_gemm uses 32-bit indices: T*K, T*N and the experts' words must stay < 2**31")
+    out_dtype = _arrays.output_dtype(out, out_dtype)
+    out = _arrays.output(out, "out", (T, N), out_dtype, stream)
+    if T == 0 or E == 0:
+        return out
+    if a_src == "float32":
+        half = cuda.device_array(T * K, np.float16, stream=stream)
+        _to_half_kernel()[-(-T * K // FINISH_THREADS), FINISH_THREADS, stream](_arrays.flat_view(Ad), half,
+                                                                               np.int32(T * K))
+        Ad, a_src = half, "float16"
+    _arrays.check_aligned(Ad, 16, "A")
+    BM = MMA_M * MT
+    tiles = cuda.device_array(E + 1, np.int32, stream=stream)
+    _tile_offsets_kernel(BM)[1, 1, stream](offs, tiles)
+    items = T // BM + min(E, T)                  # >= the work items, whatever the routing
+    Kp = -(-K // BK) * BK
+    if split:
+        per = -(-(Kp // BK) // split)
+        n_split = -(-(Kp // BK) // per)
+    else:
+        n_split, per = choose_split(max(T, 1), N, Kp, MT, _sm_count())
+    kern = make_gemm_kernel(experts.k, MT, experts.absmax_format, a_src, out_dtype.name, n_split > 1, True)
+    ws = None
+    if n_split > 1:
+        ws = _arrays.device_array(workspace if workspace is not None else new_workspace(T, N, stream),
+                                  "workspace", (np.float32,), 1)
+        if ws.shape[0] < T * N:
+            raise ValueError(f"workspace must hold at least T*N = {T * N} float32 values")
+    kern[(N // BN, items, n_split), THREADS, stream](
+        _arrays.flat_view(Ad, np.uint32), experts.packed, experts.absmax, experts.codebook, _arrays.flat_view(out),
+        ws if ws is not None else _no_workspace(), np.int32(T), np.int32(N), np.int32(K), np.int32(per), offs, tiles)
+    if n_split > 1:
+        make_finish_kernel(out_dtype.name)[-(-T * N // FINISH_THREADS), FINISH_THREADS, stream](
+            ws, _arrays.flat_view(out), np.int32(T * N))
+    return out

@@ -68,7 +68,7 @@ def test_gemm_split_k_workspace_is_left_zeroed(m_tile):
     rng = np.random.default_rng(11)
     flat, tiled = _weights(rng, 4, 1, 128)                    # 2 K tiles, split 2 ways
     A = rng.standard_normal((20, 128)).astype(np.float16)
-    ws = G.workspace(20, 128)
+    ws = G.new_workspace(20, 128)
     for _ in range(2):                                         # the second call reuses the workspace
         out = kb.gemm(cuda.to_device(A), tiled, workspace=ws, split=2, m_tile=m_tile, out_dtype=np.float32)
         check_close(out.copy_to_host(), A, flat)
@@ -96,3 +96,36 @@ def test_gemm_rejects_bad_input():
         kb.gemm(np.ones((8, 128), np.int8), tiled)
     with pytest.raises(ValueError, match="workspace"):
         kb.gemm(np.ones((8, 128), np.float16), tiled, split=2, workspace=cuda.device_array(10, np.float32))
+
+
+# ---- grouped expert GEMM (MoE, any number of tokens per expert) ---------------------------------------
+def _tiled_experts(rng, E, K, k):
+    flats = [ref.quantize(random_weight(rng, 128, K), k=k) for _ in range(E)]
+    return kb.stack_experts([ref.repack_tiled(w) for w in flats])
+
+
+@pytest.mark.parametrize("counts, split, on_device", [([5, 0, 18], 1, False), ([0, 3, 1, 0], 2, True)])
+def test_grouped_gemm(counts, split, on_device):
+    """Experts with 0..18 tokens (two row tiles for one of them, empty experts) in one launch; the offsets
+    on the host or the device; split-K or not."""
+    rng = np.random.default_rng(sum(counts))
+    K = 128
+    experts = _tiled_experts(rng, len(counts), K, 4)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    A = rng.standard_normal((offsets[-1], K)).astype(np.float16)
+    got = kb.grouped_gemm(A, experts, cuda.to_device(offsets) if on_device else offsets, split=split,
+                          out_dtype=np.float32).copy_to_host()
+    want = ref.grouped_gemv(A, experts, offsets)
+    for e in range(len(counts)):
+        t0, t1 = offsets[e], offsets[e + 1]
+        if t1 > t0:
+            Af = A[t0:t1].astype(np.float64)
+            scale = np.abs(Af) @ np.abs(ref.dequantize(experts.expert(e)).astype(np.float64)).T
+            tol = (4 * 2.0 ** -11 + 1e-5) * scale + 2.0 ** -24 * np.abs(Af).sum(axis=1, keepdims=True)
+            assert_within(got[t0:t1], want[t0:t1], tol)
+
+
+def test_grouped_gemm_rejects_flat_experts():
+    experts = kb.stack_experts([ref.quantize(np.ones((128, 64), np.float32), k=2)] * 2)
+    with pytest.raises(ValueError, match="tiled"):
+        kb.grouped_gemm(np.ones((3, 64), np.float16), experts, np.array([0, 1, 3], np.int32))
