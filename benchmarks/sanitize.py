@@ -29,6 +29,12 @@ for k in (2, 3, 4, 5):
                 kb.gemm(rng.standard_normal((M, 96)).astype(np.float16), qw, split=split).copy_to_host()
             kb.gemm(kb.reference.float32_to_bf16_bits(rng.standard_normal((9, 96)).astype(np.float32)), qw,
                     bf16=True).copy_to_host()
+if "gemm" in families:     # grouped: an expert with two row tiles, an empty one, split-K
+    tiled = kb.stack_experts([kb.reference.repack_tiled(kb.reference.quantize(
+        rng.standard_normal((128, 96)).astype(np.float32), k=3)) for _ in range(3)])
+    for split in (1, 2):
+        kb.grouped_gemm(rng.standard_normal((21, 96)).astype(np.float16), tiled, np.array([0, 18, 18, 21], np.int32),
+                        split=split, m_tile=1).copy_to_host()
 if "grouped" in families:
     experts = kb.stack_experts([kb.reference.quantize(rng.standard_normal((128, 64)).astype(np.float32), k=4)
                                 for _ in range(3)])
