@@ -391,6 +391,13 @@ def kernel_specializations():
 
 
 @lru_cache(maxsize=None)
+def _tiles_buffer(E):
+    """Per-expert row-tile offsets, one buffer per expert count: calls on concurrent streams with the same
+    number of experts would share it (launch grouped_gemm on one stream at a time)."""
+    return cuda.device_array(E + 1, np.int32)
+
+
+@lru_cache(maxsize=None)
 def _tile_offsets_kernel(BM):
     def tile_offsets(offsets, tiles):
         """tiles[e] = sum over experts before e of ceil(tokens / BM) (one thread: E is small)."""
@@ -411,7 +418,9 @@ def grouped_gemm(A, experts, expert_offsets, out=None, stream=None, out_dtype=np
     experts: KbitExperts in the tiled layout (``stack_experts`` of ``repack_tiled`` weights). Work items
     (expert, 16*MT-row tile) are found by a binary search over per-expert tile offsets computed on the
     device, so the offsets may live there (CUDA-graph friendly). ``m_tile``: MT, by default from the
-    largest expert's token count when the offsets are a NumPy array, else 1. Other arguments as ``gemm``."""
+    largest expert's token count when the offsets are a NumPy array, else 1. Other arguments as ``gemm``;
+    with ``out`` and ``workspace`` given (and device offsets) a call allocates nothing, so it can be
+    captured into a CUDA graph. One stream at a time: a small per-expert-count buffer is shared."""
     from .scalar_gemv import KbitExperts
     stream = _arrays.as_stream(stream)
     if not isinstance(experts, KbitExperts):
@@ -446,7 +455,7 @@ def grouped_gemm(A, experts, expert_offsets, out=None, stream=None, out_dtype=np
         Ad, a_src = half, "float16"
     _arrays.check_aligned(Ad, 16, "A")
     BM = MMA_M * MT
-    tiles = cuda.device_array(E + 1, np.int32, stream=stream)
+    tiles = _tiles_buffer(E)                     # (no allocation inside a CUDA-graph capture)
     _tile_offsets_kernel(BM)[1, 1, stream](offs, tiles)
     items = T // BM + min(E, T)                  # >= the work items, whatever the routing
     Kp = -(-K // BK) * BK
