@@ -186,7 +186,8 @@ def matmul_rows(shapes, ks, ms, ceilings, progress, kernels=("gemm", "dequant_ma
         for k in ks:
             nbytes = N * K // 32 * (4 * k + 1)
             n = rotation_count(nbytes)
-            ws = _tiled_copies(_rotating_weights(K, N, k, n, rng))
+            flats = _rotating_weights(K, N, k, n, rng)
+            ws = _tiled_copies(flats)
             wbuf = cuda.device_array((N, K), np.float16)
             space = lin.Workspace()
             for M in ms:
@@ -208,12 +209,16 @@ def matmul_rows(shapes, ks, ms, ceilings, progress, kernels=("gemm", "dequant_ma
                         codec.dequantize(ws[i % n], out=wbuf, stream=s)
                         torch.matmul(At, Wt.t(), out=Ot)      # torch's current stream is the capture stream
                     cases.append(("dequant_matmul", dq_launch))
-                if "linear" in kernels:
+                if "linear" in kernels:               # KbitLinear's default: the tiled weight only
                     choice = lin.choose(M, N, K, "tiled")
 
                     def lin_launch(i, s, choice=choice):
                         lin.linear(A, ws[i % n], out=out, stream=s, workspace=space, kernel=choice)
                     cases.append((f"linear[{choice}]", lin_launch))
+                    if choice == "gemv":                # KbitLinear(keep_flat=True): gemv on the flat copy
+                        def flat_launch(i, s):
+                            lin.linear(A, flats[i % n], out=out, stream=s, workspace=space, kernel="gemv")
+                        cases.append(("linear+flat[gemv]", flat_launch))
                 for label, fn in cases:
                     progress(f"{label} {K}x{N} k={k} M={M}")
                     t = graph_time_us(fn, n * max(1, 32 // n))

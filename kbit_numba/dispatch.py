@@ -199,23 +199,36 @@ class KbitLinear:
     read it; otherwise the flat layout, served by gemv and dequantize + cuBLAS), and a ``Workspace``.
     ``layer(A)`` is ``linear(A, weight, workspace=...)``; ``layer.prepare(A, out)`` binds buffers once and
     returns an object whose ``run()`` replays the chosen launches with no argument checking (CUDA-graph
-    capturable; write new inputs into the bound ``A``)."""
+    capturable; write new inputs into the bound ``A``).
 
-    def __init__(self, qw, table=None, stream=None):
+    ``keep_flat=True`` also keeps the flat layout for the scalar GEMV (twice the weight memory): the gemv
+    reads the tiled layout with scattered 16-byte loads and was 10-22% slower at M = 1..3 on the H100
+    (benchmarks/README.md)."""
+
+    def __init__(self, qw, table=None, stream=None, keep_flat=False):
         stream = _arrays.as_stream(stream)
         qw = _device_weight(qw, stream)
+        self.flat_weight = qw if qw.layout == "flat" else None
         if qw.layout == "flat" and qw.shape[0] % TILE_N == 0:
             qw = repack_tiled(qw, stream=stream)
+        if not keep_flat or self.flat_weight is qw:
+            self.flat_weight = None
         self.weight = qw
         self.table = table
         self.workspace = Workspace()
+
+    def _weight_for(self, kernel):
+        """The flat copy for the scalar GEMV when one is kept, else the (tiled) weight."""
+        return self.flat_weight if kernel == "gemv" and self.flat_weight is not None else self.weight
 
     def kernel_for(self, M):
         N, K = self.weight.shape
         return choose(M, N, K, self.weight.layout, self.table)
 
     def __call__(self, A, out=None, stream=None, out_dtype=np.float16, bf16=False, kernel=None):
-        return linear(A, self.weight, out, stream, self.workspace, out_dtype, bf16, kernel, self.table)
+        kernel = kernel or self.kernel_for(_rows(A))
+        return linear(A, self._weight_for(kernel), out, stream, self.workspace, out_dtype, bf16, kernel,
+                      self.table)
 
     def prepare(self, A, out=None, stream=None, out_dtype=np.float16, bf16=False, kernel=None):
         return PreparedLinear(self, A, out, stream, out_dtype, bf16, kernel)
@@ -229,8 +242,8 @@ class PreparedLinear:
             raise TypeError("prepare binds buffers by address: pass A as a device array")
         stream = _arrays.as_stream(stream)
         M = _rows(A)
-        w = layer.weight
         self.kernel = kernel or layer.kernel_for(M)
+        w = layer._weight_for(self.kernel)
         self.A, self.stream = A, stream
         if self.kernel == "gemm":
             launches, self.out, _ = tensor_gemm.plan(A, w, out, stream, out_dtype, bf16,

@@ -62,6 +62,16 @@ def test_linear_forced_kernels_agree(kernel):
     check_close(out.copy_to_host(), A, flat)
 
 
+def test_kbit_linear_keep_flat_serves_gemv_from_the_flat_copy():
+    rng = np.random.default_rng(6)
+    flat = ref.quantize(random_weight(rng, 128, 64), k=4)
+    layer = kb.KbitLinear(flat, keep_flat=True)
+    assert layer.weight.layout == "tiled" and layer.flat_weight.layout == "flat"
+    assert layer._weight_for("gemv") is layer.flat_weight and layer._weight_for("gemm") is layer.weight
+    A = rng.standard_normal((1, 64)).astype(np.float16)
+    check_close(layer(A, out_dtype=np.float32, kernel="gemv").copy_to_host(), A, flat)
+
+
 def test_linear_flat_weight_with_n_not_a_tile_multiple():
     rng = np.random.default_rng(4)
     flat = ref.quantize(random_weight(rng, 20, 64), k=2)
