@@ -234,7 +234,8 @@ def tune_table(rows, device):
     for r in rows:
         kern = r["kernel"]
         if kern in ("gemv", "gemm", "dequant_matmul") and r["M"]:
-            times.setdefault((r["shape"], r["M"]), {})[kern] = min(r["us"], times.get((r["shape"], r["M"]), {}).get(kern, 1e30))
+            point = times.setdefault((r["shape"], r["M"]), {})
+            point[kern] = min(r["us"], point.get(kern, r["us"]))
 
     def compress(points):
         rules = []

@@ -25,7 +25,7 @@ from numba import cuda
 from . import _arrays, scalar_gemv, tensor_gemm
 from .codec import _device_weight, dequantize, repack_tiled
 from .formats import TILE_N, KbitWeight
-from .launch import PreparedLaunch
+from .launch import PreparedLaunch, stream_handle
 
 KERNELS = ("gemv", "gemm", "dequant_matmul")
 FALLBACK = ("gemm", "dequant_matmul", "gemv")
@@ -104,17 +104,10 @@ class Workspace:
         return self._weights[key]
 
 
-def _stream_handle(stream):
-    if stream is None or isinstance(stream, int):
-        return stream or 0
-    handle = stream.handle
-    return int(getattr(handle, "value", handle) or 0)
-
-
 def _cublas_matmul(Ad, Wd, out, stream):
     """out = Ad @ Wd^T with torch or CuPy on ``stream`` (all device arrays, same float dtype)."""
     backend = matmul_backend()
-    handle = _stream_handle(stream)
+    handle = stream_handle(stream)
     if backend == "torch":
         import torch
         a, w, o = (torch.as_tensor(x, device="cuda") for x in (Ad, Wd, out))
@@ -176,12 +169,11 @@ def linear(A, qw, out=None, stream=None, workspace=None, out_dtype=np.float16, b
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     if bf16 and kernel == "dequant_matmul":       # cuBLAS through torch/CuPy takes no int16 bf16 bits
         kernel = "gemm" if qw.layout == "tiled" else "gemv"
-    ws = workspace or Workspace()
-    if kernel == "gemm":
-        sums = ws.sums(M * N, stream)
+    if kernel == "gemm":      # (without a Workspace, gemm allocates split-K sums only when it splits)
+        sums = workspace.sums(M * N, stream) if workspace is not None else None
         return tensor_gemm.gemm(A, qw, out, stream, out_dtype, bf16, sums)
     if kernel == "dequant_matmul":
-        return dequant_matmul(A, qw, out, stream, out_dtype, ws)
+        return dequant_matmul(A, qw, out, stream, out_dtype, workspace)
     if M <= scalar_gemv.MAX_M:
         return scalar_gemv.gemv(A, qw, out, stream, out_dtype, bf16)
     Ad, _ = _arrays.float_input(A, "A", bf16, 2, stream)   # gemv in slices of 4 rows

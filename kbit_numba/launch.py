@@ -26,6 +26,14 @@ _CTYPES = {types.int32: ctypes.c_int32, types.int64: ctypes.c_int64, types.uint3
            types.uint64: ctypes.c_uint64, types.float32: ctypes.c_float, types.float64: ctypes.c_double}
 
 
+def stream_handle(stream):
+    """The raw CUstream handle (int) of a Numba stream, or 0 / an int as given."""
+    if stream is None or isinstance(stream, int):
+        return stream or 0
+    handle = stream.handle
+    return int(getattr(handle, "value", handle) or 0)
+
+
 def _device_ptr(arr):
     return int(arr.__cuda_array_interface__["data"][0])
 
@@ -71,15 +79,9 @@ class PreparedLaunch:
     def _launch_numba(self, stream):
         self.kernel[self.grid, self.block, stream](*self.args)
 
-    def _stream_handle(self, stream):
-        if stream is None or isinstance(stream, int):
-            return stream or 0
-        handle = stream.handle
-        return int(getattr(handle, "value", handle) or 0)
-
     def _launch_driver(self, stream):
         err, = self._driver.cuLaunchKernel(self._func, *self._grid3, *self._block3, self._shared,
-                                           self._stream_handle(stream), self._params_addr, 0)
+                                           stream_handle(stream), self._params_addr, 0)
         if err != self._driver.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"cuLaunchKernel failed: {err}")
 

@@ -347,6 +347,31 @@ def stack_experts(experts, stream=None):
                        w0.layout, w0.absmax_format)
 
 
+def check_grouped(A, experts, expert_offsets, bf16, stream):
+    """Checked MoE inputs: (device A, its element type, T, device offsets). A: [T, K] tokens sorted by
+    expert; expert_offsets: int32 [E+1]. Host offsets are also checked to rise from 0 to T."""
+    if not isinstance(experts, KbitExperts):
+        raise TypeError(f"experts must be a KbitExperts (see stack_experts), got {type(experts).__name__}")
+    E = experts.n_experts
+    K = experts.expert_shape[1]
+    Ad, a_src = _arrays.float_input(A, "A", bf16, 2, stream)
+    T = tuple(Ad.shape)[0]
+    if tuple(Ad.shape)[1] != K:
+        raise ValueError(f"A has K={tuple(Ad.shape)[1]}, the experts have K={K}")
+    offs = _arrays.device_array(expert_offsets, "expert_offsets", (np.int32,), 1, stream)
+    if offs.shape[0] != E + 1:
+        raise ValueError(f"expert_offsets must hold E+1 = {E + 1} values, got {offs.shape[0]}")
+    return Ad, a_src, T, offs
+
+
+def max_tokens_per_expert(host_offsets, T):
+    """The largest expert's token count, after checking that the offsets rise from 0 to T."""
+    h = host_offsets
+    if h[0] != 0 or h[-1] != T or np.any(np.diff(h) < 0):
+        raise ValueError(f"expert_offsets must rise from 0 to T={T}")
+    return int(np.max(np.diff(h))) if len(h) > 1 else 0
+
+
 def grouped_gemv(A, experts, expert_offsets, out=None, stream=None, out_dtype=np.float16, bf16=False,
                  max_tokens=None):
     """MoE expert GEMV in one launch: out[t] = A[t] @ W_e^T for the tokens t of each expert e.
@@ -357,22 +382,12 @@ def grouped_gemv(A, experts, expert_offsets, out=None, stream=None, out_dtype=np
     None it is read from the offsets (a small device-to-host copy when they live on the device). Rows of
     an expert beyond ``max_tokens`` come out NaN, never silently wrong (use a larger ``max_tokens``)."""
     stream = _arrays.as_stream(stream)
-    if not isinstance(experts, KbitExperts):
-        raise TypeError(f"experts must be a KbitExperts (see stack_experts), got {type(experts).__name__}")
+    Ad, a_src, T, offs = check_grouped(A, experts, expert_offsets, bf16, stream)
     E = experts.n_experts
     N, K = experts.expert_shape
-    Ad, a_src = _arrays.float_input(A, "A", bf16, 2, stream)
-    T = tuple(Ad.shape)[0]
-    if tuple(Ad.shape)[1] != K:
-        raise ValueError(f"A has K={tuple(Ad.shape)[1]}, the experts have K={K}")
-    offs = _arrays.device_array(expert_offsets, "expert_offsets", (np.int32,), 1, stream)
-    if offs.shape[0] != E + 1:
-        raise ValueError(f"expert_offsets must hold E+1 = {E + 1} values, got {offs.shape[0]}")
     if max_tokens is None:
-        h = _arrays.to_host(expert_offsets) if isinstance(expert_offsets, np.ndarray) else offs.copy_to_host()
-        if h[0] != 0 or h[-1] != T or np.any(np.diff(h) < 0):
-            raise ValueError(f"expert_offsets must rise from 0 to T={T}")
-        max_tokens = int(np.max(np.diff(h))) if E else 0
+        h = expert_offsets if isinstance(expert_offsets, np.ndarray) else offs.copy_to_host()
+        max_tokens = max_tokens_per_expert(h, T)
     if max_tokens > MAX_M:
         raise ValueError(f"grouped_gemv handles up to {MAX_M} tokens per expert, got {max_tokens}")
     M = max(1, int(max_tokens))

@@ -34,7 +34,7 @@ from numba import cuda
 from . import _arrays
 from .codec import _device_weight
 from .device import WARP, e4m4_decode
-from .formats import TILE_K, TILE_N
+from .formats import TILE_K, TILE_N, padded_k
 from .intrinsics import (bmul2, cp_async16, cp_async_commit, cp_async_wait, f16x2_as_u32, f32_as_u32, hmul2,
                          ldg64, ldg128, ldmatrix_x4, lds_u32, mma_bf16, mma_f16, shared_addr)
 
@@ -298,6 +298,33 @@ def new_workspace(M, N, stream=0):
     return cuda.to_device(np.zeros(M * N, np.float32), stream=stream)
 
 
+def _k_split(Kp, split, M, N, MT):
+    """(splits, K tiles per split): ``split`` as asked (no split left empty), else ``choose_split``."""
+    if not split:
+        return choose_split(M, N, Kp, MT, _sm_count())
+    per = -(-(Kp // BK) // split)
+    return -(-(Kp // BK) // per), per
+
+
+def _sums(ws, n, stream):
+    """The split-K workspace: ``ws`` checked to hold n float32 values, or a new zeroed one."""
+    ws = _arrays.device_array(ws if ws is not None else new_workspace(n, 1, stream), "workspace",
+                              (np.float32,), 1)
+    if ws.shape[0] < n:
+        raise ValueError(f"workspace must hold at least {n} float32 values (rows x N)")
+    return ws
+
+
+def _half_activations(Ad, a_src, n, launches, stream):
+    """(A, type) for the MMAs: float32 A gets a conversion to a new fp16 buffer appended to launches."""
+    if a_src != "float32":
+        return Ad, a_src
+    half = cuda.device_array(n, np.float16, stream=stream)
+    launches.append((_to_half_kernel(), -(-n // FINISH_THREADS), FINISH_THREADS,
+                     (_arrays.flat_view(Ad), half, np.int32(n))))
+    return half, "float16"
+
+
 def plan(A, qw, out=None, stream=0, out_dtype=np.float16, bf16=False, ws=None, split=None, m_tile=None):
     """Validate and choose the launches: ([(kernel, grid, block, args), ...], out, ws)."""
     Ad, a_src, M, shape = _arrays.activations(A, qw, bf16, stream)
@@ -310,26 +337,13 @@ def plan(A, qw, out=None, stream=0, out_dtype=np.float16, bf16=False, ws=None, s
     qw = _device_weight(qw, stream)
     out = _arrays.output(out, "out", (M, N) if len(shape) == 2 else (N,), out_dtype, stream)
     launches = []
-    if a_src == "float32":                        # the MMAs take fp16: convert A once
-        half = cuda.device_array(M * K, np.float16, stream=stream)
-        launches.append((_to_half_kernel(), -(-M * K // FINISH_THREADS), FINISH_THREADS,
-                         (_arrays.flat_view(Ad), half, np.int32(M * K))))
-        Ad, a_src = half, "float16"
+    Ad, a_src = _half_activations(Ad, a_src, M * K, launches, stream)   # the MMAs take fp16
     _arrays.check_aligned(Ad, 16, "A")
     MT = m_tile or m_tile_for(M)
-    Kp = qw.n_kblocks * 32
-    if split:
-        per = -(-(Kp // BK) // split)
-        n_split = -(-(Kp // BK) // per)
-    else:
-        n_split, per = choose_split(M, N, Kp, MT, _sm_count())
+    n_split, per = _k_split(padded_k(K, "tiled"), split, M, N, MT)
     kern = make_gemm_kernel(qw.k, MT, qw.absmax_format, a_src, out_dtype.name, n_split > 1)
     if n_split > 1:
-        if ws is None:
-            ws = new_workspace(M, N, stream)
-        ws = _arrays.device_array(ws, "workspace", (np.float32,), 1)
-        if ws.shape[0] < M * N:
-            raise ValueError(f"workspace must hold at least M*N = {M * N} float32 values")
+        ws = _sums(ws, M * N, stream)
     ws_arg = ws if n_split > 1 else _no_workspace()
     grid = (N // BN, -(-M // (MMA_M * MT)), n_split)
     launches.append((kern, grid, THREADS, (_arrays.flat_view(Ad, np.uint32), qw.packed, qw.absmax, qw.codebook,
@@ -421,26 +435,15 @@ def grouped_gemm(A, experts, expert_offsets, out=None, stream=None, out_dtype=np
     largest expert's token count when the offsets are a NumPy array, else 1. Other arguments as ``gemm``;
     with ``out`` and ``workspace`` given (and device offsets) a call allocates nothing, so it can be
     captured into a CUDA graph. One stream at a time: a small per-expert-count buffer is shared."""
-    from .scalar_gemv import KbitExperts
+    from .scalar_gemv import check_grouped, max_tokens_per_expert
     stream = _arrays.as_stream(stream)
-    if not isinstance(experts, KbitExperts):
-        raise TypeError(f"experts must be a KbitExperts (see stack_experts), got {type(experts).__name__}")
+    Ad, a_src, T, offs = check_grouped(A, experts, expert_offsets, bf16, stream)
     if experts.layout != "tiled":
         raise ValueError("grouped_gemm reads the tiled layout: stack repack_tiled(...) weights")
     E = experts.n_experts
     N, K = experts.expert_shape
-    Ad, a_src = _arrays.float_input(A, "A", bf16, 2, stream)
-    T = tuple(Ad.shape)[0]
-    if tuple(Ad.shape)[1] != K:
-        raise ValueError(f"A has K={tuple(Ad.shape)[1]}, the experts have K={K}")
-    offs = _arrays.device_array(expert_offsets, "expert_offsets", (np.int32,), 1, stream)
-    if offs.shape[0] != E + 1:
-        raise ValueError(f"expert_offsets must hold E+1 = {E + 1} values, got {offs.shape[0]}")
     if isinstance(expert_offsets, np.ndarray):
-        h = expert_offsets
-        if h[0] != 0 or h[-1] != T or np.any(np.diff(h) < 0):
-            raise ValueError(f"expert_offsets must rise from 0 to T={T}")
-        m_tile = m_tile or m_tile_for(int(np.max(np.diff(h))) if E else 1)
+        m_tile = m_tile or m_tile_for(max(1, max_tokens_per_expert(expert_offsets, T)))
     MT = m_tile or 1
     if T * K >= 2**31 or T * N >= 2**31 or E * N * K // 32 * experts.k >= 2**31:
         raise ValueError("grouped_gemm uses 32-bit indices: T*K, T*N and the experts' words must stay < 2**31")
@@ -448,33 +451,22 @@ def grouped_gemm(A, experts, expert_offsets, out=None, stream=None, out_dtype=np
     out = _arrays.output(out, "out", (T, N), out_dtype, stream)
     if T == 0 or E == 0:
         return out
-    if a_src == "float32":
-        half = cuda.device_array(T * K, np.float16, stream=stream)
-        _to_half_kernel()[-(-T * K // FINISH_THREADS), FINISH_THREADS, stream](_arrays.flat_view(Ad), half,
-                                                                               np.int32(T * K))
-        Ad, a_src = half, "float16"
+    launches = []
+    Ad, a_src = _half_activations(Ad, a_src, T * K, launches, stream)
     _arrays.check_aligned(Ad, 16, "A")
     BM = MMA_M * MT
     tiles = _tiles_buffer(E)                     # (no allocation inside a CUDA-graph capture)
-    _tile_offsets_kernel(BM)[1, 1, stream](offs, tiles)
+    launches.append((_tile_offsets_kernel(BM), 1, 1, (offs, tiles)))
     items = T // BM + min(E, T)                  # >= the work items, whatever the routing
-    Kp = -(-K // BK) * BK
-    if split:
-        per = -(-(Kp // BK) // split)
-        n_split = -(-(Kp // BK) // per)
-    else:
-        n_split, per = choose_split(max(T, 1), N, Kp, MT, _sm_count())
+    n_split, per = _k_split(padded_k(K, "tiled"), split, T, N, MT)
     kern = make_gemm_kernel(experts.k, MT, experts.absmax_format, a_src, out_dtype.name, n_split > 1, True)
-    ws = None
+    ws = _sums(workspace, T * N, stream) if n_split > 1 else _no_workspace()
+    launches.append((kern, (N // BN, items, n_split), THREADS,
+                     (_arrays.flat_view(Ad, np.uint32), experts.packed, experts.absmax, experts.codebook,
+                      _arrays.flat_view(out), ws, np.int32(T), np.int32(N), np.int32(K), np.int32(per), offs, tiles)))
     if n_split > 1:
-        ws = _arrays.device_array(workspace if workspace is not None else new_workspace(T, N, stream),
-                                  "workspace", (np.float32,), 1)
-        if ws.shape[0] < T * N:
-            raise ValueError(f"workspace must hold at least T*N = {T * N} float32 values")
-    kern[(N // BN, items, n_split), THREADS, stream](
-        _arrays.flat_view(Ad, np.uint32), experts.packed, experts.absmax, experts.codebook, _arrays.flat_view(out),
-        ws if ws is not None else _no_workspace(), np.int32(T), np.int32(N), np.int32(K), np.int32(per), offs, tiles)
-    if n_split > 1:
-        make_finish_kernel(out_dtype.name)[-(-T * N // FINISH_THREADS), FINISH_THREADS, stream](
-            ws, _arrays.flat_view(out), np.int32(T * N))
+        launches.append((make_finish_kernel(out_dtype.name), -(-T * N // FINISH_THREADS), FINISH_THREADS,
+                         (ws, _arrays.flat_view(out), np.int32(T * N))))
+    for kern, grid, block, args in launches:
+        kern[grid, block, stream](*args)
     return out
