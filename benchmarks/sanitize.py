@@ -1,6 +1,6 @@
 """Small launches of every kernel family for compute-sanitizer (memcheck / racecheck) on the device:
 
-    compute-sanitizer --tool memcheck python benchmarks/sanitize.py [codec,gemv,grouped,gemm]
+    compute-sanitizer --tool memcheck python benchmarks/sanitize.py [codec,gemv,grouped,gemm,formats]
 
 (default: every family; name some to check only those).
 """
@@ -10,7 +10,7 @@ import numpy as np
 
 import kbit_numba as kb
 
-families = sys.argv[1].split(",") if len(sys.argv) > 1 else ["codec", "gemv", "grouped", "gemm"]
+families = sys.argv[1].split(",") if len(sys.argv) > 1 else ["codec", "gemv", "grouped", "gemm", "formats"]
 rng = np.random.default_rng(0)
 for k in (2, 3, 4, 5):
     for layout in ("flat", "tiled"):
@@ -40,4 +40,17 @@ if "grouped" in families:
                                 for _ in range(3)])
     kb.grouped_gemv(rng.standard_normal((5, 64)).astype(np.float16), experts,
                     np.array([0, 2, 2, 5], np.int32)).copy_to_host()
+if "formats" in families:  # uniform (every width, fp16/int8, 3-bit padding), SBVR, BitNet; M = 1..4
+    for bits in (1, 2, 3, 4, 8):
+        for G in (32, 128, None):
+            K = 640 if G != 32 else 352
+            uw = kb.uniform.quantize(rng.standard_normal((37, K)).astype(np.float16), bits, G)
+            for M in (1, 4):
+                for int8 in (False, True):
+                    kb.uniform.gemv(rng.standard_normal((M, K)).astype(np.float16), uw, int8=int8).copy_to_host()
+    sw = kb.sbvr.encode(rng.standard_normal((45, 256)), lines=300)
+    bw = kb.bitnet.quantize(rng.standard_normal((48, 96)), parts=3)
+    for M in (1, 2, 3, 4):
+        kb.sbvr.gemv(rng.standard_normal((M, 256)).astype(np.float16), sw).copy_to_host()
+        kb.bitnet.gemv(rng.standard_normal((M, 96)).astype(np.float32), bw).copy_to_host()
 print("sanitize workload done:", ",".join(families))

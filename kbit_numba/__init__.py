@@ -1,7 +1,8 @@
 """kbit_numba: low-bit weight-quantized inference kernels for NVIDIA GPUs, written in Numba CUDA.
 
 Formats and their NumPy reference live in ``formats`` and ``reference``; kernels in one module per
-family (``codec``, ``scalar_gemv``, ``tensor_gemm``, ...); PTX helpers in ``intrinsics``; shared device helpers in ``device``.
+family (``codec``, ``scalar_gemv``, ``tensor_gemm``, ...; the other seed formats in ``uniform``,
+``sbvr``, ``bitnet``); PTX helpers in ``intrinsics``; shared device helpers in ``device``.
 Under Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) the package installs warp primitives so
 that the same kernels run on the CPU.
 """
@@ -17,6 +18,7 @@ from .formats import BLOCK, K_BITS, KbitWeight, codebook, e4m4_decode, e4m4_enco
 from .codec import dequantize, quantize, repack_tiled  # noqa: E402
 from .tensor_gemm import gemm, grouped_gemm  # noqa: E402
 from .dispatch import KbitLinear, Workspace, dequant_matmul, linear  # noqa: E402
+from . import bitnet, sbvr, uniform  # noqa: E402
 from .scalar_gemv import KbitExperts, PreparedGemv, gemv, grouped_gemv, prepare_gemv, stack_experts  # noqa: E402,E501
 
 SIMULATOR = bool(_config.ENABLE_CUDASIM)
@@ -26,4 +28,4 @@ __version__ = "0.1.0"
 __all__ = ["BLOCK", "K_BITS", "KbitWeight", "codebook", "e4m4_encode", "e4m4_decode", "reference",
            "quantize", "dequantize", "repack_tiled", "gemv", "prepare_gemv", "PreparedGemv",
            "grouped_gemv", "stack_experts", "KbitExperts", "gemm", "grouped_gemm", "linear", "KbitLinear",
-           "Workspace", "dequant_matmul", "SIMULATOR"]
+           "Workspace", "dequant_matmul", "uniform", "sbvr", "bitnet", "SIMULATOR"]

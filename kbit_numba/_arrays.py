@@ -135,3 +135,26 @@ def to_host(x):
     if hasattr(x, "copy_to_host"):
         return x.copy_to_host()
     return cuda.as_cuda_array(x).copy_to_host()
+
+
+def gemv_io(A, shape, out, out_dtype, bf16, stream, name, max_m=4):
+    """Checked inputs of an M = 1..max_m GEMV on a weight of ``shape`` (N, K): A [M, K] or [K] and the
+    output buffer ([M, N] or [N], float16/float32). Returns (device A, its element type, M, out)."""
+    N, K = shape
+    Ad, a_src = float_input(A, "A", bf16, (1, 2), stream)
+    a_shape = tuple(Ad.shape)
+    if a_shape[-1] != K:
+        raise ValueError(f"A has K={a_shape[-1]}, the weight has K={K}")
+    M = 1 if len(a_shape) == 1 else a_shape[0]
+    if not 1 <= M <= max_m:
+        raise ValueError(f"{name} handles M = 1..{max_m} rows, got M={M}")
+    out_dtype = output_dtype(out, out_dtype)
+    out = output(out, "out", (M, N) if len(a_shape) == 2 else (N,), out_dtype, stream)
+    return Ad, a_src, M, out
+
+
+def device_weight(w, cls, stream=0):
+    """``w`` checked to be a ``cls`` weight (a format dataclass), with its arrays on the device."""
+    if not isinstance(w, cls):
+        raise TypeError(f"the weight must be a {cls.__name__}, got {type(w).__name__}")
+    return w if w.on_device else w.to_device(stream)

@@ -333,6 +333,81 @@ def moe_rows(progress, E=512, batch=32, top_k=8, k=4, shapes=((2048, 512), (512,
     return rows
 
 
+FORMAT_KERNELS = ("uniform", "uniform_int8", "sbvr", "bitnet")
+UNIFORM_BENCH_BITS = (1, 2, 3, 4, 8)
+UNIFORM_BENCH_GROUP = 128
+
+
+def _device_copies(weight, n):
+    """n device copies of a format dataclass (its ``ARRAYS`` fields copied on the device)."""
+    from dataclasses import replace
+
+    from numba import cuda
+    w = weight.to_device()
+    copies = [w]
+    for _ in range(n - 1):
+        fresh = {}
+        for f in w.ARRAYS:
+            a = getattr(w, f)
+            b = cuda.device_array_like(a)
+            b.copy_to_device(a)
+            fresh[f] = b
+        copies.append(replace(w, **fresh))
+    return copies
+
+
+def format_rows(kinds, shapes, ms, ceilings, progress, uniform_bits=UNIFORM_BENCH_BITS):
+    """The other seed systems' GEMVs (M <= 4) on rotating weights: uniform n-bit (group 128, fp16 and
+    int8 activations), SBVR and BitNet. Times include the activation quantizer launch where the system
+    has one (what a caller of ``gemv`` runs). ``k`` is the bits per value; ``bpw`` the bits per weight
+    read (with scales and indices), to compare with the kbit gemv at k + 0.25."""
+    from numba import cuda
+
+    from . import bitnet, sbvr, uniform
+    from . import reference as ref
+    from ._timing import graph_time_us, rotation_count
+    from .launch import run_steps
+
+    rows = []
+    rng = np.random.default_rng(2)
+    for K, N in shapes:
+        W = (rng.standard_normal((N, K)) * 0.02).astype(np.float32)
+        systems = []
+        for kind in kinds:
+            if kind in ("uniform", "uniform_int8"):
+                for b in uniform_bits:
+                    progress(f"quantize uniform {b}-bit {K}x{N}")
+                    w = uniform.quantize(W, b, UNIFORM_BENCH_GROUP)
+                    systems.append((f"{kind}[g{UNIFORM_BENCH_GROUP}]", b, w,
+                                    lambda A, w, out, i8=(kind == "uniform_int8"):
+                                    uniform._plan(A, w, out, 0, np.float16, i8, False)))
+            elif kind == "sbvr":
+                progress(f"encode SBVR {K}x{N} (host)")
+                w = ref.sbvr_encode(W, lines=1024, iters=2, kmeans_iters=3)
+                systems.append(("sbvr", 4, w, lambda A, w, out: sbvr._plan(A, w, out, 0, np.float16, False)))
+            elif kind == "bitnet":
+                w = ref.bitnet_quantize(W)
+                systems.append(("bitnet", 2, w, lambda A, w, out: bitnet._plan(A, w, out, 0, np.float16, False)))
+        for label, bits, w, plan in systems:
+            n = rotation_count(w.nbytes)
+            copies = _device_copies(w, n)
+            for M in [m for m in ms if m <= 4]:
+                progress(f"{label} {K}x{N} bits={bits} M={M}")
+                A = cuda.to_device(rng.standard_normal((M, K)).astype(np.float16))
+                out = cuda.device_array((M, N), np.float16)
+                plans = [plan(A, c, out)[0] for c in copies]
+
+                def launch(i, s, plans=plans):
+                    run_steps(plans[i % n], s)
+
+                t = graph_time_us(launch, n * max(1, 64 // n))
+                moved = w.nbytes + M * K * 2 + M * N * 2
+                rows.append(dict(kernel=label, shape=f"{K}x{N}", k=bits, M=M, us=t, GBps=moved / t / 1e3,
+                                 bpw=8 * w.nbytes / (N * K),
+                                 pct_ceiling=100 * moved / t / 1e3 / ceilings["read_GBps"], ceiling="read"))
+    return rows
+
+
 def host_overhead_rows(progress, K=2048, N=5120, k=4, calls=3000):
     """Host microseconds per call: gemv() through the dispatcher, a PreparedGemv.run(), and a small
     torch op, measured the same way (wall clock over many calls, one sync at the end)."""
@@ -457,7 +532,9 @@ def main(argv=None):
     p.add_argument("--shapes", default=",".join(SEED_SHAPES), help="K x N list, e.g. 2048x5120,4096x14336")
     p.add_argument("--k", default=",".join(map(str, KS)))
     p.add_argument("--m", default=",".join(map(str, MS)))
-    p.add_argument("--kernels", default=",".join(KERNELS))
+    p.add_argument("--kernels", default=",".join(KERNELS),
+                   help="any of %s, and the other seed systems %s" % (",".join(KERNELS), ",".join(FORMAT_KERNELS)))
+    p.add_argument("--bits", default=",".join(map(str, UNIFORM_BENCH_BITS)), help="uniform n-bit widths")
     p.add_argument("--json", help="write the rows and the ceilings as JSON to this file")
     p.add_argument("--csv", help="write the rows as CSV to this file")
     p.add_argument("--plot", help="write a speedup-vs-M plot (PNG) to this file (needs matplotlib)")
@@ -502,6 +579,9 @@ def main(argv=None):
     mm = [kn for kn in ("gemm", "dequant_matmul", "linear") if kn in kernels]
     if mm:
         rows += matmul_rows(shapes, ks, ms, ceilings, progress, mm)
+    fmt_kinds = [kn for kn in FORMAT_KERNELS if kn in kernels]
+    if fmt_kinds:
+        rows += format_rows(fmt_kinds, shapes, ms, ceilings, progress, _parse_list(args.bits, int))
     if args.sweep:
         tunings = [tuple(None if v == "none" else int(v) for v in t.split(":")) for t in _parse_list(args.sweep)]
         rows += gemv_rows(shapes, ks, ms, ceilings, progress, tunings)

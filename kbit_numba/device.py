@@ -118,3 +118,41 @@ def tiled_block(n, kb_all, N):
     n_tiles = N // np.int32(TILE_N)
     tile = (kb_all >> np.int32(1)) * n_tiles + n // np.int32(TILE_N)
     return tile * np.int32(2 * TILE_N) + (n % np.int32(TILE_N)) * np.int32(2) + (kb_all & np.int32(1))
+
+
+@cuda.jit(device=True, inline=True)
+def block_max(v, scratch):
+    """Max of ``v`` over the CTA (every thread must call it; ``scratch`` is a float32 shared array of at
+    least 32 slots). Every thread gets the result."""
+    lane = cuda.threadIdx.x % WARP
+    warp = cuda.threadIdx.x // WARP
+    v = warp_max(v)
+    cuda.syncthreads()                       # scratch may still be read by a previous call
+    if lane == 0:
+        scratch[warp] = v
+    cuda.syncthreads()
+    v = scratch[0]
+    for w in range(1, cuda.blockDim.x // WARP):
+        v = max(v, scratch[w])
+    return v
+
+
+@lru_cache(maxsize=None)
+def make_cta_sum(M):
+    """Device function ``cta_sum(acc, part)``: sums acc[0..M-1] of each lane position over the warps of
+    the CTA (the "K split across warps" reduction of the lane-per-column kernels); afterwards acc of
+    warp 0's lanes holds the totals. ``part`` is a shared array [n_warps, 32, M] of acc's dtype."""
+
+    @cuda.jit(device=True, inline=True)
+    def cta_sum(acc, part):
+        lane = cuda.threadIdx.x % WARP
+        warp = cuda.threadIdx.x // WARP
+        for m in range(M):
+            part[warp, lane, m] = acc[m]
+        cuda.syncthreads()
+        if warp == 0:
+            for w in range(1, cuda.blockDim.x // WARP):
+                for m in range(M):
+                    acc[m] += part[w, lane, m]
+
+    return cta_sum

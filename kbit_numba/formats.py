@@ -228,3 +228,152 @@ class KbitWeight:
 
 def _size(a):
     return int(np.prod(a.shape))
+
+
+# --------------------------------------------------------------------------------------------
+# The other seed systems (issue 5): GemLite-style uniform n-bit, SBVR, BitNet W2A8
+# --------------------------------------------------------------------------------------------
+UNIFORM_BITS = (1, 2, 3, 4, 8)
+UNIFORM_GROUPS = (32, 64, 128, None)   # None: one scale and zero for the whole tensor
+LANES = 32                             # uniform: word t of a 32-word chunk is read by lane t
+SBVR_GROUP = 128                       # SBVR: weights (and activations) per coefficient group
+SBVR_PLANES = 4                        # SBVR: bit planes (coefficients) per weight group
+SBVR_ACT_PLANES = 8                    # SBVR: two's-complement planes of a 7-bit activation
+BITNET_BLOCK_N = 16                    # BitNet: a packed block is 16 columns ...
+BITNET_BLOCK_K = 32                    # ... x 32 K elements = 32 words of 16 two-bit codes
+BITNET_ORDER = (0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15)   # element at 2-bit slot p
+
+
+def uniform_elements_per_word(bits):
+    """Values per int32 word: 32 // bits (3 bits: 10 values, bits 30-31 unused)."""
+    if bits not in UNIFORM_BITS:
+        raise ValueError(f"bits must be one of {UNIFORM_BITS}, got {bits!r}")
+    return 32 // bits
+
+
+class _HostDevice:
+    """``to_numpy()`` / ``on_device`` for a frozen dataclass whose ``ARRAYS`` fields are arrays."""
+    ARRAYS = ()
+
+    @property
+    def on_device(self):
+        return not isinstance(getattr(self, self.ARRAYS[0]), np.ndarray)
+
+    def to_numpy(self):
+        def host(a):
+            return np.array(a.copy_to_host() if hasattr(a, "copy_to_host") else a)
+        return replace(self, **{f: host(getattr(self, f)) for f in self.ARRAYS})
+
+    def to_device(self, stream=0):
+        from numba import cuda
+        return replace(self, **{f: (cuda.to_device(np.ascontiguousarray(getattr(self, f)), stream=stream)
+                                    if isinstance(getattr(self, f), np.ndarray) else getattr(self, f))
+                                for f in self.ARRAYS})
+
+
+@dataclass(frozen=True)
+class UniformWeight(_HostDevice):
+    """GemLite-style uniform ``bits``-bit weight W[N, K]: ``w = (q - zero) * scale``.
+
+    packed: uint32 [N, n_chunks * 32]. Column n's K values are cut into chunks of ``32 * epw`` (epw =
+        32 // bits values per word); word t of chunk c holds ``q[n, c*32*epw + 32*j + t]`` at bits
+        ``bits*j ..`` (j = 0..epw-1, LSB first): lane t of a warp reads word t and the warp's 32 loads
+        are one 128-byte line (GemLite's "stride 32" packing). K is zero-padded to whole chunks.
+    scale_zero: float16 [N, K // group_size, 2] (scale, zero) per group of ``group_size`` consecutive
+        K values, or [1, 1, 2] for one pair for the whole tensor (``group_size=None``).
+    """
+    packed: object
+    scale_zero: object
+    bits: int
+    shape: tuple
+    group_size: object = 128
+    ARRAYS = ("packed", "scale_zero")
+
+    def __post_init__(self):
+        uniform_elements_per_word(self.bits)
+        if self.group_size not in UNIFORM_GROUPS:
+            raise ValueError(f"group_size must be one of {UNIFORM_GROUPS}, got {self.group_size!r}")
+        N, K = self.shape
+        if K % BLOCK or (self.group_size and K % self.group_size):
+            raise ValueError(f"K must be a multiple of 32 and of the group size, got K={K}")
+        if tuple(self.packed.shape) != (N, self.n_chunks * LANES):
+            raise ValueError(f"packed must have shape {(N, self.n_chunks * LANES)}, got {self.packed.shape}")
+        want = (N, K // self.group_size, 2) if self.group_size else (1, 1, 2)
+        if tuple(self.scale_zero.shape) != want:
+            raise ValueError(f"scale_zero must have shape {want}, got {tuple(self.scale_zero.shape)}")
+
+    @property
+    def epw(self):
+        return uniform_elements_per_word(self.bits)
+
+    @property
+    def n_chunks(self):
+        return -(-self.shape[1] // (LANES * self.epw))
+
+    @property
+    def nbytes(self):
+        return _size(self.packed) * 4 + _size(self.scale_zero) * 2
+
+
+@dataclass(frozen=True)
+class SbvrWeight(_HostDevice):
+    """SBVR weight W[N, K] (bitvector sums): in each group of 128 K values of a column,
+    ``w = sum_s coeff[s] * bit_s`` over 4 bit planes.
+
+    bvr: uint32 [K // 32, N, 4]: plane s of the 32 values ``32c .. 32c+31`` of column n, value j at bit j
+        (a column's 4 planes are 16 contiguous bytes).
+    coeff_idx: uint8 or uint16 [K // 128, N]: the row of ``coeff_cache`` that group uses.
+    coeff_cache: float16 [lines, 4]: the global coefficient vectors.
+    """
+    bvr: object
+    coeff_idx: object
+    coeff_cache: object
+    shape: tuple
+    ARRAYS = ("bvr", "coeff_idx", "coeff_cache")
+
+    def __post_init__(self):
+        N, K = self.shape
+        if K % SBVR_GROUP:
+            raise ValueError(f"SBVR needs K % {SBVR_GROUP} == 0, got K={K}")
+        if tuple(self.bvr.shape) != (K // BLOCK, N, SBVR_PLANES):
+            raise ValueError(f"bvr must have shape {(K // BLOCK, N, SBVR_PLANES)}, got {self.bvr.shape}")
+        if tuple(self.coeff_idx.shape) != (K // SBVR_GROUP, N):
+            raise ValueError(f"coeff_idx must have shape {(K // SBVR_GROUP, N)}, got {self.coeff_idx.shape}")
+        if self.coeff_cache.ndim != 2 or self.coeff_cache.shape[1] != SBVR_PLANES:
+            raise ValueError(f"coeff_cache must be [lines, {SBVR_PLANES}], got {self.coeff_cache.shape}")
+
+    @property
+    def nbytes(self):
+        return _size(self.bvr) * 4 + _size(self.coeff_idx) * np.dtype(self.coeff_idx.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class BitnetWeight(_HostDevice):
+    """BitNet b1.58 ternary weight W[N, K] ~ w_q * w_scale[part of n], w_q in {-1, 0, 1}.
+
+    packed: uint32 [N // 16, K // 32, 32]: block (nb, kb) is 16 columns x 32 K values; its word
+        ``2*r + h`` holds column ``16*nb + r``, values ``32*kb + 16*h .. +15`` as 2-bit codes ``w + 2``,
+        value ``BITNET_ORDER[p]`` at bits ``2p``: one shift and mask by 0x03030303 then puts 4
+        consecutive values in 4 bytes, ready for dp4a.
+    w_scale: float32 [parts]: part i covers columns ``i*N/parts .. (i+1)*N/parts - 1``.
+    """
+    packed: object
+    w_scale: object
+    shape: tuple
+    ARRAYS = ("packed", "w_scale")
+
+    def __post_init__(self):
+        N, K = self.shape
+        if N % BITNET_BLOCK_N or K % BITNET_BLOCK_K:
+            raise ValueError(f"BitNet needs N % {BITNET_BLOCK_N} == 0 and K % {BITNET_BLOCK_K} == 0, "
+                             f"got {self.shape}")
+        want = (N // BITNET_BLOCK_N, K // BITNET_BLOCK_K, 32)
+        if tuple(self.packed.shape) != want:
+            raise ValueError(f"packed must have shape {want}, got {tuple(self.packed.shape)}")
+        parts = _size(self.w_scale)
+        if parts < 1 or N % parts or (N // parts) % BITNET_BLOCK_N:
+            raise ValueError(f"w_scale must hold P parts with N/P a multiple of 16, got {parts} for N={N}")
+
+    @property
+    def nbytes(self):
+        return _size(self.packed) * 4

@@ -88,3 +88,43 @@ class PreparedLaunch:
     def __call__(self, stream=None):
         """Launch on ``stream`` (default: the stream given at preparation)."""
         self._launch(self.stream if stream is None else stream)
+
+
+def run_steps(steps, stream=0):
+    """Launch a list of (kernel, grid, block, args) steps in order on ``stream`` (Numba launches)."""
+    for kern, grid, block, args in steps:
+        kern[grid, block, stream](*args)
+
+
+class PreparedSteps:
+    """Several kernel launches (e.g. activation quantizer + GEMV) bound to their buffers; ``run()`` is one
+    driver launch per step. Write new activations into ``A`` between runs; results land in ``out``."""
+
+    def __init__(self, steps, stream, A, out):
+        self._launches = [PreparedLaunch(k, g, b, a, stream) for k, g, b, a in steps]
+        self.A, self.out = A, out
+
+    def run(self, stream=None):
+        for launch in self._launches:
+            launch(stream)
+        return self.out
+
+
+def run_plan(plan, A, weight, out, stream, *options):
+    """What a format's ``gemv`` does: ``plan(A, weight, out, stream, *options)`` -> (steps, A, out), the
+    steps launched on ``stream``; returns out."""
+    from ._arrays import as_stream
+    stream = as_stream(stream)
+    steps, _, out = plan(A, weight, out, stream, *options)
+    run_steps(steps, stream)
+    return out
+
+
+def prepare_plan(plan, A, weight, out, stream, *options):
+    """What a format's ``prepare`` does: the same plan bound once into a :class:`PreparedSteps`."""
+    from ._arrays import as_stream
+    if isinstance(A, np.ndarray):
+        raise TypeError("prepare binds buffers by address: pass A as a device array")
+    stream = as_stream(stream)
+    steps, Ad, out = plan(A, weight, out, stream, *options)
+    return PreparedSteps(steps, stream, Ad, out)

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .formats import (BLOCK, KbitWeight, check_codebook, check_k, e4m4_decode, e4m4_encode,
-                      padded_k, tiled_absmax_index, tiled_word_index)
+from .formats import (BITNET_BLOCK_K, BITNET_BLOCK_N, BITNET_ORDER, BLOCK, LANES, SBVR_ACT_PLANES, SBVR_GROUP,
+                      SBVR_PLANES, BitnetWeight, KbitWeight, SbvrWeight, UniformWeight, check_codebook, check_k,
+                      e4m4_decode, e4m4_encode, padded_k, tiled_absmax_index, tiled_word_index,
+                      uniform_elements_per_word)
 
 
 def bf16_bits_to_float32(bits):
@@ -142,3 +144,281 @@ def grouped_gemv(A, experts, offsets, bf16=False):
         if t1 > t0:
             out[t0:t1] = gemv(A[t0:t1], experts.expert(e))
     return out
+
+
+# =============================================================================================
+# Activation quantizers shared by the int8 kernels
+# =============================================================================================
+INT8_MAX = 127
+ABSMAX_FLOOR = np.float32(1e-5)      # BitNet's clamp: an all-zero row gets scale 127 / 1e-5
+
+
+def int8_per_token(A, bf16=False):
+    """Per-token (row) symmetric int8: s = 127 / max(|x|, 1e-5), q = clip(rint(x * s), -127, 127).
+    Returns (q int8 [M, K], d float32 [M]) with x ~ q * d, d = 1 / s (float32 arithmetic, as the GPU)."""
+    A = np.atleast_2d(as_float32(A, bf16))
+    s = np.float32(INT8_MAX) / np.maximum(np.abs(A).max(axis=1), ABSMAX_FLOOR)
+    q = np.clip(np.rint(A * s[:, None]), -INT8_MAX, INT8_MAX).astype(np.int8)
+    return q, (np.float32(1) / s).astype(np.float32)
+
+
+# =============================================================================================
+# GemLite-style uniform n-bit: w = (q - zero) * scale, stride-32 int32 packing
+# =============================================================================================
+def uniform_pack(q, bits):
+    """q uint [N, K] (values < 2**bits) -> uint32 [N, n_chunks*32] in the stride-32 packing of
+    UniformWeight (K zero-padded to whole chunks of 32 * epw values)."""
+    q = np.asarray(q).astype(np.uint32)
+    N, K = q.shape
+    epw = uniform_elements_per_word(bits)
+    chunk = LANES * epw
+    n_chunks = -(-K // chunk)
+    qp = np.zeros((N, n_chunks * chunk), np.uint32)
+    qp[:, :K] = q
+    qp = qp.reshape(N, n_chunks, epw, LANES)            # [n, c, j, t] = q[n, c*32*epw + 32 j + t]
+    shifts = (np.arange(epw, dtype=np.uint32) * bits)[None, None, :, None]
+    words = np.bitwise_or.reduce(qp << shifts, axis=2)  # [n, c, t]
+    return words.reshape(N, n_chunks * LANES).astype(np.uint32)
+
+
+def uniform_unpack(packed, bits, K):
+    """The inverse of uniform_pack: uint8 [N, K]."""
+    packed = np.asarray(packed, np.uint32)
+    N = packed.shape[0]
+    epw = uniform_elements_per_word(bits)
+    words = packed.reshape(N, -1, 1, LANES)
+    shifts = (np.arange(epw, dtype=np.uint32) * bits)[None, None, :, None]
+    q = (words >> shifts) & np.uint32((1 << bits) - 1)  # [n, c, j, t]
+    return q.reshape(N, -1)[:, :K].astype(np.uint8)
+
+
+def _groups(W, group_size):
+    """W [N, K] -> [N, K // G, G] (or [1, 1, N*K] for one group over the whole tensor)."""
+    N, K = W.shape
+    return W.reshape(N, K // group_size, group_size) if group_size else W.reshape(1, 1, -1)
+
+
+def uniform_quantize(W, bits=4, group_size=128):
+    """Min-max round-to-nearest per group: scale = (max - min) / (2**bits - 1) (1 where max == min),
+    zero = -min / scale, both stored as float16; q = clip(rint(w / scale + zero), 0, 2**bits - 1)
+    computed with the stored float16 values in float32. Returns a host UniformWeight."""
+    W = np.asarray(W, np.float32)
+    if W.ndim != 2:
+        raise ValueError(f"W must be 2-D [N, K], got shape {W.shape}")
+    uniform_elements_per_word(bits)
+    N, K = W.shape
+    if K % BLOCK or (group_size and K % group_size):
+        raise ValueError(f"K must be a multiple of 32 and of group_size, got K={K}")
+    g = _groups(W, group_size)
+    mn, mx = g.min(axis=-1), g.max(axis=-1)
+    levels = np.float32((1 << bits) - 1)
+    scale = (mx - mn) / levels
+    scale = np.where(scale > 0, scale, np.float32(1)).astype(np.float32)
+    s16 = scale.astype(np.float16)
+    z16 = np.clip(-mn / s16.astype(np.float32), -65504, 65504).astype(np.float16)
+    q = np.clip(np.rint(g / s16.astype(np.float32)[..., None] + z16.astype(np.float32)[..., None]), 0, levels)
+    sz = np.stack([s16, z16], axis=-1)
+    return UniformWeight(uniform_pack(q.reshape(N, K), bits), sz, bits, (N, K), group_size)
+
+
+def uniform_dequantize(uw):
+    """UniformWeight -> float32 [N, K]: (q - zero) * scale with the float16 scale and zero."""
+    uw = uw.to_numpy()
+    N, K = uw.shape
+    q = _groups(uniform_unpack(uw.packed, uw.bits, K).astype(np.float32), uw.group_size)
+    sz = np.asarray(uw.scale_zero).astype(np.float32)
+    return ((q - sz[..., 1:2]) * sz[..., 0:1]).reshape(N, K).astype(np.float32)
+
+
+def uniform_gemv(A, uw, int8=False, bf16=False):
+    """C[M, N] = A @ uniform_dequantize(uw).T in float64; with ``int8`` A is first quantized per token
+    (int8_per_token), as the int8 kernel sees it."""
+    A = np.atleast_2d(as_float32(A, bf16)).astype(np.float64)
+    if int8:
+        q, d = int8_per_token(A.astype(np.float32))
+        A = q.astype(np.float64) * d[:, None].astype(np.float64)
+    return (A @ uniform_dequantize(uw).astype(np.float64).T).astype(np.float32)
+
+
+def uniform_int8_words(q, bits):
+    """int8 activations [M, K] -> the int32 words the uniform int8 kernel reads: for chunk c, quad s and
+    lane t, word ``(c*QPW + s)*32 + t`` holds bytes ``q[c*32*epw + 32*(4s+i) + t]``, i = 0..3 (QPW =
+    ceil(epw/4) quads per word; rows past epw or K are 0). Lane t's 4 bytes are its values 4s..4s+3."""
+    q = np.atleast_2d(np.asarray(q, np.int8))
+    M, K = q.shape
+    epw = uniform_elements_per_word(bits)
+    qpw = -(-epw // 4)
+    n_chunks = -(-K // (LANES * epw))
+    rows = np.zeros((M, n_chunks * LANES * epw), np.int8)
+    rows[:, :K] = q
+    rows = rows.reshape(M, n_chunks, epw, LANES)
+    quads = np.zeros((M, n_chunks, qpw * 4, LANES), np.int8)
+    quads[:, :, :epw] = rows
+    quads = quads.reshape(M, n_chunks, qpw, 4, LANES).transpose(0, 1, 2, 4, 3)   # [m, c, s, t, i]
+    return np.ascontiguousarray(quads).view(np.uint32).reshape(M, n_chunks * qpw * LANES)
+
+
+# =============================================================================================
+# SBVR: bitvector sums with a global coefficient cache
+# =============================================================================================
+_COMBOS = ((np.arange(16)[:, None] >> np.arange(SBVR_PLANES)[None, :]) & 1).astype(np.float32)  # [16, 4]
+
+
+def _sbvr_assign(w, c):
+    """For groups w [G, 128] and coefficients c [G, 4]: bits [G, 128, 4] of the nearest of the 16
+    values sum_s c_s b_s, per weight."""
+    vals = c @ _COMBOS.T                                            # [G, 16]
+    best = np.argmin(np.abs(w[:, :, None] - vals[:, None, :]), axis=-1)   # [G, 128]
+    return _COMBOS[best]
+
+
+def _sbvr_fit(w, bits):
+    """Least-squares coefficients for fixed bits (a small ridge keeps constant planes solvable)."""
+    BtB = np.einsum("gks,gkt->gst", bits, bits).astype(np.float64)
+    BtB += 1e-6 * (1 + np.trace(BtB, axis1=1, axis2=2))[:, None, None] * np.eye(SBVR_PLANES)
+    Btw = np.einsum("gks,gk->gs", bits, w).astype(np.float64)
+    return np.linalg.solve(BtB, Btw[..., None])[..., 0].astype(np.float32)
+
+
+def sbvr_encode(W, lines=1024, iters=4, kmeans_iters=6, seed=0, chunk=4096):
+    """W [N, K] -> host SbvrWeight. Per group of 128: start from two's-complement 4-bit coefficients
+    (-8d, 4d, 2d, d), then alternate nearest-value bit assignment and least-squares coefficients
+    ``iters`` times. The per-group vectors are then clustered (k-means weighted by 1/|c|^2, i.e. in
+    relative error) into a cache of ``lines`` float16 rows; each group takes its nearest line and its
+    bits are assigned once more against it. Indices are uint8 for <= 256 lines, else uint16."""
+    W = np.asarray(W, np.float32)
+    N, K = W.shape
+    if K % SBVR_GROUP:
+        raise ValueError(f"SBVR needs K % {SBVR_GROUP} == 0, got K={K}")
+    G = K // SBVR_GROUP
+    w = W.reshape(N, G, SBVR_GROUP).transpose(1, 0, 2).reshape(G * N, SBVR_GROUP)   # group (g, n)
+    d = np.maximum(np.abs(w).max(axis=1), 1e-12) / np.float32(7.5)
+    c = d[:, None] * np.array([-8, 4, 2, 1], np.float32)[None, :]
+    for lo in range(0, len(w), chunk):
+        sl = slice(lo, lo + chunk)
+        for _ in range(iters):
+            c[sl] = _sbvr_fit(w[sl], _sbvr_assign(w[sl], c[sl]))
+    rng = np.random.default_rng(seed)
+    lines = int(min(lines, len(c)))
+    cache = c[rng.choice(len(c), lines, replace=False)]
+    wt = 1.0 / np.maximum(np.sum(c * c, axis=1), 1e-30)
+    for _ in range(kmeans_iters):
+        idx = _nearest_rows(c, cache)
+        for j in range(SBVR_PLANES):
+            num = np.bincount(idx, weights=wt * c[:, j], minlength=lines)
+            den = np.bincount(idx, weights=wt, minlength=lines)
+            cache[:, j] = np.where(den > 0, num / np.maximum(den, 1e-300), cache[:, j])
+    cache16 = cache.astype(np.float16)
+    idx = _nearest_rows(c, cache16.astype(np.float32))
+    bits = np.concatenate([_sbvr_assign(w[lo:lo + chunk], cache16.astype(np.float32)[idx[lo:lo + chunk]])
+                           for lo in range(0, len(w), chunk)])                     # [G*N, 128, 4]
+    bits = bits.reshape(G, N, 4, BLOCK, SBVR_PLANES).astype(np.uint32)            # [g, n, c, j, s]
+    words = np.bitwise_or.reduce(bits << np.arange(BLOCK, dtype=np.uint32)[:, None], axis=3)  # [g,n,c,s]
+    bvr = words.transpose(0, 2, 1, 3).reshape(K // BLOCK, N, SBVR_PLANES)
+    itype = np.uint8 if lines <= 256 else np.uint16
+    return SbvrWeight(np.ascontiguousarray(bvr), idx.reshape(G, N).astype(itype), cache16, (N, K))
+
+
+def _nearest_rows(x, rows):
+    """Index of the nearest row of ``rows`` for every row of x (squared distance), in chunks."""
+    out = np.empty(len(x), np.int64)
+    r2 = np.sum(rows.astype(np.float64) ** 2, axis=1)
+    for lo in range(0, len(x), 8192):
+        xs = x[lo:lo + 8192].astype(np.float64)
+        out[lo:lo + 8192] = np.argmin(r2[None, :] - 2 * xs @ rows.T.astype(np.float64), axis=1)
+    return out
+
+
+def sbvr_dequantize(sw):
+    """SbvrWeight -> float32 [N, K]."""
+    sw = sw.to_numpy()
+    N, K = sw.shape
+    bvr = np.asarray(sw.bvr, np.uint32)                                  # [c, n, s]
+    bits = (bvr[:, :, :, None] >> np.arange(BLOCK, dtype=np.uint32)) & 1  # [c, n, s, j]
+    coeff = np.asarray(sw.coeff_cache).astype(np.float32)[np.asarray(sw.coeff_idx).astype(np.int64)]  # [g,n,s]
+    coeff = np.repeat(coeff, SBVR_GROUP // BLOCK, axis=0)                 # [c, n, s]
+    w = np.einsum("cnsj,cns->ncj", bits.astype(np.float32), coeff)
+    return w.reshape(N, K).astype(np.float32)
+
+
+def sbvr_quantize_activations(A, bf16=False):
+    """7-bit round-to-nearest per group of 128: q = clip(rint(x * 127/max|x|), -127, 127) (q = 0 for
+    an all-zero group). Returns (q int8 [M, K], d float32 [M, K/128] with x ~ q*d, planes uint32
+    [M, K/32, 8]: plane p holds bit p of the two's-complement byte of each of 32 values, value j at bit j)."""
+    A = np.atleast_2d(as_float32(A, bf16))
+    M, K = A.shape
+    g = A.reshape(M, K // SBVR_GROUP, SBVR_GROUP)
+    amax = np.abs(g).max(axis=-1)
+    s = np.where(amax > 0, np.float32(INT8_MAX) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    q = np.clip(np.rint(g * s[..., None]), -INT8_MAX, INT8_MAX).astype(np.int8).reshape(M, K)
+    d = np.where(s > 0, np.float32(1) / np.where(s > 0, s, 1), 0).astype(np.float32)
+    u = q.view(np.uint8).reshape(M, K // BLOCK, BLOCK).astype(np.uint32)
+    j = np.arange(BLOCK, dtype=np.uint32)
+    planes = np.stack([np.bitwise_or.reduce(((u >> p) & 1) << j, axis=-1) for p in range(SBVR_ACT_PLANES)],
+                      axis=-1).astype(np.uint32)
+    return q, d, planes
+
+
+def sbvr_gemv(A, sw, bf16=False):
+    """C[M, N] with 7-bit activations as the kernel sees them: sum_g d[m, g] * (q[m, g] . W[n, g])."""
+    q, d, _ = sbvr_quantize_activations(A, bf16)
+    M, K = q.shape
+    Wd = sbvr_dequantize(sw).astype(np.float64)
+    deq = (q.astype(np.float64).reshape(M, -1, SBVR_GROUP) * d[..., None]).reshape(M, K)
+    return (deq @ Wd.T).astype(np.float32)
+
+
+# =============================================================================================
+# BitNet b1.58 W2A8: ternary weights, int8 activations
+# =============================================================================================
+def bitnet_pack(wq):
+    """Ternary wq int [N, K] -> uint32 [N/16, K/32, 32] (BitnetWeight's block layout)."""
+    wq = np.asarray(wq).astype(np.int64)
+    N, K = wq.shape
+    codes = (wq + 2).astype(np.uint32).reshape(N // BITNET_BLOCK_N, BITNET_BLOCK_N, K // BITNET_BLOCK_K, 2, 16)
+    slots = codes[..., list(BITNET_ORDER)]                     # slot p holds value ORDER[p]
+    words = np.bitwise_or.reduce(slots << (2 * np.arange(16, dtype=np.uint32)), axis=-1)  # [nb, r, kb, h]
+    return np.ascontiguousarray(words.transpose(0, 2, 1, 3).reshape(N // 16, K // 32, 32)).astype(np.uint32)
+
+
+def bitnet_unpack(packed, shape):
+    """The inverse of bitnet_pack: int8 [N, K] in {-1, 0, 1}."""
+    N, K = shape
+    words = np.asarray(packed, np.uint32).reshape(N // 16, K // 32, 16, 2)            # [nb, kb, r, h]
+    slots = (words[..., None] >> (2 * np.arange(16, dtype=np.uint32))) & 3            # [.., p]
+    vals = np.empty_like(slots)
+    vals[..., list(BITNET_ORDER)] = slots
+    return (vals.transpose(0, 2, 1, 3, 4).reshape(N, K).astype(np.int8) - 2).astype(np.int8)
+
+
+def bitnet_quantize(W, parts=1):
+    """Absmean ternary quantisation per part of the columns: s = 1 / max(mean|W_part|, 1e-5),
+    w_q = clip(rint(W * s), -1, 1), w_scale = 1 / s. Returns a host BitnetWeight."""
+    W = np.asarray(W, np.float32)
+    N, K = W.shape
+    if N % BITNET_BLOCK_N or K % BITNET_BLOCK_K:
+        raise ValueError(f"BitNet needs N % {BITNET_BLOCK_N} == 0 and K % {BITNET_BLOCK_K} == 0, got {W.shape}")
+    if parts < 1 or N % parts:
+        raise ValueError(f"parts must divide N={N}, got {parts}")
+    Wp = W.reshape(parts, N // parts, K)
+    s = np.float32(1) / np.maximum(np.abs(Wp).mean(axis=(1, 2), dtype=np.float64).astype(np.float32),
+                                    ABSMAX_FLOOR)
+    wq = np.clip(np.rint(Wp * s[:, None, None]), -1, 1).reshape(N, K)
+    return BitnetWeight(bitnet_pack(wq), (np.float32(1) / s).astype(np.float32), (N, K))
+
+
+def bitnet_dequantize(bw):
+    bw = bw.to_numpy()
+    N, K = bw.shape
+    ws = np.repeat(np.asarray(bw.w_scale, np.float32), N // bw.w_scale.size)
+    return (bitnet_unpack(bw.packed, bw.shape).astype(np.float32) * ws[:, None]).astype(np.float32)
+
+
+def bitnet_gemv(A, bw, bf16=False):
+    """C[M, N] = (q @ w_q^T) * d[m] * w_scale[part(n)] with q, d = int8_per_token(A) (exact integer dot)."""
+    bw = bw.to_numpy()
+    q, d = int8_per_token(A, bf16)
+    N = bw.shape[0]
+    acc = q.astype(np.int64) @ bitnet_unpack(bw.packed, bw.shape).astype(np.int64).T
+    ws = np.repeat(np.asarray(bw.w_scale, np.float64), N // bw.w_scale.size)
+    return (acc * d[:, None].astype(np.float64) * ws[None, :]).astype(np.float32)

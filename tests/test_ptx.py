@@ -17,9 +17,11 @@ CC = (9, 0)
 
 
 def _specializations():
-    from kbit_numba import codec, scalar_gemv, tensor_gemm
+    from kbit_numba import act_quant, bitnet, codec, sbvr, scalar_gemv, tensor_gemm, uniform
     return (codec.kernel_specializations() + scalar_gemv.kernel_specializations()
-            + tensor_gemm.kernel_specializations())
+            + tensor_gemm.kernel_specializations() + act_quant.kernel_specializations()
+            + uniform.kernel_specializations() + sbvr.kernel_specializations()
+            + bitnet.kernel_specializations())
 
 
 def _requirements(name):
@@ -44,6 +46,19 @@ def _requirements(name):
                                                                           ["ld.global.nc.v2.u32"])
         if "split=True" in name:
             must += ["atom.global.add.f32"]
+    if name.startswith("uniform "):
+        must += ["shfl.sync.bfly.b32"]
+        if "A=int8" in name:
+            must += ["dp4a.s32.s32"]
+        never += ["cvt.rn.f32.f64", "cvt.f64"]               # float32 math only
+    if name.startswith("uniform_quantize_sz") or name.startswith("int8_act"):
+        must += ["shfl.sync.bfly"]                           # the block max
+    if name.startswith("bitnet"):
+        must += ["lop3.b32", "dp4a.s32.s32", "ld.global.nc.v4.u32", "shfl.sync.bfly.b32", "bar.sync"]
+    if name.startswith("sbvr "):
+        must += ["popc.b32", "ld.global.nc.v4.u32", "bar.sync"]
+    if name.startswith("sbvr_act"):
+        must += ["vote.sync.ballot.b32", "shfl.sync.bfly"]
     return must, never
 
 

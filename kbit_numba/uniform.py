@@ -1,0 +1,371 @@
+"""GemLite-style uniform n-bit GEMV (bits 1, 2, 3, 4, 8; M = 1..4) and its GPU quantizer.
+
+Format (``formats.UniformWeight``): ``w = (q - zero) * scale`` with a float16 (scale, zero) pair per
+group of 32/64/128 K values or per tensor; q packed ``epw = 32 // bits`` to an int32 word with
+stride 32: word t of a 32-word chunk holds the values ``32 j + t`` of the chunk, so lane t of a warp
+reads word t (one 128-byte line per warp) and its values ``j`` sit 32 apart in K. 3 bits: 10 values per
+word, K zero-padded to whole chunks of 320 (the padding upstream GemLite got wrong).
+
+Design:
+
+* **Warps along K, activations in registers.** A CTA has KW warps; warp w owns WPL = 32 // epw
+  consecutive chunks (32 values per lane, 30 at 3 bits; like the kbit gemv's block), so lane t of warp w holds its
+  WPL*epw activations (x M rows) in registers for the whole launch, and the CTA walks columns with a
+  grid stride. Per column a lane issues WPL 4-byte loads (the next column's are issued first).
+* **Runs of one group.** A lane's values j of one word lie 32 apart in K, so a group of G values
+  covers G/32 consecutive j. A *run* (RL values) shares one (scale, zero), read as one 32-bit load:
+  fp16 path ``w = q*scale - zero*scale`` (one FMA per weight after ``(word >> bits*j) & mask`` and a
+  conversion), then M FMAs.
+* **int8 path (dp4a).** Activations quantized per token (``act_quant``, lane order): a lane's int32
+  activation word holds 4 of its values. The 4 matching weights are shifted into the 4 bytes of one
+  word, and one ``dp4a`` gives sum(q * a); the zero needs sum(a) over the same bytes (a second dp4a with
+  0x01 bytes): ``acc += scale * (dot - zero * asum)``. dp4a's bytes are signed, so 8-bit q enters as
+  q - 128 (one xor) with the zero shifted by 128. Runs shorter than 4 values (G = 32 or 64, or
+  3-bit with G = 128) mask the bytes of other groups. Per tensor, the integer sums run over the whole
+  lane before one float step.
+* **Reduction**: butterfly over the warp (5 shuffles per row), then across the KW warps in shared
+  memory (double-buffered: one barrier per column).
+
+Reference twins: ``reference.uniform_quantize`` / ``uniform_gemv``. Tests: ``tests/test_uniform.py``.
+"""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import numpy as np
+from numba import cuda
+
+from . import _arrays
+from .act_quant import int8_step
+from .device import FULL_MASK, WARP, block_max, make_loader
+from .formats import LANES, UNIFORM_BITS, UniformWeight, uniform_elements_per_word
+from .intrinsics import dp4a, f16_bits_to_f32
+from .launch import prepare_plan, run_plan
+from .scalar_gemv import MAX_M, _sm_count
+
+MAX_KW = 32                       # warps per CTA along K
+CTA_WARPS_TARGET = 32             # resident warps per SM the grid aims for
+QUANT_THREADS = 256
+BYTE_ONES = 0x01010101
+
+
+def _geometry(bits, group_size):
+    """(epw, WPL words per lane, RL values per run, group rows G/32 (0 per tensor))."""
+    epw = uniform_elements_per_word(bits)
+    wpl = max(1, LANES // epw)
+    gr = (group_size // LANES) if group_size else 0
+    rl = epw if gr == 0 else math.gcd(gr, epw)
+    return epw, wpl, rl, gr
+
+
+@lru_cache(maxsize=None)
+def make_uniform_gemv(bits, M, group_size, a_src, out_dtype, int8=False):
+    """Kernel(A, packed, sz, d_act, out, N, K, n_chunks, n_groups), KW warps per CTA.
+
+    A: float16/float32/bf16-bits [M*K] (fp16 path) or uint32 int8 words [M*W] (int8 path, with d_act
+    [M] its per-token scales; unused otherwise); packed: uint32 [N * n_chunks*32]; sz: uint32 view of
+    the float16 (scale, zero) pairs; out: [M*N]."""
+    assert 1 <= M <= MAX_M
+    epw, WPL, RL, GR = _geometry(bits, group_size)
+    MASK = np.uint32((1 << bits) - 1)
+    QPW = -(-epw // 4)                       # int8 words (quads of 4 values) per weight word
+    SUB = 4 // RL if RL < 4 else 1           # int8: runs per quad (byte masks when runs are short)
+    SUB_RL = 4 // SUB
+    per_tensor = GR == 0
+    # dp4a multiplies *signed* bytes: 8-bit q (0..255) goes in as q - 128 (flip bit 7 of every byte),
+    # and the zero moves by the same 128
+    SIGN_FLIP = np.uint32(0x80808080 if bits == 8 else 0)
+    Z_SHIFT = np.float32(128.0 if bits == 8 else 0.0)
+    f16_out = np.dtype(out_dtype) == np.float16
+    load = make_loader(a_src)
+    A_REGS = WPL * (QPW if int8 else epw)
+    A_DTYPE = np.uint32 if int8 else np.float32
+
+    @cuda.jit(device=True, inline=True)
+    def scale_zero(sz, n, row, n_groups):
+        """(scale, zero) of the group holding K row ``row`` (of 32 values) of column n."""
+        if per_tensor:
+            p = sz[0]
+        else:
+            p = sz[n * n_groups + min(row // GR, n_groups - 1)]
+        return f16_bits_to_f32(p), f16_bits_to_f32(p >> np.uint32(16))
+
+    @cuda.jit(device=True, inline=True)
+    def quad(word, s4):
+        """Values 4*s4 .. 4*s4+3 of a weight word in the 4 bytes of a uint32 (0 past epw)."""
+        x = np.uint32(0)
+        for i in range(4):
+            j = 4 * s4 + i
+            if j < epw:
+                x |= ((word >> np.uint32(bits * j)) & MASK) << np.uint32(8 * i)
+        return x
+
+    def kernel(A, packed, sz, d_act, out, N, K, n_chunks, n_groups):
+        part = cuda.shared.array((2, MAX_KW, MAX_M), np.float32)
+        tid = cuda.threadIdx.x
+        lane = tid % WARP
+        warp = tid // WARP
+        n_warps = cuda.blockDim.x // WARP
+        n_words = n_chunks * LANES
+        chunk0 = warp * WPL
+
+        # ---- this lane's activations, loaded once: a[m, i*epw + j] = A[m, (c_i*epw + j)*32 + lane] ----
+        a = cuda.local.array((M, A_REGS), A_DTYPE)
+        for m in range(M):
+            for i in range(WPL):
+                ci = chunk0 + i
+                if int8:
+                    W = n_chunks * QPW * LANES
+                    for s4 in range(QPW):
+                        a[m, i * QPW + s4] = A[m * W + (ci * QPW + s4) * LANES + lane] if ci < n_chunks \
+                            else np.uint32(0)
+                else:
+                    for j in range(epw):
+                        kk = (ci * epw + j) * LANES + lane
+                        a[m, i * epw + j] = load(A, m * K + kk) if (ci < n_chunks and kk < K) \
+                            else np.float32(0.0)
+
+        w = cuda.local.array(WPL, np.uint32)
+        nxt = cuda.local.array(WPL, np.uint32)
+        acc = cuda.local.array(M, np.float32)
+        dot_t = cuda.local.array(M, np.int32)             # int8 per tensor: integer sums over the lane
+        sum_t = cuda.local.array(M, np.int32)
+        n = cuda.blockIdx.x
+        for i in range(WPL):
+            nxt[i] = packed[n * n_words + (chunk0 + i) * LANES + lane] if (n < N and chunk0 + i < n_chunks) \
+                else np.uint32(0)
+        parity = 0
+        while n < N:
+            for i in range(WPL):
+                w[i] = nxt[i]
+            n_next = n + cuda.gridDim.x                 # the next column's words are in flight meanwhile
+            for i in range(WPL):
+                nxt[i] = packed[n_next * n_words + (chunk0 + i) * LANES + lane] \
+                    if (n_next < N and chunk0 + i < n_chunks) else np.uint32(0)
+            for m in range(M):
+                acc[m] = np.float32(0.0)
+            if int8:
+                for m in range(M):
+                    dot_t[m] = np.int32(0)
+                    sum_t[m] = np.int32(0)
+                for i in range(WPL):
+                    row_base = (chunk0 + i) * epw
+                    for s4 in range(QPW):
+                        x = quad(w[i], s4) ^ SIGN_FLIP
+                        for u in range(SUB):
+                            msk = np.uint32(((1 << (8 * SUB_RL)) - 1) << (8 * SUB_RL * u)) if SUB > 1 \
+                                else np.uint32(FULL_MASK)
+                            xm = x & msk
+                            ones = np.uint32(BYTE_ONES) & msk
+                            if per_tensor:
+                                for m in range(M):
+                                    dot_t[m] = dp4a(xm, a[m, i * QPW + s4], dot_t[m])
+                                    sum_t[m] = dp4a(ones, a[m, i * QPW + s4], sum_t[m])
+                            elif 4 * s4 + SUB_RL * u < epw:
+                                sc, zr = scale_zero(sz, n, row_base + 4 * s4 + SUB_RL * u, n_groups)
+                                zr -= Z_SHIFT
+                                for m in range(M):
+                                    dot = dp4a(xm, a[m, i * QPW + s4], np.int32(0))
+                                    asum = dp4a(ones, a[m, i * QPW + s4], np.int32(0))
+                                    acc[m] += sc * (np.float32(dot) - zr * np.float32(asum))
+                if per_tensor:
+                    sc, zr = scale_zero(sz, n, 0, n_groups)
+                    zr -= Z_SHIFT
+                    for m in range(M):
+                        acc[m] = sc * (np.float32(dot_t[m]) - zr * np.float32(sum_t[m]))
+            else:
+                for i in range(WPL):
+                    row_base = (chunk0 + i) * epw
+                    for r in range(epw // RL):
+                        sc, zr = scale_zero(sz, n, row_base + r * RL, n_groups)
+                        c = -zr * sc
+                        for jr in range(RL):
+                            j = r * RL + jr
+                            q = np.float32((w[i] >> np.uint32(bits * j)) & MASK)
+                            wv = q * sc + c                       # (q - zero) * scale
+                            for m in range(M):
+                                acc[m] += wv * a[m, i * epw + j]
+            # ---- reduce: over the warp, then over the K-warps ----
+            for m in range(M):
+                v = acc[m]
+                for off in (16, 8, 4, 2, 1):
+                    v += cuda.shfl_xor_sync(FULL_MASK, v, off)
+                if lane == 0:
+                    part[parity, warp, m] = v
+            cuda.syncthreads()
+            if tid < M:
+                total = np.float32(0.0)
+                for ww in range(n_warps):
+                    total += part[parity, ww, tid]
+                if int8:
+                    total *= d_act[tid]
+                out[tid * N + n] = np.float16(total) if f16_out else total
+            parity ^= 1
+            n = n_next
+
+    return cuda.jit(kernel)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU quantizer
+# ---------------------------------------------------------------------------------------------
+@lru_cache(maxsize=None)
+def make_quantize_kernels(bits, group_size, w_src):
+    """(scale_zero kernel, pack kernel). The first: one CTA per group (one for the whole tensor),
+    block min/max, then scale and zero as in the reference. The second: one thread per packed word."""
+    load = make_loader(w_src)
+    levels = np.float32((1 << bits) - 1)
+    epw = uniform_elements_per_word(bits)
+    G = group_size or 0
+    F16_MAX = np.float32(65504.0)
+
+    def scale_zero_kernel(W, sz, N, K):
+        scratch = cuda.shared.array(LANES, np.float32)
+        g = cuda.blockIdx.x
+        if G:
+            n = g // (K // G)
+            base = n * K + (g % (K // G)) * G
+            count = G
+        else:
+            base = 0
+            count = N * K
+        mn = np.float32(3.0e38)
+        mx = np.float32(-3.0e38)
+        for i in range(cuda.threadIdx.x, count, cuda.blockDim.x):
+            v = load(W, base + i)
+            mn = min(mn, v)
+            mx = max(mx, v)
+        mx = block_max(mx, scratch)
+        mn = -block_max(-mn, scratch)
+        if cuda.threadIdx.x == 0:
+            scale = (mx - mn) / levels
+            if not scale > np.float32(0.0):
+                scale = np.float32(1.0)
+            s16 = np.float16(scale)
+            z = -mn / np.float32(s16)
+            z = min(max(z, -F16_MAX), F16_MAX)
+            sz[2 * g] = s16
+            sz[2 * g + 1] = np.float16(z)
+
+    def pack_kernel(W, sz, packed, N, K, n_chunks):
+        idx = cuda.grid(1)
+        if idx >= N * n_chunks * LANES:
+            return
+        n = idx // (n_chunks * LANES)
+        c = (idx // LANES) % n_chunks
+        t = idx % LANES
+        word = np.uint32(0)
+        for j in range(epw):
+            kk = (c * epw + j) * LANES + t
+            if kk < K:
+                g = (n * (K // G) + kk // G) if G else 0
+                s = np.float32(sz[2 * g])
+                z = np.float32(sz[2 * g + 1])
+                q = np.int32(round(load(W, n * K + kk) / s + z))
+                q = min(max(q, np.int32(0)), np.int32(levels))
+                word |= np.uint32(q) << np.uint32(bits * j)
+        packed[idx] = word
+
+    return cuda.jit(scale_zero_kernel), cuda.jit(pack_kernel)
+
+
+def quantize(W, bits=4, group_size=128, stream=None):
+    """GPU min-max quantizer: W [N, K] float16/float32 (NumPy or device) -> UniformWeight on the device.
+    The same arithmetic as ``reference.uniform_quantize`` (equal results)."""
+    if bits not in UNIFORM_BITS:
+        raise ValueError(f"bits must be one of {UNIFORM_BITS}, got {bits!r}")
+    stream = _arrays.as_stream(stream)
+    Wd = _arrays.device_array(W, "W", (np.float16, np.float32), 2, stream)
+    N, K = Wd.shape
+    if K % LANES or (group_size and K % group_size):
+        raise ValueError(f"K must be a multiple of 32 and of group_size, got K={K}")
+    if group_size not in (32, 64, 128, None):
+        raise ValueError(f"group_size must be 32, 64, 128 or None, got {group_size!r}")
+    epw = uniform_elements_per_word(bits)
+    n_chunks = -(-K // (LANES * epw))
+    n_groups = N * K // group_size if group_size else 1
+    sz_shape = (N, K // group_size, 2) if group_size else (1, 1, 2)
+    sz = cuda.device_array(sz_shape, np.float16, stream=stream)
+    packed = cuda.device_array((N, n_chunks * LANES), np.uint32, stream=stream)
+    sz_kernel, pack_kernel = make_quantize_kernels(bits, group_size, str(Wd.dtype))
+    flatW, flat_sz = _arrays.flat_view(Wd), _arrays.flat_view(sz)
+    threads = group_size or QUANT_THREADS          # a thread per value of a group (32..128)
+    sz_kernel[n_groups, threads, stream](flatW, flat_sz, np.int32(N), np.int32(K))
+    total = N * n_chunks * LANES
+    pack_kernel[-(-total // QUANT_THREADS), QUANT_THREADS, stream](flatW, flat_sz, _arrays.flat_view(packed),
+                                                                   np.int32(N), np.int32(K), np.int32(n_chunks))
+    return UniformWeight(packed, sz, bits, (N, K), group_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# GEMV
+# ---------------------------------------------------------------------------------------------
+@lru_cache(maxsize=None)
+def _dummy_scales():
+    return cuda.to_device(np.ones(1, np.float32))
+
+
+def _plan(A, uw, out, stream, out_dtype, int8, bf16):
+    """Checked inputs -> (steps, A, out): the activation quantizer (int8 path) and the GEMV launch."""
+    uw = _arrays.device_weight(uw, UniformWeight, stream)
+    N, K = uw.shape
+    Ad, a_src, M, out = _arrays.gemv_io(A, uw.shape, out, out_dtype, bf16, stream, "uniform.gemv", MAX_M)
+    epw, wpl, _, _ = _geometry(uw.bits, uw.group_size)
+    kw = -(-uw.n_chunks // wpl)
+    if kw > MAX_KW:
+        raise ValueError(f"K={K} is too large for {uw.bits}-bit uniform.gemv (at most "
+                         f"{MAX_KW * wpl * epw * LANES})")
+    steps = []
+    if int8:
+        step, words, d_act = int8_step(Ad, a_src, epw, stream)
+        steps.append(step)
+        a_arg = _arrays.flat_view(words)
+    else:
+        a_arg, d_act = _arrays.flat_view(Ad), _dummy_scales()
+    kern = make_uniform_gemv(uw.bits, M, uw.group_size, "float16" if int8 else a_src, out.dtype.name, int8)
+    n_groups = K // uw.group_size if uw.group_size else 1
+    grid = max(1, min(N, _sm_count() * max(1, CTA_WARPS_TARGET // kw)))
+    steps.append((kern, grid, kw * WARP, (a_arg, _arrays.flat_view(uw.packed),
+                                          _arrays.flat_view(uw.scale_zero, np.uint32), d_act,
+                                          _arrays.flat_view(out), np.int32(N), np.int32(K),
+                                          np.int32(uw.n_chunks), np.int32(n_groups))))
+    return steps, Ad, out
+
+
+def gemv(A, uw, out=None, stream=None, out_dtype=np.float16, int8=False, bf16=False):
+    """C[M, N] = A[M, K] @ W^T for M = 1..4 with W a UniformWeight.
+
+    A: float16/float32 [M, K] or [K] (bfloat16 bits as int16 with ``bf16=True``). ``int8=True``
+    quantizes A per token to int8 first (``act_quant``, one more launch) and runs the dp4a kernel.
+    Returns a device array [M, N] (or [N]) of ``out_dtype``, or writes into ``out``."""
+    return run_plan(_plan, A, uw, out, stream, out_dtype, int8, bf16)
+
+
+def prepare(A, uw, out=None, stream=None, out_dtype=np.float16, int8=False, bf16=False):
+    """``gemv`` bound to its buffers for decode loops and CUDA graphs (``launch.PreparedSteps``): write
+    the next activations into ``.A`` (a device array) and call ``.run()``."""
+    return prepare_plan(_plan, A, uw, out, stream, out_dtype, int8, bf16)
+
+
+def kernel_specializations():
+    """Every (bits, M) for the fp16 and int8 paths at group 128, every group size at 4 and 3 bits,
+    and the other A / output types once."""
+    from numba import types as t
+    nb = {"float16": t.float16[::1], "float32": t.float32[::1], "bfloat16": t.int16[::1]}
+    specs = []
+    combos = [(b, M, 128, "float16", "float16", i8) for b in UNIFORM_BITS for M in (1, 4) for i8 in (False, True)]
+    combos += [(b, 2, g, "float16", "float16", i8) for b in (3, 4) for g in (32, 64, None) for i8 in (False, True)]
+    combos += [(4, 3, 128, "float32", "float32", False), (2, 1, 64, "bfloat16", "float16", False)]
+    for bits, M, G, a_src, od, i8 in combos:
+        name = f"uniform bits={bits} M={M} G={G} A={'int8' if i8 else a_src} out={od}"
+        aty = t.uint32[::1] if i8 else nb[a_src]
+        specs.append((name, make_uniform_gemv(bits, M, G, a_src, od, i8),
+                      (aty, t.uint32[::1], t.uint32[::1], t.float32[::1], nb[od], t.int32, t.int32, t.int32,
+                       t.int32)))
+    for bits in UNIFORM_BITS:
+        szk, pk = make_quantize_kernels(bits, 64, "float16")
+        specs.append((f"uniform_quantize_sz bits={bits}", szk, (t.float16[::1], t.float16[::1], t.int32, t.int32)))
+        specs.append((f"uniform_quantize_pack bits={bits}", pk,
+                      (t.float16[::1], t.float16[::1], t.uint32[::1], t.int32, t.int32, t.int32)))
+    return specs

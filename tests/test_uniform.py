@@ -1,0 +1,115 @@
+"""GemLite-style uniform n-bit: packing, the GPU quantizer and both GEMV paths against the reference."""
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+from numba import cuda
+
+from kbit_numba import act_quant, reference as ref, uniform
+from kbit_numba.formats import UNIFORM_BITS
+from helpers import EXAMPLES, SIM, assert_within, seeds
+
+MAX_N = 5 if SIM else 300
+MAX_KB = 10 if SIM else 140        # K = 32 * kb: 3-bit chunks of 320 padded, several K-warps on the GPU
+bits_st = st.sampled_from(UNIFORM_BITS)
+
+
+def _case(draw_seed, bits, kbn, gsel):
+    """K = 32 * kbn and a group size dividing it (or per tensor)."""
+    K = 32 * kbn
+    groups = [g for g in (32, 64, 128) if K % g == 0] + [None]
+    return K, groups[gsel % len(groups)]
+
+
+@settings(max_examples=EXAMPLES * 3)
+@given(seeds, bits_st, st.integers(1, 4), st.integers(1, 12), st.integers(0, 3))
+def test_pack_roundtrip_and_quantizer_error(seed, bits, N, kbn, gsel):
+    rng = np.random.default_rng(seed)
+    K, G = _case(seed, bits, kbn, gsel)
+    W = rng.standard_normal((N, K)).astype(np.float32)
+    uw = ref.uniform_quantize(W, bits, G)
+    q = ref.uniform_unpack(uw.packed, bits, K)
+    assert q.max() < 2 ** bits and np.array_equal(ref.uniform_pack(q, bits), uw.packed)
+    # round to nearest: within half a step of the stored scale (+ the float16 zero's rounding)
+    sz = uw.scale_zero.astype(np.float32)
+    step = np.repeat(sz[..., 0].reshape(-1, 1), 1, axis=1)
+    err = np.abs(ref.uniform_dequantize(uw) - W)
+    bound = (0.5 + 2e-3 * (2 ** bits)) * step.max() + 1e-6
+    assert err.max() <= bound
+
+
+@settings(max_examples=EXAMPLES * 2)
+@given(seeds, bits_st, st.integers(1, 4), st.integers(1, MAX_N), st.integers(1, MAX_KB), st.integers(0, 3),
+       st.booleans(), st.sampled_from(["float16", "float32", "bfloat16"]), st.sampled_from([np.float16, np.float32]))
+def test_uniform_gemv(seed, bits, M, N, kbn, gsel, int8, a_dtype, out_dtype):
+    rng = np.random.default_rng(seed)
+    K, G = _case(seed, bits, kbn, gsel)
+    uw = ref.uniform_quantize(rng.standard_normal((N, K)) * np.exp(rng.uniform(-3, 1, (N, 1))), bits, G)
+    A = rng.standard_normal((M, K)).astype(np.float32)
+    bf16 = a_dtype == "bfloat16"
+    A = ref.float32_to_bf16_bits(A) if bf16 else A.astype(a_dtype)
+    got = uniform.gemv(A, uw, out_dtype=out_dtype, int8=int8, bf16=bf16)
+    assert got.shape == (M, N) and got.dtype == np.dtype(out_dtype)
+    want = ref.uniform_gemv(A, uw, int8=int8, bf16=bf16)
+    Af = np.abs(ref.as_float32(A, bf16)).astype(np.float64)
+    tol = 2e-5 * (Af @ np.abs(ref.uniform_dequantize(uw)).astype(np.float64).T) + 1e-30
+    assert_within(got.copy_to_host(), want, tol, out_dtype)
+
+
+@settings(max_examples=EXAMPLES)
+@given(seeds, bits_st, st.integers(1, 3), st.integers(1, 12), st.integers(0, 3), st.sampled_from(["float16", "float32"]))
+def test_gpu_quantizer_equals_reference(seed, bits, N, kbn, gsel, w_dtype):
+    rng = np.random.default_rng(seed)
+    K, G = _case(seed, bits, kbn, gsel)
+    W = (rng.standard_normal((N, K)) * np.exp(rng.uniform(-3, 1, (N, 1)))).astype(w_dtype)
+    want = ref.uniform_quantize(W, bits, G)
+    got = uniform.quantize(W, bits, G).to_numpy()
+    assert np.array_equal(got.packed, want.packed)
+    assert np.array_equal(got.scale_zero.view(np.uint16), want.scale_zero.view(np.uint16))
+
+
+@pytest.mark.parametrize("epw", [0, 4, 10, 32])
+def test_int8_activation_layouts(epw):
+    rng = np.random.default_rng(epw)
+    K = 320 if epw in (0, 10) else 256
+    A = (rng.standard_normal((3, K)) * [[1], [1e-3], [0]]).astype(np.float16)     # incl. an all-zero row
+    words, d = act_quant.quantize_int8(A, epw)
+    q, dd = ref.int8_per_token(A)
+    want = q.view(np.uint32) if epw == 0 else ref.uniform_int8_words(q, 32 // epw)
+    assert np.array_equal(words.copy_to_host(), want.reshape(3, -1))
+    assert np.array_equal(d.copy_to_host(), dd)
+
+
+def test_vector_input_and_out_buffer():
+    rng = np.random.default_rng(3)
+    uw = uniform.quantize(rng.standard_normal((6, 128)).astype(np.float32), 4, 64)
+    a = rng.standard_normal(128).astype(np.float16)
+    out = cuda.device_array(6, np.float32)
+    assert uniform.gemv(cuda.to_device(a), uw, out=out, stream=cuda.stream()) is out
+    want = ref.uniform_gemv(a, uw)[0]
+    assert np.allclose(out.copy_to_host(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_rejects():
+    uw = ref.uniform_quantize(np.ones((4, 64), np.float32), 2, 32)
+    with pytest.raises(ValueError, match="bits"):
+        ref.uniform_quantize(np.ones((4, 64), np.float32), 5, 32)
+    with pytest.raises(ValueError, match="K"):
+        uniform.gemv(np.ones((1, 32), np.float16), uw)
+    with pytest.raises(ValueError, match="M = 1..4"):
+        uniform.gemv(np.ones((5, 64), np.float16), uw)
+    with pytest.raises(TypeError, match="UniformWeight"):
+        uniform.gemv(np.ones((1, 64), np.float16), object())
+    with pytest.raises(ValueError, match="group_size"):
+        ref.uniform_quantize(np.ones((4, 96), np.float32), 2, 64)
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_prepared_run_rebinds_inputs(int8):
+    rng = np.random.default_rng(7)
+    uw = uniform.quantize(rng.standard_normal((5, 256)).astype(np.float32), 3, 64)
+    A = cuda.to_device(rng.standard_normal((2, 256)).astype(np.float16))
+    prep = uniform.prepare(A, uw, out_dtype=np.float32, int8=int8)
+    for _ in range(2):
+        want = ref.uniform_gemv(A.copy_to_host(), uw, int8=int8)
+        assert np.allclose(prep.run().copy_to_host(), want, rtol=1e-4, atol=1e-4)
+        A.copy_to_device(rng.standard_normal((2, 256)).astype(np.float16))   # the next step's activations
