@@ -37,7 +37,7 @@ from .intrinsics import f16_bits_to_f32, ldg128
 from .launch import prepare_plan, run_plan, run_steps
 from .scalar_gemv import MAX_M, _sm_count
 
-MAX_KW = 32
+MAX_KW = 16                       # warps per CTA: 512 threads fit the register file at M = 4
 CTA_WARPS_TARGET = 32
 CHUNKS = SBVR_GROUP // BLOCK          # 4 chunks of 32 values per group
 SIGN_PLANE = SBVR_ACT_PLANES - 1      # plane 7 carries -128
