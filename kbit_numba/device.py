@@ -156,3 +156,14 @@ def make_cta_sum(M):
                     acc[m] += part[w, lane, m]
 
     return cta_sum
+
+
+_I2F_MAGIC = np.int32(0x4B400000)          # the float 1.5 * 2**23: its low 22 mantissa bits are free
+_I2F_MAGIC_F = np.float32(12582912.0)
+
+
+@cuda.jit(device=True, inline=True)
+def small_int_to_f32(x):
+    """float32(x) for an int32 |x| < 2**22, exactly, with an integer add and a float subtract: both
+    full-rate, where the I2F conversion runs at a quarter of the FMA rate on sm_80/sm_90."""
+    return u32_as_f32(np.uint32(x + _I2F_MAGIC)) - _I2F_MAGIC_F

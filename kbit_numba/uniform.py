@@ -13,9 +13,11 @@ Design:
   WPL*epw activations (x M rows) in registers for the whole launch, and the CTA walks columns with a
   grid stride. Per column a lane issues WPL 4-byte loads (the next column's are issued first).
 * **Runs of one group.** A lane's values j of one word lie 32 apart in K, so a group of G values
-  covers G/32 consecutive j. A *run* (RL values) shares one (scale, zero), read as one 32-bit load:
-  fp16 path ``w = q*scale - zero*scale`` (one FMA per weight after ``(word >> bits*j) & mask`` and a
-  conversion), then M FMAs.
+  covers G/32 consecutive j. A *run* (RL values) shares one (scale, zero). A lane sees at most 32 runs
+  per column, so lane r loads and converts run r's float16 pair once (conversions run at a quarter of
+  the FMA rate) and the warp reads the pairs with ``shfl.sync``. fp16 path per weight:
+  ``(word >> bits*j) & mask`` OR-ed into the mantissa of 2**23 and 2**23 subtracted (float(q) without
+  the quarter-rate I2F), one FMA ``q*scale - zero*scale``, then M FMAs.
 * **int8 path (dp4a).** Activations quantized per token (``act_quant``, lane order): a lane's int32
   activation word holds 4 of its values. The 4 matching weights are shifted into the 4 bytes of one
   word, and one ``dp4a`` gives sum(q * a); the zero needs sum(a) over the same bytes (a second dp4a with
@@ -38,13 +40,15 @@ from numba import cuda
 
 from . import _arrays
 from .act_quant import int8_step
-from .device import FULL_MASK, WARP, block_max, make_loader
+from .device import FULL_MASK, WARP, block_max, make_loader, small_int_to_f32
 from .formats import LANES, UNIFORM_BITS, UniformWeight, uniform_elements_per_word
-from .intrinsics import dp4a, f16_bits_to_f32
+from .intrinsics import dp4a, f16_bits_to_f32, u32_as_f32
 from .launch import prepare_plan, run_plan
 from .scalar_gemv import MAX_M, _sm_count
 
 MAX_KW = 32                       # warps per CTA along K
+F32_2P23_BITS = np.uint32(0x4B000000)     # the float 2**23: OR-ing q < 2**23 into it gives 2**23 + q
+F32_2P23 = np.float32(8388608.0)
 CTA_WARPS_TARGET = 32             # resident warps per SM the grid aims for
 QUANT_THREADS = 256
 BYTE_ONES = 0x01010101
@@ -76,7 +80,10 @@ def make_uniform_gemv(bits, M, group_size, a_src, out_dtype, int8=False):
     # dp4a multiplies *signed* bytes: 8-bit q (0..255) goes in as q - 128 (flip bit 7 of every byte),
     # and the zero moves by the same 128
     SIGN_FLIP = np.uint32(0x80808080 if bits == 8 else 0)
-    Z_SHIFT = np.float32(128.0 if bits == 8 else 0.0)
+    Z_SHIFT = np.float32(128.0 if (bits == 8 and int8) else 0.0)
+    RUNS_W = epw // RL                       # runs per weight word
+    RUNS = WPL * RUNS_W                      # runs per lane and column: <= 32, one per lane
+    assert RUNS <= WARP
     f16_out = np.dtype(out_dtype) == np.float16
     load = make_loader(a_src)
     A_REGS = WPL * (QPW if int8 else epw)
@@ -145,12 +152,18 @@ def make_uniform_gemv(bits, M, group_size, a_src, out_dtype, int8=False):
                     if (n_next < N and chunk0 + i < n_chunks) else np.uint32(0)
             for m in range(M):
                 acc[m] = np.float32(0.0)
+            # ---- the column's (scale, zero) pairs: lane r converts run r's once (float16 -> float32 is a
+            #      quarter-rate instruction), the warp reads them with shuffles. c = -zero * scale ----
+            run_sc = np.float32(0.0)
+            run_c = np.float32(0.0)
+            if lane < RUNS:
+                run_sc, zr = scale_zero(sz, n, (chunk0 + lane // RUNS_W) * epw + (lane % RUNS_W) * RL, n_groups)
+                run_c = -(zr - Z_SHIFT) * run_sc
             if int8:
                 for m in range(M):
                     dot_t[m] = np.int32(0)
                     sum_t[m] = np.int32(0)
                 for i in range(WPL):
-                    row_base = (chunk0 + i) * epw
                     for s4 in range(QPW):
                         x = quad(w[i], s4) ^ SIGN_FLIP
                         for u in range(SUB):
@@ -163,26 +176,27 @@ def make_uniform_gemv(bits, M, group_size, a_src, out_dtype, int8=False):
                                     dot_t[m] = dp4a(xm, a[m, i * QPW + s4], dot_t[m])
                                     sum_t[m] = dp4a(ones, a[m, i * QPW + s4], sum_t[m])
                             elif 4 * s4 + SUB_RL * u < epw:
-                                sc, zr = scale_zero(sz, n, row_base + 4 * s4 + SUB_RL * u, n_groups)
-                                zr -= Z_SHIFT
+                                rid = i * RUNS_W + (4 * s4 + SUB_RL * u) // RL
+                                sc = cuda.shfl_sync(FULL_MASK, run_sc, rid)
+                                c = cuda.shfl_sync(FULL_MASK, run_c, rid)
                                 for m in range(M):
                                     dot = dp4a(xm, a[m, i * QPW + s4], np.int32(0))
                                     asum = dp4a(ones, a[m, i * QPW + s4], np.int32(0))
-                                    acc[m] += sc * (np.float32(dot) - zr * np.float32(asum))
+                                    acc[m] += sc * small_int_to_f32(dot) + c * small_int_to_f32(asum)
                 if per_tensor:
-                    sc, zr = scale_zero(sz, n, 0, n_groups)
-                    zr -= Z_SHIFT
+                    sc = cuda.shfl_sync(FULL_MASK, run_sc, 0)
+                    c = cuda.shfl_sync(FULL_MASK, run_c, 0)
                     for m in range(M):
-                        acc[m] = sc * (np.float32(dot_t[m]) - zr * np.float32(sum_t[m]))
+                        acc[m] = sc * small_int_to_f32(dot_t[m]) + c * small_int_to_f32(sum_t[m])
             else:
                 for i in range(WPL):
-                    row_base = (chunk0 + i) * epw
-                    for r in range(epw // RL):
-                        sc, zr = scale_zero(sz, n, row_base + r * RL, n_groups)
-                        c = -zr * sc
+                    for r in range(RUNS_W):
+                        sc = cuda.shfl_sync(FULL_MASK, run_sc, i * RUNS_W + r)
+                        c = cuda.shfl_sync(FULL_MASK, run_c, i * RUNS_W + r)
                         for jr in range(RL):
                             j = r * RL + jr
-                            q = np.float32((w[i] >> np.uint32(bits * j)) & MASK)
+                            # float(q) without the quarter-rate I2F: q in the mantissa of 2**23, minus 2**23
+                            q = u32_as_f32(((w[i] >> np.uint32(bits * j)) & MASK) | F32_2P23_BITS) - F32_2P23
                             wv = q * sc + c                       # (q - zero) * scale
                             for m in range(M):
                                 acc[m] += wv * a[m, i * epw + j]
