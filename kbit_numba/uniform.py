@@ -9,9 +9,9 @@ word, K zero-padded to whole chunks of 320 (the padding upstream GemLite got wro
 Design:
 
 * **Warps along K, activations in registers.** A CTA has KW warps; warp w owns WPL = 32 // epw
-  consecutive chunks (32 values per lane, 30 at 3 bits; like the kbit gemv's block), so lane t of warp w holds its
-  WPL*epw activations (x M rows) in registers for the whole launch, and the CTA walks columns with a
-  grid stride. Per column a lane issues WPL 4-byte loads (the next column's are issued first).
+  consecutive chunks (32 values per lane, 30 at 3 bits; like the kbit gemv's block), so lane t of warp
+  w holds its WPL*epw activations (x M rows) in registers for the whole launch, and the CTA walks
+  columns with a grid stride. Per column a lane issues WPL 4-byte loads (the next column's are issued first).
 * **Runs of one group.** A lane's values j of one word lie 32 apart in K, so a group of G values
   covers G/32 consecutive j. A *run* (RL values) shares one (scale, zero). A lane sees at most 32 runs
   per column, so lane r loads and converts run r's float16 pair once (conversions run at a quarter of
