@@ -61,10 +61,15 @@ def activations(A, qw, bf16, stream=0):
     from .formats import KbitWeight
     if not isinstance(qw, KbitWeight):
         raise TypeError(f"qw must be a KbitWeight, got {type(qw).__name__}")
+    return activations_for(A, qw.shape[1], bf16, stream)
+
+
+def activations_for(A, K, bf16, stream=0):
+    """Checked activations A [M, K] or [K] for a weight with K columns: (device A, element type, M, A's shape)."""
     Ad, a_src = float_input(A, "A", bf16, (1, 2), stream)
     shape = tuple(Ad.shape)
-    if shape[-1] != qw.shape[1]:
-        raise ValueError(f"A has K={shape[-1]}, the weight has K={qw.shape[1]}")
+    if shape[-1] != K:
+        raise ValueError(f"A has K={shape[-1]}, the weight has K={K}")
     return Ad, a_src, (1 if len(shape) == 1 else shape[0]), shape
 
 
@@ -141,11 +146,7 @@ def gemv_io(A, shape, out, out_dtype, bf16, stream, name, max_m=4):
     """Checked inputs of an M = 1..max_m GEMV on a weight of ``shape`` (N, K): A [M, K] or [K] and the
     output buffer ([M, N] or [N], float16/float32). Returns (device A, its element type, M, out)."""
     N, K = shape
-    Ad, a_src = float_input(A, "A", bf16, (1, 2), stream)
-    a_shape = tuple(Ad.shape)
-    if a_shape[-1] != K:
-        raise ValueError(f"A has K={a_shape[-1]}, the weight has K={K}")
-    M = 1 if len(a_shape) == 1 else a_shape[0]
+    Ad, a_src, M, a_shape = activations_for(A, K, bf16, stream)
     if not 1 <= M <= max_m:
         raise ValueError(f"{name} handles M = 1..{max_m} rows, got M={M}")
     out_dtype = output_dtype(out, out_dtype)

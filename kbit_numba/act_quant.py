@@ -21,12 +21,11 @@ from numba import cuda
 
 from . import _arrays
 from .device import block_max, make_loader
-from .formats import LANES
+from .formats import INT8_ABSMAX_FLOOR, INT8_MAX, LANES
 from .launch import run_steps
 
 THREADS = 256
-INT8_MAX = np.float32(127.0)
-ABSMAX_FLOOR = np.float32(1e-5)
+Q_MAX = np.float32(INT8_MAX)
 
 
 def words_per_row(K, epw):
@@ -58,7 +57,7 @@ def make_int8_kernel(a_src, epw):
         for kk in range(cuda.threadIdx.x, K, cuda.blockDim.x):
             amax = max(amax, abs(load(A, base + kk)))
         amax = block_max(amax, scratch)
-        s = INT8_MAX / max(amax, ABSMAX_FLOOR)
+        s = Q_MAX / max(amax, INT8_ABSMAX_FLOOR)
         if cuda.threadIdx.x == 0:
             d[m] = np.float32(1.0) / s
         for w in range(cuda.threadIdx.x, W, cuda.blockDim.x):

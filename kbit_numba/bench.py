@@ -90,21 +90,10 @@ def measure_ceilings():
 # ------------------------------------------------------------------------------------------------
 def _rotating_weights(K, N, k, n_copies, rng):
     """n_copies independent quantized weights of one shape (the rotation that defeats the L2)."""
-    from numba import cuda
-
     from . import codec
 
     base = rng.standard_normal((N, K)).astype(np.float16) * np.float16(0.02)
-    first = codec.quantize(base, k=k)
-    copies = [first]
-    for _ in range(n_copies - 1):
-        # same values, fresh buffers: a device-to-device copy is enough to defeat the cache
-        p = cuda.device_array_like(first.packed)
-        p.copy_to_device(first.packed)
-        a = cuda.device_array_like(first.absmax)
-        a.copy_to_device(first.absmax)
-        copies.append(type(first)(p, a, first.codebook, k, first.shape, first.layout, first.absmax_format))
-    return copies
+    return _device_copies(codec.quantize(base, k=k), n_copies, ("packed", "absmax"))
 
 
 def cublas_row(K, N, M):
@@ -338,8 +327,9 @@ UNIFORM_BENCH_BITS = (1, 2, 3, 4, 8)
 UNIFORM_BENCH_GROUP = 128
 
 
-def _device_copies(weight, n):
-    """n device copies of a format dataclass (its ``ARRAYS`` fields copied on the device)."""
+def _device_copies(weight, n, fields=None):
+    """n device copies of a weight container: same values, fresh buffers for its ``fields`` (default: all
+    its ``ARRAYS``): a device-to-device copy is enough to defeat the L2 cache."""
     from dataclasses import replace
 
     from numba import cuda
@@ -347,7 +337,7 @@ def _device_copies(weight, n):
     copies = [w]
     for _ in range(n - 1):
         fresh = {}
-        for f in w.ARRAYS:
+        for f in fields or w.ARRAYS:
             a = getattr(w, f)
             b = cuda.device_array_like(a)
             b.copy_to_device(a)

@@ -156,10 +156,31 @@ def tiled_absmax_index(n, kb_all, N):
 
 
 # --------------------------------------------------------------------------------------------
-# The weight container
+# The weight containers
 # --------------------------------------------------------------------------------------------
+class _HostDevice:
+    """``on_device`` / ``to_numpy()`` (a copy whose arrays are NumPy arrays) / ``to_device()`` for a
+    frozen dataclass whose ``ARRAYS`` fields are arrays."""
+    ARRAYS = ()
+
+    @property
+    def on_device(self):
+        return not isinstance(getattr(self, self.ARRAYS[0]), np.ndarray)
+
+    def to_numpy(self):
+        def host(a):
+            return np.array(a.copy_to_host() if hasattr(a, "copy_to_host") else a)
+        return replace(self, **{f: host(getattr(self, f)) for f in self.ARRAYS})
+
+    def to_device(self, stream=0):
+        from numba import cuda
+        return replace(self, **{f: (cuda.to_device(np.ascontiguousarray(getattr(self, f)), stream=stream)
+                                    if isinstance(getattr(self, f), np.ndarray) else getattr(self, f))
+                                for f in self.ARRAYS})
+
+
 @dataclass(frozen=True)
-class KbitWeight:
+class KbitWeight(_HostDevice):
     """A kbit-quantized weight W[N, K].
 
     packed:  uint32 bit-plane words, ``n_blocks * k`` of them (tiled: K padded to 64).
@@ -174,6 +195,7 @@ class KbitWeight:
     shape: tuple
     layout: str = "flat"
     absmax_format: str = "e4m4"
+    ARRAYS = ("packed", "absmax", "codebook")
 
     def __post_init__(self):
         check_k(self.k)
@@ -214,16 +236,6 @@ class KbitWeight:
         """Bytes a kernel must read to use every weight once."""
         return self.n_blocks * (4 * self.k + (1 if self.absmax_format == "e4m4" else 4))
 
-    @property
-    def on_device(self):
-        return not isinstance(self.packed, np.ndarray)
-
-    def to_numpy(self):
-        """A copy whose arrays are NumPy arrays."""
-        def host(a):
-            return np.array(a.copy_to_host() if hasattr(a, "copy_to_host") else a)
-        return replace(self, packed=host(self.packed), absmax=host(self.absmax),
-                       codebook=host(self.codebook))
 
 
 def _size(a):
@@ -242,6 +254,8 @@ SBVR_ACT_PLANES = 8                    # SBVR: two's-complement planes of a 7-bi
 BITNET_BLOCK_N = 16                    # BitNet: a packed block is 16 columns ...
 BITNET_BLOCK_K = 32                    # ... x 32 K elements = 32 words of 16 two-bit codes
 BITNET_ORDER = (0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15)   # element at 2-bit slot p
+INT8_MAX = 127                         # int8 activations: q in [-127, 127]
+INT8_ABSMAX_FLOOR = np.float32(1e-5)   # BitNet's clamp: an all-zero row gets scale 127 / 1e-5
 
 
 def uniform_elements_per_word(bits):
@@ -249,26 +263,6 @@ def uniform_elements_per_word(bits):
     if bits not in UNIFORM_BITS:
         raise ValueError(f"bits must be one of {UNIFORM_BITS}, got {bits!r}")
     return 32 // bits
-
-
-class _HostDevice:
-    """``to_numpy()`` / ``on_device`` for a frozen dataclass whose ``ARRAYS`` fields are arrays."""
-    ARRAYS = ()
-
-    @property
-    def on_device(self):
-        return not isinstance(getattr(self, self.ARRAYS[0]), np.ndarray)
-
-    def to_numpy(self):
-        def host(a):
-            return np.array(a.copy_to_host() if hasattr(a, "copy_to_host") else a)
-        return replace(self, **{f: host(getattr(self, f)) for f in self.ARRAYS})
-
-    def to_device(self, stream=0):
-        from numba import cuda
-        return replace(self, **{f: (cuda.to_device(np.ascontiguousarray(getattr(self, f)), stream=stream)
-                                    if isinstance(getattr(self, f), np.ndarray) else getattr(self, f))
-                                for f in self.ARRAYS})
 
 
 @dataclass(frozen=True)

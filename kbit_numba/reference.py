@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .formats import (BITNET_BLOCK_K, BITNET_BLOCK_N, BITNET_ORDER, BLOCK, LANES, SBVR_ACT_PLANES, SBVR_GROUP,
+from .formats import (BITNET_BLOCK_K, BITNET_BLOCK_N, BITNET_ORDER, BLOCK, INT8_ABSMAX_FLOOR, INT8_MAX, LANES,
+                      SBVR_ACT_PLANES, SBVR_GROUP,
                       SBVR_PLANES, BitnetWeight, KbitWeight, SbvrWeight, UniformWeight, check_codebook, check_k,
                       e4m4_decode, e4m4_encode, padded_k, tiled_absmax_index, tiled_word_index,
                       uniform_elements_per_word)
@@ -149,15 +150,13 @@ def grouped_gemv(A, experts, offsets, bf16=False):
 # =============================================================================================
 # Activation quantizers shared by the int8 kernels
 # =============================================================================================
-INT8_MAX = 127
-ABSMAX_FLOOR = np.float32(1e-5)      # BitNet's clamp: an all-zero row gets scale 127 / 1e-5
 
 
 def int8_per_token(A, bf16=False):
     """Per-token (row) symmetric int8: s = 127 / max(|x|, 1e-5), q = clip(rint(x * s), -127, 127).
     Returns (q int8 [M, K], d float32 [M]) with x ~ q * d, d = 1 / s (float32 arithmetic, as the GPU)."""
     A = np.atleast_2d(as_float32(A, bf16))
-    s = np.float32(INT8_MAX) / np.maximum(np.abs(A).max(axis=1), ABSMAX_FLOOR)
+    s = np.float32(INT8_MAX) / np.maximum(np.abs(A).max(axis=1), INT8_ABSMAX_FLOOR)
     q = np.clip(np.rint(A * s[:, None]), -INT8_MAX, INT8_MAX).astype(np.int8)
     return q, (np.float32(1) / s).astype(np.float32)
 
@@ -402,7 +401,7 @@ def bitnet_quantize(W, parts=1):
         raise ValueError(f"parts must divide N={N}, got {parts}")
     Wp = W.reshape(parts, N // parts, K)
     s = np.float32(1) / np.maximum(np.abs(Wp).mean(axis=(1, 2), dtype=np.float64).astype(np.float32),
-                                    ABSMAX_FLOOR)
+                                    INT8_ABSMAX_FLOOR)
     wq = np.clip(np.rint(Wp * s[:, None, None]), -1, 1).reshape(N, K)
     return BitnetWeight(bitnet_pack(wq), (np.float32(1) / s).astype(np.float32), (N, K))
 

@@ -32,7 +32,7 @@ from numba import cuda
 
 from . import _arrays
 from .device import FULL_MASK, WARP, make_cta_sum, make_loader, warp_max
-from .formats import BLOCK, SBVR_ACT_PLANES, SBVR_GROUP, SBVR_PLANES, SbvrWeight
+from .formats import BLOCK, INT8_MAX, SBVR_ACT_PLANES, SBVR_GROUP, SBVR_PLANES, SbvrWeight
 from .intrinsics import f16_bits_to_f32, ldg128
 from .launch import prepare_plan, run_plan, run_steps
 from .scalar_gemv import MAX_M, _sm_count
@@ -42,7 +42,7 @@ CTA_WARPS_TARGET = 32
 CHUNKS = SBVR_GROUP // BLOCK          # 4 chunks of 32 values per group
 SIGN_PLANE = SBVR_ACT_PLANES - 1      # plane 7 carries -128
 QUANT_WARPS = 4
-INT8_MAX = np.float32(127.0)
+Q_MAX = np.float32(INT8_MAX)
 
 
 @lru_cache(maxsize=None)
@@ -128,7 +128,7 @@ def make_act_kernel(a_src):
             x[c] = load(A, base + c * BLOCK + lane)
             amax = max(amax, abs(x[c]))
         amax = warp_max(amax)
-        s = INT8_MAX / amax if amax > np.float32(0.0) else np.float32(0.0)
+        s = Q_MAX / amax if amax > np.float32(0.0) else np.float32(0.0)
         if live and lane == 0:
             d[item] = np.float32(1.0) / s if s > np.float32(0.0) else np.float32(0.0)
         for c in range(CHUNKS):

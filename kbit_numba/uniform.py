@@ -41,7 +41,7 @@ from numba import cuda
 from . import _arrays
 from .act_quant import int8_step
 from .device import FULL_MASK, WARP, block_max, make_loader, small_int_to_f32
-from .formats import LANES, UNIFORM_BITS, UniformWeight, uniform_elements_per_word
+from .formats import LANES, UNIFORM_BITS, UNIFORM_GROUPS, UniformWeight, uniform_elements_per_word
 from .intrinsics import dp4a, f16_bits_to_f32, u32_as_f32
 from .launch import prepare_plan, run_plan
 from .scalar_gemv import MAX_M, _sm_count
@@ -294,8 +294,8 @@ def quantize(W, bits=4, group_size=128, stream=None):
     N, K = Wd.shape
     if K % LANES or (group_size and K % group_size):
         raise ValueError(f"K must be a multiple of 32 and of group_size, got K={K}")
-    if group_size not in (32, 64, 128, None):
-        raise ValueError(f"group_size must be 32, 64, 128 or None, got {group_size!r}")
+    if group_size not in UNIFORM_GROUPS:
+        raise ValueError(f"group_size must be one of {UNIFORM_GROUPS}, got {group_size!r}")
     epw = uniform_elements_per_word(bits)
     n_chunks = -(-K // (LANES * epw))
     n_groups = N * K // group_size if group_size else 1
