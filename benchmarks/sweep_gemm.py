@@ -9,6 +9,7 @@ from numba import cuda
 
 from kbit_numba import bench, tensor_gemm
 from kbit_numba._timing import graph_time_us, rotation_count
+from kbit_numba.launch import run_steps
 
 shapes = [bench._shape(s) for s in (sys.argv[1] if len(sys.argv) > 1 else "2048x5120,4096x14336").split(",")]
 ms = [int(m) for m in (sys.argv[2] if len(sys.argv) > 2 else "8,16,32,64").split(",")]
@@ -30,8 +31,7 @@ for K, N in shapes:
                 plans = [tensor_gemm.plan(A, w, out, 0, np.float16, False, sums, split, mt)[0] for w in ws]
 
                 def launch(i, s, plans=plans):
-                    for kern, grid, block, args in plans[i % n]:
-                        kern[grid, block, s](*args)
+                    run_steps(plans[i % n], s)
                 t = graph_time_us(launch, n * max(1, 32 // n))
                 ctas = plans[0][0][1][0] * plans[0][0][1][1] * plans[0][0][1][2]
                 print(f"{K:>5}x{N:<5} {M:>4} {mt:>3} {split:>5} {ctas:>6} {t:8.2f}  {cub:7.2f}"

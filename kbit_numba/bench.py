@@ -166,6 +166,7 @@ def matmul_rows(shapes, ks, ms, ceilings, progress, kernels=("gemm", "dequant_ma
 
     from . import codec, dispatch as lin, tensor_gemm
     from ._timing import graph_time_us, rotation_count, torch
+    from .launch import run_steps
 
     rows = []
     rng = np.random.default_rng(4)
@@ -188,8 +189,7 @@ def matmul_rows(shapes, ks, ms, ceilings, progress, kernels=("gemm", "dequant_ma
                     plans = [tensor_gemm.plan(A, w, out, 0, np.float16, False, sums)[0] for w in ws]
 
                     def gemm_launch(i, s, plans=plans):
-                        for kern, grid, block, args in plans[i % n]:
-                            kern[grid, block, s](*args)
+                        run_steps(plans[i % n], s)
                     cases.append(("gemm", gemm_launch))
                 if "dequant_matmul" in kernels and torch is not None:
                     At, Ot, Wt = (torch.as_tensor(x, device="cuda") for x in (A, out, wbuf))

@@ -35,6 +35,7 @@ from . import _arrays
 from .codec import _device_weight
 from .device import WARP, e4m4_decode
 from .formats import TILE_K, TILE_N, padded_k
+from .launch import run_steps
 from .intrinsics import (bmul2, cp_async16, cp_async_commit, cp_async_wait, f16x2_as_u32, f32_as_u32, hmul2,
                          ldg64, ldg128, ldmatrix_x4, lds_u32, mma_bf16, mma_f16, shared_addr)
 
@@ -377,8 +378,7 @@ def gemm(A, qw, out=None, stream=None, out_dtype=np.float16, bf16=False, workspa
     override the K-split count and the 16-row tiles per CTA (1, 2, 4) chosen from the shape."""
     stream = _arrays.as_stream(stream)
     launches, out, _ = plan(A, qw, out, stream, out_dtype, bf16, workspace, split, m_tile)
-    for kern, grid, block, args in launches:
-        kern[grid, block, stream](*args)
+    run_steps(launches, stream)
     return out
 
 
@@ -467,6 +467,5 @@ def grouped_gemm(A, experts, expert_offsets, out=None, stream=None, out_dtype=np
     if n_split > 1:
         launches.append((make_finish_kernel(out_dtype.name), -(-T * N // FINISH_THREADS), FINISH_THREADS,
                          (ws, _arrays.flat_view(out), np.int32(T * N))))
-    for kern, grid, block, args in launches:
-        kern[grid, block, stream](*args)
+    run_steps(launches, stream)
     return out
