@@ -14,11 +14,13 @@ every PTX version against its twin on random inputs on the GPU.
 | dp4a(a,b,c)  | dp4a.s32.s32                          | 4 int8 products + add in one instruction       |
 | lop3(a,b,c,L)| lop3.b32 (L a literal truth table)    | any 3-input bitwise function in one instruction|
 | prmt(a,b,s)  | prmt.b32                              | byte permute / byte lookup from 8 bytes        |
+| rotr(x, n)   | shf.r.wrap.b32 x, x, n                | 32-bit rotate right (Numba's shifts are 64-bit)|
 | f32_as_u32 / u32_as_f32 / f16x2_as_u32 | bit casts (no instruction) | move between float and bit views |
 | f16_bits_to_f32(x) | cvt.f32.f16 of x's low 16 bits       | unpack half values read as uint32 words        |
 | shared_addr(a) | cvta.to.shared                        | 32-bit shared-window address of a shared array |
 | lds_f32(a, p) | ld.shared.f32 [p]                     | table lookup at a 32-bit byte address p        |
 | lds_u32(a, p) | ld.shared.u32 [p]                     | the same for a table of uint32 (f16x2 pairs)   |
+| lds128 / lds64(a, p) | ld.shared.v4.u32 / v2.u32 [p]  | 16 / 8 bytes of staged weights, one load       |
 | hmul2(a, b)  | mul.rn.f16x2                          | two half products in one instruction           |
 | bmul2(a, b)  | mul.rn.bf16x2                         | the same for bfloat16 pairs                    |
 | cp_async16(dst, p, src, i, n) | cp.async.cg.shared.global 16 B | global -> shared without registers  |
@@ -188,6 +190,39 @@ def ptx_lds_u32(typingctx, arr, addr):
 
 def py_lds_u32(arr, addr):
     return np.uint32(arr[int(addr) >> 2])
+
+
+def _lds_vector(n):
+    regs = ", ".join(f"${i}" for i in range(n))
+    text = f"ld.shared.v{n}.u32 {{{regs}}}, [${n}];"
+
+    def lds(typingctx, arr, addr):
+        sig = types.UniTuple(types.uint32, n)(arr, addr)
+
+        def codegen(context, builder, sig, args):
+            a = context.cast(builder, args[1], sig.args[1], types.uint32)
+            fty = ir.FunctionType(ir.LiteralStructType([_i32] * n), [_i32])
+            res = builder.call(ir.InlineAsm(fty, text, ",".join(["=r"] * n) + ",r"), [a])
+            return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, i) for i in range(n)])
+
+        return sig, codegen
+    lds.__doc__ = (f"{n} uint32 words at shared byte address ``addr`` ({4 * n}-byte aligned), one "
+                   f"ld.shared.v{n}.u32; ``arr`` is the shared array it points into (read by the twin only).")
+    return intrinsic(lds)
+
+
+ptx_lds128 = _lds_vector(4)
+ptx_lds64 = _lds_vector(2)
+
+
+def py_lds128(arr, addr):
+    i = int(addr) >> 2
+    return tuple(np.uint32(arr[i + j]) for j in range(4))
+
+
+def py_lds64(arr, addr):
+    i = int(addr) >> 2
+    return np.uint32(arr[i]), np.uint32(arr[i + 1])
 
 
 @intrinsic
@@ -445,6 +480,19 @@ def ptx_prmt(typingctx, a, b, sel):
     return sig, codegen
 
 
+@intrinsic
+def ptx_rotr(typingctx, x, n):
+    """uint32: x rotated right by n % 32 bits (a funnel shift of x with itself: shf.r.wrap.b32). Numba
+    widens uint32 shifts to 64 bits; this keeps a variable shift one 32-bit instruction."""
+    sig = types.uint32(x, n)
+
+    def codegen(context, builder, sig, args):
+        v, s = _asm_args(builder, context, args, sig.args)
+        return builder.call(_u32_asm(3, "shf.r.wrap.b32 $0, $1, $2, $3;"), [v, v, s])
+
+    return sig, codegen
+
+
 def _sbytes(x):
     return np.array([int(x) & 0xFFFFFFFF], dtype=np.uint32).view(np.int8).astype(np.int64)
 
@@ -464,6 +512,11 @@ def py_lop3(a, b, c, lut):
             tc = c if sel & 1 else ~c
             out |= ta & tb & tc
     return np.uint32(out & 0xFFFFFFFF)
+
+
+def py_rotr(x, n):
+    x, n = int(x) & 0xFFFFFFFF, int(n) & 31
+    return np.uint32(((x >> n) | (x << (32 - n))) & 0xFFFFFFFF)
 
 
 def py_prmt(a, b, sel):
@@ -552,12 +605,12 @@ def py_f16x2_as_u32(lo, hi):
 # ---------------------------------------------------------------------------------------------
 # The names kernels use
 # ---------------------------------------------------------------------------------------------
-NAMES = ("ldg128", "ldg64", "stg128", "shared_addr", "lds_f32", "lds_u32", "cp_async16", "cp_async_commit",
-         "cp_async_wait", "ldmatrix_x4", "mma_f16", "mma_bf16", "hmul2", "bmul2", "dp4a", "lop3", "prmt",
-         "u32_as_f32", "f32_as_u32", "f16x2_as_u32", "f16_bits_to_f32")
+NAMES = ("ldg128", "ldg64", "stg128", "shared_addr", "lds_f32", "lds_u32", "lds128", "lds64", "cp_async16",
+         "cp_async_commit", "cp_async_wait", "ldmatrix_x4", "mma_f16", "mma_bf16", "hmul2", "bmul2", "dp4a", "lop3", "prmt",
+         "rotr", "u32_as_f32", "f32_as_u32", "f16x2_as_u32", "f16_bits_to_f32")
 PAIRS = {name: (globals()["ptx_" + name], globals()["py_" + name]) for name in NAMES}
 
 _pick = 1 if SIMULATOR else 0
-(ldg128, ldg64, stg128, shared_addr, lds_f32, lds_u32, cp_async16, cp_async_commit, cp_async_wait,
- ldmatrix_x4, mma_f16, mma_bf16, hmul2, bmul2, dp4a, lop3, prmt,
+(ldg128, ldg64, stg128, shared_addr, lds_f32, lds_u32, lds128, lds64, cp_async16, cp_async_commit,
+ cp_async_wait, ldmatrix_x4, mma_f16, mma_bf16, hmul2, bmul2, dp4a, lop3, prmt, rotr,
  u32_as_f32, f32_as_u32, f16x2_as_u32, f16_bits_to_f32) = (PAIRS[n][_pick] for n in NAMES)

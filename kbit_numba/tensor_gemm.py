@@ -5,17 +5,25 @@ Design (numbers in benchmarks/README.md):
 * **A CTA of 4 warps computes a BM x 128 tile of C** (BM = 16 * MT rows, one column tile of the tiled
   layout) over a range of K tiles of 64 (two kbit blocks each). Warp w owns columns 32w .. 32w+31:
   four n8 tiles of ``mma.sync.m16n8k16`` (fp16 or bf16 in, float32 accumulate).
-* **A goes global -> shared with ``cp.async``** (16 bytes a copy, zero-filled past M and K), double
-  buffered against the MMAs. Staged rows are padded to 72 halves (144 bytes): the 8 row addresses of
-  one ``ldmatrix`` then start in 8 different 4-bank groups (conflict-free). ``ldmatrix.x4`` yields the
-  A fragment of an m16n8k16 MMA in one instruction.
+* **Everything a K tile needs goes global -> shared with ``cp.async``** (16 bytes a copy, no registers):
+  A's rows (zero-filled past M and K), and the tile's plane words and absmax bytes, which the tiled
+  layout stores contiguously. A ring of up to 4 stages keeps 3 K tiles in flight while the MMAs run on
+  the fourth (one barrier per tile): at M <= 64 the kernel must hide DRAM latency with bytes in flight,
+  and a register double buffer of one tile ahead held 32 more registers and hid one tile's latency only.
+  Staged A rows are padded to 72 halves (144 bytes): the 8 row addresses of one ``ldmatrix`` then start
+  in 8 different 4-bank groups (conflict-free). ``ldmatrix.x4`` yields the A fragment of an m16n8k16 MMA
+  in one instruction.
 * **B fragments come straight from the bit planes.** Lane (g, t) = (lane // 4, lane % 4) needs elements
-  2t, 2t+1 and 2t+8, 2t+9 (and +16) of column g's block. ``(plane >> 2t) & 0x03030303`` keeps exactly
-  those element pairs, one pair per byte; OR-ing the k planes at bit offset 2b turns each byte into a
-  2k-bit "pair code" (k = 5: a fifth plane in a second word). A shared table of 2^(2k) codebook pairs
-  (f16x2 words) maps the code to the B register; one ``mul.rn.f16x2`` by the block's absmax scales it.
-  The four lanes of a quad read the same plane words (one 32-byte sector, broadcast by L1).
-* **The next K tile's plane words are loaded before this tile's MMAs** (a register double buffer).
+  2t, 2t+1 and 2t+8, 2t+9 (and +16) of column g's block: bits 2t, 2t+1 of every byte of each plane
+  word. Masking plane b with ``0x03030303 << 2t`` and rotating it left by 2b lays the k planes side by
+  side, so bits 8q+2t .. 8q+2t+2k-1 (mod 32) of their OR are the 2k-bit "pair code" of elements
+  8q+2t, 8q+2t+1. One more rotation puts code q times 4 at bits 2.. of the word rotated by 8q; a
+  ``lop3`` masks it and ORs in the base of a shared table of 2^(2k) codebook pairs (f16x2 words, aligned
+  to its size) -- the lookup address in two instructions. k = 5: the fifth plane fills code bits 8, 9
+  from a second word. The block's E4M4 absmax is decoded by a second shared table (256 f16x2 words) and
+  one ``mul.rn.f16x2`` scales the pair. Every step is an explicit 32-bit instruction (``rotr``, ``lop3``):
+  Numba's own integer shifts widen to 64 bits. The four lanes of a quad read the same plane words
+  (``ld.shared.v4``/``v2``: one broadcast).
 * **Split-K** over ``blockIdx.z`` when the C tiles are too few for the SMs: partial tiles are added
   atomically into a float32 workspace; a second small kernel writes the output and zeroes the
   workspace again, so a workspace stays ready for the next call (one launch at a time per workspace).
@@ -37,7 +45,8 @@ from .device import WARP, e4m4_decode
 from .formats import TILE_K, TILE_N, padded_k
 from .launch import run_steps
 from .intrinsics import (bmul2, cp_async16, cp_async_commit, cp_async_wait, f16x2_as_u32, f32_as_u32, hmul2,
-                         ldg64, ldg128, ldmatrix_x4, lds_u32, mma_bf16, mma_f16, shared_addr)
+                         ldmatrix_x4, lds64, lds128, lds_u32, lop3, mma_bf16, mma_f16, rotr, shared_addr,
+                         u32_as_f32)
 
 WARPS = 4
 THREADS = WARPS * WARP
@@ -48,30 +57,47 @@ N_SUB = BN // WARPS // MMA_N     # 4 n8 MMA tiles per warp
 ROW_WORDS = BK // 2 + 4          # staged A row: 64 halves + 8 halves of padding (conflict-free ldmatrix)
 CHUNKS_PER_ROW = BK // 8         # 16-byte cp.async copies per staged row
 PAIR_MASK = 0x03030303           # bits 0 and 1 of every byte: one element pair per byte
+AND_OR = 0xEA                    # lop3 truth table of (a & b) | c
+E4M4_CODES = 256                 # entries of the absmax table: one per E4M4 byte
 M_TILES = (1, 2, 4)              # MT: BM = 16 * MT rows of A per CTA
+MAX_STAGES = 4                   # K tiles in flight: 3 ahead of the one in the MMAs (DRAM latency x bandwidth)
+SHARED_BUDGET = 46 * 1024        # static shared memory per CTA stays under the 48 KB limit
 FINISH_THREADS = 256
 
 
 @lru_cache(maxsize=None)
 def make_gemm_kernel(k, MT, absmax_format, a_type, out_dtype, split_k, grouped=False):
-    """Kernel(A_u32, packed, absmax, codebook, out, workspace, M, N, K, tiles_per_split, offsets, tiles),
+    """Kernel(A_u32, packed, absmax_u32, codebook, out, workspace, M, N, K, tiles_per_split, offsets, tiles),
     128 threads, grid (N / 128, ceil(M / (16 MT)), splits).
 
     k: bits; MT: 16-row MMA tiles per CTA (1, 2 or 4); a_type: 'float16' or 'bfloat16' (the MMA input
-    type; A is read as uint32 words of two values); split_k: partial sums go atomically into the float32
-    workspace (grid.z > 1), else straight to ``out`` (workspace unused).
+    type; A is read as uint32 words of two values); absmax_u32: the absmax array's bytes as uint32 words
+    (E4M4 bytes or float32 bits: ``cp.async`` copies words); split_k: partial sums go atomically into the
+    float32 workspace (grid.z > 1), else straight to ``out`` (workspace unused).
     grouped: the MoE variant (``grouped_gemm``). Row tile ``blockIdx.y`` is a work item: a binary search in
     ``tiles`` (tiles[e] = row tiles of the experts before e) finds its expert e, whose token rows are
     offsets[e] .. offsets[e+1]-1 of A and out and whose weights follow the previous experts' in
     packed/absmax. Not grouped: offsets and tiles are unused."""
     assert k in (2, 3, 4, 5) and MT in M_TILES
     BM = MMA_M * MT
-    STAGE_WORDS = BM * ROW_WORDS
-    A_SH_WORDS = 2 * STAGE_WORDS                   # two stages (a shared array's shape must be a constant)
     N_PAIRS = 1 << (2 * k)
+    TABLE_ALIGN = 4 * N_PAIRS                      # table base | (code * 4) == base + code * 4 ...
+    TABLE_WORDS = 2 * N_PAIRS                      # ... for a base aligned inside a twice-as-large array
+    X_PLANES = min(k, 4)                           # planes side by side in one word (k = 5: one more)
+    LOW_MASK = ((1 << (2 * X_PLANES)) - 1) << 2    # code * 4 from planes 0..3
+    HIGH_MASK = 3 << 10                            # code bits 8, 9 (plane 4) * 4
     WORDS = 2 * k                                  # plane words per column per K tile (two blocks)
     e4m4 = absmax_format == "e4m4"
-    absmax_t = np.uint8 if e4m4 else np.float32
+    SCALE_WORDS = 2 * E4M4_CODES if e4m4 else 2    # (the same for the absmax table)
+    # One pipeline stage holds one K tile: [A rows | plane words | absmax words], each 16-byte aligned.
+    A_WORDS = BM * ROW_WORDS
+    W_WORDS = 2 * BN * k                           # 128 columns x 2 blocks x k plane words, contiguous
+    AM_WORDS = 2 * BN // 4 if e4m4 else 2 * BN     # their 256 absmax values (bytes or float32)
+    STAGE_WORDS = A_WORDS + W_WORDS + AM_WORDS
+    W_COPIES, AM_COPIES = W_WORDS // 4, AM_WORDS // 4
+    STAGES = max(2, min(MAX_STAGES, (SHARED_BUDGET - 4 * (TABLE_WORDS + SCALE_WORDS)) // (4 * STAGE_WORDS)))
+    SH_WORDS = STAGES * STAGE_WORDS
+    PENDING = STAGES - 2                           # groups left in flight when a tile's copies must be in
     bf16 = a_type == "bfloat16"
     mma = mma_bf16 if bf16 else mma_f16
     mul2 = bmul2 if bf16 else hmul2
@@ -86,25 +112,18 @@ def make_gemm_kernel(k, MT, absmax_format, a_type, out_dtype, split_k, grouped=F
         return f16x2_as_u32(np.float16(v), np.float16(0))
 
     @cuda.jit(device=True, inline="always")
-    def load_tile(packed, absmax, slot0, tile, col0, wv, am):
-        """This lane's plane words and absmax values of K tile ``tile`` for its N_SUB columns (the weight's
-        blocks start at block ``slot0``)."""
-        for j in range(N_SUB):
-            slot = slot0 + tile * np.int32(2 * BN) + (col0 + np.int32(8 * j)) * np.int32(2)   # (column, block 0)
-            base = slot * np.int32(k)
-            if WORDS % 4 == 0:                     # k = 2, 4: 16-byte aligned, 16-byte loads
-                for q in range(WORDS // 4):
-                    wv[j, 4 * q], wv[j, 4 * q + 1], wv[j, 4 * q + 2], wv[j, 4 * q + 3] = \
-                        ldg128(packed, base + np.int32(4 * q))
-            else:                                  # k = 3, 5: 8-byte aligned
-                for q in range(k):
-                    wv[j, 2 * q], wv[j, 2 * q + 1] = ldg64(packed, base + np.int32(2 * q))
-            am[j, 0] = absmax[slot]
-            am[j, 1] = absmax[slot + np.int32(1)]
+    def aligned_base(arr, align):
+        """(shared address, word offset) of the first ``align``-byte boundary in ``arr``. (The ``alignment``
+        of a shared array is not enough: it aligns within the window after the space the system reserves.)"""
+        a = shared_addr(arr)
+        b = (a + np.uint32(align - 1)) & ~np.uint32(align - 1)
+        return np.uint32(b), np.int32((b - a) >> np.uint32(2))
 
     @cuda.jit(device=True, inline="always")
-    def stage_a(A, a_sh, a_base, kt, buf, m0, m_end, K, tid):
-        """cp.async rows m0 .. m0+BM-1 of A for K tile kt into stage ``buf`` (zeros from m_end and K on)."""
+    def stage(A, packed, absmax, sh, sh_base, kt, slot, w_tile, m0, m_end, K, tid):
+        """cp.async K tile kt into pipeline slot ``slot``: rows m0 .. m0+BM-1 of A (zeros from m_end and
+        K on), then the plane and absmax words of weight tile ``w_tile`` (contiguous in the tiled layout)."""
+        base = sh_base + np.uint32(4) * np.uint32(slot * np.int32(STAGE_WORDS))
         for i in range(MT):                        # BM * 8 copies = MT per thread
             c = tid + np.int32(i * THREADS)
             row = c // np.int32(CHUNKS_PER_ROW)
@@ -113,19 +132,47 @@ def make_gemm_kernel(k, MT, absmax_format, a_type, out_dtype, split_k, grouped=F
             gcol = kt * np.int32(BK) + ch * np.int32(8)
             ok = grow < m_end and gcol < K
             src = (grow * K + gcol) // np.int32(2) if ok else np.int32(0)
-            dst = a_base + np.uint32(4) * np.uint32(buf * np.int32(STAGE_WORDS) + row * np.int32(ROW_WORDS)
-                                                    + ch * np.int32(4))
-            cp_async16(a_sh, dst, A, src, np.uint32(16) if ok else np.uint32(0))
+            dst = base + np.uint32(4) * np.uint32(row * np.int32(ROW_WORDS) + ch * np.int32(4))
+            cp_async16(sh, dst, A, src, np.uint32(16) if ok else np.uint32(0))
+        for i in range(-(-W_COPIES // THREADS)):
+            c = tid + np.int32(i * THREADS)
+            if W_COPIES % THREADS == 0 or c < np.int32(W_COPIES):
+                cp_async16(sh, base + np.uint32(4 * A_WORDS) + np.uint32(16) * np.uint32(c), packed,
+                           w_tile * np.int32(W_WORDS) + np.int32(4) * c, np.uint32(16))
+        if tid < np.int32(AM_COPIES):
+            cp_async16(sh, base + np.uint32(4 * (A_WORDS + W_WORDS)) + np.uint32(16) * np.uint32(tid), absmax,
+                       w_tile * np.int32(AM_WORDS) + np.int32(4) * tid, np.uint32(16))
+
+    @cuda.jit(device=True, inline="always")
+    def pair_addresses(wv, j, kb, pm, realign, tb, addr):
+        """addr[q]: shared byte address in the pair table of this lane's element pair 8q+2t, 8q+2t+1 of
+        block kb of its column j (pm[b]: the lane's mask of plane b once rotated left by 2b; realign:
+        2t - 2 mod 32)."""
+        x = lop3(wv[j, kb * k], pm[0], np.uint32(0), AND_OR)
+        for b in range(1, X_PLANES):
+            x = lop3(rotr(wv[j, kb * k + b], np.uint32(32 - 2 * b)), pm[b], x, AND_OR)
+        x = rotr(x, realign)                       # code q * 4 at bits 2.. once rotated right by 8q
+        if k == 5:                                 # plane 4 -> bits 10, 11 (code bits 8, 9, times 4)
+            y = rotr(lop3(wv[j, kb * k + 4], pm[0], np.uint32(0), AND_OR), realign - np.uint32(8))
+        for q in range(4):
+            xq = x if q == 0 else rotr(x, np.uint32(8 * q))
+            a = lop3(xq, np.uint32(LOW_MASK), tb, AND_OR)
+            if k == 5:
+                yq = y if q == 0 else rotr(y, np.uint32(8 * q))
+                a = lop3(yq, np.uint32(HIGH_MASK), a, AND_OR)
+            addr[q] = a
 
     def gemm_kernel(A, packed, absmax, cb, out, ws, M, N, K, tiles_per_split, offsets, tiles):
-        table = cuda.shared.array(N_PAIRS, np.uint32)
-        a_sh = cuda.shared.array(A_SH_WORDS, np.uint32, alignment=16)
+        table = cuda.shared.array(TABLE_WORDS, np.uint32)
+        scales = cuda.shared.array(SCALE_WORDS, np.uint32)
+        sh = cuda.shared.array(SH_WORDS, np.uint32, alignment=16)
         tid = np.int32(cuda.threadIdx.x)
         lane = tid % np.int32(WARP)
         warp = tid // np.int32(WARP)
         g = lane >> np.int32(2)
         t = lane & np.int32(3)
         n_tile = np.int32(cuda.blockIdx.x)
+        n_tiles = N // np.int32(BN)
         k_tiles = (K + np.int32(BK - 1)) // np.int32(BK)
         if grouped:                                # work item -> (expert, its row tile): binary search
             n_experts = np.int32(offsets.shape[0] - 1)
@@ -140,19 +187,26 @@ def make_gemm_kernel(k, MT, absmax_format, a_type, out_dtype, split_k, grouped=F
                     lo = mid
                 else:
                     hi = mid
-            m0 = offsets[lo] + (item - tiles[lo]) * np.int32(BM)
-            m_end = offsets[lo + np.int32(1)]
-            slot0 = lo * N * k_tiles * np.int32(2)   # blocks of the experts before this one
+            m0 = np.int32(offsets[lo] + (item - tiles[lo]) * np.int32(BM))
+            m_end = np.int32(offsets[lo + np.int32(1)])
+            w_tile0 = np.int32(lo * n_tiles * k_tiles + n_tile)   # weight tiles of the experts before
         else:
-            m0 = np.int32(cuda.blockIdx.y) * np.int32(BM)
+            m0 = np.int32(np.int32(cuda.blockIdx.y) * np.int32(BM))
             m_end = M
-            slot0 = np.int32(0)
-        kt0 = np.int32(cuda.blockIdx.z) * tiles_per_split
-        kt1 = min(kt0 + tiles_per_split, k_tiles)
-        n_tiles = N // np.int32(BN)
-        col0 = warp * np.int32(N_SUB * MMA_N) + g
-        a_base = shared_addr(a_sh)
-        tb = shared_addr(table)
+            w_tile0 = n_tile
+        kt0 = np.int32(np.int32(cuda.blockIdx.z) * tiles_per_split)
+        kt1 = np.int32(min(kt0 + tiles_per_split, k_tiles))
+        col0 = warp * np.int32(N_SUB * MMA_N) + g  # this lane's column in the CTA tile (+ 8j)
+        sh_base = shared_addr(sh)
+        tb, t0 = aligned_base(table, TABLE_ALIGN)
+        ts, s0 = aligned_base(scales, 4 * E4M4_CODES) if e4m4 else (np.uint32(0), np.int32(0))
+
+        # ---- the first STAGES - 1 K tiles in flight before anything else ---------------------------------
+        for s in range(STAGES - 1):
+            if kt0 + np.int32(s) < kt1:
+                kt = kt0 + np.int32(s)
+                stage(A, packed, absmax, sh, sh_base, kt, np.int32(s), w_tile0 + kt * n_tiles, m0, m_end, K, tid)
+            cp_async_commit()
 
         # ---- the pair table: code bit 2b (2b+1) is plane b of the even (odd) element -----------------
         for code in range(tid, N_PAIRS, THREADS):
@@ -161,7 +215,11 @@ def make_gemm_kernel(k, MT, absmax_format, a_type, out_dtype, split_k, grouped=F
             for b in range(k):
                 i0 |= ((code >> (2 * b)) & 1) << b
                 i1 |= ((code >> (2 * b + 1)) & 1) << b
-            table[code] = half_bits(cb[i0]) | (half_bits(cb[i1]) << np.uint32(16))
+            table[t0 + code] = half_bits(cb[i0]) | (half_bits(cb[i1]) << np.uint32(16))
+        if e4m4:                                   # the absmax table: E4M4 byte -> its value twice, f16x2
+            for c in range(tid, E4M4_CODES, THREADS):
+                h = half_bits(e4m4_decode(np.uint8(c)))
+                scales[s0 + c] = h | (h << np.uint32(16))
 
         acc = cuda.local.array((MT, N_SUB, 4), np.float32)
         for mt in range(MT):
@@ -169,66 +227,73 @@ def make_gemm_kernel(k, MT, absmax_format, a_type, out_dtype, split_k, grouped=F
                 for r in range(4):
                     acc[mt, j, r] = np.float32(0.0)
         wv = cuda.local.array((N_SUB, WORDS), np.uint32)
-        am = cuda.local.array((N_SUB, 2), absmax_t)
-        nwv = cuda.local.array((N_SUB, WORDS), np.uint32)
-        nam = cuda.local.array((N_SUB, 2), absmax_t)
         afr = cuda.local.array((MT, 2, 4), np.uint32)
         breg = cuda.local.array(4, np.uint32)
+        addr = cuda.local.array(4, np.uint32)
+        pm = cuda.local.array(X_PLANES, np.uint32)
+        two_t = np.uint32(2) * np.uint32(t)       # this lane's element pair sits at bits 2t, 2t+1
+        for b in range(X_PLANES):                  # rotl(PAIR_MASK << 2t, 2b) (PAIR_MASK repeats per byte)
+            pm[b] = rotr(np.uint32(PAIR_MASK), np.uint32(32 - 2 * b) - two_t)
+        realign = two_t + np.uint32(30)
+        am_rot = np.uint32(16) * np.uint32(g & np.int32(1)) + np.uint32(30)   # E4M4 byte of block 0, * 4
 
-        if kt0 < kt1:
-            stage_a(A, a_sh, a_base, kt0, np.int32(0), m0, m_end, K, tid)
-            load_tile(packed, absmax, slot0, kt0 * n_tiles + n_tile, col0, wv, am)
-        cp_async_commit()
-        shift = np.uint32(2) * np.uint32(t)       # this lane's element pair sits at bits 2t, 2t+1
-        for kt in range(kt0, kt1):
-            buf = (kt - kt0) & np.int32(1)
-            if kt + 1 < kt1:                       # next tile: A copies in flight, plane words in registers
-                stage_a(A, a_sh, a_base, kt + np.int32(1), buf ^ np.int32(1), m0, m_end, K, tid)
-                load_tile(packed, absmax, slot0, (kt + np.int32(1)) * n_tiles + n_tile, col0, nwv, nam)
+        kt = kt0
+        slot = np.int32(0)
+        while kt < kt1:
+            cp_async_wait(PENDING)                 # this thread's copies of tile kt have landed ...
+            cuda.syncthreads()                     # ... and everyone's; the slot of tile kt-1 is free
+            nxt = np.int32(kt + np.int32(STAGES - 1))
+            if nxt < kt1:                          # refill that slot with tile kt + STAGES - 1
+                refill = slot - np.int32(1) if slot > np.int32(0) else np.int32(STAGES - 1)
+                stage(A, packed, absmax, sh, sh_base, nxt, refill, w_tile0 + nxt * n_tiles, m0, m_end, K, tid)
             cp_async_commit()
-            cp_async_wait(1)                       # this thread's copies of tile kt have landed ...
-            cuda.syncthreads()                     # ... and everyone's (also: the table is written)
+            base = sh_base + np.uint32(4) * np.uint32(slot * np.int32(STAGE_WORDS))
+            w_base = base + np.uint32(4 * A_WORDS)
+            am_base = base + np.uint32(4 * (A_WORDS + W_WORDS))
+            for j in range(N_SUB):                 # column col0 + 8j: 2k words at (col * 2k) * 4 bytes
+                p = w_base + np.uint32(4 * WORDS) * np.uint32(col0 + np.int32(8 * j))
+                if WORDS % 4 == 0:                 # k = 2, 4: 16-byte aligned
+                    for q in range(WORDS // 4):
+                        wv[j, 4 * q], wv[j, 4 * q + 1], wv[j, 4 * q + 2], wv[j, 4 * q + 3] = \
+                            lds128(sh, p + np.uint32(16 * q))
+                else:                              # k = 3, 5: 8-byte aligned
+                    for q in range(k):
+                        wv[j, 2 * q], wv[j, 2 * q + 1] = lds64(sh, p + np.uint32(8 * q))
             for kb in range(2):                    # the two kbit blocks of the tile = 2 x 2 MMA k-steps
                 for mt in range(MT):
                     for s in range(2):
-                        word = (buf * np.int32(STAGE_WORDS) + (np.int32(16 * mt) + (lane & np.int32(15)))
-                                * np.int32(ROW_WORDS) + np.int32(16 * kb + 8 * s) + (lane >> np.int32(4)) * np.int32(4))
+                        word = ((np.int32(16 * mt) + (lane & np.int32(15))) * np.int32(ROW_WORDS)
+                                + np.int32(16 * kb + 8 * s) + (lane >> np.int32(4)) * np.int32(4))
                         afr[mt, s, 0], afr[mt, s, 1], afr[mt, s, 2], afr[mt, s, 3] = \
-                            ldmatrix_x4(a_sh, a_base + np.uint32(4) * np.uint32(word))
+                            ldmatrix_x4(sh, base + np.uint32(4) * np.uint32(word))
                 for j in range(N_SUB):
-                    x = np.uint32(0)               # planes 0..3: one pair code per byte
-                    y = np.uint32(0)               # plane 4 (k = 5)
-                    for b in range(k):
-                        v = (wv[j, kb * k + b] >> shift) & np.uint32(PAIR_MASK)
-                        if b < 4:
-                            x |= v << np.uint32(2 * b)
-                        else:
-                            y |= v
-                    s2 = half_bits(e4m4_decode(am[j, kb]) if e4m4 else np.float32(am[j, kb]))
-                    s2 |= s2 << np.uint32(16)
-                    for q in range(4):             # byte q: elements 8q + 2t, 8q + 2t + 1
-                        code = (x >> np.uint32(8 * q)) & np.uint32(0xFF)
-                        if k == 5:
-                            code |= ((y >> np.uint32(8 * q)) & np.uint32(3)) << np.uint32(8)
-                        breg[q] = mul2(lds_u32(table, tb + code * np.uint32(4)), s2)
+                    pair_addresses(wv, j, kb, pm, realign, tb, addr)
+                    col = col0 + np.int32(8 * j)
+                    if e4m4:                       # bytes 2col, 2col+1: the word col // 2, half col % 2
+                        w = lds_u32(sh, am_base + np.uint32(4) * np.uint32(col >> np.int32(1)))
+                        s2 = lds_u32(scales, lop3(rotr(w, am_rot + np.uint32(8 * kb)),
+                                                  np.uint32(4 * E4M4_CODES - 4), ts, AND_OR))
+                    else:
+                        v = u32_as_f32(lds_u32(sh, am_base + np.uint32(4) * np.uint32(np.int32(2) * col
+                                                                                        + np.int32(kb))))
+                        s2 = half_bits(v)
+                        s2 |= s2 << np.uint32(16)
+                    for q in range(4):             # elements 8q + 2t, 8q + 2t + 1
+                        breg[q] = mul2(lds_u32(table, addr[q]), s2)
                     for mt in range(MT):
                         for s in range(2):
                             acc[mt, j, 0], acc[mt, j, 1], acc[mt, j, 2], acc[mt, j, 3] = mma(
                                 afr[mt, s, 0], afr[mt, s, 1], afr[mt, s, 2], afr[mt, s, 3],
                                 breg[2 * s], breg[2 * s + 1],
                                 acc[mt, j, 0], acc[mt, j, 1], acc[mt, j, 2], acc[mt, j, 3])
-            cuda.syncthreads()                     # stage buf may be overwritten from here on
-            for j in range(N_SUB):
-                for w in range(WORDS):
-                    wv[j, w] = nwv[j, w]
-                am[j, 0] = nam[j, 0]
-                am[j, 1] = nam[j, 1]
+            kt = np.int32(kt + np.int32(1))
+            slot = np.int32(slot + np.int32(1)) if slot < np.int32(STAGES - 1) else np.int32(0)
         cp_async_wait(0)
 
         # ---- epilogue: c0, c1 = C[g, 2t..2t+1]; c2, c3 = C[g+8, 2t..2t+1] of each 16 x 8 tile ---------
         for mt in range(MT):
             for j in range(N_SUB):
-                col = n_tile * np.int32(BN) + col0 - g + np.int32(8 * j) + np.int32(2) * t
+                col = n_tile * np.int32(BN) + col0 + np.int32(8 * j) - g + np.int32(2) * t
                 for h in range(2):
                     row = m0 + np.int32(16 * mt + 8 * h) + g
                     if row < m_end:
@@ -347,7 +412,8 @@ def plan(A, qw, out=None, stream=0, out_dtype=np.float16, bf16=False, ws=None, s
         ws = _sums(ws, M * N, stream)
     ws_arg = ws if n_split > 1 else _no_workspace()
     grid = (N // BN, -(-M // (MMA_M * MT)), n_split)
-    launches.append((kern, grid, THREADS, (_arrays.flat_view(Ad, np.uint32), qw.packed, qw.absmax, qw.codebook,
+    launches.append((kern, grid, THREADS, (_arrays.flat_view(Ad, np.uint32), qw.packed,
+                                           _arrays.flat_view(qw.absmax, np.uint32), qw.codebook,
                                            _arrays.flat_view(out), ws_arg, np.int32(M), np.int32(N),
                                            np.int32(K), np.int32(per), _no_offsets(), _no_offsets())))
     if n_split > 1:
@@ -394,11 +460,10 @@ def kernel_specializations():
     for k in (2, 3, 4, 5):
         for v in variants:
             c = dict(dict(MT=1, fmt="e4m4", a="float16", od="float16", split=True), **v)
-            am = t.uint8[::1] if c["fmt"] == "e4m4" else t.float32[::1]
             name = f"gemm k={k} MT={c['MT']} {c['fmt']} A={c['a']} out={c['od']} split={c['split']}"
             name += " grouped" if c.get("grouped") else ""
             kern = make_gemm_kernel(k, c["MT"], c["fmt"], c["a"], c["od"], c["split"], c.get("grouped", False))
-            specs.append((name, kern, (t.uint32[::1], t.uint32[::1], am, t.float32[::1], nb[c["od"]],
+            specs.append((name, kern, (t.uint32[::1], t.uint32[::1], t.uint32[::1], t.float32[::1], nb[c["od"]],
                                        t.float32[::1], t.int32, t.int32, t.int32, t.int32, t.int32[::1],
                                        t.int32[::1])))
     return specs
@@ -462,7 +527,8 @@ def grouped_gemm(A, experts, expert_offsets, out=None, stream=None, out_dtype=np
     kern = make_gemm_kernel(experts.k, MT, experts.absmax_format, a_src, out_dtype.name, n_split > 1, True)
     ws = _sums(workspace, T * N, stream) if n_split > 1 else _no_workspace()
     launches.append((kern, (N // BN, items, n_split), THREADS,
-                     (_arrays.flat_view(Ad, np.uint32), experts.packed, experts.absmax, experts.codebook,
+                     (_arrays.flat_view(Ad, np.uint32), experts.packed, _arrays.flat_view(experts.absmax, np.uint32),
+                      experts.codebook,
                       _arrays.flat_view(out), ws, np.int32(T), np.int32(N), np.int32(K), np.int32(per), offs, tiles)))
     if n_split > 1:
         launches.append((make_finish_kernel(out_dtype.name), -(-T * N // FINISH_THREADS), FINISH_THREADS,

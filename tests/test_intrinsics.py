@@ -17,6 +17,8 @@ def test_twins_known_values():
     assert I.py_lop3(0b1100, 0b1010, 0b0110, 0x96) == 0b1100 ^ 0b1010 ^ 0b0110
     assert I.py_prmt(0x33221100, 0x77665544, 0x0000_7531) == 0x77553311
     assert I.py_prmt(0x00000080, 0, 0x0008) & 0xFF == 0xFF           # sign replicate
+    assert I.py_rotr(0x12345678, 8) == 0x78123456
+    assert I.py_rotr(0x80000001, 33) == 0xC0000000                  # the count is taken mod 32
     assert I.py_u32_as_f32(0x3F800000) == 1.0 and I.py_f32_as_u32(np.float32(-2.0)) == 0xC0000000
     assert I.py_f16x2_as_u32(1.0, -2.0) == 0xC0003C00
     assert I.py_hmul2(I.py_f16x2_as_u32(1.5, -2.0), I.py_f16x2_as_u32(2.0, 0.5)) == I.py_f16x2_as_u32(3.0, -1.0)
@@ -35,6 +37,7 @@ def _alu_kernel(a, b, c, out):
         out[i, 4] = I.prmt(a[i], b[i], c[i])
         out[i, 5] = I.f32_as_u32(I.u32_as_f32(a[i]))
         out[i, 6] = I.f16x2_as_u32(np.float16(I.u32_as_f32(b[i] & np.uint32(0x3FFFFFFF))), np.float16(-1.5))
+        out[i, 7] = I.rotr(b[i], c[i])
 
 
 @cuda.jit
@@ -52,7 +55,7 @@ def test_ptx_matches_twins():
     n = 4096
     a, b = (rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32) for _ in range(2))
     c = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
-    out = cuda.device_array((n, 7), np.uint32)
+    out = cuda.device_array((n, 8), np.uint32)
     _alu_kernel[n // 128, 128](a.view(np.int32), b, c, out)
     got = out.copy_to_host()
     for i in range(0, n, 7):   # the twins are slow Python: check a spread of rows
@@ -64,6 +67,7 @@ def test_ptx_matches_twins():
         assert got[i, 5] == a[i]
         want = I.py_f16x2_as_u32(np.float16(I.py_u32_as_f32(b[i] & 0x3FFFFFFF)), np.float16(-1.5))
         assert got[i, 6] == want
+        assert got[i, 7] == I.py_rotr(b[i], c[i])
 
 
 def test_vector_loads_and_stores():
@@ -74,6 +78,27 @@ def test_vector_loads_and_stores():
     s = src.reshape(-1, 4)
     want = np.stack([s[:, 3] ^ s[:, 3], s[:, 2] ^ s[:, 2], s[:, 1], s[:, 0]], axis=1).reshape(-1)
     np.testing.assert_array_equal(dst.copy_to_host(), want)
+
+
+@cuda.jit
+def _shared_vector_kernel(src, dst):
+    """src (16 words) -> shared by cp.async -> lds128 / lds64 -> dst, one thread."""
+    sh = cuda.shared.array(16, np.uint32, alignment=16)
+    base = I.shared_addr(sh)
+    for c in range(4):
+        I.cp_async16(sh, base + np.uint32(16 * c), src, 4 * c, np.uint32(16))
+    I.cp_async_commit()
+    I.cp_async_wait(0)
+    dst[0], dst[1], dst[2], dst[3] = I.lds128(sh, base + np.uint32(32))
+    dst[4], dst[5] = I.lds64(sh, base + np.uint32(8))
+
+
+@pytest.mark.skipif(PTX_ONLY, reason="runs a kernel")
+def test_shared_vector_loads():
+    src = np.arange(16, dtype=np.uint32) * np.uint32(2654435761)
+    dst = cuda.to_device(np.zeros(6, np.uint32))
+    _shared_vector_kernel[1, 1](cuda.to_device(src), dst)
+    np.testing.assert_array_equal(dst.copy_to_host(), np.concatenate([src[8:12], src[2:4]]))
 
 
 # ---- tensor-core path: cp.async -> ldmatrix -> mma, against NumPy (PTX on the GPU, twins here) -------

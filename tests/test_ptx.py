@@ -41,9 +41,9 @@ def _requirements(name):
         bf16 = "A=bfloat16" in name
         must += ["mma.sync.aligned.m16n8k16.row.col.f32." + ("bf16.bf16" if bf16 else "f16.f16") + ".f32",
                  "ldmatrix.sync.aligned.m8n8.x4.shared.b16", "cp.async.cg.shared.global",
-                 "cp.async.wait_group 1", "mul.rn." + ("bf16x2" if bf16 else "f16x2"), "ld.shared.u32"]
-        must += {4: ["ld.global.nc.v4.u32"], 2: ["ld.global.nc.v4.u32"]}.get(int(name.split("k=")[1][0]),
-                                                                          ["ld.global.nc.v2.u32"])
+                 "mul.rn." + ("bf16x2" if bf16 else "f16x2"), "ld.shared.u32", "shf.r.wrap.b32", "lop3.b32"]
+        must += {4: ["ld.shared.v4.u32"], 2: ["ld.shared.v4.u32"]}.get(int(name.split("k=")[1][0]),
+                                                                       ["ld.shared.v2.u32"])
         if "split=True" in name:
             must += ["atom.global.add.f32"]
     if name.startswith("uniform "):
@@ -78,7 +78,7 @@ else:
         from test_intrinsics import _alu_kernel, _mem_kernel
         u32 = t.uint32[::1]
         ptx, _ = cuda.compile_ptx(_alu_kernel.py_func, (t.int32[::1], u32, u32, t.uint32[:, ::1]), cc=CC)
-        for s in ("dp4a.s32.s32", "lop3.b32", "prmt.b32"):
+        for s in ("dp4a.s32.s32", "lop3.b32", "prmt.b32", "shf.r.wrap.b32"):
             assert s in ptx, s
         for lut in (234, 150, 27):                         # 0xEA, 0x96, 0x1B reached the instruction
             assert f", {lut};" in ptx
