@@ -606,8 +606,8 @@ def py_f16x2_as_u32(lo, hi):
 # The names kernels use
 # ---------------------------------------------------------------------------------------------
 NAMES = ("ldg128", "ldg64", "stg128", "shared_addr", "lds_f32", "lds_u32", "lds128", "lds64", "cp_async16",
-         "cp_async_commit", "cp_async_wait", "ldmatrix_x4", "mma_f16", "mma_bf16", "hmul2", "bmul2", "dp4a", "lop3", "prmt",
-         "rotr", "u32_as_f32", "f32_as_u32", "f16x2_as_u32", "f16_bits_to_f32")
+         "cp_async_commit", "cp_async_wait", "ldmatrix_x4", "mma_f16", "mma_bf16", "hmul2", "bmul2", "dp4a",
+         "lop3", "prmt", "rotr", "u32_as_f32", "f32_as_u32", "f16x2_as_u32", "f16_bits_to_f32")
 PAIRS = {name: (globals()["ptx_" + name], globals()["py_" + name]) for name in NAMES}
 
 _pick = 1 if SIMULATOR else 0

@@ -88,7 +88,7 @@ def make_gemm_kernel(k, MT, absmax_format, a_type, out_dtype, split_k, grouped=F
     HIGH_MASK = 3 << 10                            # code bits 8, 9 (plane 4) * 4
     WORDS = 2 * k                                  # plane words per column per K tile (two blocks)
     e4m4 = absmax_format == "e4m4"
-    SCALE_WORDS = 2 * E4M4_CODES if e4m4 else 2    # (the same for the absmax table)
+    SCALE_WORDS = 2 * E4M4_CODES if e4m4 else 2    # the absmax table the same way (unused: 2 words)
     # One pipeline stage holds one K tile: [A rows | plane words | absmax words], each 16-byte aligned.
     A_WORDS = BM * ROW_WORDS
     W_WORDS = 2 * BN * k                           # 128 columns x 2 blocks x k plane words, contiguous
@@ -113,8 +113,8 @@ def make_gemm_kernel(k, MT, absmax_format, a_type, out_dtype, split_k, grouped=F
 
     @cuda.jit(device=True, inline="always")
     def aligned_base(arr, align):
-        """(shared address, word offset) of the first ``align``-byte boundary in ``arr``. (The ``alignment``
-        of a shared array is not enough: it aligns within the window after the space the system reserves.)"""
+        """(shared address, word offset) of the first ``align``-byte boundary in ``arr``. (A shared array's
+        ``alignment=4096`` did not give a 4096-byte aligned address on the H100: the k = 5 table broke.)"""
         a = shared_addr(arr)
         b = (a + np.uint32(align - 1)) & ~np.uint32(align - 1)
         return np.uint32(b), np.int32((b - a) >> np.uint32(2))
