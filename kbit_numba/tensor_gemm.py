@@ -7,9 +7,11 @@ Design (numbers in benchmarks/README.md):
   four n8 tiles of ``mma.sync.m16n8k16`` (fp16 or bf16 in, float32 accumulate).
 * **Everything a K tile needs goes global -> shared with ``cp.async``** (16 bytes a copy, no registers):
   A's rows (zero-filled past M and K), and the tile's plane words and absmax bytes, which the tiled
-  layout stores contiguously. A ring of up to 4 stages keeps 3 K tiles in flight while the MMAs run on
-  the fourth (one barrier per tile): at M <= 64 the kernel must hide DRAM latency with bytes in flight,
-  and a register double buffer of one tile ahead held 32 more registers and hid one tile's latency only.
+  layout stores contiguously, into a ring of 2 or 3 stages (``STAGES_FOR_MT``; one barrier per tile)
+  that keeps 1-2 K tiles in flight while the MMAs run on another. Copies instead of loads into
+  registers: a register double buffer held 32 more registers. (Deeper rings, 4-6 stages, measured
+  slower: Nsight shows the warps waiting on their own shared-load and ALU dependency chains, ~5 cycles
+  per instruction at 10 warps per SM, not on DRAM.)
   Staged A rows are padded to 72 halves (144 bytes): the 8 row addresses of one ``ldmatrix`` then start
   in 8 different 4-bank groups (conflict-free). ``ldmatrix.x4`` yields the A fragment of an m16n8k16 MMA
   in one instruction.
@@ -60,13 +62,16 @@ PAIR_MASK = 0x03030303           # bits 0 and 1 of every byte: one element pair 
 AND_OR = 0xEA                    # lop3 truth table of (a & b) | c
 E4M4_CODES = 256                 # entries of the absmax table: one per E4M4 byte
 M_TILES = (1, 2, 4)              # MT: BM = 16 * MT rows of A per CTA
-MAX_STAGES = 4                   # K tiles in flight: 3 ahead of the one in the MMAs (DRAM latency x bandwidth)
+# K tiles in the shared ring per MT (the tiles ahead of the one in the MMAs are in flight). Measured on the
+# H100 and H200 (benchmarks/runs/2026-11-22_h1?0_gemm_stages_sweep.txt): 2 stages beat 3, 4 by 2-8% at MT = 1, 2
+# (the kernel waits on its instruction chains, not on DRAM), 3 is best at MT = 4.
+STAGES_FOR_MT = {1: 2, 2: 2, 4: 3}
 SHARED_BUDGET = 46 * 1024        # static shared memory per CTA stays under the 48 KB limit
 FINISH_THREADS = 256
 
 
 @lru_cache(maxsize=None)
-def make_gemm_kernel(k, MT, absmax_format, a_type, out_dtype, split_k, grouped=False):
+def make_gemm_kernel(k, MT, absmax_format, a_type, out_dtype, split_k, grouped=False, stages=None):
     """Kernel(A_u32, packed, absmax_u32, codebook, out, workspace, M, N, K, tiles_per_split, offsets, tiles),
     128 threads, grid (N / 128, ceil(M / (16 MT)), splits).
 
@@ -77,7 +82,8 @@ def make_gemm_kernel(k, MT, absmax_format, a_type, out_dtype, split_k, grouped=F
     grouped: the MoE variant (``grouped_gemm``). Row tile ``blockIdx.y`` is a work item: a binary search in
     ``tiles`` (tiles[e] = row tiles of the experts before e) finds its expert e, whose token rows are
     offsets[e] .. offsets[e+1]-1 of A and out and whose weights follow the previous experts' in
-    packed/absmax. Not grouped: offsets and tiles are unused."""
+    packed/absmax. Not grouped: offsets and tiles are unused.
+    stages: K tiles in the shared ring (default ``STAGES_FOR_MT[MT]``, fewer if ``SHARED_BUDGET`` says so)."""
     assert k in (2, 3, 4, 5) and MT in M_TILES
     BM = MMA_M * MT
     N_PAIRS = 1 << (2 * k)
@@ -95,7 +101,9 @@ def make_gemm_kernel(k, MT, absmax_format, a_type, out_dtype, split_k, grouped=F
     AM_WORDS = 2 * BN // 4 if e4m4 else 2 * BN     # their 256 absmax values (bytes or float32)
     STAGE_WORDS = A_WORDS + W_WORDS + AM_WORDS
     W_COPIES, AM_COPIES = W_WORDS // 4, AM_WORDS // 4
-    STAGES = max(2, min(MAX_STAGES, (SHARED_BUDGET - 4 * (TABLE_WORDS + SCALE_WORDS)) // (4 * STAGE_WORDS)))
+    STAGES = stages or max(2, min(STAGES_FOR_MT[MT],
+                                  (SHARED_BUDGET - 4 * (TABLE_WORDS + SCALE_WORDS)) // (4 * STAGE_WORDS)))
+    assert STAGES >= 2
     SH_WORDS = STAGES * STAGE_WORDS
     PENDING = STAGES - 2                           # groups left in flight when a tile's copies must be in
     bf16 = a_type == "bfloat16"
@@ -391,8 +399,10 @@ def _half_activations(Ad, a_src, n, launches, stream):
     return half, "float16"
 
 
-def plan(A, qw, out=None, stream=0, out_dtype=np.float16, bf16=False, ws=None, split=None, m_tile=None):
-    """Validate and choose the launches: ([(kernel, grid, block, args), ...], out, ws)."""
+def plan(A, qw, out=None, stream=0, out_dtype=np.float16, bf16=False, ws=None, split=None, m_tile=None,
+         stages=None):
+    """Validate and choose the launches: ([(kernel, grid, block, args), ...], out, ws). ``stages``: as
+    ``make_gemm_kernel`` (for sweeps)."""
     Ad, a_src, M, shape = _arrays.activations(A, qw, bf16, stream)
     if qw.layout != "tiled":
         raise ValueError("gemm reads the tiled layout: convert the weight once with repack_tiled(qw)")
@@ -407,7 +417,7 @@ def plan(A, qw, out=None, stream=0, out_dtype=np.float16, bf16=False, ws=None, s
     _arrays.check_aligned(Ad, 16, "A")
     MT = m_tile or m_tile_for(M)
     n_split, per = _k_split(padded_k(K, "tiled"), split, M, N, MT)
-    kern = make_gemm_kernel(qw.k, MT, qw.absmax_format, a_src, out_dtype.name, n_split > 1)
+    kern = make_gemm_kernel(qw.k, MT, qw.absmax_format, a_src, out_dtype.name, n_split > 1, stages=stages)
     if n_split > 1:
         ws = _sums(ws, M * N, stream)
     ws_arg = ws if n_split > 1 else _no_workspace()
