@@ -30,8 +30,8 @@ for K, N in shapes:
         out = cuda.device_array((M, N), np.float16)
         sums = tensor_gemm.new_workspace(M, N)
         cub = bench.cublas_row(K, N, M)
-        auto = tensor_gemm.choose_split(M, N, K, tensor_gemm.m_tile_for(M), sm)[0]
         mt_auto = tensor_gemm.m_tile_for(M)
+        auto = tensor_gemm.choose_split(M, N, K, mt_auto, sm)[0]
         combos = ([(mt, split, None) for mt in sorted({mt_auto, 1, 2}) for split in sorted({auto, 4, 8, 16, 32})]
                   if stage_list == [None] else [(mt_auto, auto, st) for st in stage_list])
         for mt, split, stages in combos:

@@ -9,9 +9,9 @@ Design (numbers in benchmarks/README.md):
   A's rows (zero-filled past M and K), and the tile's plane words and absmax bytes, which the tiled
   layout stores contiguously, into a ring of 2 or 3 stages (``STAGES_FOR_MT``; one barrier per tile)
   that keeps 1-2 K tiles in flight while the MMAs run on another. Copies instead of loads into
-  registers: a register double buffer held 32 more registers. (Deeper rings, 4-6 stages, measured
-  slower: Nsight shows the warps waiting on their own shared-load and ALU dependency chains, ~5 cycles
-  per instruction at 10 warps per SM, not on DRAM.)
+  registers: a register double buffer held 32 more registers. (A 4-stage ring measured up to 8% slower
+  at MT = 1, 2: Nsight shows the warps waiting on their own shared-load and ALU dependency chains, ~5
+  cycles per instruction at 10 warps per SM, not on DRAM.)
   Staged A rows are padded to 72 halves (144 bytes): the 8 row addresses of one ``ldmatrix`` then start
   in 8 different 4-bank groups (conflict-free). ``ldmatrix.x4`` yields the A fragment of an m16n8k16 MMA
   in one instruction.
@@ -63,8 +63,9 @@ AND_OR = 0xEA                    # lop3 truth table of (a & b) | c
 E4M4_CODES = 256                 # entries of the absmax table: one per E4M4 byte
 M_TILES = (1, 2, 4)              # MT: BM = 16 * MT rows of A per CTA
 # K tiles in the shared ring per MT (the tiles ahead of the one in the MMAs are in flight). Measured on the
-# H100 and H200 (benchmarks/runs/2026-11-22_h1?0_gemm_stages_sweep.txt): 2 stages beat 3, 4 by 2-8% at MT = 1, 2
-# (the kernel waits on its instruction chains, not on DRAM), 3 is best at MT = 4.
+# H100 and H200 (benchmarks/runs/2026-11-22_h1?0_gemm_stages_sweep.txt): at MT = 1, 2, 2 stages were the best
+# or within 0.3% of it and up to 8% faster than 4 (the kernel waits on its instruction chains, not on DRAM);
+# at MT = 4, 3 was best.
 STAGES_FOR_MT = {1: 2, 2: 2, 4: 3}
 SHARED_BUDGET = 46 * 1024        # static shared memory per CTA stays under the 48 KB limit
 FINISH_THREADS = 256
