@@ -1,6 +1,6 @@
 """Small launches of every kernel family for compute-sanitizer (memcheck / racecheck) on the device:
 
-    compute-sanitizer --tool memcheck python benchmarks/sanitize.py [codec,gemv,grouped,gemm,formats]
+    compute-sanitizer --tool memcheck python benchmarks/sanitize.py [codec,gemv,pair,grouped,gemm,formats]
 
 (default: every family; name some to check only those).
 """
@@ -10,7 +10,7 @@ import numpy as np
 
 import kbit_numba as kb
 
-families = sys.argv[1].split(",") if len(sys.argv) > 1 else ["codec", "gemv", "grouped", "gemm", "formats"]
+families = sys.argv[1].split(",") if len(sys.argv) > 1 else ["codec", "gemv", "pair", "grouped", "gemm", "formats"]
 rng = np.random.default_rng(0)
 for k in (2, 3, 4, 5):
     for layout in ("flat", "tiled"):
@@ -35,6 +35,17 @@ if "gemm" in families:     # grouped: an expert with two row tiles, an empty one
     for split in (1, 2):
         kb.grouped_gemm(rng.standard_normal((21, 96)).astype(np.float16), tiled, np.array([0, 18, 18, 21], np.int32),
                         split=split, m_tile=1).copy_to_host()
+if "pair" in families:     # N = 37 (a partial column group), K = 1056 (two K-warps, the second nearly idle)
+    from kbit_numba import pair_gemv
+    for k in pair_gemv.CODES_K:
+        for fmt in ("e4m4", "fp32"):
+            kc = pair_gemv.to_codes(kb.quantize(rng.standard_normal((37, 1056)).astype(np.float16), k=k,
+                                                absmax_format=fmt))
+            for M in (1, 2, 3, 4):
+                for CB in (1, 4, 8):
+                    launch, _, out = pair_gemv.plan(rng.standard_normal((M, 1056)).astype(np.float16), kc, CB=CB)
+                    launch()
+                    out.copy_to_host()
 if "grouped" in families:
     experts = kb.stack_experts([kb.reference.quantize(rng.standard_normal((128, 64)).astype(np.float32), k=4)
                                 for _ in range(3)])

@@ -20,7 +20,7 @@ import numpy as np
 SEED_SHAPES = ["2048x5120", "5120x2048", "2048x4096", "2048x512", "4096x2048", "4096x14336"]  # K x N
 KS = [2, 3, 4, 5]
 MS = [1, 2, 3, 4, 8, 16, 32, 64, 128, 512]
-KERNELS = ["gemv", "gemm", "dequant_matmul", "linear", "dequantize"]
+KERNELS = ["gemv", "pair_gemv", "gemm", "dequant_matmul", "linear", "dequantize"]
 TUNE_MS = [1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512]
 READ_CEILING_BYTES = 1 << 30
 
@@ -85,6 +85,42 @@ def measure_ceilings():
     return READ_CEILING_BYTES / t_read / 1e3, 2 * READ_CEILING_BYTES / t_copy / 1e3
 
 
+FLOOR_THREADS = 512
+
+
+def _floor_kernel():
+    from numba import cuda
+
+    from .intrinsics import ldg128
+
+    @cuda.jit
+    def floor_read(src, first_word, n_words, out):
+        """One 16-byte load per thread, so every load of the launch is in flight from the start."""
+        i = cuda.grid(1) * 4
+        if i < n_words:
+            a, b, c, d = ldg128(src, first_word + i)
+            if (a ^ b ^ c ^ d) == np.uint32(0x9E3779B9):
+                out[0] = a
+    return floor_read
+
+
+def floor_us(nbytes):
+    """The read floor of a kernel that must read ``nbytes``: a pure-read Numba kernel over exactly that
+    many bytes (rotating L2-cold copies, CUDA-graph timed, like every row)."""
+    from numba import cuda
+
+    from ._timing import graph_time_us, rotation_count
+
+    kern = _floor_kernel()
+    n_words = -(-nbytes // 16) * 4
+    n = rotation_count(n_words * 4)
+    src = cuda.device_array(n * n_words, np.uint32)
+    out = cuda.device_array(1, np.uint32)
+    grid = -(-n_words // 4 // FLOOR_THREADS)
+    return graph_time_us(lambda i, s: kern[grid, FLOOR_THREADS, s](src, np.int64((i % n) * n_words),
+                                                                   np.int64(n_words), out), n * max(1, 64 // n))
+
+
 # ------------------------------------------------------------------------------------------------
 # Rows
 # ------------------------------------------------------------------------------------------------
@@ -144,7 +180,41 @@ def gemv_rows(shapes, ks, ms, ceilings, progress, tunings=(None,)):
                     moved = nbytes + M * K * 2 + M * N * 2
                     rows.append(dict(kernel=label, shape=f"{K}x{N}", k=k, M=M, us=t, GBps=moved / t / 1e3,
                                      pct_ceiling=100 * moved / t / 1e3 / ceilings["read_GBps"],
-                                     ceiling="read"))
+                                     ceiling="read", floor_bytes=moved))
+    return rows
+
+
+def pair_gemv_rows(shapes, ks, ms, ceilings, progress, cbs=(None,)):
+    """Pair-table GEMV rows (k = 2, 4; the code layout made once per weight): shape x k x M (M <= 4),
+    each CB (None = the default)."""
+    from numba import cuda
+
+    from . import pair_gemv
+    from ._timing import graph_time_us, rotation_count
+
+    rows = []
+    rng = np.random.default_rng(1)
+    for K, N in shapes:
+        for k in [k for k in ks if k in pair_gemv.CODES_K]:
+            nbytes = N * K // 32 * (4 * k + 1)
+            n = rotation_count(nbytes)
+            kcs = [pair_gemv.to_codes(w) for w in _rotating_weights(K, N, k, n, rng)]
+            for M in [m for m in ms if m <= pair_gemv.MAX_M]:
+                A = cuda.to_device(rng.standard_normal((M, K)).astype(np.float16))
+                out = cuda.device_array((M, N), np.float16)
+                for cb in cbs:
+                    label = "pair_gemv" if cb is None else f"pair_gemv[CB={cb}]"
+                    progress(f"{label} {K}x{N} k={k} M={M}")
+                    launches = [pair_gemv.plan(A, kc, out, 0, CB=cb or pair_gemv.DEFAULT_CB)[0] for kc in kcs]
+
+                    def launch(i, s, launches=launches):
+                        launches[i % n](s)
+
+                    t = graph_time_us(launch, n * max(1, 64 // n))
+                    moved = nbytes + M * K * 2 + M * N * 2
+                    rows.append(dict(kernel=label, shape=f"{K}x{N}", k=k, M=M, us=t, GBps=moved / t / 1e3,
+                                     pct_ceiling=100 * moved / t / 1e3 / ceilings["read_GBps"], ceiling="read",
+                                     floor_bytes=moved))
     return rows
 
 
@@ -156,7 +226,7 @@ def _tiled_copies(ws):
 def _mm_row(label, K, N, k, M, t, nbytes, ceilings):
     moved = nbytes + M * K * 2 + M * N * 2
     return dict(kernel=label, shape=f"{K}x{N}", k=k, M=M, us=t, GBps=moved / t / 1e3,
-                pct_ceiling=100 * moved / t / 1e3 / ceilings["read_GBps"], ceiling="read")
+                pct_ceiling=100 * moved / t / 1e3 / ceilings["read_GBps"], ceiling="read", floor_bytes=moved)
 
 
 def matmul_rows(shapes, ks, ms, ceilings, progress, kernels=("gemm", "dequant_matmul", "linear")):
@@ -462,15 +532,18 @@ def dequantize_rows(shapes, ks, ceilings, progress):
 # Output
 # ------------------------------------------------------------------------------------------------
 def format_table(rows):
-    head = f"{'kernel':<22} {'K x N':>11} {'k':>2} {'M':>3} {'us':>8} {'GB/s':>7} {'%ceil':>6} {'cuBLAS us':>9} {'speedup':>7}"
+    head = (f"{'kernel':<22} {'K x N':>11} {'k':>2} {'M':>3} {'us':>8} {'GB/s':>7} {'%ceil':>6} {'floor us':>8} "
+            f"{'%floor':>6} {'cuBLAS us':>9} {'speedup':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
         cb = r.get("cublas_us")
         m = r["M"] if r["M"] else "-"
         cb_txt = f"{cb:9.2f}" if cb else "        -"
         sp_txt = f"{cb / r['us']:6.2f}x" if cb else "      -"
+        fl = r.get("floor_us")
+        fl_txt = f"{fl:8.2f} {100 * fl / r['us']:6.1f}" if fl else f"{'-':>8} {'-':>6}"
         lines.append(f"{r['kernel']:<22} {r['shape']:>11} {r['k']:>2} {m:>3} {r['us']:8.2f} {r['GBps']:7.0f} "
-                     f"{r['pct_ceiling']:6.1f} {cb_txt} {sp_txt}")
+                     f"{r['pct_ceiling']:6.1f} {fl_txt} {cb_txt} {sp_txt}")
     return "\n".join(lines)
 
 
@@ -529,6 +602,7 @@ def main(argv=None):
     p.add_argument("--csv", help="write the rows as CSV to this file")
     p.add_argument("--plot", help="write a speedup-vs-M plot (PNG) to this file (needs matplotlib)")
     p.add_argument("--sweep", help="gemv tunings CB:max_registers to time, e.g. 4:64,8:none")
+    p.add_argument("--pair-cb", help="pair_gemv columns per warp per iteration to time, e.g. 2,4,8")
     p.add_argument("--overhead", action="store_true", help="also measure host time per call")
     p.add_argument("--moe", action="store_true", help="also time the MoE case (512 experts, batch 32, top-8)")
     p.add_argument("--tune", nargs="?", const="", metavar="FILE",
@@ -566,6 +640,8 @@ def main(argv=None):
         rows += dequantize_rows(shapes, ks, ceilings, progress)
     if "gemv" in kernels:
         rows += gemv_rows(shapes, ks, ms, ceilings, progress)
+    if "pair_gemv" in kernels:
+        rows += pair_gemv_rows(shapes, ks, ms, ceilings, progress)
     mm = [kn for kn in ("gemm", "dequant_matmul", "linear") if kn in kernels]
     if mm:
         rows += matmul_rows(shapes, ks, ms, ceilings, progress, mm)
@@ -575,6 +651,8 @@ def main(argv=None):
     if args.sweep:
         tunings = [tuple(None if v == "none" else int(v) for v in t.split(":")) for t in _parse_list(args.sweep)]
         rows += gemv_rows(shapes, ks, ms, ceilings, progress, tunings)
+    if args.pair_cb:
+        rows += pair_gemv_rows(shapes, ks, ms, ceilings, progress, _parse_list(args.pair_cb, int))
     overhead = host_overhead_rows(progress) if args.overhead else []
     moe = (moe_rows(progress) + moe_rows(progress, batch=512)) if args.moe else []
     cublas = {}
@@ -585,6 +663,13 @@ def main(argv=None):
                 progress(f"cuBLAS fp16 {r['shape']} M={r['M']}")
                 cublas[key] = cublas_row(*_shape(r["shape"]), r["M"])
             r["cublas_us"] = cublas[key]
+    floors = {}
+    for r in rows:
+        if r.get("floor_bytes"):
+            if r["floor_bytes"] not in floors:
+                progress(f"read floor {r['floor_bytes']} bytes")
+                floors[r["floor_bytes"]] = floor_us(r["floor_bytes"])
+            r["floor_us"] = floors[r["floor_bytes"]]
     print(f"device: {name}; read ceiling {read_bw:.0f} GB/s, copy ceiling {copy_bw:.0f} GB/s (read+write)")
     if any(r["M"] for r in rows) and not any(r.get("cublas_us") for r in rows if r["M"]):
         print("cuBLAS baseline: unavailable (install torch to time it)")

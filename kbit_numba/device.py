@@ -167,3 +167,54 @@ def small_int_to_f32(x):
     """float32(x) for an int32 |x| < 2**22, exactly, with an integer add and a float subtract: both
     full-rate, where the I2F conversion runs at a quarter of the FMA rate on sm_80/sm_90."""
     return u32_as_f32(np.uint32(x + _I2F_MAGIC)) - _I2F_MAGIC_F
+
+
+@lru_cache(maxsize=None)
+def make_warp_reduce_scatter(V):
+    """Device function ``reduce_scatter(acc, lane) -> (total, v_idx, owner)`` for V = 1, 2, 4, ..., 32.
+
+    Every lane holds V float32 partial sums ``acc[0..V-1]``; afterwards ``total`` is the warp's sum of
+    value ``v_idx`` (a butterfly that halves the values each step: 31 shuffles for V = 32 instead of
+    5 per value), and exactly one lane per value has ``owner`` set. Lane l holds value
+    ``v_idx = lane >> (5 - log2 V)`` read bit-reversed, i.e. the most significant lane bit picks the
+    upper half of the values first. ``acc`` is clobbered. Twin: ``py_warp_reduce_scatter``."""
+    V_LOG = V.bit_length() - 1
+    assert 1 << V_LOG == V and V <= WARP
+
+    @cuda.jit(device=True, inline="always")
+    def reduce_scatter(acc, lane):
+        half = V
+        for step in range(V_LOG):
+            half //= 2
+            off = WARP >> (step + 1)
+            upper = (lane & off) != 0
+            for j in range(half):
+                send = acc[j] if upper else acc[j + half]
+                keep = acc[j + half] if upper else acc[j]
+                acc[j] = keep + cuda.shfl_xor_sync(FULL_MASK, send, off)
+        r = acc[0]
+        off = WARP >> (V_LOG + 1)
+        while off > 0:                                   # lanes sharing a value finish the sum
+            r += cuda.shfl_xor_sync(FULL_MASK, r, off)
+            off //= 2
+        v_idx = 0
+        bit = V // 2
+        for step in range(V_LOG):
+            if lane & (WARP >> (step + 1)):
+                v_idx += bit
+            bit //= 2
+        return r, v_idx, lane % (WARP >> V_LOG) == 0
+
+    return reduce_scatter
+
+
+def py_warp_reduce_scatter(acc):
+    """Twin of ``make_warp_reduce_scatter``: acc [32, V] (lane, value) -> (total[32], v_idx[32], owner[32])."""
+    acc = np.asarray(acc, np.float64)
+    V = acc.shape[1]
+    V_LOG = V.bit_length() - 1
+    lanes = np.arange(WARP)
+    v_idx = np.zeros(WARP, np.int64)
+    for step in range(V_LOG):
+        v_idx += np.where(lanes & (WARP >> (step + 1)), V >> (step + 1), 0)
+    return acc.sum(axis=0)[v_idx], v_idx, lanes % (WARP >> V_LOG) == 0

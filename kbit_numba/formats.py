@@ -238,6 +238,54 @@ class KbitWeight(_HostDevice):
 
 
 
+CODES_K = (2, 4)           # bit widths of the kernel-native code layout: a byte holds whole codes
+
+
+@dataclass(frozen=True)
+class KbitCodes(_HostDevice):
+    """A kbit weight W[N, K] in the kernel-native *code* layout (``pair_gemv`` reads it).
+
+    The same blocks, absmax and codebook as the flat layout, but each block's k words hold the 32
+    indices as k-bit fields in element order instead of bit planes: element j of a block sits at bits
+    ``k * (j % (32 // k))`` of word ``j // (32 // k)``. So byte c of word w is a whole group of
+    ``8 // k`` consecutive elements (a pair at k = 4, a quad at k = 2): one byte indexes a table of
+    pre-combined codebook values with no bit-plane transpose in the kernel. Only k = 2 and 4 (where 8 is
+    a multiple of k). Made from a KbitWeight by ``reference.to_codes`` / ``pair_gemv.to_codes`` and back
+    by ``reference.from_codes``, exactly.
+    """
+    packed: object
+    absmax: object
+    codebook: object
+    k: int
+    shape: tuple
+    absmax_format: str = "e4m4"
+    ARRAYS = ("packed", "absmax", "codebook")
+
+    def __post_init__(self):
+        if self.k not in CODES_K:
+            raise ValueError(f"the code layout holds k in {CODES_K}, got k={self.k}")
+        if self.absmax_format not in ABSMAX_FORMATS:
+            raise ValueError(f"absmax_format must be one of {ABSMAX_FORMATS}, got {self.absmax_format!r}")
+        N, K = self.shape
+        if K % BLOCK:
+            raise ValueError(f"K must be a multiple of {BLOCK}, got {K}")
+        if _size(self.packed) != self.n_blocks * self.k:
+            raise ValueError(f"packed must hold {self.n_blocks * self.k} uint32 words, got {_size(self.packed)}")
+        if _size(self.absmax) != self.n_blocks:
+            raise ValueError(f"absmax must hold {self.n_blocks} values, got {_size(self.absmax)}")
+
+    layout = "codes"
+    N = KbitWeight.N
+    K = KbitWeight.K
+
+    @property
+    def n_kblocks(self):
+        return self.K // BLOCK
+
+    n_blocks = KbitWeight.n_blocks
+    nbytes = KbitWeight.nbytes
+
+
 def _size(a):
     return int(np.prod(a.shape))
 

@@ -215,14 +215,19 @@ ptx_lds128 = _lds_vector(4)
 ptx_lds64 = _lds_vector(2)
 
 
+def _words(arr):
+    """A 4-byte-element array as its uint32 bits (ld.shared.v*.u32 reads bits, not values)."""
+    return arr.view(np.uint32) if arr.dtype.itemsize == 4 and arr.dtype != np.uint32 else arr
+
+
 def py_lds128(arr, addr):
     i = int(addr) >> 2
-    return tuple(np.uint32(arr[i + j]) for j in range(4))
+    return tuple(np.uint32(_words(arr)[i + j]) for j in range(4))
 
 
 def py_lds64(arr, addr):
     i = int(addr) >> 2
-    return np.uint32(arr[i]), np.uint32(arr[i + 1])
+    return np.uint32(_words(arr)[i]), np.uint32(_words(arr)[i + 1])
 
 
 @intrinsic

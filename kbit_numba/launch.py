@@ -22,6 +22,7 @@ from numba import types
 
 from .intrinsics import SIMULATOR
 
+DEFAULT_SHARED_LIMIT = 48 * 1024   # dynamic shared bytes a kernel may use without cuFuncSetAttribute
 _CTYPES = {types.int32: ctypes.c_int32, types.int64: ctypes.c_int64, types.uint32: ctypes.c_uint32,
            types.uint64: ctypes.c_uint64, types.float32: ctypes.c_float, types.float64: ctypes.c_double}
 
@@ -38,6 +39,19 @@ def _device_ptr(arr):
     return int(arr.__cuda_array_interface__["data"][0])
 
 
+def _allow_shared(driver, cufunc, nbytes):
+    """Opt a kernel in to ``nbytes`` of dynamic shared memory (above 48 KB), with the largest shared-memory
+    carveout so that several such CTAs fit on an SM. Numba's handle is a library ``CUkernel``, whose
+    attributes are set per device."""
+    attr = driver.CUfunction_attribute
+    kernel = driver.CUkernel(int(cufunc.handle))
+    for which, value in ((attr.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes),
+                         (attr.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)):
+        err, = driver.cuKernelSetAttribute(which, value, kernel, cufunc.device.id)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cannot set {which} = {value} for {cufunc.name}: {err}")
+
+
 class PreparedLaunch:
     """``kernel[grid, block, stream](*args)`` with the arguments fixed; call it to launch.
 
@@ -46,6 +60,7 @@ class PreparedLaunch:
     def __init__(self, kernel, grid, block, args, stream=0, shared_bytes=0):
         self.kernel, self.grid, self.block, self.args = kernel, grid, block, tuple(args)
         self.stream = stream
+        self._shared = shared_bytes
         if SIMULATOR:
             self._launch = self._launch_numba
             return
@@ -54,7 +69,10 @@ class PreparedLaunch:
         self._driver = driver
         argtypes = tuple(kernel.typeof_pyval(a) for a in self.args)
         compiled = kernel.compile(argtypes)
-        self._func = driver.CUfunction(int(compiled._codelibrary.get_cufunc().handle))
+        cufunc = compiled._codelibrary.get_cufunc()
+        self._func = driver.CUfunction(int(cufunc.handle))
+        if shared_bytes > DEFAULT_SHARED_LIMIT:
+            _allow_shared(driver, cufunc, shared_bytes)
         self._fields = []                       # ctypes values, kept alive with the pointer array
         for ty, val in zip(argtypes, self.args):
             if isinstance(ty, types.Array):
@@ -71,13 +89,12 @@ class PreparedLaunch:
         self._params = (ctypes.c_void_p * len(self._fields))(
             *[ctypes.addressof(f) for f in self._fields])
         self._params_addr = ctypes.addressof(self._params)
-        self._shared = shared_bytes
         self._grid3 = tuple(grid) + (1,) * (3 - len(grid)) if isinstance(grid, tuple) else (grid, 1, 1)
         self._block3 = tuple(block) + (1,) * (3 - len(block)) if isinstance(block, tuple) else (block, 1, 1)
         self._launch = self._launch_driver
 
     def _launch_numba(self, stream):
-        self.kernel[self.grid, self.block, stream](*self.args)
+        self.kernel[self.grid, self.block, stream, self._shared](*self.args)
 
     def _launch_driver(self, stream):
         err, = self._driver.cuLaunchKernel(self._func, *self._grid3, *self._block3, self._shared,

@@ -8,7 +8,7 @@ import numpy as np
 
 from .formats import (BITNET_BLOCK_K, BITNET_BLOCK_N, BITNET_ORDER, BLOCK, INT8_ABSMAX_FLOOR, INT8_MAX, LANES,
                       SBVR_ACT_PLANES, SBVR_GROUP,
-                      SBVR_PLANES, BitnetWeight, KbitWeight, SbvrWeight, UniformWeight, check_codebook, check_k,
+                      SBVR_PLANES, CODES_K, BitnetWeight, KbitCodes, KbitWeight, SbvrWeight, UniformWeight, check_codebook, check_k,
                       e4m4_decode, e4m4_encode, padded_k, tiled_absmax_index, tiled_word_index,
                       uniform_elements_per_word)
 
@@ -75,8 +75,46 @@ def decoded_absmax(qw):
     return e4m4_decode(a) if qw.absmax_format == "e4m4" else a.astype(np.float32)
 
 
+def pack_codes(idx, k):
+    """idx[..., 32] (values < 2**k) -> uint32[..., k]: k-bit fields in element order, element j at bit
+    k * (j % (32 // k)) of word j // (32 // k) (the kernel-native code layout, ``KbitCodes``)."""
+    per_word = 32 // k
+    idx = np.asarray(idx).astype(np.uint64).reshape(idx.shape[:-1] + (k, per_word))
+    shifts = (k * np.arange(per_word)).astype(np.uint64)
+    return (idx << shifts).sum(axis=-1, dtype=np.uint64).astype(np.uint32)
+
+
+def unpack_codes(words, k):
+    """uint32[..., k] code words -> uint8 indices [..., 32]; the inverse of pack_codes."""
+    words = np.asarray(words, dtype=np.uint32)
+    shifts = (k * np.arange(32 // k)).astype(np.uint32)
+    idx = (words[..., None] >> shifts) & np.uint32((1 << k) - 1)
+    return idx.reshape(words.shape[:-1] + (BLOCK,)).astype(np.uint8)
+
+
+def to_codes(qw):
+    """KbitWeight (any layout, k = 2 or 4) -> KbitCodes (NumPy): the same indices re-packed from bit
+    planes into k-bit fields."""
+    if qw.k not in CODES_K:
+        raise ValueError(f"the code layout holds k in {CODES_K}, got k={qw.k}")
+    qw = to_flat(qw.to_numpy())
+    idx = unpack_bitplanes(np.asarray(qw.packed).reshape(-1, qw.k), qw.k)
+    return KbitCodes(pack_codes(idx, qw.k).reshape(-1), np.asarray(qw.absmax), np.asarray(qw.codebook),
+                     qw.k, qw.shape, qw.absmax_format)
+
+
+def from_codes(kc):
+    """KbitCodes -> the flat KbitWeight it came from (NumPy), exactly."""
+    kc = kc.to_numpy()
+    idx = unpack_codes(np.asarray(kc.packed).reshape(-1, kc.k), kc.k)
+    return KbitWeight(pack_bitplanes(idx, kc.k).reshape(-1), np.asarray(kc.absmax), np.asarray(kc.codebook),
+                      kc.k, kc.shape, "flat", kc.absmax_format)
+
+
 def to_flat(qw):
-    """Any layout -> flat layout (NumPy)."""
+    """Any layout (KbitCodes too) -> flat layout (NumPy)."""
+    if isinstance(qw, KbitCodes):
+        return from_codes(qw)
     if qw.layout == "flat":
         return qw
     N, K = qw.shape

@@ -17,8 +17,9 @@ CC = (9, 0)
 
 
 def _specializations():
-    from kbit_numba import act_quant, bitnet, codec, sbvr, scalar_gemv, tensor_gemm, uniform
+    from kbit_numba import act_quant, bitnet, codec, pair_gemv, sbvr, scalar_gemv, tensor_gemm, uniform
     return (codec.kernel_specializations() + scalar_gemv.kernel_specializations()
+            + pair_gemv.kernel_specializations()
             + tensor_gemm.kernel_specializations() + act_quant.kernel_specializations()
             + uniform.kernel_specializations() + sbvr.kernel_specializations()
             + bitnet.kernel_specializations())
@@ -37,6 +38,11 @@ def _requirements(name):
         must += ["shfl.sync.bfly.b32", "prmt.b32", "ld.shared.f32", "cvta.to.shared"]
         must += {4: ["ld.global.nc.v4.u32"], 2: ["ld.global.nc.v2.u32"]}.get(k, [])
         never += ["ld.shared.f64", "cvt.rn.f32.f64"]         # no float64 crept into the inner loop
+    if name.startswith("pair_gemv"):
+        k = int(name.split("k=")[1].split()[0])
+        must += ["shfl.sync.bfly.b32", "prmt.b32", "cvta.to.shared", "bar.sync"]
+        must += {4: ["ld.global.nc.v4.u32", "ld.shared.v2.u32"], 2: ["ld.global.nc.v2.u32", "ld.shared.v4.u32"]}[k]
+        never += ["ld.shared.f64", "cvt.rn.f32.f64"]
     if name.startswith("gemm"):
         bf16 = "A=bfloat16" in name
         must += ["mma.sync.aligned.m16n8k16.row.col.f32." + ("bf16.bf16" if bf16 else "f16.f16") + ".f32",

@@ -1,0 +1,373 @@
+"""Pair-table GEMV: C[M, N] = A[M, K] @ W[N, K]^T for M = 1..4 on the kernel-native code layout (k = 2, 4).
+
+The scalar gemv (``scalar_gemv``) spends ~10 SASS instructions per weight, most of them transposing bit
+planes into indices. At DRAM speed an H100 affords ~5.7 issue slots per weight in all, of which at most
+~2.9 integer ops and ~1.4 shared loads (``benchmarks/README.md``). This kernel moves the transpose
+offline and looks weights up several at a time:
+
+* **Layout** (``formats.KbitCodes``, made once by :func:`to_codes`): a block's k words hold its indices
+  as k-bit fields in element order, so byte c of word w is one *group* of ``G = 8 // k`` consecutive
+  elements (a pair at k = 4, a quad at k = 2). Same bytes per weight as the bit planes.
+* **Group table**: 256 entries (one per byte value) of G float32 codebook values, in 64 KB of dynamic
+  shared memory laid out ``[code][copy]`` with one 256-byte row per code and ``64 // G`` copies per row,
+  so that lane l reads copy ``l % copies``: the 32 lanes of an ``ld.shared.v2`` (v4 at k = 2) always hit
+  distinct banks, whatever their codes. Because a row is exactly 256 bytes, the address of code byte c is
+  ``code * 256 + copy * 4G``: **one prmt** drops the byte into bits 8..15 next to the lane's copy offset.
+* **Per group of G weights**: 1 prmt + 1 shared load + G*M float32 FMAs (k = 4, M = 1: 2 instructions
+  per weight). The block's sum is scaled by its absmax once.
+* **Geometry**: as in the scalar gemv, lane l of K-warp w owns block kb = 32 w + l for the whole launch
+  (its activations stay in registers) and a persistent grid walks the columns, CB per warp per
+  iteration, with the next iteration's 8- or 16-byte loads issued before the current ones are decoded.
+  The table must be shared by many warps, so a CTA holds ``S`` *slices* of ``KW = ceil(K / 1024)`` warps;
+  slice s takes columns ``s*CB .. s*CB+CB-1`` of each group of S*CB columns. Lane sums are reduced by a
+  warp reduce-scatter, then over the KW warps in shared memory (double-buffered, one barrier per
+  iteration).
+
+Reference twin: ``reference.gemv`` (which reads ``KbitCodes`` too). Tests: ``tests/test_pair_gemv.py``.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+from numba import cuda
+
+from numba.cuda.misc.special import literal_unroll
+
+from . import _arrays
+from .device import WARP, e4m4_decode, jit_kernel, make_warp_reduce_scatter, make_word_unpacker
+from .formats import BLOCK, CODES_K, KbitCodes, KbitWeight
+from .intrinsics import SIMULATOR, ldg64, ldg128, lds64, lds128, prmt, shared_addr, u32_as_f32
+from .launch import PreparedLaunch
+
+MAX_M = 4
+MAX_KW = 32                       # K-warps per slice: K <= 32 * 32 * 32 = 32768
+CODES = 256                       # table entries: one per code byte
+ROW_BYTES = 256                   # one table row per code, so a code byte shifted by 8 is its row address
+TABLE_BYTES = CODES * ROW_BYTES   # 64 KB of dynamic shared memory
+TABLE_FLOATS = TABLE_BYTES // 4
+ABSMAX_CODES = 256                # E4M4 bytes, decoded once per CTA into shared memory after the table
+PART = TABLE_FLOATS + ABSMAX_CODES   # float offset of the cross-warp partial sums
+# prmt selector for code byte t of a word: result byte 0 <- the lane's copy offset (byte 4 of {b, a}),
+# byte 1 <- byte t of the code word, bytes 2, 3 <- byte 5 (zero: the offset is < 256).
+PRMT_ROW = 0x5504
+DEFAULT_CB = 4                    # columns per warp per iteration (CB * 16 bytes in flight per lane)
+CTA_WARPS = 2 if SIMULATOR else 16   # warps per CTA the plan aims for (the table is filled once per CTA)
+REGISTERS_PER_SM = 65536
+
+
+@lru_cache(maxsize=None)
+def make_pair_gemv_kernel(k, M, CB, absmax_format, a_src, out_dtype):
+    """Kernel(A words, packed codes, absmax, codebook, out[M*N], N, n_kb); blockDim = 32 * KW * S.
+
+    k: 2 or 4; M: rows of A (1..4); CB: columns per warp per iteration; a_src: 'float16', 'float32' or
+    'bfloat16' (A read as uint32 words); out_dtype: 'float16' or 'float32'. Launch with
+    ``TABLE_BYTES + part_bytes(...)`` bytes of dynamic shared memory."""
+    if k not in CODES_K or not 1 <= M <= MAX_M:
+        raise ValueError(f"pair gemv handles k in {CODES_K} and M = 1..{MAX_M}, got k={k}, M={M}")
+    G = 8 // k                                     # elements per code byte
+    COPIES = ROW_BYTES // (4 * G)                  # table copies per row: 32 (k = 4) or 16 (k = 2)
+    ROW_FLOATS = ROW_BYTES // 4
+    CODE_MASK = (1 << k) - 1
+    CM = CB * M
+    V = 1 << (CM - 1).bit_length()                 # partial sums per lane, padded to a power of two
+    e4m4 = absmax_format == "e4m4"
+    absmax_t = np.uint8 if e4m4 else np.float32
+    f16_out = np.dtype(out_dtype) == np.float16
+    word_to_f32, A_PER_WORD = make_word_unpacker(a_src)
+    reduce_scatter = make_warp_reduce_scatter(V)
+    ROWS = tuple(range(M))
+
+    @cuda.jit(device=True, inline="always")
+    def load_columns(packed, absmax, n0, kb, active, N, n_kb, nxt, nxt_absmax):
+        """Issue the loads of columns n0 .. n0+CB-1 of this lane's block (k words in one 16- or 8-byte
+        load, and the absmax) into nxt / nxt_absmax; columns past N and idle lanes load nothing."""
+        for c in range(CB):
+            n = n0 + c
+            if active and n < N:
+                slot = np.uint32(n) * np.uint32(n_kb) + np.uint32(kb)   # unsigned: no wraparound code
+                if k == 4:
+                    nxt[c, 0], nxt[c, 1], nxt[c, 2], nxt[c, 3] = ldg128(packed, slot * 4)
+                else:
+                    nxt[c, 0], nxt[c, 1] = ldg64(packed, slot * 2)
+                nxt_absmax[c] = absmax[slot]
+
+    def pair_gemv(A, packed, absmax, cb, out, N, n_kb):
+        smem = cuda.shared.array(0, np.float32)    # [group table][E4M4 table][partials 2 x S x KW x V]
+        tid = cuda.threadIdx.x
+        lane = tid % WARP
+        warp = tid // WARP
+        kw = (n_kb + WARP - 1) // WARP             # K-warps per slice
+        slices = cuda.blockDim.x // (WARP * kw)
+        sl = warp // kw
+        w = warp - sl * kw
+        kb = w * WARP + lane
+        active = kb < n_kb
+        group_cols = slices * CB
+        n_groups = (N + group_cols - 1) // group_cols
+        g = cuda.blockIdx.x
+
+        # ---- 1. the first columns' weight loads go out before anything else ----------------------
+        nxt = cuda.local.array((CB, k), np.uint32)
+        nxt_absmax = cuda.local.array(CB, absmax_t)
+        for c in range(CB):
+            for b in range(k):
+                nxt[c, b] = np.uint32(0)
+            nxt_absmax[c] = absmax_t(0)
+        load_columns(packed, absmax, g * group_cols + sl * CB, kb, active, N, n_kb, nxt, nxt_absmax)
+
+        # ---- 2. the group table: entry (code, copy) = G codebook values, element i from bits k*i ----
+        i = tid
+        while i < CODES * COPIES:
+            code = i // COPIES
+            base = code * ROW_FLOATS + (i - code * COPIES) * G
+            for e in range(G):
+                smem[base + e] = cb[(code >> (k * e)) & CODE_MASK]
+            i += cuda.blockDim.x
+        i = tid
+        while e4m4 and i < ABSMAX_CODES:             # every E4M4 byte's value: one shared load per block
+            smem[TABLE_FLOATS + i] = e4m4_decode(np.uint8(i))
+            i += cuda.blockDim.x
+
+        # ---- 3. this lane's 32 x M activations, element order, 16-byte loads ---------------------
+        a = cuda.local.array((M, BLOCK), np.float32)
+        for m in literal_unroll(ROWS):              # (once per launch: range(M) stays rolled at M = 4)
+            a_base = (m * n_kb * BLOCK + kb * BLOCK) // A_PER_WORD if active else 0
+            a_live = np.float32(1.0) if active else np.float32(0.0)
+            for q in range(BLOCK // A_PER_WORD // 4):
+                w4 = ldg128(A, a_base + 4 * q)
+                for h in range(4):
+                    for e in range(A_PER_WORD):
+                        a[m, (4 * q + h) * A_PER_WORD + e] = word_to_f32(w4[h], e) * a_live
+        table = shared_addr(smem)
+        lane_off = np.uint32((lane % COPIES) * 4 * G)
+        cuda.syncthreads()
+
+        codes = cuda.local.array((CB, k), np.uint32)
+        scale = cuda.local.array(CB, np.float32)
+        acc = cuda.local.array(V, np.float32)
+        s = cuda.local.array(M, np.float32)
+        parity = 0
+        while g < n_groups:
+            n0 = g * group_cols + sl * CB
+            # ---- 4. take the loaded columns, start loading the next group's --------------------
+            for c in range(CB):
+                for b in range(k):
+                    codes[c, b] = nxt[c, b]
+                scale[c] = smem[TABLE_FLOATS + np.uint32(nxt_absmax[c])] if e4m4 else nxt_absmax[c]
+            g_cur = g
+            g += cuda.gridDim.x
+            load_columns(packed, absmax, g * group_cols + sl * CB, kb, active, N, n_kb, nxt, nxt_absmax)
+            # ---- 5. decode: one prmt and one shared load per code byte, G*M FMAs -------------------
+            for j in range(CM, V):
+                acc[j] = np.float32(0.0)
+            for c in range(CB):
+                for m in range(M):
+                    s[m] = np.float32(0.0)
+                for wd in range(k):
+                    for t in range(4):
+                        addr = table + prmt(codes[c, wd], lane_off, np.uint32(PRMT_ROW | (t << 4)))
+                        e0 = (wd * 4 + t) * G            # first element of this group
+                        if G == 2:
+                            x0, x1 = lds64(smem, addr)
+                            v0 = u32_as_f32(x0)
+                            v1 = u32_as_f32(x1)
+                            for m in range(M):               # separate statements: two FFMAs
+                                s[m] += v0 * a[m, e0]
+                                s[m] += v1 * a[m, e0 + 1]
+                        else:
+                            x0, x1, x2, x3 = lds128(smem, addr)
+                            v0 = u32_as_f32(x0)
+                            v1 = u32_as_f32(x1)
+                            v2 = u32_as_f32(x2)
+                            v3 = u32_as_f32(x3)
+                            for m in range(M):
+                                s[m] += v0 * a[m, e0]
+                                s[m] += v1 * a[m, e0 + 1]
+                                s[m] += v2 * a[m, e0 + 2]
+                                s[m] += v3 * a[m, e0 + 3]
+                for m in range(M):
+                    acc[c * M + m] = s[m] * scale[c]
+            # ---- 6. warp reduce-scatter, then over the slice's K-warps in shared memory ----------
+            r, v_idx, owner = reduce_scatter(acc, lane)
+            if owner:
+                smem[PART + ((parity * slices + sl) * kw + w) * V + v_idx] = r
+            cuda.syncthreads()
+            if tid < slices * CM:
+                s_out = tid // CM
+                v = tid - s_out * CM
+                c = v // M
+                m = v - c * M
+                n = g_cur * group_cols + s_out * CB + c
+                total = np.float32(0.0)
+                for w2 in range(kw):
+                    total += smem[PART + ((parity * slices + s_out) * kw + w2) * V + v]
+                if n < N:
+                    out[m * N + n] = np.float16(total) if f16_out else total
+            parity ^= 1
+
+    return jit_kernel(pair_gemv)
+
+
+def part_bytes(M, CB, slices, kw):
+    """Dynamic shared bytes after the group table: the E4M4 table and the double-buffered partials
+    [2, slices, kw, V] float32."""
+    V = 1 << (CB * M - 1).bit_length()
+    return 4 * ABSMAX_CODES + 2 * slices * kw * V * 4
+
+
+# ------------------------------------------------------------------------------------------------
+# The layout
+# ------------------------------------------------------------------------------------------------
+@lru_cache(maxsize=None)
+def make_to_codes_kernel(k):
+    """Kernel(planes, codes, n_blocks): one thread per block, bit planes -> k-bit fields (element order)."""
+    PER_WORD = BLOCK // k
+
+    @cuda.jit
+    def to_codes_kernel(planes, codes, n_blocks):
+        blk = cuda.grid(1)
+        if blk >= n_blocks:
+            return
+        for wd in range(k):
+            word = np.uint32(0)
+            for f in range(PER_WORD):
+                j = wd * PER_WORD + f               # element j of the block
+                for b in range(k):
+                    bit = (planes[blk * k + b] >> np.uint32(j)) & np.uint32(1)
+                    word |= bit << np.uint32(k * f + b)
+            codes[blk * k + wd] = word
+
+    return to_codes_kernel
+
+
+def to_codes(qw, stream=None):
+    """KbitWeight (flat layout, k = 2 or 4) -> KbitCodes on the device: the same indices re-packed once
+    from bit planes into k-bit fields (what :func:`gemv` reads). ``reference.to_codes`` is its twin,
+    ``reference.from_codes`` the exact inverse."""
+    from .codec import _device_weight
+    if isinstance(qw, KbitCodes):
+        return qw if qw.on_device else qw.to_device(_arrays.as_stream(stream) or 0)
+    if not isinstance(qw, KbitWeight):
+        raise TypeError(f"to_codes needs a KbitWeight, got {type(qw).__name__}")
+    if qw.k not in CODES_K:
+        raise ValueError(f"the code layout holds k in {CODES_K}, got k={qw.k} (use scalar_gemv.gemv)")
+    if qw.layout != "flat":
+        raise ValueError(f"to_codes reads the flat layout, got layout={qw.layout!r}")
+    stream = _arrays.as_stream(stream)
+    qw = _device_weight(qw, stream)
+    n_blocks = qw.n_blocks
+    codes = cuda.device_array(n_blocks * qw.k, np.uint32, stream=stream)
+    tpb = 256
+    make_to_codes_kernel(qw.k)[(n_blocks + tpb - 1) // tpb, tpb, stream](qw.packed, codes, np.int32(n_blocks))
+    return KbitCodes(codes, qw.absmax, qw.codebook, qw.k, qw.shape, qw.absmax_format)
+
+
+# ------------------------------------------------------------------------------------------------
+# Launch
+# ------------------------------------------------------------------------------------------------
+def _sm_count():
+    try:
+        return cuda.get_current_device().MULTIPROCESSOR_COUNT
+    except Exception:   # the simulator has no such attribute
+        return 2
+
+
+def _kernel_limits(kern, args):
+    """(registers per thread, most threads per CTA) of the kernel compiled for ``args``, as the driver
+    reports them (registers decide how large a CTA can be); (0, 1024) under the simulator."""
+    if SIMULATOR:
+        return 0, 1024
+    sig = tuple(kern.typeof_pyval(x) for x in args)
+    attrs = kern.compile(sig)._codelibrary.get_cufunc().attrs
+    return attrs.regs, attrs.maxthreads
+
+
+def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, CB=DEFAULT_CB, cta_warps=None):
+    """Checked inputs and the launch: (PreparedLaunch, device A, out). ``kc``: KbitCodes (a KbitWeight
+    is re-packed with :func:`to_codes`, a copy per call: keep the KbitCodes for repeated use)."""
+    stream = _arrays.as_stream(stream)
+    if not isinstance(kc, KbitCodes):
+        kc = to_codes(kc, stream)
+    elif not kc.on_device:
+        kc = kc.to_device(stream)
+    if CB not in (1, 2, 4, 8):
+        raise ValueError(f"CB must be 1, 2, 4 or 8, got {CB}")
+    N, K = kc.shape
+    Ad, a_src, M, out = _arrays.gemv_io(A, kc.shape, out, out_dtype, bf16, stream, "pair gemv", MAX_M)
+    n_kb = K // BLOCK
+    kw = -(-n_kb // WARP)
+    if kw > MAX_KW:
+        raise ValueError(f"pair gemv handles K <= {MAX_KW * WARP * BLOCK}, got K={K}")
+    _arrays.check_aligned(Ad, 16, "A")
+    absmax_t = np.uint8 if kc.absmax_format == "e4m4" else np.float32
+    packed = _arrays.device_array(kc.packed, "kc.packed", (np.uint32,), 1, stream)
+    absmax = _arrays.device_array(kc.absmax, "kc.absmax", (absmax_t,), 1, stream)
+    cb = _arrays.device_array(kc.codebook, "kc.codebook", (np.float32,), 1, stream)
+    kern = make_pair_gemv_kernel(kc.k, M, CB, kc.absmax_format, a_src, out.dtype.name)
+    args = (_arrays.flat_view(Ad, np.uint32), packed, absmax, cb, _arrays.flat_view(out),
+            np.int32(N), np.int32(n_kb))
+    regs, max_threads = _kernel_limits(kern, args)
+    if kw * WARP > max_threads:
+        raise ValueError(f"pair gemv with M={M}, CB={CB} fits {max_threads} threads per CTA: K <= "
+                         f"{max_threads * BLOCK}, got K={K} (use a smaller CB)")
+    slices = max(1, min((cta_warps or CTA_WARPS) // kw, max_threads // (kw * WARP)))
+    slices = min(slices, -(-N // CB))                      # no slice without a column
+    n_groups = -(-N // (slices * CB))
+    shared = TABLE_BYTES + part_bytes(M, CB, slices, kw)
+    regs_alloc = max(8, -(-regs // 8) * 8)                 # registers are allocated in units of 8
+    per_sm = max(1, min(REGISTERS_PER_SM // (slices * kw * WARP * regs_alloc),
+                        (228 * 1024) // (shared + 1024)))
+    grid = min(n_groups, _sm_count() * per_sm)
+    return PreparedLaunch(kern, grid, slices * kw * WARP, args, stream, shared), Ad, out
+
+
+def gemv(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False):
+    """C[M, N] = A[M, K] @ W^T for M = 1..4 with W a KbitCodes (k = 2 or 4; see :func:`to_codes`).
+
+    A: float16/float32 [M, K] or [K] (bfloat16 as int16 bits with ``bf16=True``); returns a device array
+    [M, N] (or [N]) of ``out_dtype`` (float16 or float32), or writes into ``out``."""
+    launch, _, out = plan(A, kc, out, stream, out_dtype, bf16)
+    launch()
+    return out
+
+
+class PreparedPairGemv:
+    """A pair gemv bound to its buffers and stream: each ``run()`` is one driver launch. Write the next
+    activations into ``prepared.A`` before ``run()``; results land in ``prepared.out``."""
+
+    def __init__(self, A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False):
+        if isinstance(A, np.ndarray):
+            raise TypeError("prepare binds buffers by address: pass A as a device array")
+        self._launch, self.A, self.out = plan(A, kc, out, stream, out_dtype, bf16)
+
+    def run(self, stream=None):
+        self._launch(None if stream is None else _arrays.as_stream(stream))
+        return self.out
+
+
+def prepare(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False):
+    """The fast path for repeated calls: see :class:`PreparedPairGemv`."""
+    return PreparedPairGemv(A, kc, out, stream, out_dtype, bf16)
+
+
+def kernel_specializations():
+    """(name, kernel, argument types) for the PTX checks: every (k, M) at the default CB, and each other
+    value of CB, absmax format, A type and output type with every k."""
+    from numba import types as t
+    nb = {"float16": t.float16[::1], "float32": t.float32[::1]}
+    base = dict(M=1, CB=DEFAULT_CB, fmt="e4m4", a_src="float16", od="float16")
+    variants = [dict(M=M) for M in (1, 2, 3, 4)]
+    variants += [dict(M=2, CB=cb) for cb in (1, 2, 8)]
+    variants += [dict(fmt="fp32", M=3), dict(a_src="float32", M=2), dict(a_src="bfloat16"), dict(od="float32")]
+    specs = []
+    for k in CODES_K:
+        for v in variants:
+            c = dict(base, **v)
+            am = t.uint8[::1] if c["fmt"] == "e4m4" else t.float32[::1]
+            name = f"pair_gemv k={k} M={c['M']} CB={c['CB']} {c['fmt']} A={c['a_src']} out={c['od']}"
+            kern = make_pair_gemv_kernel(k, c["M"], c["CB"], c["fmt"], c["a_src"], c["od"])
+            specs.append((name, kern, (t.uint32[::1], t.uint32[::1], am, t.float32[::1], nb[c["od"]],
+                                       t.int32, t.int32)))
+        specs.append((f"to_codes k={k}", make_to_codes_kernel(k), (t.uint32[::1], t.uint32[::1], t.int32)))
+    return specs

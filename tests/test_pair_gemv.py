@@ -1,0 +1,113 @@
+"""Pair-table GEMV and the kernel-native code layout against the reference, on the simulator (CI) and the GPU."""
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+from numba import cuda
+
+from kbit_numba import device, pair_gemv, reference as ref
+from kbit_numba.formats import CODES_K, KbitCodes
+from helpers import EXAMPLES, SIM, random_weight, seeds
+from test_gemv import _activations, check_close
+
+codes_ks = st.sampled_from(CODES_K)
+MAX_N = 12 if SIM else 700
+# K = 32 * kb: past 1024 (two K-warps) on the simulator too, up to several warps on the GPU
+KBS = st.sampled_from([1, 3, 33]) if SIM else st.integers(1, 140)
+
+
+@settings(max_examples=EXAMPLES * 2)
+@given(seeds, st.sampled_from([2, 3, 4, 5]), st.integers(1, 40), st.integers(1, 8))
+def test_codes_round_trip(seed, k, N, kbn):
+    """to_codes / from_codes are exact inverses, the GPU re-pack matches the twin, and k = 3, 5 are refused."""
+    rng = np.random.default_rng(seed)
+    qw = ref.quantize(random_weight(rng, N, 32 * kbn), k=k)
+    if k not in CODES_K:
+        with pytest.raises(ValueError, match="code layout"):
+            ref.to_codes(qw)
+        return
+    kc = ref.to_codes(qw)
+    assert np.array_equal(ref.from_codes(kc).packed, qw.packed)
+    assert np.array_equal(ref.dequantize(kc), ref.dequantize(qw))
+    assert np.array_equal(pair_gemv.to_codes(qw).packed.copy_to_host(), kc.packed)
+
+
+def test_codes_field_order():
+    """Element j of a block is the k-bit field at bit k*(j % (32//k)) of word j // (32//k)."""
+    idx = np.arange(32) % 16
+    words = ref.pack_codes(idx[None], 4)[0]
+    assert words[0] == 0x76543210 and words[1] == 0xFEDCBA98 and words[2] == 0x76543210
+    idx2 = np.arange(32) % 4
+    assert ref.pack_codes(idx2[None], 2)[0][0] == 0xE4E4E4E4
+
+
+@settings(max_examples=EXAMPLES * 2)
+@given(seeds, codes_ks, st.integers(1, 4), st.integers(1, MAX_N), KBS, st.sampled_from(["e4m4", "fp32"]),
+       st.sampled_from(["float16", "float32", "bfloat16"]), st.sampled_from([np.float16, np.float32]),
+       st.sampled_from([1, 2, 4, 8]))
+def test_pair_gemv(seed, k, M, N, kbn, fmt, a_dtype, out_dtype, CB):
+    rng = np.random.default_rng(seed)
+    K = 32 * kbn
+    qw = ref.quantize(random_weight(rng, N, K), k=k, absmax_format=fmt)
+    kc = pair_gemv.to_codes(qw)
+    A = _activations(rng, M, K, a_dtype)
+    bf16 = a_dtype == "bfloat16"
+    launch, _, out = pair_gemv.plan(A, kc, out_dtype=out_dtype, bf16=bf16, CB=CB)
+    launch()
+    assert out.shape == (M, N) and out.dtype == np.dtype(out_dtype)
+    check_close(out.copy_to_host(), A, qw, bf16, out_dtype)
+
+
+def test_pair_gemv_vector_input_out_buffer_and_prepare():
+    rng = np.random.default_rng(3)
+    qw = ref.quantize(random_weight(rng, 9, 64), k=4)
+    kc = ref.to_codes(qw)                                 # host KbitCodes are copied over
+    a = _activations(rng, 1, 64, "float16", one_d=True)
+    out = cuda.device_array(9, np.float32)
+    assert pair_gemv.gemv(cuda.to_device(a), kc, out=out, stream=cuda.stream()) is out
+    check_close(out.copy_to_host()[None], a[None], qw)
+    A = cuda.to_device(_activations(rng, 2, 64, "float16"))
+    step = pair_gemv.prepare(A, pair_gemv.to_codes(qw))
+    check_close(step.run().copy_to_host(), A.copy_to_host(), qw, out_dtype=np.float16)
+
+
+def test_pair_gemv_refuses():
+    rng = np.random.default_rng(4)
+    qw = ref.quantize(random_weight(rng, 4, 64), k=4)
+    with pytest.raises(ValueError, match="M = 1..4"):
+        pair_gemv.gemv(np.zeros((5, 64), np.float16), qw)
+    with pytest.raises(ValueError, match="K=32"):
+        pair_gemv.gemv(np.zeros((1, 32), np.float16), qw)
+    with pytest.raises(ValueError, match="code layout"):
+        pair_gemv.to_codes(ref.quantize(random_weight(rng, 4, 64), k=3))
+    with pytest.raises(ValueError, match="CB"):
+        pair_gemv.plan(np.zeros((1, 64), np.float16), qw, CB=3)
+    with pytest.raises(ValueError, match="code layout"):
+        KbitCodes(np.zeros(10, np.uint32), np.zeros(2, np.uint8), np.zeros(32, np.float32), 5, (2, 32))
+
+
+@settings(max_examples=EXAMPLES)
+@given(seeds, st.sampled_from([1, 2, 4, 8, 16, 32]))
+def test_warp_reduce_scatter(seed, V):
+    """The warp reduce-scatter against its twin: which lane ends with which value's sum."""
+    acc = np.random.default_rng(seed).standard_normal((32, V)).astype(np.float32)
+    rs = device.make_warp_reduce_scatter(V)
+
+    @cuda.jit
+    def kern(acc_in, total, v_idx, owner):
+        lane = cuda.threadIdx.x
+        a = cuda.local.array(V, np.float32)
+        for j in range(V):
+            a[j] = acc_in[lane, j]
+        r, v, o = rs(a, lane)
+        total[lane] = r
+        v_idx[lane] = v
+        owner[lane] = 1 if o else 0
+
+    total = cuda.device_array(32, np.float32)
+    v_idx = cuda.device_array(32, np.int32)
+    owner = cuda.device_array(32, np.int32)
+    kern[1, 32](cuda.to_device(acc), total, v_idx, owner)
+    want_total, want_idx, want_owner = device.py_warp_reduce_scatter(acc)
+    assert np.array_equal(v_idx.copy_to_host(), want_idx)
+    assert np.array_equal(owner.copy_to_host().astype(bool), want_owner)
+    np.testing.assert_allclose(total.copy_to_host(), want_total, rtol=1e-5, atol=1e-5)
