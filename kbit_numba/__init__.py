@@ -18,7 +18,7 @@ from .formats import BLOCK, K_BITS, KbitWeight, codebook, e4m4_decode, e4m4_enco
 from .codec import dequantize, quantize, repack_tiled  # noqa: E402
 from .tensor_gemm import gemm, grouped_gemm  # noqa: E402
 from .dispatch import KbitLinear, Workspace, dequant_matmul, linear  # noqa: E402
-from . import bitnet, sbvr, uniform  # noqa: E402
+from . import bitnet, pair_gemv, sbvr, uniform  # noqa: E402
 from .scalar_gemv import KbitExperts, PreparedGemv, gemv, grouped_gemv, prepare_gemv, stack_experts  # noqa: E402,E501
 
 SIMULATOR = bool(_config.ENABLE_CUDASIM)
@@ -28,4 +28,4 @@ __version__ = "0.1.0"
 __all__ = ["BLOCK", "K_BITS", "KbitWeight", "codebook", "e4m4_encode", "e4m4_decode", "reference",
            "quantize", "dequantize", "repack_tiled", "gemv", "prepare_gemv", "PreparedGemv",
            "grouped_gemv", "stack_experts", "KbitExperts", "gemm", "grouped_gemm", "linear", "KbitLinear",
-           "Workspace", "dequant_matmul", "uniform", "sbvr", "bitnet", "SIMULATOR"]
+           "Workspace", "dequant_matmul", "pair_gemv", "uniform", "sbvr", "bitnet", "SIMULATOR"]
