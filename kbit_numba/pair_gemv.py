@@ -47,7 +47,8 @@ ROW_BYTES = 256                   # one table row per code, so a code byte shift
 TABLE_BYTES = CODES * ROW_BYTES   # 64 KB of dynamic shared memory
 TABLE_FLOATS = TABLE_BYTES // 4
 ABSMAX_CODES = 256                # E4M4 bytes, decoded once per CTA into shared memory after the table
-PART = TABLE_FLOATS + ABSMAX_CODES   # float offset of the cross-warp partial sums
+CODEBOOK = TABLE_FLOATS + ABSMAX_CODES   # float offset of the codebook (<= 16 values, staged for the fill)
+PART = CODEBOOK + 16              # float offset of the cross-warp partial sums
 # prmt selector for code byte t of a word: result byte 0 <- the lane's copy offset (byte 4 of {b, a}),
 # byte 1 <- byte t of the code word, bytes 2, 3 <- byte 5 (zero: the offset is < 256).
 PRMT_ROW = 0x5504
@@ -67,8 +68,8 @@ def make_pair_gemv_kernel(k, M, CB, absmax_format, a_src, out_dtype):
         raise ValueError(f"pair gemv handles k in {CODES_K} and M = 1..{MAX_M}, got k={k}, M={M}")
     G = 8 // k                                     # elements per code byte
     COPIES = ROW_BYTES // (4 * G)                  # table copies per row: 32 (k = 4) or 16 (k = 2)
-    ROW_FLOATS = ROW_BYTES // 4
     CODE_MASK = (1 << k) - 1
+    N_CODES = 1 << k
     CM = CB * M
     V = 1 << (CM - 1).bit_length()                 # partial sums per lane, padded to a power of two
     e4m4 = absmax_format == "e4m4"
@@ -93,7 +94,7 @@ def make_pair_gemv_kernel(k, M, CB, absmax_format, a_src, out_dtype):
                 nxt_absmax[c] = absmax[slot]
 
     def pair_gemv(A, packed, absmax, cb, out, N, n_kb):
-        smem = cuda.shared.array(0, np.float32)    # [group table][E4M4 table][partials 2 x S x KW x V]
+        smem = cuda.shared.array(0, np.float32)    # [group table][E4M4 table][codebook][partials]
         tid = cuda.threadIdx.x
         lane = tid % WARP
         warp = tid // WARP
@@ -116,14 +117,18 @@ def make_pair_gemv_kernel(k, M, CB, absmax_format, a_src, out_dtype):
             nxt_absmax[c] = absmax_t(0)
         load_columns(packed, absmax, g * group_cols + sl * CB, kb, active, N, n_kb, nxt, nxt_absmax)
 
-        # ---- 2. the group table: entry (code, copy) = G codebook values, element i from bits k*i ----
-        i = tid
-        while i < CODES * COPIES:
-            code = i // COPIES
-            base = code * ROW_FLOATS + (i - code * COPIES) * G
+        # ---- 2. the group table: entry (code, copy) = G codebook values, element e from bits k*e ----
+        #         (read from a shared copy of the codebook: 16384 global reads would serialise the fill)
+        if tid < N_CODES:
+            smem[CODEBOOK + tid] = cb[tid]
+        cuda.syncthreads()
+        i = np.uint32(tid)                          # entry i = code * COPIES + copy: row of code, copy's slot
+        while i < np.uint32(CODES * COPIES):
+            code = i // np.uint32(COPIES)
             for e in range(G):
-                smem[base + e] = cb[(code >> (k * e)) & CODE_MASK]
-            i += cuda.blockDim.x
+                smem[i * np.uint32(G) + np.uint32(e)] = smem[np.uint32(CODEBOOK) + ((code >> np.uint32(k * e))
+                                                                                 & np.uint32(CODE_MASK))]
+            i += np.uint32(cuda.blockDim.x)
         i = tid
         while e4m4 and i < ABSMAX_CODES:             # every E4M4 byte's value: one shared load per block
             smem[TABLE_FLOATS + i] = e4m4_decode(np.uint8(i))
@@ -213,7 +218,7 @@ def part_bytes(M, CB, slices, kw):
     """Dynamic shared bytes after the group table: the E4M4 table and the double-buffered partials
     [2, slices, kw, V] float32."""
     V = 1 << (CB * M - 1).bit_length()
-    return 4 * ABSMAX_CODES + 2 * slices * kw * V * 4
+    return 4 * (PART - TABLE_FLOATS) + 2 * slices * kw * V * 4
 
 
 # ------------------------------------------------------------------------------------------------
@@ -311,6 +316,7 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, CB=DEFA
     if kw * WARP > max_threads:
         raise ValueError(f"pair gemv with M={M}, CB={CB} fits {max_threads} threads per CTA: K <= "
                          f"{max_threads * BLOCK}, got K={K} (use a smaller CB)")
+    n_sm = _sm_count()
     slices = max(1, min((cta_warps or CTA_WARPS) // kw, max_threads // (kw * WARP)))
     slices = min(slices, -(-N // CB))                      # no slice without a column
     n_groups = -(-N // (slices * CB))
@@ -318,7 +324,7 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, CB=DEFA
     regs_alloc = max(8, -(-regs // 8) * 8)                 # registers are allocated in units of 8
     per_sm = max(1, min(REGISTERS_PER_SM // (slices * kw * WARP * regs_alloc),
                         (228 * 1024) // (shared + 1024)))
-    grid = min(n_groups, _sm_count() * per_sm)
+    grid = min(n_groups, n_sm * per_sm)
     return PreparedLaunch(kern, grid, slices * kw * WARP, args, stream, shared), Ad, out
 
 
