@@ -31,11 +31,11 @@ from numba import cuda
 
 from . import _arrays
 from .act_quant import int8_step, quantize_int8
-from .device import FULL_MASK, WARP, make_cta_sum
+from .device import FULL_MASK, WARP, make_cta_sum, sm_count
 from .formats import BITNET_BLOCK_K, BITNET_BLOCK_N, BitnetWeight
 from .intrinsics import dp4a, ldg128, lop3
 from .launch import prepare_plan, run_plan
-from .scalar_gemv import MAX_M, _sm_count
+from .scalar_gemv import MAX_M
 
 MAX_KW = 32
 CTA_WARPS_TARGET = 32             # resident warps per SM the grid aims for
@@ -113,7 +113,7 @@ def _plan(A, bw, out, stream, out_dtype, bf16):
     Ad, a_src, M, out = _arrays.gemv_io(A, bw.shape, out, out_dtype, bf16, stream, "bitnet.gemv", MAX_M)
     step, words, d = int8_step(Ad, a_src, 0, stream)
     n_blocks = N // BITNET_BLOCK_N
-    kw = max(1, min(MAX_KW, K // BITNET_BLOCK_K, -(-_sm_count() * CTA_WARPS_TARGET // n_blocks)))
+    kw = max(1, min(MAX_KW, K // BITNET_BLOCK_K, -(-sm_count() * CTA_WARPS_TARGET // n_blocks)))
     gemv_step = (make_bitnet_gemv(M, out.dtype.name), n_blocks, kw * WARP,
                  (_arrays.flat_view(words), d, _arrays.flat_view(bw.packed), bw.w_scale, _arrays.flat_view(out),
                   np.int32(N), np.int32(K), np.int32(N // bw.w_scale.size)))

@@ -21,6 +21,15 @@ _E4M4_SUB_SCALE = np.float32(2.0 ** (1 - E4M4_BIAS) / 16)   # value of one manti
 _E4M4_EXP_OFFSET = np.uint32(127 - E4M4_BIAS)               # E4M4 exponent -> float32 exponent
 
 
+def sm_count():
+    """Streaming multiprocessors of the current GPU: the launch geometry of every family sizes its
+    grid from it (2 under the simulator, which has no such attribute)."""
+    try:
+        return cuda.get_current_device().MULTIPROCESSOR_COUNT
+    except Exception:
+        return 2
+
+
 def jit_kernel(fn, max_registers=None):
     """``cuda.jit`` a kernel, with a register cap where one is asked for (the simulator rejects the
     keyword, and has no registers to cap)."""

@@ -35,7 +35,7 @@ from numba import cuda
 from numba.cuda.misc.special import literal_unroll
 
 from . import _arrays
-from .device import WARP, e4m4_decode, jit_kernel, make_warp_reduce_scatter, make_word_unpacker
+from .device import WARP, e4m4_decode, jit_kernel, make_warp_reduce_scatter, make_word_unpacker, sm_count
 from .formats import BLOCK, CODES_K, KbitCodes, KbitWeight
 from .intrinsics import SIMULATOR, ldg64, ldg128, lds64, lds128, prmt, shared_addr, u32_as_f32
 from .launch import PreparedLaunch
@@ -154,7 +154,6 @@ def make_pair_gemv_kernel(k, M, CB, absmax_format, a_src, out_dtype):
         s = cuda.local.array(M, np.float32)
         parity = 0
         while g < n_groups:
-            n0 = g * group_cols + sl * CB
             # ---- 4. take the loaded columns, start loading the next group's --------------------
             for c in range(CB):
                 for b in range(k):
@@ -271,11 +270,6 @@ def to_codes(qw, stream=None):
 # ------------------------------------------------------------------------------------------------
 # Launch
 # ------------------------------------------------------------------------------------------------
-def _sm_count():
-    try:
-        return cuda.get_current_device().MULTIPROCESSOR_COUNT
-    except Exception:   # the simulator has no such attribute
-        return 2
 
 
 def _kernel_limits(kern, args):
@@ -316,7 +310,7 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, CB=DEFA
     if kw * WARP > max_threads:
         raise ValueError(f"pair gemv with M={M}, CB={CB} fits {max_threads} threads per CTA: K <= "
                          f"{max_threads * BLOCK}, got K={K} (use a smaller CB)")
-    n_sm = _sm_count()
+    n_sm = sm_count()
     slices = max(1, min((cta_warps or CTA_WARPS) // kw, max_threads // (kw * WARP)))
     slices = min(slices, -(-N // CB))                      # no slice without a column
     n_groups = -(-N // (slices * CB))

@@ -31,11 +31,11 @@ import numpy as np
 from numba import cuda
 
 from . import _arrays
-from .device import FULL_MASK, WARP, make_cta_sum, make_loader, warp_max
+from .device import FULL_MASK, WARP, make_cta_sum, make_loader, sm_count, warp_max
 from .formats import BLOCK, INT8_MAX, SBVR_ACT_PLANES, SBVR_GROUP, SBVR_PLANES, SbvrWeight
 from .intrinsics import f16_bits_to_f32, ldg128
 from .launch import prepare_plan, run_plan, run_steps
-from .scalar_gemv import MAX_M, _sm_count
+from .scalar_gemv import MAX_M
 
 MAX_KW = 16                       # warps per CTA: 512 threads fit the register file at M = 4
 CTA_WARPS_TARGET = 32
@@ -178,7 +178,7 @@ def _plan(A, sw, out, stream, out_dtype, bf16):
     Ad, a_src, M, out = _arrays.gemv_io(A, sw.shape, out, out_dtype, bf16, stream, "sbvr.gemv", MAX_M)
     step, planes, d = _act_step(Ad, a_src, stream)
     n_ctas = -(-N // WARP)
-    kw = max(1, min(MAX_KW, K // SBVR_GROUP, -(-_sm_count() * CTA_WARPS_TARGET // n_ctas)))
+    kw = max(1, min(MAX_KW, K // SBVR_GROUP, -(-sm_count() * CTA_WARPS_TARGET // n_ctas)))
     gemv_step = (make_sbvr_gemv(M, out.dtype.name), n_ctas, kw * WARP,
                  (_arrays.flat_view(planes), _arrays.flat_view(d), _arrays.flat_view(sw.bvr),
                   _arrays.flat_view(sw.coeff_idx), _arrays.flat_view(sw.coeff_cache, np.uint32),

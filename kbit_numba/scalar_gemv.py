@@ -40,7 +40,7 @@ from numba.cuda.misc.special import literal_unroll
 
 from . import _arrays
 from .codec import _device_weight, MAX_CODES
-from .device import FULL_MASK, WARP, e4m4_decode, jit_kernel, make_word_unpacker, tiled_block
+from .device import FULL_MASK, WARP, e4m4_decode, jit_kernel, make_word_unpacker, sm_count, tiled_block
 from .formats import BLOCK, KbitWeight, padded_k
 from .intrinsics import ldg64, ldg128, lds_f32, prmt, shared_addr, u32_as_f32
 from .launch import PreparedLaunch
@@ -236,11 +236,6 @@ def _no_offsets():
     return cuda.to_device(np.zeros(2, np.int32))
 
 
-def _sm_count():
-    try:
-        return cuda.get_current_device().MULTIPROCESSOR_COUNT
-    except Exception:   # the simulator has no such attribute
-        return 2
 
 
 def _plan(A, qw, out, stream, out_dtype, bf16, tuning=None):
@@ -254,7 +249,7 @@ def _plan(A, qw, out, stream, out_dtype, bf16, tuning=None):
     out_dtype = _arrays.output_dtype(out, out_dtype)
     qw = _device_weight(qw, stream)
     out = _arrays.output(out, "out", (M, N) if len(shape) == 2 else (N,), out_dtype, stream)
-    n_sm = _sm_count()
+    n_sm = sm_count()
     CB, max_regs = tuning or (DEFAULT_CB, MAX_REGISTERS[M])
     kw = -(-(K // BLOCK) // WARP)
     kern = make_gemv_kernel(qw.k, M, CB, qw.layout, qw.absmax_format, a_src, out_dtype.name, max_regs)
@@ -394,7 +389,7 @@ def grouped_gemv(A, experts, expert_offsets, out=None, stream=None, out_dtype=np
     out_dtype = _arrays.output_dtype(out, out_dtype)
     out = _arrays.output(out, "out", (T, N), out_dtype, stream)
     _arrays.check_aligned(Ad, 16, "A")
-    n_sm = _sm_count()
+    n_sm = sm_count()
     kw = -(-(K // BLOCK) // WARP)
     CB = DEFAULT_CB
     n_groups = -(-N // CB)

@@ -43,7 +43,7 @@ from numba import cuda
 
 from . import _arrays
 from .codec import _device_weight
-from .device import WARP, e4m4_decode
+from .device import WARP, e4m4_decode, sm_count
 from .formats import TILE_K, TILE_N, padded_k
 from .launch import run_steps
 from .intrinsics import (bmul2, cp_async16, cp_async_commit, cp_async_wait, f16x2_as_u32, f32_as_u32, hmul2,
@@ -344,11 +344,6 @@ def _to_half_kernel():
     return cuda.jit(to_half)
 
 
-def _sm_count():
-    try:
-        return cuda.get_current_device().MULTIPROCESSOR_COUNT
-    except Exception:   # the simulator has no such attribute
-        return 2
 
 
 def m_tile_for(M):
@@ -376,7 +371,7 @@ def new_workspace(M, N, stream=0):
 def _k_split(Kp, split, M, N, MT):
     """(splits, K tiles per split): ``split`` as asked (no split left empty), else ``choose_split``."""
     if not split:
-        return choose_split(M, N, Kp, MT, _sm_count())
+        return choose_split(M, N, Kp, MT, sm_count())
     per = -(-(Kp // BK) // split)
     return -(-(Kp // BK) // per), per
 

@@ -40,11 +40,11 @@ from numba import cuda
 
 from . import _arrays
 from .act_quant import int8_step
-from .device import FULL_MASK, WARP, block_max, make_loader, small_int_to_f32
+from .device import FULL_MASK, WARP, block_max, make_loader, sm_count, small_int_to_f32
 from .formats import LANES, UNIFORM_BITS, UNIFORM_GROUPS, UniformWeight, uniform_elements_per_word
 from .intrinsics import dp4a, f16_bits_to_f32, u32_as_f32
 from .launch import prepare_plan, run_plan
-from .scalar_gemv import MAX_M, _sm_count
+from .scalar_gemv import MAX_M
 
 MAX_KW = 32                       # warps per CTA along K
 F32_2P23_BITS = np.uint32(0x4B000000)     # the float 2**23: OR-ing q < 2**23 into it gives 2**23 + q
@@ -339,7 +339,7 @@ def _plan(A, uw, out, stream, out_dtype, int8, bf16):
         a_arg, d_act = _arrays.flat_view(Ad), _dummy_scales()
     kern = make_uniform_gemv(uw.bits, M, uw.group_size, "float16" if int8 else a_src, out.dtype.name, int8)
     n_groups = K // uw.group_size if uw.group_size else 1
-    grid = max(1, min(N, _sm_count() * max(1, CTA_WARPS_TARGET // kw)))
+    grid = max(1, min(N, sm_count() * max(1, CTA_WARPS_TARGET // kw)))
     steps.append((kern, grid, kw * WARP, (a_arg, _arrays.flat_view(uw.packed),
                                           _arrays.flat_view(uw.scale_zero, np.uint32), d_act,
                                           _arrays.flat_view(out), np.int32(N), np.int32(K),
