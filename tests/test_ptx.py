@@ -68,31 +68,50 @@ def _requirements(name):
     return must, never
 
 
+# The children split the specialisations: child i of n compiles every n-th one (they are independent, and
+# compiling dominates: several seconds each). n = KBIT_NUMBA_PTX_JOBS, default the machine's cores (>= 2).
+SHARD = os.environ.get("KBIT_NUMBA_PTX_SHARD")          # "i/n", set for the children
+
+
+def _shard(items):
+    if not SHARD:
+        return items
+    i, n = (int(v) for v in SHARD.split("/"))
+    return [x for j, x in enumerate(items) if j % n == i]
+
+
 if SIM:
     def test_ptx_in_child_process():
-        env = dict(os.environ, KBIT_NUMBA_PTX_ONLY="1")
-        env.pop("NUMBA_ENABLE_CUDASIM", None)
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                              cwd=os.path.dirname(__file__), env=env, capture_output=True, text=True)
-        print(proc.stdout[-3000:], proc.stderr[-3000:])
-        assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-        assert " passed" in proc.stdout and " skipped" not in proc.stdout.splitlines()[-1]
+        jobs = int(os.environ.get("KBIT_NUMBA_PTX_JOBS", max(2, os.cpu_count() or 2)))
+        procs = []
+        for i in range(jobs):
+            env = dict(os.environ, KBIT_NUMBA_PTX_ONLY="1", KBIT_NUMBA_PTX_SHARD=f"{i}/{jobs}")
+            env.pop("NUMBA_ENABLE_CUDASIM", None)
+            procs.append(subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                           "--durations=5", __file__], cwd=os.path.dirname(__file__), env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        for i, proc in enumerate(procs):
+            out, err = proc.communicate()
+            print(f"--- PTX child {i}/{jobs}:", out[-2000:], err[-2000:])
+            assert proc.returncode == 0, out[-6000:] + err[-3000:]
+            assert " passed" in out and " skipped" not in out.splitlines()[-1]
 else:
-    def test_intrinsics_ptx():
-        from numba import types as t
+    if SHARD is None or SHARD.startswith("0/"):             # child 0 of the split checks the intrinsics
+        def test_intrinsics_ptx():
+            from numba import types as t
 
-        from test_intrinsics import _alu_kernel, _mem_kernel
-        u32 = t.uint32[::1]
-        ptx, _ = cuda.compile_ptx(_alu_kernel.py_func, (t.int32[::1], u32, u32, t.uint32[:, ::1]), cc=CC)
-        for s in ("dp4a.s32.s32", "lop3.b32", "prmt.b32", "shf.r.wrap.b32"):
-            assert s in ptx, s
-        for lut in (234, 150, 27):                         # 0xEA, 0x96, 0x1B reached the instruction
-            assert f", {lut};" in ptx
-        ptx, _ = cuda.compile_ptx(_mem_kernel.py_func, (u32, u32), cc=CC)
-        for s in ("ld.global.nc.v4.u32", "ld.global.nc.v2.u32", "st.global.v4.u32"):
-            assert s in ptx, s
+            from test_intrinsics import _alu_kernel, _mem_kernel
+            u32 = t.uint32[::1]
+            ptx, _ = cuda.compile_ptx(_alu_kernel.py_func, (t.int32[::1], u32, u32, t.uint32[:, ::1]), cc=CC)
+            for s in ("dp4a.s32.s32", "lop3.b32", "prmt.b32", "shf.r.wrap.b32"):
+                assert s in ptx, s
+            for lut in (234, 150, 27):                         # 0xEA, 0x96, 0x1B reached the instruction
+                assert f", {lut};" in ptx
+            ptx, _ = cuda.compile_ptx(_mem_kernel.py_func, (u32, u32), cc=CC)
+            for s in ("ld.global.nc.v4.u32", "ld.global.nc.v2.u32", "st.global.v4.u32"):
+                assert s in ptx, s
 
-    @pytest.mark.parametrize("spec", _specializations(), ids=lambda s: s[0])
+    @pytest.mark.parametrize("spec", _shard(_specializations()), ids=lambda s: s[0])
     def test_kernel_ptx(spec):
         name, kernel, argtypes = spec
         ptx, _ = cuda.compile_ptx(kernel.py_func, argtypes, cc=CC)
