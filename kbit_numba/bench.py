@@ -205,7 +205,7 @@ def pair_gemv_rows(shapes, ks, ms, ceilings, progress, cbs=(None,)):
                 for cb in cbs:
                     label = "pair_gemv" if cb is None else f"pair_gemv[CB={cb}]"
                     progress(f"{label} {K}x{N} k={k} M={M}")
-                    launches = [pair_gemv.plan(A, kc, out, 0, CB=cb or pair_gemv.DEFAULT_CB)[0] for kc in kcs]
+                    launches = [pair_gemv.plan(A, kc, out, 0, CB=cb)[0] for kc in kcs]
 
                     def launch(i, s, launches=launches):
                         launches[i % n](s)

@@ -52,7 +52,8 @@ PART = CODEBOOK + 16              # float offset of the cross-warp partial sums
 # prmt selector for code byte t of a word: result byte 0 <- the lane's copy offset (byte 4 of {b, a}),
 # byte 1 <- byte t of the code word, bytes 2, 3 <- byte 5 (zero: the offset is < 256).
 PRMT_ROW = 0x5504
-DEFAULT_CB = 4                    # columns per warp per iteration (CB * 16 bytes in flight per lane)
+DEFAULT_CB = 4                    # columns per warp per iteration (CB * 16 bytes in flight per lane) ...
+SMALL_WEIGHT = 1 << 24            # ... but 2 at M = 1 below this many weights (see default_cb)
 CTA_WARPS = 2 if SIMULATOR else 16   # warps per CTA the plan aims for (the table is filled once per CTA)
 REGISTERS_PER_SM = 65536
 
@@ -282,18 +283,28 @@ def _kernel_limits(kern, args):
     return attrs.regs, attrs.maxthreads
 
 
-def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, CB=DEFAULT_CB, cta_warps=None):
+def default_cb(M, N, K):
+    """Columns per warp per iteration, from the H100 sweep (``benchmarks/runs/2026-11-23_h100_pair_gemv_sweep.txt``):
+    2 at M = 1 on weights under 2**24 elements (9-12% faster there), else 4 (up to 16% faster at M = 4
+    and on 4096 x 14336)."""
+    return 2 if M == 1 and N * K < SMALL_WEIGHT else DEFAULT_CB
+
+
+def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, CB=None, cta_warps=None):
     """Checked inputs and the launch: (PreparedLaunch, device A, out). ``kc``: KbitCodes (a KbitWeight
-    is re-packed with :func:`to_codes`, a copy per call: keep the KbitCodes for repeated use)."""
+    is re-packed with :func:`to_codes`, a copy per call: keep the KbitCodes for repeated use).
+    CB (default :func:`default_cb`) and cta_warps (warps per CTA aimed at) are tuning knobs
+    (``benchmarks/sweep_pair_gemv.py``)."""
     stream = _arrays.as_stream(stream)
     if not isinstance(kc, KbitCodes):
         kc = to_codes(kc, stream)
     elif not kc.on_device:
         kc = kc.to_device(stream)
-    if CB not in (1, 2, 4, 8):
-        raise ValueError(f"CB must be 1, 2, 4 or 8, got {CB}")
     N, K = kc.shape
     Ad, a_src, M, out = _arrays.gemv_io(A, kc.shape, out, out_dtype, bf16, stream, "pair gemv", MAX_M)
+    CB = default_cb(M, N, K) if CB is None else CB
+    if CB not in (1, 2, 4, 8):
+        raise ValueError(f"CB must be 1, 2, 4 or 8, got {CB}")
     n_kb = K // BLOCK
     kw = -(-n_kb // WARP)
     if kw > MAX_KW:

@@ -1,0 +1,66 @@
+"""SASS instructions executed per weight, measured with Nsight Compute, for the kbit GEMVs (GPU machine):
+
+    python benchmarks/instructions_per_weight.py [K x N list] [k list] [M list]
+    e.g. python benchmarks/instructions_per_weight.py 2048x5120,4096x14336 4 1,4
+
+Runs itself under ``ncu --metrics smsp__inst_executed.sum`` (one launch of each kernel per point) and
+prints warp instructions x 32 / (N K): the instructions a lane issues per weight, loads, decode, FMAs,
+reduction and loop control included (issue 15's budget: <= 3 at k = 4, 2 at k = 2).
+"""
+import csv
+import io
+import subprocess
+import sys
+
+import numpy as np
+
+KERNELS = ("gemv", "pair_gemv")
+
+
+def _points(argv):
+    shapes = [tuple(int(v) for v in s.split("x")) for s in (argv[0] if argv else "2048x5120,4096x14336").split(",")]
+    ks = [int(v) for v in (argv[1] if len(argv) > 1 else "4").split(",")]
+    ms = [int(v) for v in (argv[2] if len(argv) > 2 else "1,4").split(",")]
+    return [(K, N, k, M, kern) for K, N in shapes for k in ks for M in ms for kern in KERNELS]
+
+
+def launch(points):
+    """One launch of each (K, N, k, M, kernel), in order (the profiled child)."""
+    from numba import cuda
+
+    import kbit_numba as kb
+    from kbit_numba import pair_gemv
+
+    rng = np.random.default_rng(0)
+    for K, N, k, M, kern in points:
+        qw = kb.quantize((rng.standard_normal((N, K)) * 0.02).astype(np.float16), k=k)
+        A = cuda.to_device(rng.standard_normal((M, K)).astype(np.float16))
+        if kern == "gemv":
+            kb.prepare_gemv(A, qw).run()
+        else:
+            pair_gemv.prepare(A, pair_gemv.to_codes(qw)).run()
+        cuda.synchronize()
+
+
+def main(argv):
+    if argv and argv[0] == "--launch":
+        return launch(_points(argv[1:]))
+    points = _points(argv)
+    cmd = ["ncu", "--clock-control", "none", "--csv", "--metrics", "smsp__inst_executed.sum",
+           sys.executable, __file__, "--launch", *argv]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    # every launch is profiled (Numba's kernel names are mangled): keep the GEMVs, not quantize / to_codes
+    rows = [r for r in csv.DictReader(io.StringIO(proc.stdout[proc.stdout.find('"ID"'):]))
+            if r.get("Metric Name") == "smsp__inst_executed.sum" and "to_codes" not in r["Kernel Name"]
+            and ("gemv_kernel" in r["Kernel Name"] or "pair_gemv" in r["Kernel Name"])]
+    if len(rows) != len(points):
+        print(proc.stdout[-3000:], proc.stderr[-3000:])
+        raise SystemExit(f"expected {len(points)} profiled kernels, got {len(rows)}")
+    print(f"{'kernel':<10} {'K x N':>11} {'k':>2} {'M':>2} {'warp instr':>12} {'instr/weight':>12}")
+    for (K, N, k, M, kern), r in zip(points, rows):
+        inst = float(r["Metric Value"].replace(",", ""))
+        print(f"{kern:<10} {f'{K}x{N}':>11} {k:>2} {M:>2} {inst:12.0f} {inst * 32 / (N * K):12.2f}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

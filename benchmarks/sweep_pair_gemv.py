@@ -1,0 +1,39 @@
+"""Sweep the pair gemv's launch knobs on the GPU (CUDA-graph timed, L2-cold, the read floor and cuBLAS fp16
+in the same run):
+
+    python benchmarks/sweep_pair_gemv.py [K x N list] [k] [M list]
+
+Knobs: CB (columns per warp per iteration) and cta_warps (warps per CTA aimed at). Prints one row per
+point; the default plan is the first of each shape/M.
+"""
+import sys
+
+import numpy as np
+from numba import cuda
+
+from kbit_numba import bench, pair_gemv
+from kbit_numba._timing import graph_time_us, rotation_count
+
+KNOBS = [dict(), dict(CB=2), dict(CB=4), dict(CB=8), dict(cta_warps=8), dict(CB=2, cta_warps=8),
+         dict(CB=2, cta_warps=32)]
+
+shapes = [tuple(int(v) for v in s.split("x")) for s in (sys.argv[1] if len(sys.argv) > 1 else
+                                                         "2048x5120,5120x2048,2048x512,4096x14336").split(",")]
+k = int(sys.argv[2]) if len(sys.argv) > 2 else 4
+ms = [int(v) for v in (sys.argv[3] if len(sys.argv) > 3 else "1,4").split(",")]
+rng = np.random.default_rng(1)
+print(f"{'K x N':>11} {'M':>2} {'knobs':<28} {'us':>7} {'floor':>6} {'%floor':>6} {'cuBLAS':>7} {'speedup':>7}")
+for K, N in shapes:
+    nbytes = N * K // 32 * (4 * k + 1)
+    n = rotation_count(nbytes)
+    kcs = [pair_gemv.to_codes(w) for w in bench._rotating_weights(K, N, k, n, rng)]
+    for M in ms:
+        A = cuda.to_device(rng.standard_normal((M, K)).astype(np.float16))
+        out = cuda.device_array((M, N), np.float16)
+        floor = bench.floor_us(nbytes + M * K * 2 + M * N * 2)
+        cub = bench.cublas_row(K, N, M)
+        for knobs in KNOBS:
+            launches = [pair_gemv.plan(A, kc, out, 0, **knobs)[0] for kc in kcs]
+            t = graph_time_us(lambda i, s: launches[i % n](s), n * max(1, 64 // n))
+            print(f"{K:>5}x{N:<5} {M:>2} {str(knobs):<28} {t:7.2f} {floor:6.2f} {100 * floor / t:6.1f} "
+                  f"{cub or 0:7.2f} {(cub or 0) / t:6.2f}x", flush=True)
