@@ -185,8 +185,8 @@ def make_warp_reduce_scatter(V):
     Every lane holds V float32 partial sums ``acc[0..V-1]``; afterwards ``total`` is the warp's sum of
     value ``v_idx`` (a butterfly that halves the values each step: 31 shuffles for V = 32 instead of
     5 per value), and exactly one lane per value has ``owner`` set. Lane l holds value
-    ``v_idx = lane >> (5 - log2 V)`` read bit-reversed, i.e. the most significant lane bit picks the
-    upper half of the values first. ``acc`` is clobbered. Twin: ``py_warp_reduce_scatter``."""
+    ``v_idx = l >> (5 - log2 V)``: step s keeps the upper or lower half of the remaining values by lane
+    bit 4 - s, so the lane's top bits spell the index. ``acc`` is clobbered. Twin: ``py_warp_reduce_scatter``."""
     V_LOG = V.bit_length() - 1
     assert 1 << V_LOG == V and V <= WARP
 
@@ -206,13 +206,7 @@ def make_warp_reduce_scatter(V):
         while off > 0:                                   # lanes sharing a value finish the sum
             r += cuda.shfl_xor_sync(FULL_MASK, r, off)
             off //= 2
-        v_idx = 0
-        bit = V // 2
-        for step in range(V_LOG):
-            if lane & (WARP >> (step + 1)):
-                v_idx += bit
-            bit //= 2
-        return r, v_idx, lane % (WARP >> V_LOG) == 0
+        return r, lane >> (5 - V_LOG), lane % (WARP >> V_LOG) == 0
 
     return reduce_scatter
 
@@ -220,10 +214,7 @@ def make_warp_reduce_scatter(V):
 def py_warp_reduce_scatter(acc):
     """Twin of ``make_warp_reduce_scatter``: acc [32, V] (lane, value) -> (total[32], v_idx[32], owner[32])."""
     acc = np.asarray(acc, np.float64)
-    V = acc.shape[1]
-    V_LOG = V.bit_length() - 1
+    V_LOG = acc.shape[1].bit_length() - 1
     lanes = np.arange(WARP)
-    v_idx = np.zeros(WARP, np.int64)
-    for step in range(V_LOG):
-        v_idx += np.where(lanes & (WARP >> (step + 1)), V >> (step + 1), 0)
+    v_idx = lanes >> (5 - V_LOG)
     return acc.sum(axis=0)[v_idx], v_idx, lanes % (WARP >> V_LOG) == 0

@@ -40,7 +40,8 @@ from numba.cuda.misc.special import literal_unroll
 
 from . import _arrays
 from .codec import _device_weight, MAX_CODES
-from .device import FULL_MASK, WARP, e4m4_decode, jit_kernel, make_word_unpacker, sm_count, tiled_block
+from .device import (WARP, e4m4_decode, jit_kernel, make_warp_reduce_scatter, make_word_unpacker, sm_count,
+                     tiled_block)
 from .formats import BLOCK, KbitWeight, padded_k
 from .intrinsics import ldg64, ldg128, lds_f32, prmt, shared_addr, u32_as_f32
 from .launch import PreparedLaunch
@@ -78,7 +79,7 @@ def make_gemv_kernel(k, M, CB, layout, absmax_format, a_src, out_dtype, max_regi
     word_to_f32, A_PER_WORD = make_word_unpacker(a_src)   # A is read as uint32 words
     absmax_t = np.uint8 if e4m4 else np.float32
     V = 1 << (CM - 1).bit_length()                 # ... padded to a power of two (<= 32)
-    V_LOG = V.bit_length() - 1
+    reduce_scatter = make_warp_reduce_scatter(V)
     COLS = tuple(range(CB))                        # literal_unroll(COLS/ROWS): loops fully unrolled,
     ROWS = tuple(range(M))                         # so per-column registers never spill to local memory
 
@@ -185,29 +186,9 @@ def make_gemv_kernel(k, M, CB, layout, absmax_format, a_src, out_dtype, max_regi
                             s[m] += v * a[m, i * N_FIELDS + t]
                 for m in range(M):
                     acc[c * M + m] = s[m] * scale[c]
-            # ---- 5. reduce-scatter over the warp: lane l ends with value v(l) ----------------------
-            half = V
-            for step in range(V_LOG):
-                half //= 2
-                off = WARP >> (step + 1)
-                upper = (lane & off) != 0
-                for j in range(half):
-                    send = acc[j] if upper else acc[j + half]
-                    keep = acc[j + half] if upper else acc[j]
-                    acc[j] = keep + cuda.shfl_xor_sync(FULL_MASK, send, off)
-            r = acc[0]
-            off = WARP >> (V_LOG + 1)
-            while off > 0:                                   # lanes sharing a value finish the sum
-                r += cuda.shfl_xor_sync(FULL_MASK, r, off)
-                off //= 2
-            # value index held by this lane: bits of lane >> (5 - V_LOG), most significant first
-            if lane % (WARP >> V_LOG) == 0:
-                v_idx = 0
-                bit = V // 2
-                for step in range(V_LOG):
-                    if lane & (WARP >> (step + 1)):
-                        v_idx += bit
-                    bit //= 2
+            # ---- 5. reduce-scatter over the warp: one lane per value ends with its warp sum --------
+            r, v_idx, owner = reduce_scatter(acc, lane)
+            if owner:
                 part[parity, warp, v_idx] = r
             # ---- 6. across the K-warps; the other parity's buffer is next iteration's -------------
             cuda.syncthreads()
