@@ -150,11 +150,12 @@ def cublas_row(K, N, M):
     return t
 
 
-def gemv_rows(shapes, ks, ms, ceilings, progress, tunings=(None,)):
-    """Scalar GEMV rows: every shape x k x M (M <= 4), each tuning (None = the package's choice)."""
+def _gemv_grid_rows(shapes, ks, ms, max_m, prepare, variants, ceilings, progress):
+    """Rows of a GEMV family: every shape x k x M (M <= max_m) x variant, on rotating L2-cold weights.
+    ``prepare(weights)`` -> the family's form of them; ``variants``: (label, launchers) pairs, where
+    ``launchers(A, weight, out)`` -> a callable(stream) that launches once."""
     from numba import cuda
 
-    from . import scalar_gemv
     from ._timing import graph_time_us, rotation_count
 
     rows = []
@@ -163,59 +164,41 @@ def gemv_rows(shapes, ks, ms, ceilings, progress, tunings=(None,)):
         for k in ks:
             nbytes = N * K // 32 * (4 * k + 1)
             n = rotation_count(nbytes)
-            ws = _rotating_weights(K, N, k, n, rng)
-            for M in [m for m in ms if m <= scalar_gemv.MAX_M]:
+            ws = prepare(_rotating_weights(K, N, k, n, rng))
+            for M in [m for m in ms if m <= max_m]:
                 A = cuda.to_device(rng.standard_normal((M, K)).astype(np.float16))
                 out = cuda.device_array((M, N), np.float16)
-                for tuning in tunings:
-                    label = "gemv" if tuning is None else f"gemv[CB={tuning[0]},r={tuning[1]}]"
+                for label, launcher in variants:
                     progress(f"{label} {K}x{N} k={k} M={M}")
-                    plans = [scalar_gemv._plan(A, w, out, 0, np.float16, False, tuning) for w in ws]
-
-                    def launch(i, s, plans=plans):
-                        kern, grid, block, args, _ = plans[i % n]
-                        kern[grid, block, s](*args)
-
-                    t = graph_time_us(launch, n * max(1, 64 // n))
-                    moved = nbytes + M * K * 2 + M * N * 2
-                    rows.append(dict(kernel=label, shape=f"{K}x{N}", k=k, M=M, us=t, GBps=moved / t / 1e3,
-                                     pct_ceiling=100 * moved / t / 1e3 / ceilings["read_GBps"],
-                                     ceiling="read", floor_bytes=moved))
+                    launches = [launcher(A, w, out) for w in ws]
+                    t = graph_time_us(lambda i, s, launches=launches: launches[i % n](s), n * max(1, 64 // n))
+                    rows.append(_mm_row(label, K, N, k, M, t, nbytes, ceilings))
     return rows
+
+
+def gemv_rows(shapes, ks, ms, ceilings, progress, tunings=(None,)):
+    """Scalar GEMV rows: every shape x k x M (M <= 4), each tuning (None = the package's choice)."""
+    from . import scalar_gemv
+
+    def launcher(tuning):
+        def make(A, w, out):
+            kern, grid, block, args, _ = scalar_gemv._plan(A, w, out, 0, np.float16, False, tuning)
+            return lambda s: kern[grid, block, s](*args)
+        return make
+
+    variants = [("gemv" if t is None else f"gemv[CB={t[0]},r={t[1]}]", launcher(t)) for t in tunings]
+    return _gemv_grid_rows(shapes, ks, ms, scalar_gemv.MAX_M, list, variants, ceilings, progress)
 
 
 def pair_gemv_rows(shapes, ks, ms, ceilings, progress, cbs=(None,)):
     """Pair-table GEMV rows (k = 2, 4; the code layout made once per weight): shape x k x M (M <= 4),
     each CB (None = the default)."""
-    from numba import cuda
-
     from . import pair_gemv
-    from ._timing import graph_time_us, rotation_count
 
-    rows = []
-    rng = np.random.default_rng(1)
-    for K, N in shapes:
-        for k in [k for k in ks if k in pair_gemv.CODES_K]:
-            nbytes = N * K // 32 * (4 * k + 1)
-            n = rotation_count(nbytes)
-            kcs = [pair_gemv.to_codes(w) for w in _rotating_weights(K, N, k, n, rng)]
-            for M in [m for m in ms if m <= pair_gemv.MAX_M]:
-                A = cuda.to_device(rng.standard_normal((M, K)).astype(np.float16))
-                out = cuda.device_array((M, N), np.float16)
-                for cb in cbs:
-                    label = "pair_gemv" if cb is None else f"pair_gemv[CB={cb}]"
-                    progress(f"{label} {K}x{N} k={k} M={M}")
-                    launches = [pair_gemv.plan(A, kc, out, 0, CB=cb)[0] for kc in kcs]
-
-                    def launch(i, s, launches=launches):
-                        launches[i % n](s)
-
-                    t = graph_time_us(launch, n * max(1, 64 // n))
-                    moved = nbytes + M * K * 2 + M * N * 2
-                    rows.append(dict(kernel=label, shape=f"{K}x{N}", k=k, M=M, us=t, GBps=moved / t / 1e3,
-                                     pct_ceiling=100 * moved / t / 1e3 / ceilings["read_GBps"], ceiling="read",
-                                     floor_bytes=moved))
-    return rows
+    variants = [("pair_gemv" if cb is None else f"pair_gemv[CB={cb}]",
+                 lambda A, kc, out, cb=cb: pair_gemv.plan(A, kc, out, 0, CB=cb)[0]) for cb in cbs]
+    return _gemv_grid_rows(shapes, [k for k in ks if k in pair_gemv.CODES_K], ms, pair_gemv.MAX_M,
+                           lambda ws: [pair_gemv.to_codes(w) for w in ws], variants, ceilings, progress)
 
 
 def _tiled_copies(ws):

@@ -201,18 +201,9 @@ class KbitWeight(_HostDevice):
         check_k(self.k)
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
-        if self.absmax_format not in ABSMAX_FORMATS:
-            raise ValueError(f"absmax_format must be one of {ABSMAX_FORMATS}, got {self.absmax_format!r}")
-        N, K = self.shape
-        if K % BLOCK:
-            raise ValueError(f"K must be a multiple of {BLOCK}, got {K}")
-        if self.layout == "tiled" and N % TILE_N:
-            raise ValueError(f"the tiled layout needs N % {TILE_N} == 0, got N={N}")
-        want = self.n_blocks * self.k
-        if _size(self.packed) != want:
-            raise ValueError(f"packed must hold {want} uint32 words, got {_size(self.packed)}")
-        if _size(self.absmax) != self.n_blocks:
-            raise ValueError(f"absmax must hold {self.n_blocks} values, got {_size(self.absmax)}")
+        if self.layout == "tiled" and self.shape[0] % TILE_N:
+            raise ValueError(f"the tiled layout needs N % {TILE_N} == 0, got N={self.shape[0]}")
+        _check_blocks(self)
 
     @property
     def N(self):
@@ -264,15 +255,7 @@ class KbitCodes(_HostDevice):
     def __post_init__(self):
         if self.k not in CODES_K:
             raise ValueError(f"the code layout holds k in {CODES_K}, got k={self.k}")
-        if self.absmax_format not in ABSMAX_FORMATS:
-            raise ValueError(f"absmax_format must be one of {ABSMAX_FORMATS}, got {self.absmax_format!r}")
-        N, K = self.shape
-        if K % BLOCK:
-            raise ValueError(f"K must be a multiple of {BLOCK}, got {K}")
-        if _size(self.packed) != self.n_blocks * self.k:
-            raise ValueError(f"packed must hold {self.n_blocks * self.k} uint32 words, got {_size(self.packed)}")
-        if _size(self.absmax) != self.n_blocks:
-            raise ValueError(f"absmax must hold {self.n_blocks} values, got {_size(self.absmax)}")
+        _check_blocks(self)
 
     layout = "codes"
     N = KbitWeight.N
@@ -288,6 +271,20 @@ class KbitCodes(_HostDevice):
 
 def _size(a):
     return int(np.prod(a.shape))
+
+
+def _check_blocks(w):
+    """What every kbit weight container checks: the absmax format, K a multiple of 32, and k words and
+    one absmax per block."""
+    if w.absmax_format not in ABSMAX_FORMATS:
+        raise ValueError(f"absmax_format must be one of {ABSMAX_FORMATS}, got {w.absmax_format!r}")
+    if w.K % BLOCK:
+        raise ValueError(f"K must be a multiple of {BLOCK}, got {w.K}")
+    want = w.n_blocks * w.k
+    if _size(w.packed) != want:
+        raise ValueError(f"packed must hold {want} uint32 words, got {_size(w.packed)}")
+    if _size(w.absmax) != w.n_blocks:
+        raise ValueError(f"absmax must hold {w.n_blocks} values, got {_size(w.absmax)}")
 
 
 # --------------------------------------------------------------------------------------------
