@@ -70,6 +70,47 @@ def test_ptx_matches_twins():
         assert got[i, 7] == I.py_rotr(b[i], c[i])
 
 
+@cuda.jit
+def _float_shared_kernel(h, bf, addr, table, out):
+    """The float and shared-lookup intrinsics the ALU kernel does not cover, one row per thread."""
+    sh = cuda.shared.array(64, np.uint32)
+    t = cuda.threadIdx.x
+    if t < 64:
+        sh[t] = table[t]
+    cuda.syncthreads()
+    i = cuda.grid(1)
+    if i < h.size - 1:
+        out[i, 0] = I.hmul2(h[i], h[i + 1])
+        out[i, 1] = I.bmul2(bf[i], bf[i + 1])
+        out[i, 2] = I.f32_as_u32(I.f16_bits_to_f32(h[i]))
+        base = I.shared_addr(sh)
+        out[i, 3] = I.f32_as_u32(I.lds_f32(sh, base + addr[i]))
+        out[i, 4] = I.lds_u32(sh, base + addr[i])
+
+
+@pytest.mark.skipif(SIM or PTX_ONLY, reason="the PTX versions run on a GPU only (the simulator runs the twins)")
+def test_ptx_matches_twins_float_and_shared():
+    """hmul2 / bmul2 / f16_bits_to_f32 / lds_f32 / lds_u32 against their twins, on finite random pairs."""
+    from kbit_numba.reference import float32_to_bf16_bits
+    rng = np.random.default_rng(2)
+    n = 1024
+    halves = rng.standard_normal((n, 2)).astype(np.float16)
+    h = halves.view(np.uint32).reshape(-1)
+    bf = float32_to_bf16_bits(rng.standard_normal((n, 2)).astype(np.float32)).view(np.uint16)
+    bf = bf.astype(np.uint32)[:, 0] | (bf.astype(np.uint32)[:, 1] << np.uint32(16))
+    addr = (rng.integers(0, 64, n) * 4).astype(np.uint32)
+    table = rng.standard_normal(64).astype(np.float32).view(np.uint32)
+    out = cuda.device_array((n, 5), np.uint32)
+    _float_shared_kernel[n // 64, 64](h, bf, addr, table, out)
+    got = out.copy_to_host()
+    for i in range(0, n - 1, 5):
+        assert got[i, 0] == I.py_hmul2(h[i], h[i + 1]), i
+        assert got[i, 1] == I.py_bmul2(bf[i], bf[i + 1]), i
+        assert got[i, 2] == I.py_f32_as_u32(I.py_f16_bits_to_f32(h[i])), i
+        assert got[i, 3] == I.py_f32_as_u32(I.py_lds_f32(table.view(np.float32), addr[i])), i
+        assert got[i, 4] == I.py_lds_u32(table, addr[i]), i
+
+
 def test_vector_loads_and_stores():
     """Runs the active versions: PTX on the GPU, twins on the simulator."""
     src = np.arange(64, dtype=np.uint32) * np.uint32(2654435761)
