@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+from functools import lru_cache
 
 import numpy as np
 
@@ -88,7 +89,8 @@ def measure_ceilings():
 FLOOR_THREADS = 512
 
 
-def _floor_kernel():
+@lru_cache(maxsize=None)
+def _floor_kernel():                 # one compiled kernel for every floor of the run
     from numba import cuda
 
     from .intrinsics import ldg128

@@ -11,6 +11,7 @@ Reference twins: ``reference.quantize``, ``reference.dequantize``, ``reference.r
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import lru_cache
 
 import numpy as np
@@ -18,7 +19,7 @@ from numba import cuda
 
 from . import _arrays
 from .device import FULL_MASK, F32_MAX, WARP, e4m4_decode, e4m4_encode, make_loader, tiled_block, warp_max
-from .formats import BLOCK, TILE_N, KbitWeight, check_codebook, check_k, padded_k, LAYOUTS, ABSMAX_FORMATS
+from .formats import BLOCK, TILE_N, KbitCodes, KbitWeight, check_codebook, check_k, padded_k, LAYOUTS, ABSMAX_FORMATS
 from .intrinsics import f16x2_as_u32, f32_as_u32, stg128
 
 QUANT_THREADS = 256          # 8 warps = 8 blocks per CTA
@@ -189,8 +190,8 @@ def quantize(W, k=4, codebook=None, absmax_format="e4m4", layout="flat", bf16=Fa
 
 
 def _device_weight(qw, stream=0):
-    """The same KbitWeight with device arrays (NumPy arrays are copied over)."""
-    if not isinstance(qw, KbitWeight):
+    """The same KbitWeight (or KbitCodes) with checked device arrays (NumPy arrays are copied over)."""
+    if not isinstance(qw, (KbitWeight, KbitCodes)):
         raise TypeError(f"expected a KbitWeight, got {type(qw).__name__}")
     want_absmax = np.uint8 if qw.absmax_format == "e4m4" else np.float32
     packed = _arrays.device_array(qw.packed, "qw.packed", (np.uint32,), 1, stream)
@@ -199,7 +200,7 @@ def _device_weight(qw, stream=0):
                               else qw.codebook, "qw.codebook", (np.float32,), 1, stream)
     if cb.shape[0] != 1 << qw.k:
         raise ValueError(f"codebook must hold {1 << qw.k} values for k={qw.k}")
-    return KbitWeight(packed, absmax, cb, qw.k, qw.shape, qw.layout, qw.absmax_format)
+    return replace(qw, packed=packed, absmax=absmax, codebook=cb)
 
 
 def dequantize(qw, dtype=np.float16, out=None, stream=None):

@@ -35,6 +35,7 @@ from numba import cuda
 from numba.cuda.misc.special import literal_unroll
 
 from . import _arrays
+from .codec import _device_weight
 from .device import WARP, e4m4_decode, jit_kernel, make_warp_reduce_scatter, make_word_unpacker, sm_count
 from .formats import BLOCK, CODES_K, KbitCodes, KbitWeight
 from .intrinsics import SIMULATOR, ldg64, ldg128, lds64, lds128, prmt, shared_addr, u32_as_f32
@@ -215,8 +216,8 @@ def make_pair_gemv_kernel(k, M, CB, absmax_format, a_src, out_dtype):
 
 
 def part_bytes(M, CB, slices, kw):
-    """Dynamic shared bytes after the group table: the E4M4 table and the double-buffered partials
-    [2, slices, kw, V] float32."""
+    """Dynamic shared bytes after the group table: the E4M4 table, the codebook and the double-buffered
+    partials [2, slices, kw, V] float32."""
     V = 1 << (CB * M - 1).bit_length()
     return 4 * (PART - TABLE_FLOATS) + 2 * slices * kw * V * 4
 
@@ -250,9 +251,8 @@ def to_codes(qw, stream=None):
     """KbitWeight (flat layout, k = 2 or 4) -> KbitCodes on the device: the same indices re-packed once
     from bit planes into k-bit fields (what :func:`gemv` reads). ``reference.to_codes`` is its twin,
     ``reference.from_codes`` the exact inverse."""
-    from .codec import _device_weight
     if isinstance(qw, KbitCodes):
-        return qw if qw.on_device else qw.to_device(_arrays.as_stream(stream) or 0)
+        return _device_weight(qw, _arrays.as_stream(stream))
     if not isinstance(qw, KbitWeight):
         raise TypeError(f"to_codes needs a KbitWeight, got {type(qw).__name__}")
     if qw.k not in CODES_K:
@@ -271,8 +271,6 @@ def to_codes(qw, stream=None):
 # ------------------------------------------------------------------------------------------------
 # Launch
 # ------------------------------------------------------------------------------------------------
-
-
 def _kernel_limits(kern, args):
     """(registers per thread, most threads per CTA) of the kernel compiled for ``args``, as the driver
     reports them (registers decide how large a CTA can be); (0, 1024) under the simulator."""
@@ -296,10 +294,7 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, CB=None
     CB (default :func:`default_cb`) and cta_warps (warps per CTA aimed at) are tuning knobs
     (``benchmarks/sweep_pair_gemv.py``)."""
     stream = _arrays.as_stream(stream)
-    if not isinstance(kc, KbitCodes):
-        kc = to_codes(kc, stream)
-    elif not kc.on_device:
-        kc = kc.to_device(stream)
+    kc = to_codes(kc, stream)                              # checked device arrays (re-packed if a KbitWeight)
     N, K = kc.shape
     Ad, a_src, M, out = _arrays.gemv_io(A, kc.shape, out, out_dtype, bf16, stream, "pair gemv", MAX_M)
     CB = default_cb(M, N, K) if CB is None else CB
@@ -310,12 +305,8 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, CB=None
     if kw > MAX_KW:
         raise ValueError(f"pair gemv handles K <= {MAX_KW * WARP * BLOCK}, got K={K}")
     _arrays.check_aligned(Ad, 16, "A")
-    absmax_t = np.uint8 if kc.absmax_format == "e4m4" else np.float32
-    packed = _arrays.device_array(kc.packed, "kc.packed", (np.uint32,), 1, stream)
-    absmax = _arrays.device_array(kc.absmax, "kc.absmax", (absmax_t,), 1, stream)
-    cb = _arrays.device_array(kc.codebook, "kc.codebook", (np.float32,), 1, stream)
     kern = make_pair_gemv_kernel(kc.k, M, CB, kc.absmax_format, a_src, out.dtype.name)
-    args = (_arrays.flat_view(Ad, np.uint32), packed, absmax, cb, _arrays.flat_view(out),
+    args = (_arrays.flat_view(Ad, np.uint32), kc.packed, kc.absmax, kc.codebook, _arrays.flat_view(out),
             np.int32(N), np.int32(n_kb))
     regs, max_threads = _kernel_limits(kern, args)
     if kw * WARP > max_threads:
