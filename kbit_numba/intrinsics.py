@@ -21,6 +21,7 @@ every PTX version against its twin on random inputs on the GPU.
 | lds_f32(a, p) | ld.shared.f32 [p]                     | table lookup at a 32-bit byte address p        |
 | lds_u32(a, p) | ld.shared.u32 [p]                     | the same for a table of uint32 (f16x2 pairs)   |
 | lds128 / lds64(a, p) | ld.shared.v4.u32 / v2.u32 [p]  | 16 / 8 bytes of staged weights, one load       |
+| sts128(a, p, w0..w3) | st.shared.v4.u32 [p]           | 16 bytes of a shared table, one store          |
 | hmul2(a, b)  | mul.rn.f16x2                          | two half products in one instruction           |
 | bmul2(a, b)  | mul.rn.bf16x2                         | the same for bfloat16 pairs                    |
 | cp_async16(dst, p, src, i, n) | cp.async.cg.shared.global 16 B | global -> shared without registers  |
@@ -228,6 +229,30 @@ def py_lds128(arr, addr):
 def py_lds64(arr, addr):
     i = int(addr) >> 2
     return np.uint32(_words(arr)[i]), np.uint32(_words(arr)[i + 1])
+
+
+@intrinsic
+def ptx_sts128(typingctx, arr, addr, a, b, c, d):
+    """Words a, b, c, d to shared byte address ``addr`` (16-byte aligned), one st.shared.v4.u32. ``arr``
+    is the shared array it points into (written by the twin only). The asm clobbers memory, so the
+    compiler keeps it in order with the kernel's other shared accesses."""
+    sig = types.void(arr, addr, a, b, c, d)
+
+    def codegen(context, builder, sig, args):
+        vals = _asm_args(builder, context, args[1:], sig.args[1:])
+        fty = ir.FunctionType(ir.VoidType(), [_i32] * 5)
+        asm = ir.InlineAsm(fty, "st.shared.v4.u32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r,~{memory}",
+                           side_effect=True)
+        builder.call(asm, vals)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def py_sts128(arr, addr, a, b, c, d):
+    i = int(addr) >> 2
+    for j, v in enumerate((a, b, c, d)):
+        _words(arr)[i + j] = np.uint32(int(v) & 0xFFFFFFFF)
 
 
 @intrinsic
@@ -610,12 +635,12 @@ def py_f16x2_as_u32(lo, hi):
 # ---------------------------------------------------------------------------------------------
 # The names kernels use
 # ---------------------------------------------------------------------------------------------
-NAMES = ("ldg128", "ldg64", "stg128", "shared_addr", "lds_f32", "lds_u32", "lds128", "lds64", "cp_async16",
+NAMES = ("ldg128", "ldg64", "stg128", "shared_addr", "lds_f32", "lds_u32", "lds128", "lds64", "sts128", "cp_async16",
          "cp_async_commit", "cp_async_wait", "ldmatrix_x4", "mma_f16", "mma_bf16", "hmul2", "bmul2", "dp4a",
          "lop3", "prmt", "rotr", "u32_as_f32", "f32_as_u32", "f16x2_as_u32", "f16_bits_to_f32")
 PAIRS = {name: (globals()["ptx_" + name], globals()["py_" + name]) for name in NAMES}
 
 _pick = 1 if SIMULATOR else 0
-(ldg128, ldg64, stg128, shared_addr, lds_f32, lds_u32, lds128, lds64, cp_async16, cp_async_commit,
+(ldg128, ldg64, stg128, shared_addr, lds_f32, lds_u32, lds128, lds64, sts128, cp_async16, cp_async_commit,
  cp_async_wait, ldmatrix_x4, mma_f16, mma_bf16, hmul2, bmul2, dp4a, lop3, prmt, rotr,
  u32_as_f32, f32_as_u32, f16x2_as_u32, f16_bits_to_f32) = (PAIRS[n][_pick] for n in NAMES)

@@ -38,7 +38,7 @@ from . import _arrays
 from .codec import _device_weight
 from .device import WARP, e4m4_decode, jit_kernel, make_warp_reduce_scatter, make_word_unpacker, sm_count
 from .formats import BLOCK, CODES_K, KbitCodes, KbitWeight
-from .intrinsics import SIMULATOR, ldg64, ldg128, lds64, lds128, prmt, shared_addr, u32_as_f32
+from .intrinsics import SIMULATOR, f32_as_u32, ldg64, ldg128, lds64, lds128, prmt, shared_addr, sts128, u32_as_f32
 from .launch import PreparedLaunch
 
 MAX_M = 4
@@ -47,6 +47,9 @@ CODES = 256                       # table entries: one per code byte
 ROW_BYTES = 256                   # one table row per code, so a code byte shifted by 8 is its row address
 TABLE_BYTES = CODES * ROW_BYTES   # 64 KB of dynamic shared memory
 TABLE_FLOATS = TABLE_BYTES // 4
+CHUNK_BYTES = 16                  # the fill writes the table 16 bytes (one st.shared.v4) at a time
+ROW_CHUNKS = ROW_BYTES // CHUNK_BYTES
+TABLE_CHUNKS = TABLE_BYTES // CHUNK_BYTES
 ABSMAX_CODES = 256                # E4M4 bytes, decoded once per CTA into shared memory after the table
 CODEBOOK = TABLE_FLOATS + ABSMAX_CODES   # float offset of the codebook (<= 16 values, staged for the fill)
 PART = CODEBOOK + 16              # float offset of the cross-warp partial sums
@@ -120,17 +123,22 @@ def make_pair_gemv_kernel(k, M, CB, absmax_format, a_src, out_dtype):
         load_columns(packed, absmax, g * group_cols + sl * CB, kb, active, N, n_kb, nxt, nxt_absmax)
 
         # ---- 2. the group table: entry (code, copy) = G codebook values, element e from bits k*e ----
-        #         (read from a shared copy of the codebook: 16384 global reads would serialise the fill)
+        #         (read from a shared copy of the codebook: 16384 global reads would serialise the fill).
+        #         A thread writes 16 bytes a store, one chunk of a row: the chunk's 4 floats are
+        #         4 // G copies of the row's G values.
         if tid < N_CODES:
             smem[CODEBOOK + tid] = cb[tid]
         cuda.syncthreads()
-        i = np.uint32(tid)                          # entry i = code * COPIES + copy: row of code, copy's slot
-        while i < np.uint32(CODES * COPIES):
-            code = i // np.uint32(COPIES)
-            for e in range(G):
-                smem[i * np.uint32(G) + np.uint32(e)] = smem[np.uint32(CODEBOOK) + ((code >> np.uint32(k * e))
-                                                                                 & np.uint32(CODE_MASK))]
-            i += np.uint32(cuda.blockDim.x)
+        table = shared_addr(smem)
+        chunk = np.uint32(tid)
+        while chunk < np.uint32(TABLE_CHUNKS):
+            code = chunk // np.uint32(ROW_CHUNKS)
+            vals = cuda.local.array(4, np.uint32)
+            for e in range(4):
+                vals[e] = f32_as_u32(smem[np.uint32(CODEBOOK) + ((code >> np.uint32(k * (e % G)))
+                                                              & np.uint32(CODE_MASK))])
+            sts128(smem, table + chunk * np.uint32(CHUNK_BYTES), vals[0], vals[1], vals[2], vals[3])
+            chunk = np.uint32(chunk + np.uint32(cuda.blockDim.x))   # (stays 32-bit)
         i = tid
         while e4m4 and i < ABSMAX_CODES:             # every E4M4 byte's value: one shared load per block
             smem[TABLE_FLOATS + i] = e4m4_decode(np.uint8(i))
@@ -146,7 +154,6 @@ def make_pair_gemv_kernel(k, M, CB, absmax_format, a_src, out_dtype):
                 for h in range(4):
                     for e in range(A_PER_WORD):
                         a[m, (4 * q + h) * A_PER_WORD + e] = word_to_f32(w4[h], e) * a_live
-        table = shared_addr(smem)
         lane_off = np.uint32((lane % COPIES) * 4 * G)
         cuda.syncthreads()
 

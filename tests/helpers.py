@@ -13,6 +13,10 @@ PTX_ONLY = os.environ.get("KBIT_NUMBA_PTX_ONLY") == "1"
 EXAMPLES = 6 if SIM else 12
 MAX_N = 8 if SIM else 300
 MAX_KB = 4 if SIM else 40        # K = 32 * kb
+# Tiled layouts have 128 columns a tile: on the simulator one tile and up to three blocks (an odd K still
+# pads to a whole K tile of two blocks), two tiles on the GPU.
+MAX_TILES = 1 if SIM else 2
+MAX_KB_TILED = 3 if SIM else MAX_KB
 
 
 def random_weight(rng, N, K, scale=1.0, dtype=np.float32):

@@ -6,7 +6,7 @@ from numba import cuda
 
 import kbit_numba as kb
 from kbit_numba import reference as ref
-from helpers import assert_within, EXAMPLES, SIM, ks, random_weight, seeds
+from helpers import assert_within, EXAMPLES, MAX_KB_TILED, MAX_TILES, SIM, ks, random_weight, seeds
 
 MAX_N = 12 if SIM else 700
 MAX_KB = 5 if SIM else 70          # K = 32 * kb: odd multiples of 32, and past 1024 (several warps) on the GPU
@@ -47,12 +47,13 @@ def test_gemv_flat(seed, k, M, N, kbn, fmt, a_dtype, out_dtype):
 
 
 @settings(max_examples=EXAMPLES)
-@given(seeds, ks, st.integers(1, 4), st.integers(1, 2), st.integers(1, MAX_KB), st.sampled_from(["e4m4", "fp32"]))
+@given(seeds, ks, st.integers(1, 4), st.integers(1, MAX_TILES), st.integers(1, MAX_KB_TILED if SIM else MAX_KB),
+       st.sampled_from(["e4m4", "fp32"]))
 def test_gemv_tiled(seed, k, M, ntiles, kbn, fmt):
     rng = np.random.default_rng(seed)
     K = 32 * kbn
     flat = ref.quantize(random_weight(rng, 128 * ntiles, K), k=k, absmax_format=fmt)
-    tiled = kb.repack_tiled(flat)
+    tiled = ref.repack_tiled(flat)           # (the GPU repack is tested in test_codec)
     A = _activations(rng, M, K, "float16")
     got = kb.gemv(A, tiled, out_dtype=np.float32).copy_to_host()
     check_close(got, A, flat)

@@ -123,7 +123,8 @@ def test_vector_loads_and_stores():
 
 @cuda.jit
 def _shared_vector_kernel(src, dst):
-    """src (16 words) -> shared by cp.async -> lds128 / lds64 -> dst, one thread."""
+    """src (16 words) -> shared by cp.async -> lds128 / lds64 -> dst; then sts128 over the last 4 words
+    and lds128 back; one thread."""
     sh = cuda.shared.array(16, np.uint32, alignment=16)
     base = I.shared_addr(sh)
     for c in range(4):
@@ -132,14 +133,17 @@ def _shared_vector_kernel(src, dst):
     I.cp_async_wait(0)
     dst[0], dst[1], dst[2], dst[3] = I.lds128(sh, base + np.uint32(32))
     dst[4], dst[5] = I.lds64(sh, base + np.uint32(8))
+    I.sts128(sh, base + np.uint32(48), dst[0] + np.uint32(1), dst[1], dst[4], np.uint32(7))
+    dst[6], dst[7], dst[8], dst[9] = I.lds128(sh, base + np.uint32(48))
 
 
 @pytest.mark.skipif(PTX_ONLY, reason="runs a kernel")
 def test_shared_vector_loads():
     src = np.arange(16, dtype=np.uint32) * np.uint32(2654435761)
-    dst = cuda.to_device(np.zeros(6, np.uint32))
+    dst = cuda.to_device(np.zeros(10, np.uint32))
     _shared_vector_kernel[1, 1](cuda.to_device(src), dst)
-    np.testing.assert_array_equal(dst.copy_to_host(), np.concatenate([src[8:12], src[2:4]]))
+    stored = [src[8] + np.uint32(1), src[9], src[2], 7]
+    np.testing.assert_array_equal(dst.copy_to_host(), np.concatenate([src[8:12], src[2:4], stored]))
 
 
 # ---- tensor-core path: cp.async -> ldmatrix -> mma, against NumPy (PTX on the GPU, twins here) -------
