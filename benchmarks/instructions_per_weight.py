@@ -14,7 +14,7 @@ import sys
 
 import numpy as np
 
-KERNELS = ("gemv", "pair_gemv")
+KERNELS = ("gemv", "pair_gemv", "pair_gemv_f16")   # pair_gemv_f16: f16_acc=True
 
 
 def _points(argv):
@@ -38,7 +38,7 @@ def launch(points):
         if kern == "gemv":
             kb.prepare_gemv(A, qw).run()
         else:
-            pair_gemv.prepare(A, pair_gemv.to_codes(qw)).run()
+            pair_gemv.prepare(A, pair_gemv.to_codes(qw), f16_acc=kern == "pair_gemv_f16").run()
         cuda.synchronize()
 
 
@@ -56,10 +56,10 @@ def main(argv):
     if len(rows) != len(points):
         print(proc.stdout[-3000:], proc.stderr[-3000:])
         raise SystemExit(f"expected {len(points)} profiled kernels, got {len(rows)}")
-    print(f"{'kernel':<10} {'K x N':>11} {'k':>2} {'M':>2} {'warp instr':>12} {'instr/weight':>12}")
+    print(f"{'kernel':<14} {'K x N':>11} {'k':>2} {'M':>2} {'warp instr':>12} {'instr/weight':>12}")
     for (K, N, k, M, kern), r in zip(points, rows):
         inst = float(r["Metric Value"].replace(",", ""))
-        print(f"{kern:<10} {f'{K}x{N}':>11} {k:>2} {M:>2} {inst:12.0f} {inst * 32 / (N * K):12.2f}")
+        print(f"{kern:<14} {f'{K}x{N}':>11} {k:>2} {M:>2} {inst:12.0f} {inst * 32 / (N * K):12.2f}")
 
 
 if __name__ == "__main__":

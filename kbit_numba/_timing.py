@@ -47,7 +47,9 @@ def _graph_time_torch(launch, n_launch, replays, warmup):
             launch(i, ns)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    # defer_cleanup: Numba frees device memory in batches, whenever its queue fills; a cuMemFree inside
+    # the capture (of any garbage array, not only this launch's) would invalidate it
+    with cuda.defer_cleanup(), torch.cuda.graph(g):
         ns = cuda.external_stream(torch.cuda.current_stream().cuda_stream)
         for i in range(n_launch):
             launch(i, ns)
@@ -78,10 +80,11 @@ def _graph_time_driver(launch, n_launch, replays, warmup):
         launch(i, stream)
     stream.synchronize()
     handle = drv.CUstream(int(stream.handle.value if hasattr(stream.handle, "value") else stream.handle))
-    check(drv.cuStreamBeginCapture(handle, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
-    for i in range(n_launch):
-        launch(i, stream)
-    graph = check(drv.cuStreamEndCapture(handle))
+    with cuda.defer_cleanup():       # (no cuMemFree inside the capture: see _graph_time_torch)
+        check(drv.cuStreamBeginCapture(handle, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL))
+        for i in range(n_launch):
+            launch(i, stream)
+        graph = check(drv.cuStreamEndCapture(handle))
     gexec = check(drv.cuGraphInstantiate(graph, 0))
     times = []
     for r in range(warmup + replays):

@@ -192,13 +192,17 @@ def gemv_rows(shapes, ks, ms, ceilings, progress, tunings=(None,)):
     return _gemv_grid_rows(shapes, ks, ms, scalar_gemv.MAX_M, list, variants, ceilings, progress)
 
 
-def pair_gemv_rows(shapes, ks, ms, ceilings, progress, cbs=(None,)):
+def pair_gemv_rows(shapes, ks, ms, ceilings, progress, cbs=(None,), f16_acc=False):
     """Pair-table GEMV rows (k = 2, 4; the code layout made once per weight): shape x k x M (M <= 4),
-    each CB (None = the default)."""
+    each CB (None = the default); ``f16_acc``: the float16-accumulating variant, labelled [f16]."""
     from . import pair_gemv
 
-    variants = [("pair_gemv" if cb is None else f"pair_gemv[CB={cb}]",
-                 lambda A, kc, out, cb=cb: pair_gemv.plan(A, kc, out, 0, CB=cb)[0]) for cb in cbs]
+    def label(cb):
+        tags = ([] if cb is None else [f"CB={cb}"]) + (["f16"] if f16_acc else [])
+        return "pair_gemv" + (f"[{','.join(tags)}]" if tags else "")
+
+    variants = [(label(cb), lambda A, kc, out, cb=cb: pair_gemv.plan(A, kc, out, 0, CB=cb, f16_acc=f16_acc)[0])
+                for cb in cbs]
     return _gemv_grid_rows(shapes, [k for k in ks if k in pair_gemv.CODES_K], ms, pair_gemv.MAX_M,
                            lambda ws: [pair_gemv.to_codes(w) for w in ws], variants, ceilings, progress)
 
@@ -216,11 +220,13 @@ def _mm_row(label, K, N, k, M, t, nbytes, ceilings):
 
 def matmul_rows(shapes, ks, ms, ceilings, progress, kernels=("gemm", "dequant_matmul", "linear")):
     """Any-M rows on rotating tiled weights: the tensor-core GEMM, dequantize + cuBLAS fp16 (torch), and
-    ``linear`` (whatever the package's table picks). Percent of the read ceiling counts the kbit bytes."""
+    ``linear`` (whatever the package's table picks; at M <= 4 also on the code layout, the pair gemv). Percent
+    of the read ceiling counts the kbit bytes."""
     from numba import cuda
 
-    from . import codec, dispatch as lin, tensor_gemm
+    from . import codec, dispatch as lin, pair_gemv, tensor_gemm
     from ._timing import graph_time_us, rotation_count, torch
+    from .formats import CODES_K
     from .launch import run_steps
 
     rows = []
@@ -233,6 +239,8 @@ def matmul_rows(shapes, ks, ms, ceilings, progress, kernels=("gemm", "dequant_ma
             n = rotation_count(nbytes)
             flats = _rotating_weights(K, N, k, n, rng)
             ws = _tiled_copies(flats)
+            codes = ([pair_gemv.to_codes(w) for w in flats] if "linear" in kernels and k in CODES_K
+                     and any(M <= 4 for M in ms) else [])
             wbuf = cuda.device_array((N, K), np.float16)
             space = lin.Workspace()
             for M in ms:
@@ -263,6 +271,10 @@ def matmul_rows(shapes, ks, ms, ceilings, progress, kernels=("gemm", "dequant_ma
                         def flat_launch(i, s):
                             lin.linear(A, flats[i % n], out=out, stream=s, workspace=space, kernel="gemv")
                         cases.append(("linear+flat[gemv]", flat_launch))
+                    if codes and M <= 4:                # KbitLinear(layout="codes"): the pair gemv
+                        def codes_launch(i, s):
+                            lin.linear(A, codes[i % n], out=out, stream=s, workspace=space)
+                        cases.append(("linear+codes[pair_gemv]", codes_launch))
                 for label, fn in cases:
                     progress(f"{label} {K}x{N} k={k} M={M}")
                     t = graph_time_us(fn, n * max(1, 32 // n))
@@ -588,6 +600,8 @@ def main(argv=None):
     p.add_argument("--plot", help="write a speedup-vs-M plot (PNG) to this file (needs matplotlib)")
     p.add_argument("--sweep", help="gemv tunings CB:max_registers to time, e.g. 4:64,8:none")
     p.add_argument("--pair-cb", help="pair_gemv columns per warp per iteration to time, e.g. 2,4,8")
+    p.add_argument("--pair-f16", action="store_true",
+                   help="also time pair_gemv with float16 accumulation inside a block (f16_acc)")
     p.add_argument("--overhead", action="store_true", help="also measure host time per call")
     p.add_argument("--moe", action="store_true", help="also time the MoE case (512 experts, batch 32, top-8)")
     p.add_argument("--tune", nargs="?", const="", metavar="FILE",
@@ -638,6 +652,8 @@ def main(argv=None):
         rows += gemv_rows(shapes, ks, ms, ceilings, progress, tunings)
     if args.pair_cb:
         rows += pair_gemv_rows(shapes, ks, ms, ceilings, progress, _parse_list(args.pair_cb, int))
+    if args.pair_f16:
+        rows += pair_gemv_rows(shapes, ks, ms, ceilings, progress, f16_acc=True)
     overhead = host_overhead_rows(progress) if args.overhead else []
     moe = (moe_rows(progress) + moe_rows(progress, batch=512)) if args.moe else []
     cublas = {}

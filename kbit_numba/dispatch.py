@@ -1,4 +1,4 @@
-"""One entry point for C = A @ W^T: ``linear`` picks scalar GEMV, tensor-core GEMM or dequantize + cuBLAS.
+"""One entry point for C = A @ W^T: ``linear`` picks scalar GEMV, pair GEMV, tensor-core GEMM or dequantize + cuBLAS.
 
 The choice depends on M and the shape and comes from a per-GPU table, ``kbit_numba/tuning/<gpu>.json``,
 written by ``python -m kbit_numba.bench --tune`` on that GPU (loaded by device name; unknown GPUs get
@@ -7,10 +7,12 @@ M <= max_m wins, ``null`` = any M) and per-shape rules for the shapes it measure
 
 A rule is only followed when its kernel applies; otherwise the next applicable one in ``FALLBACK``:
 ``gemv`` needs M <= 4 (bigger M runs it in slices of 4 rows), ``gemm`` the tiled layout,
-``dequant_matmul`` torch or CuPy for the cuBLAS call.
+``dequant_matmul`` torch or CuPy for the cuBLAS call. A weight in the code layout (``KbitCodes``, k = 2, 4)
+is read by ``pair_gemv`` only (M > 4 in slices of 4 rows): a layout for decode steps.
 
-``KbitLinear`` keeps a weight ready for repeated calls: a tiled copy (which serves gemv and gemm), a
-``Workspace`` (split-K sums, the dequantized weight) and prepared launches for decode loops.
+``KbitLinear`` keeps a weight ready for repeated calls: a tiled copy (which serves gemv and gemm), or with
+``layout="codes"`` the code layout for the pair gemv, a ``Workspace`` (split-K sums, the dequantized
+weight) and prepared launches for decode loops.
 """
 from __future__ import annotations
 
@@ -22,12 +24,13 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda
 
-from . import _arrays, scalar_gemv, tensor_gemm
+from . import _arrays, pair_gemv, scalar_gemv, tensor_gemm
 from .codec import _device_weight, dequantize, repack_tiled
-from .formats import TILE_N, KbitWeight
+from .formats import CODES_K, TILE_N, KbitCodes, KbitWeight
 from .launch import PreparedLaunch, stream_handle
 
-KERNELS = ("gemv", "gemm", "dequant_matmul")
+KERNELS = ("gemv", "pair_gemv", "gemm", "dequant_matmul")
+LAYOUTS = ("tiled", "codes")          # what KbitLinear keeps on the device
 FALLBACK = ("gemm", "dequant_matmul", "gemv")
 TUNING_DIR = os.path.join(os.path.dirname(__file__), "tuning")
 DEFAULT_TABLE = {"device": "default", "rules": [[4, "gemv"], [256, "gemm"], [None, "dequant_matmul"]],
@@ -60,6 +63,8 @@ def load_table(name=None):
 def choose(M, N, K, layout, table=None, backend=None):
     """The kernel ``linear`` runs for an M x K input and an N x K weight of ``layout``. ``backend``:
     the cuBLAS route ('torch', 'cupy', or False for none); None asks ``matmul_backend()``."""
+    if layout == "codes":          # the only kernel that reads the code layout
+        return "pair_gemv"
     table = table or load_table()
     rules = table.get("shapes", {}).get(f"{K}x{N}", table["rules"])
     want = next(kern for max_m, kern in rules if max_m is None or M <= max_m)
@@ -152,21 +157,25 @@ def _rows(A):
 
 
 def linear(A, qw, out=None, stream=None, workspace=None, out_dtype=np.float16, bf16=False, kernel=None,
-           table=None):
+           table=None, f16_acc=False):
     """C[M, N] = A[M, K] @ W^T for any M, by the fastest applicable kernel for this GPU, M and shape.
 
     A: float16/float32 [M, K] or [K] (bfloat16 as int16 bits with ``bf16=True``); qw: a KbitWeight (the
-    tensor-core GEMM needs the tiled layout: ``KbitLinear`` keeps one). ``workspace``: a ``Workspace``
-    reused across calls (else buffers are allocated per call). ``kernel`` forces 'gemv', 'gemm' or
-    'dequant_matmul'. Returns a device array [M, N] (or [N]) of ``out_dtype``, or ``out``."""
-    if not isinstance(qw, KbitWeight):
-        raise TypeError(f"qw must be a KbitWeight, got {type(qw).__name__}")
+    tensor-core GEMM needs the tiled layout: ``KbitLinear`` keeps one) or a KbitCodes (the pair gemv).
+    ``workspace``: a ``Workspace`` reused across calls (else buffers are allocated per call). ``kernel``
+    forces one of ``KERNELS``. ``f16_acc``: the pair gemv sums each 32-weight block in float16
+    (``pair_gemv.gemv``; float16 A). Returns a device array [M, N] (or [N]) of ``out_dtype``, or ``out``."""
+    if not isinstance(qw, (KbitWeight, KbitCodes)):
+        raise TypeError(f"qw must be a KbitWeight or KbitCodes, got {type(qw).__name__}")
     stream = _arrays.as_stream(stream)
     M = _rows(A)
     N, K = qw.shape
     kernel = kernel or choose(M, N, K, qw.layout, table)
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    if (kernel == "pair_gemv") != (qw.layout == "codes"):
+        raise ValueError(f"kernel {kernel!r} does not read the {qw.layout} layout "
+                         "(pair_gemv reads KbitCodes, the others KbitWeight)")
     if bf16 and kernel == "dequant_matmul":       # cuBLAS through torch/CuPy takes no int16 bf16 bits
         kernel = "gemm" if qw.layout == "tiled" else "gemv"
     if kernel == "gemm":      # (without a Workspace, gemm allocates split-K sums only when it splits)
@@ -174,13 +183,18 @@ def linear(A, qw, out=None, stream=None, workspace=None, out_dtype=np.float16, b
         return tensor_gemm.gemm(A, qw, out, stream, out_dtype, bf16, sums)
     if kernel == "dequant_matmul":
         return dequant_matmul(A, qw, out, stream, out_dtype, workspace)
+    if kernel == "pair_gemv":
+        def gemv(A, qw, out, stream, out_dtype, bf16):
+            return pair_gemv.gemv(A, qw, out, stream, out_dtype, bf16, f16_acc)
+    else:
+        gemv = scalar_gemv.gemv
     if M <= scalar_gemv.MAX_M:
-        return scalar_gemv.gemv(A, qw, out, stream, out_dtype, bf16)
-    Ad, _ = _arrays.float_input(A, "A", bf16, 2, stream)   # gemv in slices of 4 rows
+        return gemv(A, qw, out, stream, out_dtype, bf16)
+    Ad, _ = _arrays.float_input(A, "A", bf16, 2, stream)   # a gemv in slices of 4 rows
     out_dtype = _arrays.output_dtype(out, out_dtype)
     out = _arrays.output(out, "out", (M, N), out_dtype, stream)
     for r in range(0, M, scalar_gemv.MAX_M):
-        scalar_gemv.gemv(Ad[r:r + scalar_gemv.MAX_M], qw, out[r:r + scalar_gemv.MAX_M], stream, out_dtype, bf16)
+        gemv(Ad[r:r + scalar_gemv.MAX_M], qw, out[r:r + scalar_gemv.MAX_M], stream, out_dtype, bf16)
     return out
 
 
@@ -195,10 +209,30 @@ class KbitLinear:
 
     ``keep_flat=True`` also keeps the flat layout for the scalar GEMV (twice the weight memory): the gemv
     reads the tiled layout with scattered 16-byte loads and was 10-22% slower at M = 1..3 on the H100
-    (benchmarks/README.md)."""
+    (benchmarks/README.md).
 
-    def __init__(self, qw, table=None, stream=None, keep_flat=False):
+    ``layout="codes"`` (k = 2, 4, from a flat weight) keeps only the code layout instead, the same bytes:
+    every call runs the pair gemv, the fastest kbit kernel at M = 1..4 on the H100 except on the smallest
+    shapes (benchmarks/README.md), but M > 4 runs it in slices of 4 rows (no tensor-core GEMM): a layout
+    for decode steps, not for prefill. With it, ``f16_acc=True`` sums each 32-weight block in float16
+    (float16 activations; faster, error bound in tests/test_pair_gemv.py)."""
+
+    def __init__(self, qw, table=None, stream=None, keep_flat=False, layout="tiled", f16_acc=False):
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         stream = _arrays.as_stream(stream)
+        if layout == "codes":
+            if not (isinstance(qw, KbitCodes) or (isinstance(qw, KbitWeight) and qw.k in CODES_K
+                                                  and qw.layout == "flat")):
+                raise ValueError(f"layout='codes' needs a flat KbitWeight with k in {CODES_K} (or a "
+                                 f"KbitCodes), got {getattr(qw, 'layout', type(qw).__name__)}, "
+                                 f"k={getattr(qw, 'k', None)}")
+            self.weight, self.flat_weight = pair_gemv.to_codes(qw, stream), None
+            self.table, self.workspace, self.f16_acc = table, Workspace(), bool(f16_acc)
+            return
+        if f16_acc:
+            raise ValueError("f16_acc applies to the pair gemv: use it with layout='codes'")
+        self.f16_acc = False
         qw = _device_weight(qw, stream)
         self.flat_weight = qw if qw.layout == "flat" else None
         if qw.layout == "flat" and qw.shape[0] % TILE_N == 0:
@@ -220,7 +254,7 @@ class KbitLinear:
     def __call__(self, A, out=None, stream=None, out_dtype=np.float16, bf16=False, kernel=None):
         kernel = kernel or self.kernel_for(_rows(A))
         return linear(A, self._weight_for(kernel), out, stream, self.workspace, out_dtype, bf16, kernel,
-                      self.table)
+                      self.table, self.f16_acc)
 
     def prepare(self, A, out=None, stream=None, out_dtype=np.float16, bf16=False, kernel=None):
         return PreparedLinear(self, A, out, stream, out_dtype, bf16, kernel)
@@ -244,12 +278,15 @@ class PreparedLinear:
         elif self.kernel == "gemv" and M <= scalar_gemv.MAX_M:
             kern, grid, block, args, self.out = scalar_gemv._plan(A, w, out, stream, out_dtype, bf16)
             self._launches = [PreparedLaunch(kern, grid, block, args, stream)]
+        elif self.kernel == "pair_gemv" and M <= pair_gemv.MAX_M:
+            launch, _, self.out = pair_gemv.plan(A, w, out, stream, out_dtype, bf16, f16_acc=layer.f16_acc)
+            self._launches = [launch]
         else:                                      # dequantize + cuBLAS, or gemv slices: the checked path
             self.out = _arrays.output(out, "out", tuple(A.shape)[:-1] + (w.shape[0],),
                                       _arrays.output_dtype(out, out_dtype), stream)
             self._launches = None
             self._call = lambda s: linear(A, w, self.out, s, layer.workspace, out_dtype, bf16, self.kernel,
-                                          layer.table)
+                                          layer.table, layer.f16_acc)
 
     def run(self, stream=None):
         """Launch (on ``stream`` if given, else the bound one); returns ``out``."""

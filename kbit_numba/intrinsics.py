@@ -23,6 +23,7 @@ every PTX version against its twin on random inputs on the GPU.
 | lds128 / lds64(a, p) | ld.shared.v4.u32 / v2.u32 [p]  | 16 / 8 bytes of staged weights, one load       |
 | sts128(a, p, w0..w3) | st.shared.v4.u32 [p]           | 16 bytes of a shared table, one store          |
 | hmul2(a, b)  | mul.rn.f16x2                          | two half products in one instruction           |
+| hfma2(a, b, c) | fma.rn.f16x2                        | two half multiply-adds in one instruction      |
 | bmul2(a, b)  | mul.rn.bf16x2                         | the same for bfloat16 pairs                    |
 | cp_async16(dst, p, src, i, n) | cp.async.cg.shared.global 16 B | global -> shared without registers  |
 | cp_async_commit() / cp_async_wait(n) | cp.async.commit_group / wait_group n | double buffering |
@@ -173,8 +174,8 @@ def py_shared_addr(arr):
     return np.uint32(0)
 
 
-def py_lds_f32(arr, addr):
-    return np.float32(arr[int(addr) >> 2])
+def py_lds_f32(arr, addr):   # the word's bits as a float32, whatever the array's 4-byte type
+    return _words(arr)[int(addr) >> 2:(int(addr) >> 2) + 1].view(np.float32)[0]
 
 
 @intrinsic
@@ -189,8 +190,8 @@ def ptx_lds_u32(typingctx, arr, addr):
     return sig, codegen
 
 
-def py_lds_u32(arr, addr):
-    return np.uint32(arr[int(addr) >> 2])
+def py_lds_u32(arr, addr):   # the word's bits, whatever the array's 4-byte type
+    return np.uint32(_words(arr)[int(addr) >> 2])
 
 
 def _lds_vector(n):
@@ -445,9 +446,25 @@ ptx_hmul2 = _mul2_intrinsic("f16")
 ptx_bmul2 = _mul2_intrinsic("bf16")
 
 
+@intrinsic
+def ptx_hfma2(typingctx, a, b, c):
+    """uint32: a * b + c on the float16 pairs packed in a, b, c, each half rounded once (fma.rn.f16x2)."""
+    sig = types.uint32(a, b, c)
+
+    def codegen(context, builder, sig, args):
+        return builder.call(_u32_asm(3, "fma.rn.f16x2 $0, $1, $2, $3;"), _asm_args(builder, context, args, sig.args))
+
+    return sig, codegen
+
+
 def py_hmul2(a, b):   # a float16 product of two float16 values is exact in float32: one rounding
     p = (_halves(a, False) * _halves(b, False)).astype(np.float32).astype(np.float16)
     return np.uint32(int(p.view(np.uint16)[0]) | int(p.view(np.uint16)[1]) << 16)
+
+
+def py_hfma2(a, b, c):   # exact in float64 (half products have 22 bits), then one rounding to float16
+    r = (_halves(a, False).astype(np.float64) * _halves(b, False) + _halves(c, False)).astype(np.float16)
+    return np.uint32(int(r.view(np.uint16)[0]) | int(r.view(np.uint16)[1]) << 16)
 
 
 def py_bmul2(a, b):
@@ -636,11 +653,11 @@ def py_f16x2_as_u32(lo, hi):
 # The names kernels use
 # ---------------------------------------------------------------------------------------------
 NAMES = ("ldg128", "ldg64", "stg128", "shared_addr", "lds_f32", "lds_u32", "lds128", "lds64", "sts128", "cp_async16",
-         "cp_async_commit", "cp_async_wait", "ldmatrix_x4", "mma_f16", "mma_bf16", "hmul2", "bmul2", "dp4a",
+         "cp_async_commit", "cp_async_wait", "ldmatrix_x4", "mma_f16", "mma_bf16", "hmul2", "hfma2", "bmul2", "dp4a",
          "lop3", "prmt", "rotr", "u32_as_f32", "f32_as_u32", "f16x2_as_u32", "f16_bits_to_f32")
 PAIRS = {name: (globals()["ptx_" + name], globals()["py_" + name]) for name in NAMES}
 
 _pick = 1 if SIMULATOR else 0
 (ldg128, ldg64, stg128, shared_addr, lds_f32, lds_u32, lds128, lds64, sts128, cp_async16, cp_async_commit,
- cp_async_wait, ldmatrix_x4, mma_f16, mma_bf16, hmul2, bmul2, dp4a, lop3, prmt, rotr,
+ cp_async_wait, ldmatrix_x4, mma_f16, mma_bf16, hmul2, hfma2, bmul2, dp4a, lop3, prmt, rotr,
  u32_as_f32, f32_as_u32, f16x2_as_u32, f16_bits_to_f32) = (PAIRS[n][_pick] for n in NAMES)

@@ -39,17 +39,33 @@ def _device_ptr(arr):
     return int(arr.__cuda_array_interface__["data"][0])
 
 
+_OPTED_IN = {}                     # (kernel handle, device) -> dynamic shared bytes it may use
+
+
 def _allow_shared(driver, cufunc, nbytes):
-    """Opt a kernel in to ``nbytes`` of dynamic shared memory (above 48 KB), with the largest shared-memory
-    carveout so that several such CTAs fit on an SM. Numba's handle is a library ``CUkernel``, whose
-    attributes are set per device."""
-    attr = driver.CUfunction_attribute
-    kernel = driver.CUkernel(int(cufunc.handle))
-    for which, value in ((attr.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes),
-                         (attr.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)):
-        err, = driver.cuKernelSetAttribute(which, value, kernel, cufunc.device.id)
-        if err != driver.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"cannot set {which} = {value} for {cufunc.name}: {err}")
+    """Opt a kernel in to dynamic shared memory above 48 KB, with the largest shared-memory carveout so
+    that several such CTAs fit on an SM. Numba's handle is a library ``CUkernel``, whose attributes are
+    set per device. Done once per kernel, to all the device allows: later plans (e.g. inside a CUDA-graph
+    capture, where changing a kernel's attributes can invalidate the capture) make no driver call."""
+    key = (int(cufunc.handle), cufunc.device.id)
+    if key not in _OPTED_IN:
+        attr = driver.CUfunction_attribute
+        err, dev = driver.cuDeviceGet(cufunc.device.id)
+        err2, optin = driver.cuDeviceGetAttribute(
+            driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, dev)
+        if err != driver.CUresult.CUDA_SUCCESS or err2 != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cannot read the device's shared-memory limit: {err}, {err2}")
+        allowed = int(optin) - int(cufunc.attrs.shared)          # less the kernel's static shared memory
+        kernel = driver.CUkernel(int(cufunc.handle))
+        for which, value in ((attr.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, allowed),
+                             (attr.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)):
+            err, = driver.cuKernelSetAttribute(which, value, kernel, cufunc.device.id)
+            if err != driver.CUresult.CUDA_SUCCESS:
+                raise RuntimeError(f"cannot set {which} = {value} for {cufunc.name}: {err}")
+        _OPTED_IN[key] = allowed
+    if nbytes > _OPTED_IN[key]:
+        raise ValueError(f"{cufunc.name} asks for {nbytes} bytes of dynamic shared memory; the device allows "
+                         f"{_OPTED_IN[key]}")
 
 
 class PreparedLaunch:

@@ -38,7 +38,8 @@ from . import _arrays
 from .codec import _device_weight
 from .device import WARP, e4m4_decode, jit_kernel, make_warp_reduce_scatter, make_word_unpacker, sm_count
 from .formats import BLOCK, CODES_K, KbitCodes, KbitWeight
-from .intrinsics import SIMULATOR, f32_as_u32, ldg64, ldg128, lds64, lds128, prmt, shared_addr, sts128, u32_as_f32
+from .intrinsics import (SIMULATOR, f16_bits_to_f32, f16x2_as_u32, f32_as_u32, hfma2, ldg64, ldg128, lds64, lds128,
+                         lds_u32, prmt, shared_addr, sts128, u32_as_f32)
 from .launch import PreparedLaunch
 
 MAX_M = 4
@@ -63,16 +64,25 @@ REGISTERS_PER_SM = 65536
 
 
 @lru_cache(maxsize=None)
-def make_pair_gemv_kernel(k, M, CB, absmax_format, a_src, out_dtype):
+def make_pair_gemv_kernel(k, M, CB, absmax_format, a_src, out_dtype, f16_acc=False):
     """Kernel(A words, packed codes, absmax, codebook, out[M*N], N, n_kb); blockDim = 32 * KW * S.
 
     k: 2 or 4; M: rows of A (1..4); CB: columns per warp per iteration; a_src: 'float16', 'float32' or
     'bfloat16' (A read as uint32 words); out_dtype: 'float16' or 'float32'. Launch with
-    ``TABLE_BYTES + part_bytes(...)`` bytes of dynamic shared memory."""
+    ``TABLE_BYTES + part_bytes(...)`` bytes of dynamic shared memory.
+    f16_acc (float16 A only): the table holds f16x2 pairs and a block's products are summed by
+    ``fma.rn.f16x2`` (one instruction per pair and row instead of two FFMAs), in float16; blocks are summed
+    in float32 (error bound: tests/test_pair_gemv.py)."""
     if k not in CODES_K or not 1 <= M <= MAX_M:
         raise ValueError(f"pair gemv handles k in {CODES_K} and M = 1..{MAX_M}, got k={k}, M={M}")
+    if f16_acc and a_src != "float16":
+        raise ValueError(f"f16_acc needs float16 activations, got {a_src}")
     G = 8 // k                                     # elements per code byte
-    COPIES = ROW_BYTES // (4 * G)                  # table copies per row: 32 (k = 4) or 16 (k = 2)
+    ENTRY = 2 * G if f16_acc else 4 * G            # bytes of one table entry (G values)
+    COPIES = min(WARP, ROW_BYTES // ENTRY)         # copies per row: 32, or 16 for float32 quads (k = 2)
+    USED_CHUNKS = COPIES * ENTRY // CHUNK_BYTES    # chunks of a row the copies fill (f16, k = 4: half)
+    WORDS_PER_ENTRY = ENTRY // 4
+    PAIRS = BLOCK // 2                             # f16x2 words of a block's activations
     CODE_MASK = (1 << k) - 1
     N_CODES = 1 << k
     CM = CB * M
@@ -131,13 +141,19 @@ def make_pair_gemv_kernel(k, M, CB, absmax_format, a_src, out_dtype):
         cuda.syncthreads()
         table = shared_addr(smem)
         chunk = np.uint32(tid)
-        while chunk < np.uint32(TABLE_CHUNKS):
-            code = chunk // np.uint32(ROW_CHUNKS)
+        while chunk < np.uint32(CODES * USED_CHUNKS):
+            code = chunk // np.uint32(USED_CHUNKS)
             vals = cuda.local.array(4, np.uint32)
-            for e in range(4):
-                vals[e] = f32_as_u32(smem[np.uint32(CODEBOOK) + ((code >> np.uint32(k * (e % G)))
-                                                              & np.uint32(CODE_MASK))])
-            sts128(smem, table + chunk * np.uint32(CHUNK_BYTES), vals[0], vals[1], vals[2], vals[3])
+            for wd in range(4):                     # word wd of the chunk: word wd % WORDS_PER_ENTRY of an entry
+                e = (wd % WORDS_PER_ENTRY) * (2 if f16_acc else 1)      # its (first) element
+                v0 = smem[np.uint32(CODEBOOK) + ((code >> np.uint32(k * e)) & np.uint32(CODE_MASK))]
+                if f16_acc:
+                    v1 = smem[np.uint32(CODEBOOK) + ((code >> np.uint32(k * (e + 1))) & np.uint32(CODE_MASK))]
+                    vals[wd] = f16x2_as_u32(np.float16(v0), np.float16(v1))
+                else:
+                    vals[wd] = f32_as_u32(v0)
+            dst = code * np.uint32(ROW_BYTES) + (chunk - code * np.uint32(USED_CHUNKS)) * np.uint32(CHUNK_BYTES)
+            sts128(smem, table + dst, vals[0], vals[1], vals[2], vals[3])
             chunk = np.uint32(chunk + np.uint32(cuda.blockDim.x))   # (stays 32-bit)
         i = tid
         while e4m4 and i < ABSMAX_CODES:             # every E4M4 byte's value: one shared load per block
@@ -145,22 +161,27 @@ def make_pair_gemv_kernel(k, M, CB, absmax_format, a_src, out_dtype):
             i += cuda.blockDim.x
 
         # ---- 3. this lane's 32 x M activations, element order, 16-byte loads ---------------------
-        a = cuda.local.array((M, BLOCK), np.float32)
+        a = cuda.local.array((M, BLOCK), np.float32)       # (f16_acc: unused)
+        ah = cuda.local.array((M, PAIRS), np.uint32)       # f16_acc: the f16x2 words as loaded
         for m in literal_unroll(ROWS):              # (once per launch: range(M) stays rolled at M = 4)
             a_base = (m * n_kb * BLOCK + kb * BLOCK) // A_PER_WORD if active else 0
             a_live = np.float32(1.0) if active else np.float32(0.0)
             for q in range(BLOCK // A_PER_WORD // 4):
                 w4 = ldg128(A, a_base + 4 * q)
                 for h in range(4):
-                    for e in range(A_PER_WORD):
-                        a[m, (4 * q + h) * A_PER_WORD + e] = word_to_f32(w4[h], e) * a_live
-        lane_off = np.uint32((lane % COPIES) * 4 * G)
+                    if f16_acc:
+                        ah[m, 4 * q + h] = w4[h] if active else np.uint32(0)
+                    else:
+                        for e in range(A_PER_WORD):
+                            a[m, (4 * q + h) * A_PER_WORD + e] = word_to_f32(w4[h], e) * a_live
+        lane_off = np.uint32((lane % COPIES) * ENTRY)
         cuda.syncthreads()
 
         codes = cuda.local.array((CB, k), np.uint32)
         scale = cuda.local.array(CB, np.float32)
         acc = cuda.local.array(V, np.float32)
         s = cuda.local.array(M, np.float32)
+        hs = cuda.local.array(M, np.uint32)
         parity = 0
         while g < n_groups:
             # ---- 4. take the loaded columns, start loading the next group's --------------------
@@ -177,11 +198,21 @@ def make_pair_gemv_kernel(k, M, CB, absmax_format, a_src, out_dtype):
             for c in range(CB):
                 for m in range(M):
                     s[m] = np.float32(0.0)
+                    hs[m] = np.uint32(0)
                 for wd in range(k):
                     for t in range(4):
                         addr = table + prmt(codes[c, wd], lane_off, np.uint32(PRMT_ROW | (t << 4)))
                         e0 = (wd * 4 + t) * G            # first element of this group
-                        if G == 2:
+                        if f16_acc and G == 2:           # one f16x2 pair, one HFMA2 per row
+                            x = lds_u32(smem, addr)
+                            for m in range(M):
+                                hs[m] = hfma2(x, ah[m, e0 // 2], hs[m])
+                        elif f16_acc:                    # a quad: two pairs
+                            x0, x1 = lds64(smem, addr)
+                            for m in range(M):
+                                hs[m] = hfma2(x0, ah[m, e0 // 2], hs[m])
+                                hs[m] = hfma2(x1, ah[m, e0 // 2 + 1], hs[m])
+                        elif G == 2:
                             x0, x1 = lds64(smem, addr)
                             v0 = u32_as_f32(x0)
                             v1 = u32_as_f32(x1)
@@ -200,6 +231,8 @@ def make_pair_gemv_kernel(k, M, CB, absmax_format, a_src, out_dtype):
                                 s[m] += v2 * a[m, e0 + 2]
                                 s[m] += v3 * a[m, e0 + 3]
                 for m in range(M):
+                    if f16_acc:                      # the block's two float16 half-sums, in float32
+                        s[m] = f16_bits_to_f32(hs[m]) + f16_bits_to_f32(hs[m] >> np.uint32(16))
                     acc[c * M + m] = s[m] * scale[c]
             # ---- 6. warp reduce-scatter, then over the slice's K-warps in shared memory ----------
             r, v_idx, owner = reduce_scatter(acc, lane)
@@ -295,11 +328,11 @@ def default_cb(M, N, K):
     return 2 if M == 1 and N * K < SMALL_WEIGHT else DEFAULT_CB
 
 
-def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, CB=None, cta_warps=None):
+def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, CB=None, cta_warps=None, f16_acc=False):
     """Checked inputs and the launch: (PreparedLaunch, device A, out). ``kc``: KbitCodes (a KbitWeight
     is re-packed with :func:`to_codes`, a copy per call: keep the KbitCodes for repeated use).
     CB (default :func:`default_cb`) and cta_warps (warps per CTA aimed at) are tuning knobs
-    (``benchmarks/sweep_pair_gemv.py``)."""
+    (``benchmarks/sweep_pair_gemv.py``); f16_acc: see :func:`make_pair_gemv_kernel` (float16 A only)."""
     stream = _arrays.as_stream(stream)
     kc = to_codes(kc, stream)                              # checked device arrays (re-packed if a KbitWeight)
     N, K = kc.shape
@@ -312,7 +345,9 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, CB=None
     if kw > MAX_KW:
         raise ValueError(f"pair gemv handles K <= {MAX_KW * WARP * BLOCK}, got K={K}")
     _arrays.check_aligned(Ad, 16, "A")
-    kern = make_pair_gemv_kernel(kc.k, M, CB, kc.absmax_format, a_src, out.dtype.name)
+    if f16_acc and a_src != "float16":
+        raise ValueError(f"f16_acc needs float16 activations, got {a_src}")
+    kern = make_pair_gemv_kernel(kc.k, M, CB, kc.absmax_format, a_src, out.dtype.name, bool(f16_acc))
     args = (_arrays.flat_view(Ad, np.uint32), kc.packed, kc.absmax, kc.codebook, _arrays.flat_view(out),
             np.int32(N), np.int32(n_kb))
     regs, max_threads = _kernel_limits(kern, args)
@@ -331,12 +366,13 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, CB=None
     return PreparedLaunch(kern, grid, slices * kw * WARP, args, stream, shared), Ad, out
 
 
-def gemv(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False):
+def gemv(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc=False):
     """C[M, N] = A[M, K] @ W^T for M = 1..4 with W a KbitCodes (k = 2 or 4; see :func:`to_codes`).
 
     A: float16/float32 [M, K] or [K] (bfloat16 as int16 bits with ``bf16=True``); returns a device array
-    [M, N] (or [N]) of ``out_dtype`` (float16 or float32), or writes into ``out``."""
-    launch, _, out = plan(A, kc, out, stream, out_dtype, bf16)
+    [M, N] (or [N]) of ``out_dtype`` (float16 or float32), or writes into ``out``. ``f16_acc=True``
+    (float16 A): each 32-weight block is summed in float16 by f16x2 FMAs, blocks in float32."""
+    launch, _, out = plan(A, kc, out, stream, out_dtype, bf16, f16_acc=f16_acc)
     launch()
     return out
 
@@ -345,19 +381,19 @@ class PreparedPairGemv:
     """A pair gemv bound to its buffers and stream: each ``run()`` is one driver launch. Write the next
     activations into ``prepared.A`` before ``run()``; results land in ``prepared.out``."""
 
-    def __init__(self, A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False):
+    def __init__(self, A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc=False):
         if isinstance(A, np.ndarray):
             raise TypeError("prepare binds buffers by address: pass A as a device array")
-        self._launch, self.A, self.out = plan(A, kc, out, stream, out_dtype, bf16)
+        self._launch, self.A, self.out = plan(A, kc, out, stream, out_dtype, bf16, f16_acc=f16_acc)
 
     def run(self, stream=None):
         self._launch(None if stream is None else _arrays.as_stream(stream))
         return self.out
 
 
-def prepare(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False):
+def prepare(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc=False):
     """The fast path for repeated calls: see :class:`PreparedPairGemv`."""
-    return PreparedPairGemv(A, kc, out, stream, out_dtype, bf16)
+    return PreparedPairGemv(A, kc, out, stream, out_dtype, bf16, f16_acc)
 
 
 def kernel_specializations():
@@ -365,8 +401,8 @@ def kernel_specializations():
     value of CB, absmax format, A type and output type with every k."""
     from numba import types as t
     nb = {"float16": t.float16[::1], "float32": t.float32[::1]}
-    base = dict(M=1, CB=DEFAULT_CB, fmt="e4m4", a_src="float16", od="float16")
-    variants = [dict(M=M) for M in (1, 2, 3, 4)]
+    base = dict(M=1, CB=DEFAULT_CB, fmt="e4m4", a_src="float16", od="float16", f16=False)
+    variants = [dict(M=M) for M in (1, 2, 3, 4)] + [dict(M=M, f16=True) for M in (1, 4)]
     variants += [dict(M=2, CB=cb) for cb in (1, 2, 8)]
     variants += [dict(fmt="fp32", M=3), dict(a_src="float32", M=2), dict(a_src="bfloat16"), dict(od="float32")]
     specs = []
@@ -374,8 +410,9 @@ def kernel_specializations():
         for v in variants:
             c = dict(base, **v)
             am = t.uint8[::1] if c["fmt"] == "e4m4" else t.float32[::1]
-            name = f"pair_gemv k={k} M={c['M']} CB={c['CB']} {c['fmt']} A={c['a_src']} out={c['od']}"
-            kern = make_pair_gemv_kernel(k, c["M"], c["CB"], c["fmt"], c["a_src"], c["od"])
+            name = (f"pair_gemv k={k} M={c['M']} CB={c['CB']} {c['fmt']} A={c['a_src']} out={c['od']}"
+                    + (" f16_acc" if c["f16"] else ""))
+            kern = make_pair_gemv_kernel(k, c["M"], c["CB"], c["fmt"], c["a_src"], c["od"], c["f16"])
             specs.append((name, kern, (t.uint32[::1], t.uint32[::1], am, t.float32[::1], nb[c["od"]],
                                        t.int32, t.int32)))
         specs.append((f"to_codes k={k}", make_to_codes_kernel(k), (t.uint32[::1], t.uint32[::1], t.int32)))

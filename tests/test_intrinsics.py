@@ -23,6 +23,14 @@ def test_twins_known_values():
     assert I.py_f16x2_as_u32(1.0, -2.0) == 0xC0003C00
     assert I.py_hmul2(I.py_f16x2_as_u32(1.5, -2.0), I.py_f16x2_as_u32(2.0, 0.5)) == I.py_f16x2_as_u32(3.0, -1.0)
     assert I.py_bmul2(0x40003FC0, 0x3F004000) == 0x3F804040     # bf16 pairs (1.5, 2) * (2, 0.5) = (3, 1)
+    # shared lookups read bits (ld.shared.u32 / .f32), whatever the array's 4-byte type
+    assert I.py_lds_u32(np.array([0.0, 1.0], np.float32), 4) == 0x3F800000
+    assert I.py_lds_f32(np.array([0, 0x3F800000], np.uint32), 4) == 1.0
+    assert I.py_hfma2(I.py_f16x2_as_u32(1.5, -2.0), I.py_f16x2_as_u32(2.0, 0.5),
+                      I.py_f16x2_as_u32(0.25, 4.0)) == I.py_f16x2_as_u32(3.25, 3.0)
+    # one rounding: 1 + 2**-11 (a tie, a product exact in float64) rounds to even, 1.0
+    assert I.py_hfma2(I.py_f16x2_as_u32(2.0 ** -6, 0), I.py_f16x2_as_u32(2.0 ** -5, 0),
+                      I.py_f16x2_as_u32(1.0, 0)) == I.py_f16x2_as_u32(1.0, 0)
 
 
 # ---- PTX versions against the twins on random inputs (GPU) ---------------------------------------
@@ -86,11 +94,12 @@ def _float_shared_kernel(h, bf, addr, table, out):
         base = I.shared_addr(sh)
         out[i, 3] = I.f32_as_u32(I.lds_f32(sh, base + addr[i]))
         out[i, 4] = I.lds_u32(sh, base + addr[i])
+        out[i, 5] = I.hfma2(h[i], h[i + 1], h[(i + 2) % h.size])
 
 
 @pytest.mark.skipif(SIM or PTX_ONLY, reason="the PTX versions run on a GPU only (the simulator runs the twins)")
 def test_ptx_matches_twins_float_and_shared():
-    """hmul2 / bmul2 / f16_bits_to_f32 / lds_f32 / lds_u32 against their twins, on finite random pairs."""
+    """hmul2 / hfma2 / bmul2 / f16_bits_to_f32 / lds_f32 / lds_u32 against their twins, on finite random pairs."""
     from kbit_numba.reference import float32_to_bf16_bits
     rng = np.random.default_rng(2)
     n = 1024
@@ -100,7 +109,7 @@ def test_ptx_matches_twins_float_and_shared():
     bf = bf.astype(np.uint32)[:, 0] | (bf.astype(np.uint32)[:, 1] << np.uint32(16))
     addr = (rng.integers(0, 64, n) * 4).astype(np.uint32)
     table = rng.standard_normal(64).astype(np.float32).view(np.uint32)
-    out = cuda.device_array((n, 5), np.uint32)
+    out = cuda.device_array((n, 6), np.uint32)
     _float_shared_kernel[n // 64, 64](h, bf, addr, table, out)
     got = out.copy_to_host()
     for i in range(0, n - 1, 5):
@@ -109,6 +118,7 @@ def test_ptx_matches_twins_float_and_shared():
         assert got[i, 2] == I.py_f32_as_u32(I.py_f16_bits_to_f32(h[i])), i
         assert got[i, 3] == I.py_f32_as_u32(I.py_lds_f32(table.view(np.float32), addr[i])), i
         assert got[i, 4] == I.py_lds_u32(table, addr[i]), i
+        assert got[i, 5] == I.py_hfma2(h[i], h[i + 1], h[(i + 2) % n]), i
 
 
 def test_vector_loads_and_stores():

@@ -21,6 +21,7 @@ def test_choose_follows_rules_shapes_and_fallbacks():
     assert ch(8, layout="flat") == "dequant_matmul"           # no tiled copy: no gemm
     assert ch(8, layout="flat", backend=False) == "gemv"      # no torch/CuPy either: gemv in slices
     assert ch(100, backend=False) == "gemm"                   # no cuBLAS: the tensor cores serve every M
+    assert {ch(M, layout="codes") for M in (1, 4, 5, 4096)} == {"pair_gemv"}   # the one reader of codes
 
 
 def test_table_lookup_by_device_name(tmp_path, monkeypatch):
@@ -94,9 +95,55 @@ def test_prepared_linear_rebinds_inputs(M):
     check_close(prep.run().copy_to_host(), A2, flat)
 
 
+@pytest.mark.parametrize("M", [1, 6] if SIM else [1, 3, 4, 6, 17])
+def test_kbit_linear_codes_layout_runs_the_pair_gemv(M):
+    rng = np.random.default_rng(M)
+    flat = ref.quantize(random_weight(rng, 24 if SIM else 1000, 64 if SIM else 1056), k=4)
+    layer = kb.KbitLinear(flat, layout="codes")
+    assert layer.weight.layout == "codes" and layer.kernel_for(M) == "pair_gemv"
+    A = rng.standard_normal((M, flat.shape[1])).astype(np.float16)
+    check_close(layer(A, out_dtype=np.float32).copy_to_host(), A, flat)
+    Ad = cuda.to_device(A)
+    prep = layer.prepare(Ad, out_dtype=np.float32)      # one launch (M <= 4) or the checked slices
+    assert (prep._launches is not None) == (M <= 4)
+    check_close(prep.run().copy_to_host(), A, flat)
+    A2 = rng.standard_normal(A.shape).astype(np.float16)
+    Ad.copy_to_device(A2)
+    check_close(prep.run().copy_to_host(), A2, flat)
+
+
+@pytest.mark.parametrize("M", [2] if SIM else [1, 4, 9])
+def test_kbit_linear_codes_f16_acc(M):
+    from test_pair_gemv import check_close_f16_acc
+    rng = np.random.default_rng(10 + M)
+    flat = ref.quantize(random_weight(rng, 24 if SIM else 1000, 64 if SIM else 2048), k=2)
+    layer = kb.KbitLinear(flat, layout="codes", f16_acc=True)
+    A = rng.standard_normal((M, flat.shape[1])).astype(np.float16)
+    check_close_f16_acc(layer(A, out_dtype=np.float32).copy_to_host(), A, flat, np.float32)
+    prep = layer.prepare(cuda.to_device(A), out_dtype=np.float32)
+    check_close_f16_acc(prep.run().copy_to_host(), A, flat, np.float32)
+
+
+def test_codes_layout_refusals():
+    flat = ref.quantize(np.ones((128, 64), np.float32), k=4)
+    A = np.ones((1, 64), np.float16)
+    with pytest.raises(ValueError, match="does not read the codes layout"):
+        kb.linear(A, ref.to_codes(flat), kernel="gemv")
+    with pytest.raises(ValueError, match="does not read the flat layout"):
+        kb.linear(A, flat, kernel="pair_gemv")
+    with pytest.raises(ValueError, match="layout='codes' needs a flat KbitWeight"):
+        kb.KbitLinear(ref.repack_tiled(flat), layout="codes")
+    with pytest.raises(ValueError, match="layout='codes' needs a flat KbitWeight"):
+        kb.KbitLinear(ref.quantize(np.ones((8, 64), np.float32), k=3), layout="codes")
+    with pytest.raises(ValueError, match="layout must be one of"):
+        kb.KbitLinear(flat, layout="flat")
+    with pytest.raises(ValueError, match="f16_acc applies to the pair gemv"):
+        kb.KbitLinear(flat, f16_acc=True)
+
+
 def test_linear_rejects_bad_input():
     flat = ref.quantize(np.ones((128, 64), np.float32), k=2)
-    with pytest.raises(TypeError, match="KbitWeight"):
+    with pytest.raises(TypeError, match="KbitWeight or KbitCodes"):
         kb.linear(np.ones((2, 64), np.float16), flat.packed)
     with pytest.raises(ValueError, match="kernel must be one of"):
         kb.linear(np.ones((2, 64), np.float16), flat, kernel="magic")

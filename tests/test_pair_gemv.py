@@ -6,7 +6,7 @@ from numba import cuda
 
 from kbit_numba import device, pair_gemv, reference as ref
 from kbit_numba.formats import CODES_K, KbitCodes
-from helpers import EXAMPLES, SIM, random_weight, seeds
+from helpers import EXAMPLES, SIM, assert_within, random_weight, seeds
 from test_gemv import _activations, check_close
 
 codes_ks = st.sampled_from(CODES_K)
@@ -57,6 +57,35 @@ def test_pair_gemv(seed, k, M, N, kbn, fmt, a_dtype, out_dtype, CB):
     check_close(out.copy_to_host(), A, qw, bf16, out_dtype)
 
 
+def check_close_f16_acc(got, A, qw, out_dtype):
+    """f16_acc: a lane sums its block's 32 products in float16 (16 fma.rn.f16x2 steps of two halves, each
+    rounding once to u = 2**-11 of the partial sum, whose size is at most sum |a c|), after rounding
+    each codebook value to float16 (u |c| more); the two halves, the absmax scale and the blocks are
+    summed in float32. So |error| <= (17u + 1e-5) * sum_j |a_j w_j|, plus, for float16 subnormal partial
+    sums (absolute spacing 2**-24), 17 * 2**-24 * the block's absmax, summed over blocks."""
+    want = ref.gemv(A, qw)
+    Af = np.abs(ref.as_float32(A).reshape(want.shape[0], -1).astype(np.float64))
+    u = 2.0 ** -11
+    scale = Af @ np.abs(ref.dequantize(qw).astype(np.float64)).T
+    tiny = 17 * 2.0 ** -24 * ref.decoded_absmax(qw).reshape(qw.shape[0], -1).astype(np.float64).sum(axis=1)
+    assert_within(got, want, (17 * u + 1e-5) * scale + tiny[None, :] + 1e-30, out_dtype)
+
+
+@settings(max_examples=EXAMPLES * 2)
+@given(seeds, codes_ks, st.integers(1, 4), st.integers(1, MAX_N), KBS, st.sampled_from(["e4m4", "fp32"]),
+       st.sampled_from([np.float16, np.float32]), st.sampled_from([1, 2, 4, 8]),
+       st.sampled_from([1.0, 1e-3, 300.0]))
+def test_pair_gemv_f16_acc(seed, k, M, N, kbn, fmt, out_dtype, CB, a_scale):
+    """The float16-accumulating variant within its stated bound, small and large activations too."""
+    rng = np.random.default_rng(seed)
+    K = 32 * kbn
+    qw = ref.quantize(random_weight(rng, N, K), k=k, absmax_format=fmt)
+    A = (_activations(rng, M, K, "float32") * a_scale).astype(np.float16)
+    launch, _, out = pair_gemv.plan(A, pair_gemv.to_codes(qw), out_dtype=out_dtype, CB=CB, f16_acc=True)
+    launch()
+    check_close_f16_acc(out.copy_to_host(), A, qw, out_dtype)
+
+
 def test_pair_gemv_vector_input_out_buffer_and_prepare():
     rng = np.random.default_rng(3)
     qw = ref.quantize(random_weight(rng, 9, 64), k=4)
@@ -81,6 +110,8 @@ def test_pair_gemv_refuses():
         pair_gemv.to_codes(ref.quantize(random_weight(rng, 4, 64), k=3))
     with pytest.raises(ValueError, match="CB"):
         pair_gemv.plan(np.zeros((1, 64), np.float16), qw, CB=3)
+    with pytest.raises(ValueError, match="f16_acc needs float16 activations"):
+        pair_gemv.plan(np.zeros((1, 64), np.float32), qw, f16_acc=True)
     with pytest.raises(ValueError, match="code layout"):
         KbitCodes(np.zeros(10, np.uint32), np.zeros(2, np.uint8), np.zeros(32, np.float32), 5, (2, 32))
 

@@ -41,7 +41,12 @@ def _requirements(name):
     if name.startswith("pair_gemv"):
         k = int(name.split("k=")[1].split()[0])
         must += ["shfl.sync.bfly.b32", "prmt.b32", "cvta.to.shared", "bar.sync"]
-        must += {4: ["ld.global.nc.v4.u32", "ld.shared.v2.u32"], 2: ["ld.global.nc.v2.u32", "ld.shared.v4.u32"]}[k]
+        must += ["st.shared.v4.u32"]                         # the table fill, 16 bytes a store
+        if "f16_acc" in name:                                # f16x2 pairs (quads: two), one fma per pair
+            must += ["fma.rn.f16x2", {4: "ld.shared.u32", 2: "ld.shared.v2.u32"}[k],
+                     {4: "ld.global.nc.v4.u32", 2: "ld.global.nc.v2.u32"}[k]]
+        else:
+            must += {4: ["ld.global.nc.v4.u32", "ld.shared.v2.u32"], 2: ["ld.global.nc.v2.u32", "ld.shared.v4.u32"]}[k]
         never += ["ld.shared.f64", "cvt.rn.f32.f64"]
     if name.startswith("gemm"):
         bf16 = "A=bfloat16" in name
