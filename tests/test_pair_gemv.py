@@ -71,9 +71,9 @@ def check_close_f16_acc(got, A, qw, out_dtype):
     assert_within(got, want, (17 * u + 1e-5) * scale + tiny[None, :] + 1e-30, out_dtype)
 
 
-@settings(max_examples=EXAMPLES * 2)
+@settings(max_examples=EXAMPLES)     # (CB's other values: test_pair_gemv; each draw may be a new compilation)
 @given(seeds, codes_ks, st.integers(1, 4), st.integers(1, MAX_N), KBS, st.sampled_from(["e4m4", "fp32"]),
-       st.sampled_from([np.float16, np.float32]), st.sampled_from([1, 2, 4, 8]),
+       st.sampled_from([np.float16, np.float32]), st.sampled_from([2, 4]),
        st.sampled_from([1.0, 1e-3, 300.0]))
 def test_pair_gemv_f16_acc(seed, k, M, N, kbn, fmt, out_dtype, CB, a_scale):
     """The float16-accumulating variant within its stated bound, small and large activations too."""
