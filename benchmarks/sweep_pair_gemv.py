@@ -1,10 +1,10 @@
 """Sweep the pair gemv's launch knobs on the GPU (CUDA-graph timed, L2-cold, the read floor and cuBLAS fp16
 in the same run):
 
-    python benchmarks/sweep_pair_gemv.py [K x N list] [k] [M list]
+    python benchmarks/sweep_pair_gemv.py [K x N list] [k] [M list] [f16]
 
 Knobs: CB (columns per warp per iteration) and cta_warps (warps per CTA aimed at). Prints one row per
-point; the default plan is the first of each shape/M.
+point; the default plan is the first of each shape/M. ``f16``: every point with ``f16_acc=True``.
 """
 import sys
 
@@ -21,6 +21,8 @@ shapes = [tuple(int(v) for v in s.split("x")) for s in (sys.argv[1] if len(sys.a
                                                          "2048x5120,5120x2048,2048x512,4096x14336").split(",")]
 k = int(sys.argv[2]) if len(sys.argv) > 2 else 4
 ms = [int(v) for v in (sys.argv[3] if len(sys.argv) > 3 else "1,4").split(",")]
+if len(sys.argv) > 4 and sys.argv[4] == "f16":
+    KNOBS = [dict(kn, f16_acc=True) for kn in KNOBS]
 rng = np.random.default_rng(1)
 print(f"{'K x N':>11} {'M':>2} {'knobs':<28} {'us':>7} {'floor':>6} {'%floor':>6} {'cuBLAS':>7} {'speedup':>7}")
 for K, N in shapes:

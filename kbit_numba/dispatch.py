@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import numpy as np
 from numba import cuda
@@ -176,6 +176,8 @@ def linear(A, qw, out=None, stream=None, workspace=None, out_dtype=np.float16, b
     if (kernel == "pair_gemv") != (qw.layout == "codes"):
         raise ValueError(f"kernel {kernel!r} does not read the {qw.layout} layout "
                          "(pair_gemv reads KbitCodes, the others KbitWeight)")
+    if f16_acc and kernel != "pair_gemv":
+        raise ValueError(f"f16_acc applies to the pair gemv (KbitCodes), not to kernel {kernel!r}")
     if bf16 and kernel == "dequant_matmul":       # cuBLAS through torch/CuPy takes no int16 bf16 bits
         kernel = "gemm" if qw.layout == "tiled" else "gemv"
     if kernel == "gemm":      # (without a Workspace, gemm allocates split-K sums only when it splits)
@@ -183,11 +185,7 @@ def linear(A, qw, out=None, stream=None, workspace=None, out_dtype=np.float16, b
         return tensor_gemm.gemm(A, qw, out, stream, out_dtype, bf16, sums)
     if kernel == "dequant_matmul":
         return dequant_matmul(A, qw, out, stream, out_dtype, workspace)
-    if kernel == "pair_gemv":
-        def gemv(A, qw, out, stream, out_dtype, bf16):
-            return pair_gemv.gemv(A, qw, out, stream, out_dtype, bf16, f16_acc)
-    else:
-        gemv = scalar_gemv.gemv
+    gemv = partial(pair_gemv.gemv, f16_acc=f16_acc) if kernel == "pair_gemv" else scalar_gemv.gemv
     if M <= scalar_gemv.MAX_M:
         return gemv(A, qw, out, stream, out_dtype, bf16)
     Ad, _ = _arrays.float_input(A, "A", bf16, 2, stream)   # a gemv in slices of 4 rows

@@ -17,7 +17,8 @@ offline and looks weights up several at a time:
   per weight). The block's sum is scaled by its absmax once.
 * **Geometry**: as in the scalar gemv, lane l of K-warp w owns block kb = 32 w + l for the whole launch
   (its activations stay in registers) and a persistent grid walks the columns, CB per warp per
-  iteration, with the next iteration's 8- or 16-byte loads issued before the current ones are decoded.
+  iteration. Its 8- or 16-byte loads run two iterations ahead (three code buffers in registers, the
+  loop unrolled three times), and all index math is 32-bit.
   The table must be shared by many warps, so a CTA holds ``S`` *slices* of ``KW = ceil(K / 1024)`` warps;
   slice s takes columns ``s*CB .. s*CB+CB-1`` of each group of S*CB columns. Lane sums are reduced by a
   warp reduce-scatter, then over the KW warps in shared memory (double-buffered, one barrier per
@@ -91,44 +92,133 @@ def make_pair_gemv_kernel(k, M, CB, absmax_format, a_src, out_dtype, f16_acc=Fal
     word_to_f32, A_PER_WORD = make_word_unpacker(a_src)
     reduce_scatter = make_warp_reduce_scatter(V)
     ROWS = tuple(range(M))
+    U = np.uint32
 
     @cuda.jit(device=True, inline="always")
-    def load_columns(packed, absmax, n0, kb, active, N, n_kb, nxt, nxt_absmax):
+    def load_columns(packed, absmax, n0, kb, last4, n_kb, codes, code_absmax):
         """Issue the loads of columns n0 .. n0+CB-1 of this lane's block (k words in one 16- or 8-byte
-        load, and the absmax) into nxt / nxt_absmax; columns past N and idle lanes load nothing."""
+        load, and the absmax) into codes / code_absmax.
+        The loads are unconditional: a column past N (or a lane past the last block) reads the last
+        block instead (last4 = 4 x its index), whose sums are never written (or meet zero activations).
+        A predicated load must keep its register's old value when it does not load; ptxas then sinks
+        the loads below the decode of the other buffer, and nothing is in flight while it runs.
+        All index math is 32-bit and unsigned (Numba's default int64 indexing costs ~20 SASS
+        instructions per column: 64-bit multiplies, compares and wraparound checks): w4 (4 x the
+        block index, its first word) of column n0 + c is one add after column c - 1's."""
+        w4 = U(U(n0 * n_kb + kb) * U(4))            # Numba widens every sum to 64 bits: U() narrows
         for c in range(CB):
-            n = n0 + c
-            if active and n < N:
-                slot = np.uint32(n) * np.uint32(n_kb) + np.uint32(kb)   # unsigned: no wraparound code
-                if k == 4:
-                    nxt[c, 0], nxt[c, 1], nxt[c, 2], nxt[c, 3] = ldg128(packed, slot * 4)
-                else:
-                    nxt[c, 0], nxt[c, 1] = ldg64(packed, slot * 2)
-                nxt_absmax[c] = absmax[slot]
+            i4 = min(w4, last4)
+            if k == 4:
+                codes[c, 0], codes[c, 1], codes[c, 2], codes[c, 3] = ldg128(packed, i4)
+            else:
+                codes[c, 0], codes[c, 1] = ldg64(packed, U(i4 >> U(1)))
+            code_absmax[c] = absmax[U(i4 >> U(2))]
+            w4 = U(w4 + U(n_kb * U(4)))
+
+    @cuda.jit(device=True, inline="always")
+    def decode_columns(smem, table, lane_off, codes, code_absmax, a, ah, acc):
+        """acc[c * M + m] = this lane's block of column c (codes[c, :], absmax code_absmax[c]) dotted with
+        its activations of row m: one prmt and one shared load per code byte, G * M FMAs
+        (f16_acc: G // 2 * M HFMA2s), one scale per block."""
+        s = cuda.local.array(M, np.float32)
+        hs = cuda.local.array(M, np.uint32)
+        for j in range(CM, V):
+            acc[j] = np.float32(0.0)
+        for c in range(CB):
+            scale = smem[U(U(TABLE_FLOATS) + U(code_absmax[c]))] if e4m4 else code_absmax[c]
+            for m in range(M):
+                s[m] = np.float32(0.0)
+                hs[m] = np.uint32(0)
+            for wd in range(k):
+                for t in range(4):
+                    addr = table + prmt(codes[c, wd], lane_off, np.uint32(PRMT_ROW | (t << 4)))
+                    e0 = (wd * 4 + t) * G            # first element of this group
+                    if f16_acc and G == 2:           # one f16x2 pair, one HFMA2 per row
+                        x = lds_u32(smem, addr)
+                        for m in range(M):
+                            hs[m] = hfma2(x, ah[m, e0 // 2], hs[m])
+                    elif f16_acc:                    # a quad: two pairs
+                        x0, x1 = lds64(smem, addr)
+                        for m in range(M):
+                            hs[m] = hfma2(x0, ah[m, e0 // 2], hs[m])
+                            hs[m] = hfma2(x1, ah[m, e0 // 2 + 1], hs[m])
+                    elif G == 2:
+                        x0, x1 = lds64(smem, addr)
+                        v0 = u32_as_f32(x0)
+                        v1 = u32_as_f32(x1)
+                        for m in range(M):               # separate statements: two FFMAs
+                            s[m] += v0 * a[m, e0]
+                            s[m] += v1 * a[m, e0 + 1]
+                    else:
+                        x0, x1, x2, x3 = lds128(smem, addr)
+                        v0 = u32_as_f32(x0)
+                        v1 = u32_as_f32(x1)
+                        v2 = u32_as_f32(x2)
+                        v3 = u32_as_f32(x3)
+                        for m in range(M):
+                            s[m] += v0 * a[m, e0]
+                            s[m] += v1 * a[m, e0 + 1]
+                            s[m] += v2 * a[m, e0 + 2]
+                            s[m] += v3 * a[m, e0 + 3]
+            for m in range(M):
+                if f16_acc:                      # the block's two float16 half-sums, in float32
+                    s[m] = f16_bits_to_f32(hs[m]) + f16_bits_to_f32(hs[m] >> np.uint32(16))
+                acc[c * M + m] = s[m] * scale
+
+    @cuda.jit(device=True, inline="always")
+    def reduce_columns(smem, acc, lane, tid, part, flip, slices, kw, n_first, out, N):
+        """Sum acc over the CTA's K-warps: a warp reduce-scatter, one partial per (warp, value) into the
+        shared buffer half ``flip`` (double-buffered: one barrier per iteration), then one thread per
+        (slice, column, row) adds the slice's KW partials and writes column n_first + s * CB + c."""
+        r, v_idx, owner = reduce_scatter(acc, lane)
+        if owner:
+            smem[U(part + flip + U(v_idx))] = r
+        cuda.syncthreads()
+        if tid < U(slices * U(CM)):                # one thread per (slice, column, row): sum the K-warps
+            s_out = U(tid // U(CM))
+            v = U(tid - s_out * U(CM))
+            col = U(v // U(M))
+            row = U(v - col * U(M))
+            n = U(n_first + s_out * U(CB) + col)
+            p = U(U(PART) + flip + s_out * kw * U(V) + v)
+            p_end = U(p + kw * U(V))
+            total = np.float32(0.0)
+            while p < p_end:
+                total += smem[p]
+                p = U(p + U(V))
+            if n < U(N):
+                out[U(row * U(N) + n)] = np.float16(total) if f16_out else total
 
     def pair_gemv(A, packed, absmax, cb, out, N, n_kb):
         smem = cuda.shared.array(0, np.float32)    # [group table][E4M4 table][codebook][partials]
-        tid = cuda.threadIdx.x
-        lane = tid % WARP
-        warp = tid // WARP
-        kw = (n_kb + WARP - 1) // WARP             # K-warps per slice
-        slices = cuda.blockDim.x // (WARP * kw)
-        sl = warp // kw
-        w = warp - sl * kw
-        kb = w * WARP + lane
-        active = kb < n_kb
-        group_cols = slices * CB
-        n_groups = (N + group_cols - 1) // group_cols
-        g = cuda.blockIdx.x
+        # Every index below is uint32 (see load_columns): Numba would make them int64.
+        tid = U(cuda.threadIdx.x)
+        lane = tid % U(WARP)
+        warp = tid // U(WARP)
+        nkb = U(n_kb)
+        kw = U((nkb + U(WARP - 1)) // U(WARP))     # K-warps per slice
+        slices = U(U(cuda.blockDim.x) // U(U(WARP) * kw))
+        sl = U(warp // kw)
+        w = U(warp - sl * kw)
+        kb = U(w * U(WARP) + lane)
+        active = kb < nkb
+        group_cols = U(slices * U(CB))
+        col0 = U(sl * U(CB))                       # the slice's first column in a group
+        n_groups = U((U(N) + group_cols - U(1)) // group_cols)
+        g = U(cuda.blockIdx.x)
+        last4 = U(U(U(N) * nkb - U(1)) * U(4))     # 4 x the index of the weight's last block
 
         # ---- 1. the first columns' weight loads go out before anything else ----------------------
-        nxt = cuda.local.array((CB, k), np.uint32)
-        nxt_absmax = cuda.local.array(CB, absmax_t)
-        for c in range(CB):
-            for b in range(k):
-                nxt[c, b] = np.uint32(0)
-            nxt_absmax[c] = absmax_t(0)
-        load_columns(packed, absmax, g * group_cols + sl * CB, kb, active, N, n_kb, nxt, nxt_absmax)
+        # three buffers of CB columns' codes and absmax: the loads run two iterations ahead
+        codes_a = cuda.local.array((CB, k), np.uint32)
+        codes_b = cuda.local.array((CB, k), np.uint32)
+        codes_c = cuda.local.array((CB, k), np.uint32)
+        absmax_a = cuda.local.array(CB, absmax_t)
+        absmax_b = cuda.local.array(CB, absmax_t)
+        absmax_c = cuda.local.array(CB, absmax_t)
+        grid = U(cuda.gridDim.x)
+        load_columns(packed, absmax, U(g * group_cols + col0), kb, last4, nkb, codes_a, absmax_a)
+        load_columns(packed, absmax, U((g + grid) * group_cols + col0), kb, last4, nkb, codes_b, absmax_b)
 
         # ---- 2. the group table: entry (code, copy) = G codebook values, element e from bits k*e ----
         #         (read from a shared copy of the codebook: 16384 global reads would serialise the fill).
@@ -154,9 +244,9 @@ def make_pair_gemv_kernel(k, M, CB, absmax_format, a_src, out_dtype, f16_acc=Fal
             sts128(smem, table + dst, vals[0], vals[1], vals[2], vals[3])
             chunk = np.uint32(chunk + np.uint32(cuda.blockDim.x))   # (stays 32-bit)
         i = tid
-        while e4m4 and i < ABSMAX_CODES:             # every E4M4 byte's value: one shared load per block
-            smem[TABLE_FLOATS + i] = e4m4_decode(np.uint8(i))
-            i += cuda.blockDim.x
+        while e4m4 and i < U(ABSMAX_CODES):          # every E4M4 byte's value: one shared load per block
+            smem[U(U(TABLE_FLOATS) + i)] = e4m4_decode(np.uint8(i))
+            i = U(i + U(cuda.blockDim.x))
 
         # ---- 3. this lane's 32 x M activations, element order, 16-byte loads ---------------------
         a = cuda.local.array((M, BLOCK), np.float32)       # (f16_acc: unused)
@@ -175,80 +265,36 @@ def make_pair_gemv_kernel(k, M, CB, absmax_format, a_src, out_dtype, f16_acc=Fal
         lane_off = np.uint32((lane % COPIES) * ENTRY)
         cuda.syncthreads()
 
-        codes = cuda.local.array((CB, k), np.uint32)
-        scale = cuda.local.array(CB, np.float32)
+        part = U(U(PART) + (sl * kw + w) * U(V))     # this warp's partial sums (double-buffered: + flip)
+        flip = U(0)
+        FLIP = U(slices * kw * U(V))
         acc = cuda.local.array(V, np.float32)
-        s = cuda.local.array(M, np.float32)
-        hs = cuda.local.array(M, np.uint32)
-        parity = 0
+        # ---- 4. the persistent loop, unrolled three times: a buffer is decoded while the loads of the
+        #         group two iterations ahead go into the buffer decoded last. ptxas issues those loads
+        #         late, after the decode (a load one iteration ahead would meet its use right after
+        #         the barrier), so two iterations ahead is what keeps a whole decode between a load
+        #         and its use.
+        ahead = U(U(2) * grid * group_cols)
         while g < n_groups:
-            # ---- 4. take the loaded columns, start loading the next group's --------------------
-            for c in range(CB):
-                for b in range(k):
-                    codes[c, b] = nxt[c, b]
-                scale[c] = smem[TABLE_FLOATS + np.uint32(nxt_absmax[c])] if e4m4 else nxt_absmax[c]
-            g_cur = g
-            g += cuda.gridDim.x
-            load_columns(packed, absmax, g * group_cols + sl * CB, kb, active, N, n_kb, nxt, nxt_absmax)
-            # ---- 5. decode: one prmt and one shared load per code byte, G*M FMAs -------------------
-            for j in range(CM, V):
-                acc[j] = np.float32(0.0)
-            for c in range(CB):
-                for m in range(M):
-                    s[m] = np.float32(0.0)
-                    hs[m] = np.uint32(0)
-                for wd in range(k):
-                    for t in range(4):
-                        addr = table + prmt(codes[c, wd], lane_off, np.uint32(PRMT_ROW | (t << 4)))
-                        e0 = (wd * 4 + t) * G            # first element of this group
-                        if f16_acc and G == 2:           # one f16x2 pair, one HFMA2 per row
-                            x = lds_u32(smem, addr)
-                            for m in range(M):
-                                hs[m] = hfma2(x, ah[m, e0 // 2], hs[m])
-                        elif f16_acc:                    # a quad: two pairs
-                            x0, x1 = lds64(smem, addr)
-                            for m in range(M):
-                                hs[m] = hfma2(x0, ah[m, e0 // 2], hs[m])
-                                hs[m] = hfma2(x1, ah[m, e0 // 2 + 1], hs[m])
-                        elif G == 2:
-                            x0, x1 = lds64(smem, addr)
-                            v0 = u32_as_f32(x0)
-                            v1 = u32_as_f32(x1)
-                            for m in range(M):               # separate statements: two FFMAs
-                                s[m] += v0 * a[m, e0]
-                                s[m] += v1 * a[m, e0 + 1]
-                        else:
-                            x0, x1, x2, x3 = lds128(smem, addr)
-                            v0 = u32_as_f32(x0)
-                            v1 = u32_as_f32(x1)
-                            v2 = u32_as_f32(x2)
-                            v3 = u32_as_f32(x3)
-                            for m in range(M):
-                                s[m] += v0 * a[m, e0]
-                                s[m] += v1 * a[m, e0 + 1]
-                                s[m] += v2 * a[m, e0 + 2]
-                                s[m] += v3 * a[m, e0 + 3]
-                for m in range(M):
-                    if f16_acc:                      # the block's two float16 half-sums, in float32
-                        s[m] = f16_bits_to_f32(hs[m]) + f16_bits_to_f32(hs[m] >> np.uint32(16))
-                    acc[c * M + m] = s[m] * scale[c]
-            # ---- 6. warp reduce-scatter, then over the slice's K-warps in shared memory ----------
-            r, v_idx, owner = reduce_scatter(acc, lane)
-            if owner:
-                smem[PART + ((parity * slices + sl) * kw + w) * V + v_idx] = r
-            cuda.syncthreads()
-            if tid < slices * CM:
-                s_out = tid // CM
-                v = tid - s_out * CM
-                c = v // M
-                m = v - c * M
-                n = g_cur * group_cols + s_out * CB + c
-                total = np.float32(0.0)
-                for w2 in range(kw):
-                    total += smem[PART + ((parity * slices + s_out) * kw + w2) * V + v]
-                if n < N:
-                    out[m * N + n] = np.float16(total) if f16_out else total
-            parity ^= 1
+            load_columns(packed, absmax, U(g * group_cols + ahead + col0), kb, last4, nkb, codes_c, absmax_c)
+            decode_columns(smem, table, lane_off, codes_a, absmax_a, a, ah, acc)
+            reduce_columns(smem, acc, lane, tid, part, flip, slices, kw, U(g * group_cols), out, N)
+            flip = U(FLIP - flip)
+            g = U(g + grid)
+            if g >= n_groups:
+                break
+            load_columns(packed, absmax, U(g * group_cols + ahead + col0), kb, last4, nkb, codes_a, absmax_a)
+            decode_columns(smem, table, lane_off, codes_b, absmax_b, a, ah, acc)
+            reduce_columns(smem, acc, lane, tid, part, flip, slices, kw, U(g * group_cols), out, N)
+            flip = U(FLIP - flip)
+            g = U(g + grid)
+            if g >= n_groups:
+                break
+            load_columns(packed, absmax, U(g * group_cols + ahead + col0), kb, last4, nkb, codes_b, absmax_b)
+            decode_columns(smem, table, lane_off, codes_c, absmax_c, a, ah, acc)
+            reduce_columns(smem, acc, lane, tid, part, flip, slices, kw, U(g * group_cols), out, N)
+            flip = U(FLIP - flip)
+            g = U(g + grid)
 
     return jit_kernel(pair_gemv)
 

@@ -139,6 +139,8 @@ def test_codes_layout_refusals():
         kb.KbitLinear(flat, layout="flat")
     with pytest.raises(ValueError, match="f16_acc applies to the pair gemv"):
         kb.KbitLinear(flat, f16_acc=True)
+    with pytest.raises(ValueError, match="f16_acc applies to the pair gemv"):
+        kb.linear(A, flat, f16_acc=True)                  # (was silently ignored)
 
 
 def test_linear_rejects_bad_input():

@@ -1,0 +1,50 @@
+"""A/B of the pair gemv against another version of itself, in one run (CUDA-graph timed, L2-cold, the
+read floor and cuBLAS fp16 in the same run):
+
+    git show REV:kbit_numba/pair_gemv.py | sed 's/^from \\. /from kbit_numba /; s/^from \\./from kbit_numba./' > benchmarks/_b_pair_gemv.py
+    python benchmarks/ab_pair_gemv.py benchmarks/_b_pair_gemv.py [K x N list] [k list] [M list]
+
+Prints, per shape, k, M and accumulation (fp32, f16_acc), the time of the working tree's kernel (A) and
+of the other file's (B), each at its own default plan, alternating A and B three times to expose drift.
+"""
+import importlib.util
+import sys
+
+import numpy as np
+from numba import cuda
+
+from kbit_numba import bench, pair_gemv
+from kbit_numba._timing import graph_time_us, rotation_count
+
+spec = importlib.util.spec_from_file_location("pair_gemv_b", sys.argv[1])
+other = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(other)
+shapes = [tuple(int(v) for v in s.split("x")) for s in (sys.argv[2] if len(sys.argv) > 2 else
+                                                         "4096x14336,2048x5120,2048x512").split(",")]
+ks = [int(v) for v in (sys.argv[3] if len(sys.argv) > 3 else "4").split(",")]
+ms = [int(v) for v in (sys.argv[4] if len(sys.argv) > 4 else "1,4").split(",")]
+rng = np.random.default_rng(1)
+print(f"{'K x N':>11} {'k':>1} {'M':>2} {'acc':>4} {'A us':>7} {'B us':>7} {'A/B':>6} {'floor':>6} {'A %fl':>6} "
+      f"{'cuBLAS':>7} {'A vs cuBLAS':>11}")
+for K, N in shapes:
+    for k in ks:
+        nbytes = N * K // 32 * (4 * k + 1)
+        n = rotation_count(nbytes)
+        kcs = [pair_gemv.to_codes(w) for w in bench._rotating_weights(K, N, k, n, rng)]
+        for M in ms:
+            A = cuda.to_device(rng.standard_normal((M, K)).astype(np.float16))
+            out = cuda.device_array((M, N), np.float16)
+            floor = bench.floor_us(nbytes + M * K * 2 + M * N * 2)
+            cub = bench.cublas_row(K, N, M) or 0.0
+            for f16 in (False, True):
+                ts = {}
+                for rep in range(3):
+                    for name, mod in (("A", pair_gemv), ("B", other)):
+                        launches = [mod.plan(A, kc, out, 0, f16_acc=f16)[0] for kc in kcs]
+                        t = graph_time_us(lambda i, s: launches[i % n](s), n * max(1, 64 // n))
+                        ts.setdefault(name, []).append(t)
+                a, b = min(ts["A"]), min(ts["B"])
+                print(f"{K:>5}x{N:<5} {k} {M:>2} {'f16' if f16 else 'fp32':>4} {a:7.2f} {b:7.2f} {a / b:6.3f} "
+                      f"{floor:6.2f} {100 * floor / a:6.1f} {cub:7.2f} {cub / a:10.2f}x   "
+                      f"(A {' '.join(f'{x:.2f}' for x in ts['A'])}; B {' '.join(f'{x:.2f}' for x in ts['B'])})",
+                      flush=True)
