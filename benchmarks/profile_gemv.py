@@ -1,7 +1,10 @@
 """A few gemv launches for Nsight Compute:
 
     ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section Occupancy \
-        --section SchedulerStats --section LaunchStats -k regex:gemv python benchmarks/profile_gemv.py K N k M
+        --section SchedulerStats --section LaunchStats -k regex:gemv python benchmarks/profile_gemv.py K N k M [KERNEL]
+
+KERNEL: ``gemv`` (the scalar gemv, default), ``pair`` or ``pair_f16`` (the pair gemv on the code layout,
+fp32 or ``f16_acc`` sums; k = 2 or 4).
 """
 import sys
 
@@ -11,11 +14,15 @@ from numba import cuda
 import kbit_numba as kb
 
 K, N, k, M = (int(v) for v in sys.argv[1:5]) if len(sys.argv) > 4 else (4096, 14336, 4, 1)
+kernel = sys.argv[5] if len(sys.argv) > 5 else "gemv"
 rng = np.random.default_rng(0)
 qw = kb.quantize((rng.standard_normal((N, K)) * 0.02).astype(np.float16), k=k)
 A = cuda.to_device(rng.standard_normal((M, K)).astype(np.float16))
-prep = kb.prepare_gemv(A, qw)
+if kernel == "gemv":
+    prep = kb.prepare_gemv(A, qw)
+else:
+    prep = kb.pair_gemv.prepare(A, kb.pair_gemv.to_codes(qw), f16_acc=kernel == "pair_f16")
 for _ in range(3):
     prep.run()
 cuda.synchronize()
-print("done", K, N, k, M)
+print("done", kernel, K, N, k, M)
