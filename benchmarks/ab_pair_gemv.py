@@ -1,7 +1,8 @@
 """A/B of the pair gemv against another version of itself, in one run (CUDA-graph timed, L2-cold, the
 read floor and cuBLAS fp16 in the same run):
 
-    git show REV:kbit_numba/pair_gemv.py | sed 's/^from \\. /from kbit_numba /; s/^from \\./from kbit_numba./' > benchmarks/_b_pair_gemv.py
+    git show REV:kbit_numba/pair_gemv.py \\
+        | sed 's/^from \\. /from kbit_numba /; s/^from \\./from kbit_numba./' > benchmarks/_b_pair_gemv.py
     python benchmarks/ab_pair_gemv.py benchmarks/_b_pair_gemv.py [K x N list] [k list] [M list]
 
 Prints, per shape, k, M and accumulation (fp32, f16_acc), the time of the working tree's kernel (A) and

@@ -100,8 +100,9 @@ def make_pair_gemv_kernel(k, M, CB, absmax_format, a_src, out_dtype, f16_acc=Fal
         load, and the absmax) into codes / code_absmax.
         The loads are unconditional: a column past N (or a lane past the last block) reads the last
         block instead (last4 = 4 x its index), whose sums are never written (or meet zero activations).
-        A predicated load must keep its register's old value when it does not load; ptxas then sinks
-        the loads below the decode of the other buffer, and nothing is in flight while it runs.
+        That is one min per column instead of a compare and a predicate, and fewer registers (a
+        predicated load must keep its register's old value). ptxas still issues these loads after
+        the decode that follows them in the source, whichever form: hence the loop's three buffers.
         All index math is 32-bit and unsigned (Numba's default int64 indexing costs ~20 SASS
         instructions per column: 64-bit multiplies, compares and wraparound checks): w4 (4 x the
         block index, its first word) of column n0 + c is one add after column c - 1's."""
