@@ -41,7 +41,7 @@ for K, N in shapes:
                 ts = {}
                 for rep in range(3):
                     for name, mod in (("A", pair_gemv), ("B", other)):
-                        launches = [mod.plan(A, kc, out, 0, f16_acc=f16)[0] for kc in kcs]
+                        launches = [mod.plan(A, kc, out, 0, f16_acc=f16).prepare().run for kc in kcs]
                         t = graph_time_us(lambda i, s: launches[i % n](s), n * max(1, 64 // n))
                         ts.setdefault(name, []).append(t)
                 a, b = min(ts["A"]), min(ts["B"])

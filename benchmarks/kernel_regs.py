@@ -16,8 +16,9 @@ for M in (1, 2, 3, 4):
     kb.gemv(A, qw)
     kb.uniform.gemv(A, uw)
     kb.uniform.gemv(A, uw, int8=True)
-    for name, kern in (("kbit gemv k=4", kb.scalar_gemv.make_gemv_kernel(4, M, 2, "flat", "e4m4", "float16", "float16", None)),
-                       ("uniform 4-bit fp16", kb.uniform.make_uniform_gemv(4, M, 128, "float16", "float16", False)),
-                       ("uniform 4-bit int8", kb.uniform.make_uniform_gemv(4, M, 128, "float16", "float16", True))):
+    U = kb.uniform
+    for name, kern in (("kbit gemv k=4", kb.scalar_gemv.make_gemv_kernel(kb.scalar_gemv.GemvSpec(4, M))),
+                       ("uniform 4-bit fp16", U.make_uniform_gemv(U.UniformGemvSpec(4, M, 128))),
+                       ("uniform 4-bit int8", U.make_uniform_gemv(U.UniformGemvSpec(4, M, 128, int8=True)))):
         regs = sorted({compiled.regs_per_thread for compiled in kern.overloads.values()})
         print(f"M={M} {name:<20} registers/thread: {regs}")

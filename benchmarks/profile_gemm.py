@@ -9,16 +9,15 @@ import numpy as np
 from numba import cuda
 
 import kbit_numba as kb
-from kbit_numba.launch import run_steps
 
 K, N, k, M = (int(v) for v in sys.argv[1:5]) if len(sys.argv) > 4 else (4096, 14336, 4, 8)
 rng = np.random.default_rng(0)
 qw = kb.repack_tiled(kb.quantize((rng.standard_normal((N, K)) * 0.02).astype(np.float16), k=k))
 A = cuda.to_device(rng.standard_normal((M, K)).astype(np.float16))
 out = cuda.device_array((M, N), np.float16)
-launches = kb.tensor_gemm.plan(A, qw, out, ws=kb.tensor_gemm.new_workspace(M, N))[0]   # what gemm() launches
+plan = kb.tensor_gemm.plan(A, qw, out, workspace=kb.tensor_gemm.new_workspace(M, N))   # what gemm() launches
 for _ in range(3):
-    run_steps(launches)
+    plan.launch()
 cuda.synchronize()
-kern = launches[0][0]                                     # the GEMM kernel (a finish kernel may follow)
+kern = plan.steps[0].kernel                               # the GEMM kernel (a finish kernel may follow)
 print("done", K, N, k, M, "registers/thread:", sorted({c.regs_per_thread for c in kern.overloads.values()}))

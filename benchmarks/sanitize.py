@@ -42,12 +42,10 @@ if "pair" in families:     # N = 37 (a partial column group), K = 1056 (two K-wa
             kc = pair_gemv.to_codes(kb.quantize(rng.standard_normal((37, 1056)).astype(np.float16), k=k,
                                                 absmax_format=fmt))
             for M in ((1, 4) if fmt == "e4m4" else (3,)):
-                for CB in ((1, 8) if M == 1 else (4,)):
+                for cols in ((1, 8) if M == 1 else (4,)):
                     for f16_acc in ((False, True) if fmt == "e4m4" else (False,)):
-                        launch, _, out = pair_gemv.plan(rng.standard_normal((M, 1056)).astype(np.float16), kc, CB=CB,
-                                                        f16_acc=f16_acc)
-                        launch()
-                        out.copy_to_host()
+                        pair_gemv.plan(rng.standard_normal((M, 1056)).astype(np.float16), kc, cols=cols,
+                                       f16_acc=f16_acc).launch().copy_to_host()
 if "grouped" in families:
     experts = kb.stack_experts([kb.reference.quantize(rng.standard_normal((128, 64)).astype(np.float32), k=4)
                                 for _ in range(3)])

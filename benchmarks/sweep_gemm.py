@@ -13,7 +13,6 @@ from numba import cuda
 
 from kbit_numba import bench, tensor_gemm
 from kbit_numba._timing import graph_time_us, rotation_count
-from kbit_numba.launch import run_steps
 
 shapes = [bench._shape(s) for s in (sys.argv[1] if len(sys.argv) > 1 else "2048x5120,4096x14336").split(",")]
 ms = [int(m) for m in (sys.argv[2] if len(sys.argv) > 2 else "8,16,32,64").split(",")]
@@ -35,11 +34,12 @@ for K, N in shapes:
         combos = ([(mt, split, None) for mt in sorted({mt_auto, 1, 2}) for split in sorted({auto, 4, 8, 16, 32})]
                   if stage_list == [None] else [(mt_auto, auto, st) for st in stage_list])
         for mt, split, stages in combos:
-            plans = [tensor_gemm.plan(A, w, out, 0, np.float16, False, sums, split, mt, stages)[0] for w in ws]
+            plans = [tensor_gemm.plan(A, w, out, 0, np.float16, False, sums, split, mt, stages).prepare() for w in ws]
 
             def launch(i, s, plans=plans):
-                run_steps(plans[i % n], s)
+                plans[i % n].run(s)
             t = graph_time_us(launch, n * max(1, 32 // n))
-            ctas = plans[0][0][1][0] * plans[0][0][1][1] * plans[0][0][1][2]
+            grid = plans[0].plan.steps[0].grid
+            ctas = grid[0] * grid[1] * grid[2]
             print(f"{K:>5}x{N:<5} {M:>4} {mt:>3} {split:>5} {stages or 'auto':>6} {ctas:>6} {t:8.2f}  {cub:7.2f}"
                   + ("  (auto)" if split == auto and mt == mt_auto and stages is None else ""), flush=True)

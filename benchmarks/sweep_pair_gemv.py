@@ -3,7 +3,7 @@ in the same run):
 
     python benchmarks/sweep_pair_gemv.py [K x N list] [k] [M list] [f16]
 
-Knobs: CB (columns per warp per iteration) and cta_warps (warps per CTA aimed at). Prints one row per
+Knobs: cols (columns per warp per iteration) and cta_warps (warps per CTA aimed at). Prints one row per
 point; the default plan is the first of each shape/M. ``f16``: every point with ``f16_acc=True``.
 """
 import sys
@@ -14,8 +14,8 @@ from numba import cuda
 from kbit_numba import bench, pair_gemv
 from kbit_numba._timing import graph_time_us, rotation_count
 
-KNOBS = [dict(), dict(CB=2), dict(CB=4), dict(CB=8), dict(cta_warps=8), dict(CB=2, cta_warps=8),
-         dict(CB=2, cta_warps=32)]
+KNOBS = [dict(), dict(cols=2), dict(cols=4), dict(cols=8), dict(cta_warps=8), dict(cols=2, cta_warps=8),
+         dict(cols=2, cta_warps=32)]
 
 shapes = [tuple(int(v) for v in s.split("x")) for s in (sys.argv[1] if len(sys.argv) > 1 else
                                                          "2048x5120,5120x2048,2048x512,4096x14336").split(",")]
@@ -35,7 +35,7 @@ for K, N in shapes:
         floor = bench.floor_us(nbytes + M * K * 2 + M * N * 2)
         cub = bench.cublas_row(K, N, M)
         for knobs in KNOBS:
-            launches = [pair_gemv.plan(A, kc, out, 0, **knobs)[0] for kc in kcs]
+            launches = [pair_gemv.plan(A, kc, out, 0, **knobs).prepare().run for kc in kcs]
             t = graph_time_us(lambda i, s: launches[i % n](s), n * max(1, 64 // n))
             print(f"{K:>5}x{N:<5} {M:>2} {str(knobs):<28} {t:7.2f} {floor:6.2f} {100 * floor / t:6.1f} "
                   f"{cub or 0:7.2f} {(cub or 0) / t:6.2f}x", flush=True)

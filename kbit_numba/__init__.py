@@ -1,8 +1,11 @@
 """kbit_numba: low-bit weight-quantized inference kernels for NVIDIA GPUs, written in Numba CUDA.
 
-Formats and their NumPy reference live in ``formats`` and ``reference``; kernels in one module per
-family (``codec``, ``scalar_gemv``, ``tensor_gemm``, ...; the other seed formats in ``uniform``,
-``sbvr``, ``bitnet``); PTX helpers in ``intrinsics``; shared device helpers in ``device``.
+Formats and their NumPy reference live in ``formats`` and ``reference``; what every family shares on the
+host (weights on the device, MoE experts, launch geometry) in ``core``; kernels in one module per family
+(``codec``, ``scalar_gemv``, ``pair_gemv``, ``tensor_gemm``; the other seed formats in ``uniform``,
+``sbvr``, ``bitnet``), each with a ``Spec`` of its compile-time choices and a public ``plan(...)``
+returning a ``launch.Plan`` (``plan.launch()``, ``plan.prepare().run()``); ``dispatch.linear`` picks a
+family per shape and M. PTX helpers in ``intrinsics``; shared device helpers in ``device``.
 Under Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) the package installs warp primitives so
 that the same kernels run on the CPU.
 """
@@ -14,18 +17,23 @@ if _config.ENABLE_CUDASIM:
     _sim.install()
 
 from . import reference  # noqa: E402
-from .formats import BLOCK, K_BITS, KbitWeight, codebook, e4m4_decode, e4m4_encode  # noqa: E402
+from .formats import (BLOCK, K_BITS, KbitCodes, KbitExperts, KbitWeight, codebook, e4m4_decode,  # noqa: E402
+                      e4m4_encode)
+from .core import stack_experts  # noqa: E402
+from .launch import Plan, Prepared  # noqa: E402
 from .codec import dequantize, quantize, repack_tiled  # noqa: E402
 from .tensor_gemm import gemm, grouped_gemm  # noqa: E402
 from .dispatch import KbitLinear, Workspace, dequant_matmul, linear  # noqa: E402
-from . import bitnet, pair_gemv, sbvr, uniform  # noqa: E402
-from .scalar_gemv import KbitExperts, PreparedGemv, gemv, grouped_gemv, prepare_gemv, stack_experts  # noqa: E402,E501
+from . import bitnet, pair_gemv, sbvr, scalar_gemv, tensor_gemm, uniform  # noqa: E402
+from .scalar_gemv import gemv, grouped_gemv  # noqa: E402
+from .scalar_gemv import prepare as prepare_gemv  # noqa: E402
 
 SIMULATOR = bool(_config.ENABLE_CUDASIM)
 
 __version__ = "0.1.0"
 
-__all__ = ["BLOCK", "K_BITS", "KbitWeight", "codebook", "e4m4_encode", "e4m4_decode", "reference",
-           "quantize", "dequantize", "repack_tiled", "gemv", "prepare_gemv", "PreparedGemv",
+__all__ = ["BLOCK", "K_BITS", "KbitWeight", "KbitCodes", "codebook", "e4m4_encode", "e4m4_decode", "reference",
+           "quantize", "dequantize", "repack_tiled", "gemv", "prepare_gemv", "Plan", "Prepared",
            "grouped_gemv", "stack_experts", "KbitExperts", "gemm", "grouped_gemm", "linear", "KbitLinear",
-           "Workspace", "dequant_matmul", "pair_gemv", "uniform", "sbvr", "bitnet", "SIMULATOR"]
+           "Workspace", "dequant_matmul", "scalar_gemv", "pair_gemv", "tensor_gemm", "uniform", "sbvr", "bitnet",
+           "SIMULATOR"]

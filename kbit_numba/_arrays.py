@@ -21,15 +21,20 @@ def is_device_array(x):
     return is_numba_device_array(x) or hasattr(x, "__cuda_array_interface__")
 
 
-def device_array(x, name, dtypes, ndim=None, stream=0):
-    """Checked, C-contiguous device array view of ``x`` (NumPy input is copied to the device)."""
-    if isinstance(x, np.ndarray):
-        arr = x
-    elif is_device_array(x):
-        arr = x if is_numba_device_array(x) else cuda.as_cuda_array(x)
-    else:
+def check_array(x, name):
+    """``x`` itself if it is a NumPy array or a CUDA array; anything else (a list, a scalar, a string) is
+    refused with a TypeError before any ``.shape`` is read."""
+    if not (isinstance(x, np.ndarray) or is_device_array(x)):
         raise TypeError(f"{name} must be a NumPy array or a CUDA array (device array, CuPy, torch), "
                         f"got {type(x).__name__}")
+    return x
+
+
+def device_array(x, name, dtypes, ndim=None, stream=0):
+    """Checked, C-contiguous device array view of ``x`` (NumPy input is copied to the device)."""
+    arr = check_array(x, name)
+    if not (isinstance(arr, np.ndarray) or is_numba_device_array(arr)):
+        arr = cuda.as_cuda_array(arr)
     dtypes = tuple(np.dtype(d) for d in dtypes)
     if arr.dtype not in dtypes:
         raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {arr.dtype}")
@@ -106,17 +111,30 @@ def flat_view(arr, dtype=None):
     return flat.view(np.dtype(dtype)) if dtype is not None else flat
 
 
+def _numba_stream_types():
+    from numba.core import config
+    if config.ENABLE_CUDASIM:
+        from numba.cuda.simulator.api import stream
+        return (stream,)
+    from numba.cuda.cudadrv.driver import Stream
+    return (Stream,)
+
+
 def as_stream(stream):
-    """None/0 -> default stream; a Numba stream as is; a torch/CuPy stream (or a raw handle) is wrapped."""
-    if stream is None or (isinstance(stream, int) and stream == 0):
+    """None/0 -> default stream; a Numba stream as is; a torch/CuPy stream (or a raw handle) is wrapped.
+    Anything else is refused with a TypeError."""
+    if stream is None or (isinstance(stream, int) and not isinstance(stream, bool) and stream == 0):
         return 0
-    if isinstance(stream, int):
+    if isinstance(stream, _numba_stream_types()):
+        return stream
+    if isinstance(stream, int) and not isinstance(stream, bool) and stream > 0:
         return cuda.external_stream(stream)
     if hasattr(stream, "cuda_stream"):                       # torch.cuda.Stream
         return cuda.external_stream(stream.cuda_stream)
     if type(stream).__module__.startswith("cupy"):            # cupy.cuda.Stream
         return cuda.external_stream(stream.ptr)
-    return stream
+    raise TypeError("stream must be None, a Numba stream, a torch or CuPy stream, or a raw CUstream handle "
+                    f"(int), got {type(stream).__name__}")
 
 
 def check_finite_host(x, name):
@@ -152,10 +170,3 @@ def gemv_io(A, shape, out, out_dtype, bf16, stream, name, max_m=4):
     out_dtype = output_dtype(out, out_dtype)
     out = output(out, "out", (M, N) if len(a_shape) == 2 else (N,), out_dtype, stream)
     return Ad, a_src, M, out
-
-
-def device_weight(w, cls, stream=0):
-    """``w`` checked to be a ``cls`` weight (a format dataclass), with its arrays on the device."""
-    if not isinstance(w, cls):
-        raise TypeError(f"the weight must be a {cls.__name__}, got {type(w).__name__}")
-    return w if w.on_device else w.to_device(stream)

@@ -20,9 +20,9 @@ import numpy as np
 from numba import cuda
 
 from . import _arrays
-from .device import block_max, make_loader
+from .device import block_max, i32, make_loader, u32
 from .formats import INT8_ABSMAX_FLOOR, INT8_MAX, LANES
-from .launch import run_steps
+from .launch import Step, launch_step
 
 THREADS = 256
 Q_MAX = np.float32(INT8_MAX)
@@ -45,9 +45,9 @@ def make_int8_kernel(a_src, epw):
     def q8(A, base, kk, K, s):
         """The int8 byte of x[kk] (0 past K) in the low 8 bits of a uint32."""
         if kk >= K:
-            return np.uint32(0)
-        v = np.int32(round(load(A, base + kk) * s))
-        return np.uint32(min(max(v, np.int32(-127)), np.int32(127))) & np.uint32(0xFF)
+            return u32(0)
+        v = i32(round(load(A, base + kk) * s))
+        return u32(min(max(v, i32(-127)), i32(127))) & u32(0xFF)
 
     def kernel(A, words, d, K, W):
         scratch = cuda.shared.array(LANES, np.float32)
@@ -61,10 +61,10 @@ def make_int8_kernel(a_src, epw):
         if cuda.threadIdx.x == 0:
             d[m] = np.float32(1.0) / s
         for w in range(cuda.threadIdx.x, W, cuda.blockDim.x):
-            word = np.uint32(0)
+            word = u32(0)
             if epw == 0:
                 for i in range(4):
-                    word |= q8(A, base, 4 * w + i, K, s) << np.uint32(8 * i)
+                    word |= q8(A, base, 4 * w + i, K, s) << u32(8 * i)
             else:                                   # word (c*qpw + quad)*32 + t
                 t = w % LANES
                 quad = (w // LANES) % qpw
@@ -72,14 +72,14 @@ def make_int8_kernel(a_src, epw):
                 for i in range(4):
                     row = 4 * quad + i
                     if row < epw:
-                        word |= q8(A, base, (c * epw + row) * LANES + t, K, s) << np.uint32(8 * i)
+                        word |= q8(A, base, (c * epw + row) * LANES + t, K, s) << u32(8 * i)
             words[m * W + w] = word
 
     return cuda.jit(kernel)
 
 
 def int8_step(Ad, a_src, epw, stream=0, words=None, d=None):
-    """The quantizer launch for a checked device A: ((kernel, grid, block, args), words, d)."""
+    """The quantizer launch for a checked device A: (Step, words, d)."""
     shape = tuple(Ad.shape)
     M, K = (1, shape[0]) if len(shape) == 1 else shape
     if K % 4:
@@ -87,8 +87,8 @@ def int8_step(Ad, a_src, epw, stream=0, words=None, d=None):
     W = words_per_row(K, epw)
     words = _arrays.output(words, "words", (M, W), np.uint32, stream)
     d = _arrays.output(d, "d", (M,), np.float32, stream)
-    step = (make_int8_kernel(a_src, epw), M, THREADS,
-            (_arrays.flat_view(Ad), _arrays.flat_view(words), d, np.int32(K), np.int32(W)))
+    step = Step(make_int8_kernel(a_src, epw), M, THREADS,
+                (_arrays.flat_view(Ad), _arrays.flat_view(words), d, i32(K), i32(W)))
     return step, words, d
 
 
@@ -99,7 +99,7 @@ def quantize_int8(A, epw=0, stream=None, bf16=False, words=None, d=None):
     stream = _arrays.as_stream(stream)
     Ad, a_src = _arrays.float_input(A, "A", bf16, (1, 2), stream)
     step, words, d = int8_step(Ad, a_src, epw, stream, words, d)
-    run_steps([step], stream)
+    launch_step(step, stream)
     return words, d
 
 

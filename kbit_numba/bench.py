@@ -18,6 +18,9 @@ from functools import lru_cache
 
 import numpy as np
 
+from .core import MAX_M
+from .formats import CODES_K
+
 SEED_SHAPES = ["2048x5120", "5120x2048", "2048x4096", "2048x512", "4096x2048", "4096x14336"]  # K x N
 KS = [2, 3, 4, 5]
 MS = [1, 2, 3, 4, 8, 16, 32, 64, 128, 512]
@@ -154,7 +157,7 @@ def cublas_row(K, N, M):
 
 def _gemv_grid_rows(shapes, ks, ms, max_m, prepare, variants, ceilings, progress):
     """Rows of a GEMV family: every shape x k x M (M <= max_m) x variant, on rotating L2-cold weights.
-    ``prepare(weights)`` -> the family's form of them; ``variants``: (label, launchers) pairs, where
+    ``prepare(weights)`` -> the family's form of them; ``variants``: (label, launchers, params), where
     ``launchers(A, weight, out)`` -> a callable(stream) that launches once."""
     from numba import cuda
 
@@ -170,40 +173,47 @@ def _gemv_grid_rows(shapes, ks, ms, max_m, prepare, variants, ceilings, progress
             for M in [m for m in ms if m <= max_m]:
                 A = cuda.to_device(rng.standard_normal((M, K)).astype(np.float16))
                 out = cuda.device_array((M, N), np.float16)
-                for label, launcher in variants:
+                for label, launcher, params in variants:
                     progress(f"{label} {K}x{N} k={k} M={M}")
                     launches = [launcher(A, w, out) for w in ws]
                     t = graph_time_us(lambda i, s, launches=launches: launches[i % n](s), n * max(1, 64 // n))
-                    rows.append(_mm_row(label, K, N, k, M, t, nbytes, ceilings))
+                    rows.append(_mm_row(label, K, N, k, M, t, nbytes, ceilings, params))
     return rows
 
 
+def _prepared(plan):
+    """A launcher(stream) for a family's Plan: its steps bound once (one driver call each, as a decode loop
+    or a CUDA graph runs them)."""
+    return plan.prepare().run
+
+
 def gemv_rows(shapes, ks, ms, ceilings, progress, tunings=(None,)):
-    """Scalar GEMV rows: every shape x k x M (M <= 4), each tuning (None = the package's choice)."""
+    """Scalar GEMV rows: every shape x k x M (M <= 4), each tuning (None = the package's ``DEFAULTS``, else a
+    dict of ``scalar_gemv.plan`` parameters, e.g. ``{"cols": 4, "max_registers": None}``: the row keeps it
+    under ``params``, and ``--tune`` may write it into the linear table)."""
     from . import scalar_gemv
 
-    def launcher(tuning):
-        def make(A, w, out):
-            kern, grid, block, args, _ = scalar_gemv._plan(A, w, out, 0, np.float16, False, tuning)
-            return lambda s: kern[grid, block, s](*args)
-        return make
+    def label(t):
+        return "gemv" if t is None else "gemv[" + ",".join(f"{k}={v}" for k, v in t.items()) + "]"
 
-    variants = [("gemv" if t is None else f"gemv[CB={t[0]},r={t[1]}]", launcher(t)) for t in tunings]
-    return _gemv_grid_rows(shapes, ks, ms, scalar_gemv.MAX_M, list, variants, ceilings, progress)
+    variants = [(label(t), lambda A, w, out, t=t: _prepared(scalar_gemv.plan(A, w, out, 0, **(t or {}))), t)
+                for t in tunings]
+    return _gemv_grid_rows(shapes, ks, ms, MAX_M, list, variants, ceilings, progress)
 
 
-def pair_gemv_rows(shapes, ks, ms, ceilings, progress, cbs=(None,), f16_acc=False):
+def pair_gemv_rows(shapes, ks, ms, ceilings, progress, cols=(None,), f16_acc=False):
     """Pair-table GEMV rows (k = 2, 4; the code layout made once per weight): shape x k x M (M <= 4),
-    each CB (None = the default); ``f16_acc``: the float16-accumulating variant, labelled [f16]."""
+    each columns-per-iteration choice (None = the default); ``f16_acc``: the float16-accumulating variant,
+    labelled [f16]."""
     from . import pair_gemv
 
-    def label(cb):
-        tags = ([] if cb is None else [f"CB={cb}"]) + (["f16"] if f16_acc else [])
+    def label(c):
+        tags = ([] if c is None else [f"cols={c}"]) + (["f16"] if f16_acc else [])
         return "pair_gemv" + (f"[{','.join(tags)}]" if tags else "")
 
-    variants = [(label(cb), lambda A, kc, out, cb=cb: pair_gemv.plan(A, kc, out, 0, CB=cb, f16_acc=f16_acc)[0])
-                for cb in cbs]
-    return _gemv_grid_rows(shapes, [k for k in ks if k in pair_gemv.CODES_K], ms, pair_gemv.MAX_M,
+    variants = [(label(c), lambda A, kc, out, c=c: _prepared(pair_gemv.plan(A, kc, out, 0, f16_acc=f16_acc, cols=c)),
+                 None if c is None else {"cols": c}) for c in cols]
+    return _gemv_grid_rows(shapes, [k for k in ks if k in CODES_K], ms, MAX_M,
                            lambda ws: [pair_gemv.to_codes(w) for w in ws], variants, ceilings, progress)
 
 
@@ -212,10 +222,13 @@ def _tiled_copies(ws):
     return [codec.repack_tiled(w) for w in ws]
 
 
-def _mm_row(label, K, N, k, M, t, nbytes, ceilings):
+def _mm_row(label, K, N, k, M, t, nbytes, ceilings, params=None):
     moved = nbytes + M * K * 2 + M * N * 2
-    return dict(kernel=label, shape=f"{K}x{N}", k=k, M=M, us=t, GBps=moved / t / 1e3,
-                pct_ceiling=100 * moved / t / 1e3 / ceilings["read_GBps"], ceiling="read", floor_bytes=moved)
+    row = dict(kernel=label, shape=f"{K}x{N}", k=k, M=M, us=t, GBps=moved / t / 1e3,
+               pct_ceiling=100 * moved / t / 1e3 / ceilings["read_GBps"], ceiling="read", floor_bytes=moved)
+    if params:
+        row["params"] = dict(params)
+    return row
 
 
 def matmul_rows(shapes, ks, ms, ceilings, progress, kernels=("gemm", "dequant_matmul", "linear")):
@@ -226,8 +239,6 @@ def matmul_rows(shapes, ks, ms, ceilings, progress, kernels=("gemm", "dequant_ma
 
     from . import codec, dispatch as lin, pair_gemv, tensor_gemm
     from ._timing import graph_time_us, rotation_count, torch
-    from .formats import CODES_K
-    from .launch import run_steps
 
     rows = []
     rng = np.random.default_rng(4)
@@ -249,10 +260,10 @@ def matmul_rows(shapes, ks, ms, ceilings, progress, kernels=("gemm", "dequant_ma
                 sums = space.sums(M * N)
                 cases = []
                 if "gemm" in kernels:
-                    plans = [tensor_gemm.plan(A, w, out, 0, np.float16, False, sums)[0] for w in ws]
+                    plans = [_prepared(tensor_gemm.plan(A, w, out, 0, np.float16, False, sums)) for w in ws]
 
                     def gemm_launch(i, s, plans=plans):
-                        run_steps(plans[i % n], s)
+                        plans[i % n](s)
                     cases.append(("gemm", gemm_launch))
                 if "dequant_matmul" in kernels and torch is not None:
                     At, Ot, Wt = (torch.as_tensor(x, device="cuda") for x in (A, out, wbuf))
@@ -285,21 +296,27 @@ def matmul_rows(shapes, ks, ms, ceilings, progress, kernels=("gemm", "dequant_ma
 def tune_table(rows, device):
     """The ``linear`` table from measured rows: per shape, the fastest kernel at each measured M (a rule
     covers the Ms up to the next measured one); the general rules pick, per M, the kernel with the best
-    geometric-mean time relative to the per-shape best."""
+    geometric-mean time relative to the per-shape best. A row run with non-default parameters (``--sweep``)
+    competes as its own candidate; when it wins, its parameters go into the rule (``[max_m, kernel, params]``)."""
     times = {}
     for r in rows:
-        kern = r["kernel"]
+        kern = r["kernel"].split("[")[0]
         if kern in ("gemv", "gemm", "dequant_matmul") and r["M"]:
+            cand = (kern, json.dumps(r.get("params") or {}, sort_keys=True))
             point = times.setdefault((r["shape"], r["M"]), {})
-            point[kern] = min(r["us"], point.get(kern, r["us"]))
+            point[cand] = min(r["us"], point.get(cand, r["us"]))
+
+    def rule(M, cand):
+        params = json.loads(cand[1])
+        return [M, cand[0], params] if params else [M, cand[0]]
 
     def compress(points):
         rules = []
-        for M, kern in sorted(points):
-            if rules and rules[-1][1] == kern:
+        for M, cand in sorted(points):
+            if rules and rules[-1][1:] == rule(M, cand)[1:]:
                 rules[-1][0] = M
             else:
-                rules.append([M, kern])
+                rules.append(rule(M, cand))
         rules[-1][0] = None
         return rules
 
@@ -312,10 +329,10 @@ def tune_table(rows, device):
         for (s, m), t in times.items():
             if m == M:
                 best = min(t.values())
-                for kern, us in t.items():
-                    score.setdefault(kern, []).append(np.log(us / best))
-        full = [kn for kn, v in score.items() if len(v) == max(len(x) for x in score.values())]
-        general.append((M, min(full, key=lambda kn: np.mean(score[kn]))))
+                for cand, us in t.items():
+                    score.setdefault(cand, []).append(np.log(us / best))
+        full = [c for c, v in score.items() if len(v) == max(len(x) for x in score.values())]
+        general.append((M, min(full, key=lambda c: np.mean(score[c]))))
     return dict(device=device, rules=compress(general), shapes=shapes,
                 note="written by python -m kbit_numba.bench --tune (GPU time, CUDA graphs, L2-cold)")
 
@@ -362,13 +379,13 @@ def moe_rows(progress, E=512, batch=32, top_k=8, k=4, shapes=((2048, 512), (512,
                             m_tile=tensor_gemm.m_tile_for(max_tok))
 
         cases = [("grouped_gemm", grouped_mma)]
-        if max_tok <= scalar_gemv.MAX_M:
-            plans = [[scalar_gemv._plan(A[offsets[e]:offsets[e + 1]], st.expert(e), out[offsets[e]:offsets[e + 1]],
-                                        0, np.float16, False) for e in active] for st in sets]
+        if max_tok <= MAX_M:
+            plans = [[scalar_gemv.plan(A[offsets[e]:offsets[e + 1]], st.expert(e), out[offsets[e]:offsets[e + 1]])
+                      for e in active] for st in sets]
 
             def per_expert(i, s):
-                for kern, grid, block, args, _ in plans[i % 2]:
-                    kern[grid, block, s](*args)
+                for p in plans[i % 2]:
+                    p.launch(s)
 
             cases = [("grouped_gemv", grouped), ("gemv per expert", per_expert)] + cases
         if torch is not None and torch.cuda.is_available():
@@ -423,7 +440,6 @@ def format_rows(kinds, shapes, ms, ceilings, progress, uniform_bits=UNIFORM_BENC
     from . import bitnet, sbvr, uniform
     from . import reference as ref
     from ._timing import graph_time_us, rotation_count
-    from .launch import run_steps
 
     rows = []
     rng = np.random.default_rng(2)
@@ -437,14 +453,14 @@ def format_rows(kinds, shapes, ms, ceilings, progress, uniform_bits=UNIFORM_BENC
                     w = uniform.quantize(W, b, UNIFORM_BENCH_GROUP)
                     systems.append((f"{kind}[g{UNIFORM_BENCH_GROUP}]", b, w,
                                     lambda A, w, out, i8=(kind == "uniform_int8"):
-                                    uniform._plan(A, w, out, 0, np.float16, i8, False)))
+                                    uniform.plan(A, w, out, 0, np.float16, i8)))
             elif kind == "sbvr":
                 progress(f"encode SBVR {K}x{N} (host)")
                 w = ref.sbvr_encode(W, lines=1024, iters=2, kmeans_iters=3)
-                systems.append(("sbvr", 4, w, lambda A, w, out: sbvr._plan(A, w, out, 0, np.float16, False)))
+                systems.append(("sbvr", 4, w, lambda A, w, out: sbvr.plan(A, w, out, 0)))
             elif kind == "bitnet":
                 w = ref.bitnet_quantize(W)
-                systems.append(("bitnet", 2, w, lambda A, w, out: bitnet._plan(A, w, out, 0, np.float16, False)))
+                systems.append(("bitnet", 2, w, lambda A, w, out: bitnet.plan(A, w, out, 0)))
         for label, bits, w, plan in systems:
             n = rotation_count(w.nbytes)
             copies = _device_copies(w, n)
@@ -452,10 +468,10 @@ def format_rows(kinds, shapes, ms, ceilings, progress, uniform_bits=UNIFORM_BENC
                 progress(f"{label} {K}x{N} bits={bits} M={M}")
                 A = cuda.to_device(rng.standard_normal((M, K)).astype(np.float16))
                 out = cuda.device_array((M, N), np.float16)
-                plans = [plan(A, c, out)[0] for c in copies]
+                plans = [_prepared(plan(A, c, out)) for c in copies]
 
                 def launch(i, s, plans=plans):
-                    run_steps(plans[i % n], s)
+                    plans[i % n](s)
 
                 t = graph_time_us(launch, n * max(1, 64 // n))
                 moved = w.nbytes + M * K * 2 + M * N * 2
@@ -466,8 +482,8 @@ def format_rows(kinds, shapes, ms, ceilings, progress, uniform_bits=UNIFORM_BENC
 
 
 def host_overhead_rows(progress, K=2048, N=5120, k=4, calls=3000):
-    """Host microseconds per call: gemv() through the dispatcher, a PreparedGemv.run(), and a small
-    torch op, measured the same way (wall clock over many calls, one sync at the end)."""
+    """Host microseconds per call: gemv() through the dispatcher, a prepared gemv's run() (launch.Prepared),
+    and a small torch op, measured the same way (wall clock over many calls, one sync at the end)."""
     import time
 
     from numba import cuda
@@ -481,7 +497,7 @@ def host_overhead_rows(progress, K=2048, N=5120, k=4, calls=3000):
     out = cuda.device_array((1, N), np.float16)
     prep = kb.prepare_gemv(A, qw, out=out)
     cases = [("gemv() dispatcher call", lambda: kb.gemv(A, qw, out=out)),
-             ("PreparedGemv.run()", prep.run)]
+             ("prepare_gemv(...).run()", prep.run)]
     if torch is not None and torch.cuda.is_available():
         x = torch.randn(1, K, device="cuda", dtype=torch.float16)
         w = torch.randn(K, 8, device="cuda", dtype=torch.float16)
@@ -598,8 +614,9 @@ def main(argv=None):
     p.add_argument("--json", help="write the rows and the ceilings as JSON to this file")
     p.add_argument("--csv", help="write the rows as CSV to this file")
     p.add_argument("--plot", help="write a speedup-vs-M plot (PNG) to this file (needs matplotlib)")
-    p.add_argument("--sweep", help="gemv tunings CB:max_registers to time, e.g. 4:64,8:none")
-    p.add_argument("--pair-cb", help="pair_gemv columns per warp per iteration to time, e.g. 2,4,8")
+    p.add_argument("--sweep", help="gemv tunings cols:max_registers to time, e.g. 4:64,8:none "
+                                    "(with --tune, the fastest tuning per point goes into the table)")
+    p.add_argument("--pair-cols", help="pair_gemv columns per warp per iteration to time, e.g. 2,4,8")
     p.add_argument("--pair-f16", action="store_true",
                    help="also time pair_gemv with float16 accumulation inside a block (f16_acc)")
     p.add_argument("--overhead", action="store_true", help="also measure host time per call")
@@ -648,10 +665,11 @@ def main(argv=None):
     if fmt_kinds:
         rows += format_rows(fmt_kinds, shapes, ms, ceilings, progress, _parse_list(args.bits, int))
     if args.sweep:
-        tunings = [tuple(None if v == "none" else int(v) for v in t.split(":")) for t in _parse_list(args.sweep)]
-        rows += gemv_rows(shapes, ks, ms, ceilings, progress, tunings)
-    if args.pair_cb:
-        rows += pair_gemv_rows(shapes, ks, ms, ceilings, progress, _parse_list(args.pair_cb, int))
+        tunings = [dict(zip(("cols", "max_registers"), (None if v == "none" else int(v) for v in t.split(":"))))
+                   for t in _parse_list(args.sweep)]
+        rows += gemv_rows(shapes, ks, [m for m in ms if m <= MAX_M], ceilings, progress, tunings)
+    if args.pair_cols:
+        rows += pair_gemv_rows(shapes, ks, ms, ceilings, progress, _parse_list(args.pair_cols, int))
     if args.pair_f16:
         rows += pair_gemv_rows(shapes, ks, ms, ceilings, progress, f16_acc=True)
     overhead = host_overhead_rows(progress) if args.overhead else []

@@ -31,29 +31,33 @@ from numba import cuda
 
 from . import _arrays
 from .act_quant import int8_step, quantize_int8
-from .device import FULL_MASK, WARP, make_cta_sum, sm_count
+from .core import MAX_M, RowsSpec, device_weight, sm_count
+from .device import FULL_MASK, WARP, i32, make_cta_sum, u32
 from .formats import BITNET_BLOCK_K, BITNET_BLOCK_N, BitnetWeight
-from .intrinsics import dp4a, ldg128, lop3
-from .launch import prepare_plan, run_plan
-from .scalar_gemv import MAX_M
+from .intrinsics import BYTE_ONES, LOP3_AND_OR, dp4a, ldg128, lop3
+from .launch import NUMBA_TYPES, OUT_TYPES, Plan, Step
 
 MAX_KW = 32
 CTA_WARPS_TARGET = 32             # resident warps per SM the grid aims for
 CODE_MASK = 0x03030303            # the 2-bit code of each byte after a shift by 2s
 BYTE_BIAS = 0x80808080            # bit 7 of each byte: code c reads as the int8 c - 128
-BYTE_ONES = 0x01010101
-LUT_AND_OR = 0xEA                 # lop3 truth table of (a & b) | c
 W_OFFSET = 126                    # c - 128 = w - 126
 MAX_K = 65536                     # |126 * 127 * K| stays below 2**31
 
 
+class BitnetGemvSpec(RowsSpec):
+    """The BitNet gemv's compile-time choices (M, out_dtype): the key of :func:`make_bitnet_gemv`."""
+    FAMILY = "bitnet"
+
+
 @lru_cache(maxsize=None)
-def make_bitnet_gemv(M, out_dtype):
-    """Kernel(Aw, d, packed, w_scale, out, N, K, part_cols), grid N/16, KW warps per CTA.
+def make_bitnet_gemv(spec):
+    """Kernel(Aw, d, packed, w_scale, out, N, K, part_cols) for a :class:`BitnetGemvSpec`, grid N/16, KW warps
+    per CTA.
 
     Aw: uint32 [M * K/4] int8 activations (natural order); d: float32 [M]; packed: uint32 flat
     [N/16 * K/32 * 32]; w_scale: float32 [parts]; out: [M*N]."""
-    assert 1 <= M <= MAX_M
+    M, out_dtype = spec.M, spec.out_dtype
     f16_out = np.dtype(out_dtype) == np.float16
     cta_sum = make_cta_sum(M)
     ROWS = M
@@ -69,18 +73,18 @@ def make_bitnet_gemv(M, out_dtype):
         acc = cuda.local.array(ROWS, np.int32)
         asum = cuda.local.array(ROWS, np.int32)
         for m in range(M):
-            acc[m] = np.int32(0)
-            asum[m] = np.int32(0)
+            acc[m] = i32(0)
+            asum[m] = i32(0)
         for kb in range(warp, n_kb, n_warps):
             word = packed[(nb * n_kb + kb) * WARP + lane]
             for m in range(M):
                 a = ldg128(Aw, (m * K + kb * BITNET_BLOCK_K + h * 16) // 4)   # this half's 16 int8
                 for s in range(4):
-                    x = lop3(word >> np.uint32(2 * s), np.uint32(CODE_MASK), np.uint32(BYTE_BIAS), LUT_AND_OR)
+                    x = lop3(word >> u32(2 * s), u32(CODE_MASK), u32(BYTE_BIAS), LOP3_AND_OR)
                     acc[m] = dp4a(x, a[s], acc[m])
-                    asum[m] = dp4a(np.uint32(BYTE_ONES), a[s], asum[m])
+                    asum[m] = dp4a(u32(BYTE_ONES), a[s], asum[m])
         for m in range(M):
-            acc[m] += np.int32(W_OFFSET) * asum[m]
+            acc[m] += i32(W_OFFSET) * asum[m]
             acc[m] += cuda.shfl_xor_sync(FULL_MASK, acc[m], 1)    # the two K halves of a column
         cta_sum(acc, part)
         if warp == 0 and h == 0:
@@ -104,9 +108,10 @@ def quantize_activations(A, stream=None, bf16=False, words=None, d=None):
     return quantize_int8(A, 0, stream, bf16, words, d)
 
 
-def _plan(A, bw, out, stream, out_dtype, bf16):
-    """Checked inputs -> (steps, A, out): the int8 quantizer and the GEMV launch."""
-    bw = _arrays.device_weight(bw, BitnetWeight, stream)
+def plan(A, bw, out=None, stream=None, out_dtype=np.float16, bf16=False):
+    """Checked inputs bound into a :class:`launch.Plan`: the int8 quantizer and the GEMV launch."""
+    stream = _arrays.as_stream(stream)
+    bw = device_weight(bw, BitnetWeight, stream)
     N, K = bw.shape
     if K > MAX_K:
         raise ValueError(f"bitnet.gemv handles K <= {MAX_K}, got {K}")
@@ -114,26 +119,29 @@ def _plan(A, bw, out, stream, out_dtype, bf16):
     step, words, d = int8_step(Ad, a_src, 0, stream)
     n_blocks = N // BITNET_BLOCK_N
     kw = max(1, min(MAX_KW, K // BITNET_BLOCK_K, -(-sm_count() * CTA_WARPS_TARGET // n_blocks)))
-    gemv_step = (make_bitnet_gemv(M, out.dtype.name), n_blocks, kw * WARP,
-                 (_arrays.flat_view(words), d, _arrays.flat_view(bw.packed), bw.w_scale, _arrays.flat_view(out),
-                  np.int32(N), np.int32(K), np.int32(N // bw.w_scale.size)))
-    return [step, gemv_step], Ad, out
+    gemv_step = Step(make_bitnet_gemv(BitnetGemvSpec(M, out.dtype)), n_blocks, kw * WARP,
+                     (_arrays.flat_view(words), d, _arrays.flat_view(bw.packed), bw.w_scale, _arrays.flat_view(out),
+                      i32(N), i32(K), i32(N // bw.w_scale.size)))
+    return Plan([step, gemv_step], Ad, out, stream)
 
 
 def gemv(A, bw, out=None, stream=None, out_dtype=np.float16, bf16=False):
     """C[M, N] = A[M, K] @ W^T for M = 1..4 with W a BitnetWeight; A (float16/float32, or bf16 bits)
     is quantized per token to int8 first (one extra launch). Returns [M, N] (or [N]) of out_dtype."""
-    return run_plan(_plan, A, bw, out, stream, out_dtype, bf16)
+    return plan(A, bw, out, stream, out_dtype, bf16).launch()
 
 
 def prepare(A, bw, out=None, stream=None, out_dtype=np.float16, bf16=False):
-    """``gemv`` bound to its buffers (``launch.PreparedSteps``): write new activations into ``.A``."""
-    return prepare_plan(_plan, A, bw, out, stream, out_dtype, bf16)
+    """``gemv`` bound to its buffers (a :class:`launch.Prepared`): write new activations into ``.A``."""
+    return plan(A, bw, out, stream, out_dtype, bf16).prepare()
+
+
+def ptx_specs():
+    return [BitnetGemvSpec(M, od) for M in (1, 2, 3, 4) for od in OUT_TYPES if od == "float16" or M == 2]
 
 
 def kernel_specializations():
     from numba import types as t
-    nb = {"float16": t.float16[::1], "float32": t.float32[::1]}
-    return [(f"bitnet M={M} out={od}", make_bitnet_gemv(M, od),
-             (t.uint32[::1], t.float32[::1], t.uint32[::1], t.float32[::1], nb[od], t.int32, t.int32, t.int32))
-            for M in (1, 2, 3, 4) for od in ("float16", "float32") if od == "float16" or M == 2]
+    return [(spec.name, make_bitnet_gemv(spec), (t.uint32[::1], t.float32[::1], t.uint32[::1], t.float32[::1],
+                                                 NUMBA_TYPES[spec.out_dtype], t.int32, t.int32, t.int32))
+            for spec in ptx_specs()]

@@ -11,22 +11,23 @@ Reference twins: ``reference.quantize``, ``reference.dequantize``, ``reference.r
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from functools import lru_cache
 
 import numpy as np
 from numba import cuda
 
 from . import _arrays
-from .device import FULL_MASK, F32_MAX, WARP, e4m4_decode, e4m4_encode, make_loader, tiled_block, warp_max
-from .formats import BLOCK, TILE_N, KbitCodes, KbitWeight, check_codebook, check_k, padded_k, LAYOUTS, ABSMAX_FORMATS
+from .core import device_weight
+from .launch import Plan, Step
+from .device import F32_MAX, FULL_MASK, WARP, e4m4_decode, e4m4_encode, i32, make_loader, tiled_block, u32, warp_max
+from .formats import (ABSMAX_FORMATS, BLOCK, LAYOUTS, MAX_CODES, TILE_N, KbitWeight, check_codebook, check_k,
+                      padded_k)
 from .intrinsics import f16x2_as_u32, f32_as_u32, stg128
 
 QUANT_THREADS = 256          # 8 warps = 8 blocks per CTA
 DEQUANT_THREADS = 256        # 64 blocks per CTA
 ELEMS_PER_THREAD = 8         # dequantize: 8 outputs = 16 bytes of float16 per thread
 THREADS_PER_BLOCK = BLOCK // ELEMS_PER_THREAD
-MAX_CODES = 32
 
 
 # ------------------------------------------------------------------------------------------------
@@ -57,18 +58,18 @@ def make_quantize_kernel(k, layout, absmax_format, src):
                 x = np.float32(0.0)
             amax = warp_max(abs(x))
             xn = x / max(amax, np.float32(1e-8))   # the true absmax picks the index
-            best = np.uint32(0)
+            best = u32(0)
             best_d = abs(xn - cb[0])
             for i in range(1, n_codes):            # ties keep the lower index, as reference does
                 d = abs(xn - cb[i])
                 if d < best_d:
-                    best = np.uint32(i)
+                    best = u32(i)
                     best_d = d
             if kb * BLOCK >= K:                    # tiled padding block: all-zero words
-                best = np.uint32(0)
+                best = u32(0)
             slot = tiled_block(n, kb, N) if tiled else gwarp
             for b in range(k):
-                word = cuda.ballot_sync(FULL_MASK, (best >> np.uint32(b)) & np.uint32(1))
+                word = cuda.ballot_sync(FULL_MASK, (best >> u32(b)) & u32(1))
                 if lane == b:
                     packed[slot * k + b] = word
             if lane == 0:
@@ -100,15 +101,15 @@ def make_dequantize_kernel(k, layout, absmax_format, out_dtype):
             kb = blk - n * kbr
             slot = tiled_block(n, kb, N) if tiled else blk
             scale = e4m4_decode(absmax[slot]) if e4m4 else absmax[slot]
-            shift = np.uint32((g % THREADS_PER_BLOCK) * ELEMS_PER_THREAD)
+            shift = u32((g % THREADS_PER_BLOCK) * ELEMS_PER_THREAD)
             planes = cuda.local.array(k, np.uint32)
             for b in range(k):
                 planes[b] = packed[slot * k + b] >> shift
             vals = cuda.local.array(ELEMS_PER_THREAD, np.float32)
             for j in range(ELEMS_PER_THREAD):
-                idx = np.uint32(0)
+                idx = u32(0)
                 for b in range(k):
-                    idx |= ((planes[b] >> np.uint32(j)) & np.uint32(1)) << np.uint32(b)
+                    idx |= ((planes[b] >> u32(j)) & u32(1)) << u32(b)
                 vals[j] = cb_sh[idx] * scale
             if f16:
                 stg128(out, g * 4,
@@ -142,7 +143,7 @@ def make_repack_kernel(k, absmax_dtype):
             kbr = K // BLOCK
             inside = kb < kbr
             src = n * kbr + kb
-            tpacked[slot * k + bit] = fpacked[src * k + bit] if inside else np.uint32(0)
+            tpacked[slot * k + bit] = fpacked[src * k + bit] if inside else u32(0)
             if bit == 0:
                 tabsmax[slot] = fabsmax[src] if inside else zero
 
@@ -183,46 +184,37 @@ def quantize(W, k=4, codebook=None, absmax_format="e4m4", layout="flat", bf16=Fa
     err = cuda.to_device(np.zeros(1, np.int32), stream=stream)
     kern = make_quantize_kernel(k, layout, absmax_format, src)
     kern[_grid(N * n_kb * WARP, QUANT_THREADS), QUANT_THREADS, stream](
-        _arrays.flat_view(Wd), packed, absmax, cb_d, np.int32(N), np.int32(K), np.int32(n_kb), err)
+        _arrays.flat_view(Wd), packed, absmax, cb_d, i32(N), i32(K), i32(n_kb), err)
     if err.copy_to_host(stream=stream)[0]:
         raise ValueError("W contains NaN or Inf")
     return KbitWeight(packed, absmax, cb_d, k, (N, K), layout, absmax_format)
 
 
-def _device_weight(qw, stream=0):
-    """The same KbitWeight (or KbitCodes) with checked device arrays (NumPy arrays are copied over)."""
-    if not isinstance(qw, (KbitWeight, KbitCodes)):
-        raise TypeError(f"expected a KbitWeight, got {type(qw).__name__}")
-    want_absmax = np.uint8 if qw.absmax_format == "e4m4" else np.float32
-    packed = _arrays.device_array(qw.packed, "qw.packed", (np.uint32,), 1, stream)
-    absmax = _arrays.device_array(qw.absmax, "qw.absmax", (want_absmax,), 1, stream)
-    cb = _arrays.device_array(np.asarray(qw.codebook, np.float32) if isinstance(qw.codebook, (list, tuple))
-                              else qw.codebook, "qw.codebook", (np.float32,), 1, stream)
-    if cb.shape[0] != 1 << qw.k:
-        raise ValueError(f"codebook must hold {1 << qw.k} values for k={qw.k}")
-    return replace(qw, packed=packed, absmax=absmax, codebook=cb)
-
-
-def dequantize(qw, dtype=np.float16, out=None, stream=None):
-    """KbitWeight (flat or tiled, E4M4 or fp32 absmax) -> device array [N, K] of float16/float32
-    (``dtype``; a preallocated ``out`` device array decides the type itself)."""
+def plan_dequantize(qw, dtype=np.float16, out=None, stream=None):
+    """Checked inputs of :func:`dequantize` bound into a :class:`launch.Plan` (one launch; ``A`` is None)."""
     dtype = _arrays.output_dtype(out, dtype, "dtype")        # a given out decides the type
     stream = _arrays.as_stream(stream)
-    qw = _device_weight(qw, stream)
+    qw = device_weight(qw, KbitWeight, stream)
     N, K = qw.shape
     out = _arrays.output(out, "out", (N, K), dtype, stream)
     _arrays.check_aligned(out, 16, "out")
     kern = make_dequantize_kernel(qw.k, qw.layout, qw.absmax_format, dtype.name)
     n_threads = N * K // ELEMS_PER_THREAD
-    kern[_grid(n_threads, DEQUANT_THREADS), DEQUANT_THREADS, stream](
-        qw.packed, qw.absmax, qw.codebook, _arrays.flat_view(out, np.uint32), np.int32(N), np.int32(K))
-    return out
+    return Plan([Step(kern, _grid(n_threads, DEQUANT_THREADS), DEQUANT_THREADS,
+                      (qw.packed, qw.absmax, qw.codebook, _arrays.flat_view(out, np.uint32), i32(N),
+                       i32(K)))], None, out, stream)
+
+
+def dequantize(qw, dtype=np.float16, out=None, stream=None):
+    """KbitWeight (flat or tiled, E4M4 or fp32 absmax) -> device array [N, K] of float16/float32
+    (``dtype``; a preallocated ``out`` device array decides the type itself)."""
+    return plan_dequantize(qw, dtype, out, stream).launch()
 
 
 def repack_tiled(qw, stream=None):
     """Flat -> tiled layout on the device (N % 128 == 0; K padded to a multiple of 64 with zero blocks)."""
     stream = _arrays.as_stream(stream)
-    qw = _device_weight(qw, stream)
+    qw = device_weight(qw, KbitWeight, stream)
     if qw.layout == "tiled":
         return qw
     N, K = qw.shape
@@ -233,7 +225,7 @@ def repack_tiled(qw, stream=None):
     absmax = cuda.device_array(N * n_kb, dtype=qw.absmax.dtype, stream=stream)
     kern = make_repack_kernel(qw.k, qw.absmax.dtype.name)
     kern[_grid(N * n_kb * qw.k, 256), 256, stream](
-        qw.packed, qw.absmax, packed, absmax, np.int32(N), np.int32(K), np.int32(n_kb))
+        qw.packed, qw.absmax, packed, absmax, i32(N), i32(K), i32(n_kb))
     return KbitWeight(packed, absmax, qw.codebook, qw.k, qw.shape, "tiled", qw.absmax_format)
 
 

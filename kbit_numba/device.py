@@ -14,20 +14,15 @@ from numba import cuda
 from .formats import E4M4_BIAS, TILE_N
 from .intrinsics import SIMULATOR, f16_bits_to_f32, f32_as_u32, u32_as_f32
 
+# Numba types plain Python ints as int64 and widens every integer sum to 64 bits: kernels write their
+# 32-bit integer math explicitly, through these two names.
+u32 = np.uint32
+i32 = np.int32
 FULL_MASK = 0xFFFFFFFF
 WARP = 32
 F32_MAX = np.float32(3.4028235e38)
 _E4M4_SUB_SCALE = np.float32(2.0 ** (1 - E4M4_BIAS) / 16)   # value of one mantissa step, e = 0
-_E4M4_EXP_OFFSET = np.uint32(127 - E4M4_BIAS)               # E4M4 exponent -> float32 exponent
-
-
-def sm_count():
-    """Streaming multiprocessors of the current GPU: the launch geometry of every family sizes its
-    grid from it (2 under the simulator, which has no such attribute)."""
-    try:
-        return cuda.get_current_device().MULTIPROCESSOR_COUNT
-    except Exception:
-        return 2
+_E4M4_EXP_OFFSET = u32(127 - E4M4_BIAS)               # E4M4 exponent -> float32 exponent
 
 
 def jit_kernel(fn, max_registers=None):
@@ -44,7 +39,7 @@ def make_loader(src):
     if src == "bfloat16":
         @cuda.jit(device=True, inline=True)
         def load(arr, i):
-            return u32_as_f32((np.uint32(arr[i]) & np.uint32(0xFFFF)) << np.uint32(16))
+            return u32_as_f32((u32(arr[i]) & u32(0xFFFF)) << u32(16))
     elif src in ("float16", "float32"):
         @cuda.jit(device=True, inline=True)
         def load(arr, i):
@@ -66,50 +61,58 @@ def make_word_unpacker(src):
     if src == "float16":
         @cuda.jit(device=True, inline=True)
         def unpack(word, e):
-            return f16_bits_to_f32(word >> np.uint32(16 * e))
+            return f16_bits_to_f32(word >> u32(16 * e))
         return unpack, 2
     if src == "bfloat16":
         @cuda.jit(device=True, inline=True)
         def unpack(word, e):
-            return u32_as_f32(word << np.uint32(16) if e == 0 else word & np.uint32(0xFFFF0000))
+            return u32_as_f32(word << u32(16) if e == 0 else word & u32(0xFFFF0000))
         return unpack, 2
     raise ValueError(f"unknown element type {src!r}")
 
 
 @cuda.jit(device=True, inline=True)
+def f32_to_bf16_bits(v):
+    """float32 -> bfloat16 bits in the low half of a uint32, rounded to nearest even (finite values).
+    Twin: ``reference.float32_to_bf16_bits``."""
+    u = f32_as_u32(v)
+    return (u + u32(0x7FFF) + ((u >> u32(16)) & u32(1))) >> u32(16)
+
+
+@cuda.jit(device=True, inline=True)
 def e4m4_decode(byte):
     """uint8 E4M4 -> float32: built from bits for e > 0, m * 2**-14 for e = 0."""
-    b = np.uint32(byte)
-    e = b >> np.uint32(4)
-    m = b & np.uint32(15)
-    normal = u32_as_f32(((e + _E4M4_EXP_OFFSET) << np.uint32(23)) | (m << np.uint32(19)))
-    return normal if e != np.uint32(0) else np.float32(m) * _E4M4_SUB_SCALE
+    b = u32(byte)
+    e = b >> u32(4)
+    m = b & u32(15)
+    normal = u32_as_f32(((e + _E4M4_EXP_OFFSET) << u32(23)) | (m << u32(19)))
+    return normal if e != u32(0) else np.float32(m) * _E4M4_SUB_SCALE
 
 
 @cuda.jit(device=True, inline=True)
 def e4m4_encode(v):
     """float32 >= 0 -> uint8 E4M4, the same rule as formats.e4m4_encode (half-even, clamped)."""
     bits = f32_as_u32(v)
-    ex = np.int32((bits >> np.uint32(23)) & np.uint32(0xFF))
+    ex = i32((bits >> u32(23)) & u32(0xFF))
     if ex == 0:
         return np.uint8(0)
-    eb = ex - np.int32(127 - E4M4_BIAS)
+    eb = ex - i32(127 - E4M4_BIAS)
     if eb > 15:
         return np.uint8(0xFF)
     if eb <= 0:   # subnormal byte: m = rint(v * 2**14); the scaling is exact
         t = v * np.float32(16384.0)
-        fl = np.uint32(t)
+        fl = u32(t)
         d = t - np.float32(fl)
-        if d > np.float32(0.5) or (d == np.float32(0.5) and (fl & np.uint32(1)) != np.uint32(0)):
-            fl += np.uint32(1)
-        return np.uint8(min(fl, np.uint32(15)))
-    frac = bits & np.uint32(0x7FFFFF)
-    m = frac >> np.uint32(19)
-    rem = frac & np.uint32(0x7FFFF)
-    if rem > np.uint32(0x40000) or (rem == np.uint32(0x40000) and (m & np.uint32(1)) != np.uint32(0)):
-        m += np.uint32(1)
-    m = min(m, np.uint32(15))
-    return np.uint8((np.uint32(eb) << np.uint32(4)) | m)
+        if d > np.float32(0.5) or (d == np.float32(0.5) and (fl & u32(1)) != u32(0)):
+            fl += u32(1)
+        return np.uint8(min(fl, u32(15)))
+    frac = bits & u32(0x7FFFFF)
+    m = frac >> u32(19)
+    rem = frac & u32(0x7FFFF)
+    if rem > u32(0x40000) or (rem == u32(0x40000) and (m & u32(1)) != u32(0)):
+        m += u32(1)
+    m = min(m, u32(15))
+    return np.uint8((u32(eb) << u32(4)) | m)
 
 
 @cuda.jit(device=True, inline=True)
@@ -124,9 +127,9 @@ def warp_max(v):
 def tiled_block(n, kb_all, N):
     """Tiled layout: index of the (column, block) slot, i.e. tile*256 + col*2 + kb.
     Word offset = slot * k + bit; absmax offset = slot (formats.tiled_word_index)."""
-    n_tiles = N // np.int32(TILE_N)
-    tile = (kb_all >> np.int32(1)) * n_tiles + n // np.int32(TILE_N)
-    return tile * np.int32(2 * TILE_N) + (n % np.int32(TILE_N)) * np.int32(2) + (kb_all & np.int32(1))
+    n_tiles = N // i32(TILE_N)
+    tile = (kb_all >> i32(1)) * n_tiles + n // i32(TILE_N)
+    return tile * i32(2 * TILE_N) + (n % i32(TILE_N)) * i32(2) + (kb_all & i32(1))
 
 
 @cuda.jit(device=True, inline=True)
@@ -167,7 +170,7 @@ def make_cta_sum(M):
     return cta_sum
 
 
-_I2F_MAGIC = np.int32(0x4B400000)          # the float 1.5 * 2**23: its low 22 mantissa bits are free
+_I2F_MAGIC = i32(0x4B400000)          # the float 1.5 * 2**23: its low 22 mantissa bits are free
 _I2F_MAGIC_F = np.float32(12582912.0)
 
 
@@ -175,7 +178,7 @@ _I2F_MAGIC_F = np.float32(12582912.0)
 def small_int_to_f32(x):
     """float32(x) for an int32 |x| < 2**22, exactly, with an integer add and a float subtract: both
     full-rate, where the I2F conversion runs at a quarter of the FMA rate on sm_80/sm_90."""
-    return u32_as_f32(np.uint32(x + _I2F_MAGIC)) - _I2F_MAGIC_F
+    return u32_as_f32(u32(x + _I2F_MAGIC)) - _I2F_MAGIC_F
 
 
 @lru_cache(maxsize=None)

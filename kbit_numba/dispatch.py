@@ -25,9 +25,10 @@ import numpy as np
 from numba import cuda
 
 from . import _arrays, pair_gemv, scalar_gemv, tensor_gemm
-from .codec import _device_weight, dequantize, repack_tiled
+from .codec import plan_dequantize, repack_tiled
+from .core import MAX_M, device_weight
 from .formats import CODES_K, TILE_N, KbitCodes, KbitWeight
-from .launch import PreparedLaunch, stream_handle
+from .launch import HostStep, Plan, stream_handle
 
 KERNELS = ("gemv", "pair_gemv", "gemm", "dequant_matmul")
 LAYOUTS = ("tiled", "codes")          # what KbitLinear keeps on the device
@@ -60,20 +61,30 @@ def load_table(name=None):
         return json.load(f)
 
 
-def choose(M, N, K, layout, table=None, backend=None):
-    """The kernel ``linear`` runs for an M x K input and an N x K weight of ``layout``. ``backend``:
-    the cuBLAS route ('torch', 'cupy', or False for none); None asks ``matmul_backend()``."""
+def choose_rule(M, N, K, layout, table=None, backend=None):
+    """(kernel, launch parameters) that ``linear`` runs for an M x K input and an N x K weight of
+    ``layout``. A table rule is ``[max_m, kernel]`` or ``[max_m, kernel, {parameter: value}]``: the
+    parameters (e.g. ``{"cols": 2}`` for gemv, ``{"split": 4, "m_tile": 2}`` for gemm) go to that
+    kernel's ``plan`` and override its ``DEFAULTS`` table; a fallback kernel runs with its defaults.
+    ``backend``: the cuBLAS route ('torch', 'cupy', or False for none); None asks ``matmul_backend()``."""
     if layout == "codes":          # the only kernel that reads the code layout
-        return "pair_gemv"
+        return "pair_gemv", {}
     table = table or load_table()
     rules = table.get("shapes", {}).get(f"{K}x{N}", table["rules"])
-    want = next(kern for max_m, kern in rules if max_m is None or M <= max_m)
-    usable = {"gemv": M <= scalar_gemv.MAX_M, "gemm": layout == "tiled",
+    want, params = next((r[1], dict(r[2]) if len(r) > 2 else {}) for r in rules if r[0] is None or M <= r[0])
+    usable = {"gemv": M <= MAX_M, "gemm": layout == "tiled",
               "dequant_matmul": bool(backend if backend is not None else matmul_backend())}
-    for kern in (want,) + FALLBACK:
-        if usable.get(kern, False):
-            return kern
-    return "gemv"                  # any M, in slices of 4 rows
+    if usable.get(want, False):
+        return want, params
+    for kern in FALLBACK:
+        if usable[kern]:
+            return kern, {}
+    return "gemv", {}              # any M, in slices of 4 rows
+
+
+def choose(M, N, K, layout, table=None, backend=None):
+    """The kernel ``linear`` runs (see :func:`choose_rule`)."""
+    return choose_rule(M, N, K, layout, table, backend)[0]
 
 
 # ---- dequantize + cuBLAS ---------------------------------------------------------------------------
@@ -134,9 +145,9 @@ def _cublas_matmul(Ad, Wd, out, stream):
         raise RuntimeError("dequant_matmul needs torch or CuPy for the cuBLAS call; neither is installed")
 
 
-def dequant_matmul(A, qw, out=None, stream=None, out_dtype=np.float16, workspace=None):
-    """C = A @ W^T as ``dequantize`` into a reusable buffer, then cuBLAS (torch or CuPy). A float16 or
-    float32; the weight is dequantized to A's type."""
+def plan_dequant_matmul(A, qw, out=None, stream=None, out_dtype=np.float16, workspace=None):
+    """Checked inputs of :func:`dequant_matmul` bound into a :class:`launch.Plan`: the dequantize launch
+    and the cuBLAS call (a ``HostStep``)."""
     stream = _arrays.as_stream(stream)
     Ad = _arrays.device_array(A, "A", _arrays.FLOAT_DTYPES, (1, 2), stream)
     N, K = qw.shape
@@ -145,15 +156,59 @@ def dequant_matmul(A, qw, out=None, stream=None, out_dtype=np.float16, workspace
     out_dtype = _arrays.output_dtype(out, out_dtype)
     out = _arrays.output(out, "out", tuple(Ad.shape)[:-1] + (N,), out_dtype, stream)
     ws = workspace or Workspace()
-    Wd = dequantize(qw, dtype=Ad.dtype, out=ws.weight((N, K), Ad.dtype, stream), stream=stream)
-    _cublas_matmul(Ad, Wd, out, stream)
-    return out
+    dq = plan_dequantize(qw, Ad.dtype, ws.weight((N, K), Ad.dtype, stream), stream)
+    Wd = dq.out
+    return Plan(dq.steps + [HostStep(partial(_cublas_matmul, Ad, Wd, out))], Ad, out, stream)
+
+
+def dequant_matmul(A, qw, out=None, stream=None, out_dtype=np.float16, workspace=None):
+    """C = A @ W^T as ``dequantize`` into a reusable buffer, then cuBLAS (torch or CuPy). A float16 or
+    float32; the weight is dequantized to A's type."""
+    return plan_dequant_matmul(A, qw, out, stream, out_dtype, workspace).launch()
 
 
 # ---- the entry point -------------------------------------------------------------------------------
 def _rows(A):
     shape = tuple(A.shape)
     return 1 if len(shape) == 1 else shape[0]
+
+
+def plan(A, qw, out=None, stream=None, workspace=None, out_dtype=np.float16, bf16=False, kernel=None,
+         table=None, f16_acc=False):
+    """Checked inputs of :func:`linear` bound into a :class:`launch.Plan` for the kernel it chooses (M > 4
+    on a gemv: one launch per slice of 4 rows)."""
+    if not isinstance(qw, (KbitWeight, KbitCodes)):
+        raise TypeError(f"qw must be a KbitWeight or KbitCodes, got {type(qw).__name__}")
+    stream = _arrays.as_stream(stream)
+    A = _arrays.check_array(A, "A")
+    M = _rows(A)
+    N, K = qw.shape
+    params = {}
+    if kernel is None:
+        kernel, params = choose_rule(M, N, K, qw.layout, table)
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    if (kernel == "pair_gemv") != (qw.layout == "codes"):
+        raise ValueError(f"kernel {kernel!r} does not read the {qw.layout} layout "
+                         "(pair_gemv reads KbitCodes, the others KbitWeight)")
+    if f16_acc and kernel != "pair_gemv":
+        raise ValueError(f"f16_acc applies to the pair gemv (KbitCodes), not to kernel {kernel!r}")
+    if bf16 and kernel == "dequant_matmul":       # cuBLAS through torch/CuPy takes no int16 bf16 bits
+        kernel, params = ("gemm" if qw.layout == "tiled" else "gemv"), {}
+    if kernel == "gemm":      # (without a Workspace, gemm allocates split-K sums only when it splits)
+        sums = workspace.sums(M * N, stream) if workspace is not None else None
+        return tensor_gemm.plan(A, qw, out, stream, out_dtype, bf16, sums, **params)
+    if kernel == "dequant_matmul":
+        return plan_dequant_matmul(A, qw, out, stream, out_dtype, workspace)
+    gemv_plan = (partial(pair_gemv.plan, f16_acc=f16_acc, **params) if kernel == "pair_gemv"
+                 else partial(scalar_gemv.plan, **params))
+    if M <= MAX_M:
+        return gemv_plan(A, qw, out, stream, out_dtype, bf16)
+    Ad, _ = _arrays.float_input(A, "A", bf16, 2, stream)   # a gemv in slices of 4 rows
+    out_dtype = _arrays.output_dtype(out, out_dtype)
+    out = _arrays.output(out, "out", (M, N), out_dtype, stream)
+    slices = [gemv_plan(Ad[r:r + MAX_M], qw, out[r:r + MAX_M], stream, out_dtype, bf16) for r in range(0, M, MAX_M)]
+    return Plan([s for p in slices for s in p.steps], Ad, out, stream)
 
 
 def linear(A, qw, out=None, stream=None, workspace=None, out_dtype=np.float16, bf16=False, kernel=None,
@@ -165,35 +220,7 @@ def linear(A, qw, out=None, stream=None, workspace=None, out_dtype=np.float16, b
     ``workspace``: a ``Workspace`` reused across calls (else buffers are allocated per call). ``kernel``
     forces one of ``KERNELS``. ``f16_acc``: the pair gemv sums each 32-weight block in float16
     (``pair_gemv.gemv``; float16 A). Returns a device array [M, N] (or [N]) of ``out_dtype``, or ``out``."""
-    if not isinstance(qw, (KbitWeight, KbitCodes)):
-        raise TypeError(f"qw must be a KbitWeight or KbitCodes, got {type(qw).__name__}")
-    stream = _arrays.as_stream(stream)
-    M = _rows(A)
-    N, K = qw.shape
-    kernel = kernel or choose(M, N, K, qw.layout, table)
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-    if (kernel == "pair_gemv") != (qw.layout == "codes"):
-        raise ValueError(f"kernel {kernel!r} does not read the {qw.layout} layout "
-                         "(pair_gemv reads KbitCodes, the others KbitWeight)")
-    if f16_acc and kernel != "pair_gemv":
-        raise ValueError(f"f16_acc applies to the pair gemv (KbitCodes), not to kernel {kernel!r}")
-    if bf16 and kernel == "dequant_matmul":       # cuBLAS through torch/CuPy takes no int16 bf16 bits
-        kernel = "gemm" if qw.layout == "tiled" else "gemv"
-    if kernel == "gemm":      # (without a Workspace, gemm allocates split-K sums only when it splits)
-        sums = workspace.sums(M * N, stream) if workspace is not None else None
-        return tensor_gemm.gemm(A, qw, out, stream, out_dtype, bf16, sums)
-    if kernel == "dequant_matmul":
-        return dequant_matmul(A, qw, out, stream, out_dtype, workspace)
-    gemv = partial(pair_gemv.gemv, f16_acc=f16_acc) if kernel == "pair_gemv" else scalar_gemv.gemv
-    if M <= scalar_gemv.MAX_M:
-        return gemv(A, qw, out, stream, out_dtype, bf16)
-    Ad, _ = _arrays.float_input(A, "A", bf16, 2, stream)   # a gemv in slices of 4 rows
-    out_dtype = _arrays.output_dtype(out, out_dtype)
-    out = _arrays.output(out, "out", (M, N), out_dtype, stream)
-    for r in range(0, M, scalar_gemv.MAX_M):
-        gemv(Ad[r:r + scalar_gemv.MAX_M], qw, out[r:r + scalar_gemv.MAX_M], stream, out_dtype, bf16)
-    return out
+    return plan(A, qw, out, stream, workspace, out_dtype, bf16, kernel, table, f16_acc).launch()
 
 
 class KbitLinear:
@@ -206,8 +233,8 @@ class KbitLinear:
     capturable; write new inputs into the bound ``A``).
 
     ``keep_flat=True`` also keeps the flat layout for the scalar GEMV (twice the weight memory): the gemv
-    reads the tiled layout with scattered 16-byte loads and was 10-22% slower at M = 1..3 on the H100
-    (benchmarks/README.md).
+    reads the tiled layout with scattered 16-byte loads and was up to 26% slower at M = 1..4 on the
+    H100 and H200 grids (4096x14336 M=1: 27.3 vs 21.7 us; benchmarks/README.md).
 
     ``layout="codes"`` (k = 2, 4, from a flat weight) keeps only the code layout instead, the same bytes:
     every call runs the pair gemv, the fastest kbit kernel at M = 1..4 on the H100 except on the smallest
@@ -231,7 +258,7 @@ class KbitLinear:
         if f16_acc:
             raise ValueError("f16_acc applies to the pair gemv: use it with layout='codes'")
         self.f16_acc = False
-        qw = _device_weight(qw, stream)
+        qw = device_weight(qw, KbitWeight, stream)
         self.flat_weight = qw if qw.layout == "flat" else None
         if qw.layout == "flat" and qw.shape[0] % TILE_N == 0:
             qw = repack_tiled(qw, stream=stream)
@@ -250,48 +277,16 @@ class KbitLinear:
         return choose(M, N, K, self.weight.layout, self.table)
 
     def __call__(self, A, out=None, stream=None, out_dtype=np.float16, bf16=False, kernel=None):
-        kernel = kernel or self.kernel_for(_rows(A))
-        return linear(A, self._weight_for(kernel), out, stream, self.workspace, out_dtype, bf16, kernel,
-                      self.table, self.f16_acc)
+        return self.plan(A, out, stream, out_dtype, bf16, kernel).launch()
+
+    def plan(self, A, out=None, stream=None, out_dtype=np.float16, bf16=False, kernel=None):
+        """``linear``'s :class:`launch.Plan` for this layer's weight and workspace."""
+        kernel = kernel or self.kernel_for(_rows(_arrays.check_array(A, "A")))
+        return plan(A, self._weight_for(kernel), out, stream, self.workspace, out_dtype, bf16, kernel,
+                    self.table, self.f16_acc)
 
     def prepare(self, A, out=None, stream=None, out_dtype=np.float16, bf16=False, kernel=None):
-        return PreparedLinear(self, A, out, stream, out_dtype, bf16, kernel)
-
-
-class PreparedLinear:
-    """``KbitLinear`` bound to its A and out buffers and a stream: ``run()`` replays the launches."""
-
-    def __init__(self, layer, A, out, stream, out_dtype, bf16, kernel):
-        if isinstance(A, np.ndarray):
-            raise TypeError("prepare binds buffers by address: pass A as a device array")
-        stream = _arrays.as_stream(stream)
-        M = _rows(A)
-        self.kernel = kernel or layer.kernel_for(M)
-        w = layer._weight_for(self.kernel)
-        self.A, self.stream = A, stream
-        if self.kernel == "gemm":
-            launches, self.out, _ = tensor_gemm.plan(A, w, out, stream, out_dtype, bf16,
-                                                     layer.workspace.sums(M * w.shape[0], stream))
-            self._launches = [PreparedLaunch(k, g, b, a, stream) for k, g, b, a in launches]
-        elif self.kernel == "gemv" and M <= scalar_gemv.MAX_M:
-            kern, grid, block, args, self.out = scalar_gemv._plan(A, w, out, stream, out_dtype, bf16)
-            self._launches = [PreparedLaunch(kern, grid, block, args, stream)]
-        elif self.kernel == "pair_gemv" and M <= pair_gemv.MAX_M:
-            launch, _, self.out = pair_gemv.plan(A, w, out, stream, out_dtype, bf16, f16_acc=layer.f16_acc)
-            self._launches = [launch]
-        else:                                      # dequantize + cuBLAS, or gemv slices: the checked path
-            self.out = _arrays.output(out, "out", tuple(A.shape)[:-1] + (w.shape[0],),
-                                      _arrays.output_dtype(out, out_dtype), stream)
-            self._launches = None
-            self._call = lambda s: linear(A, w, self.out, s, layer.workspace, out_dtype, bf16, self.kernel,
-                                          layer.table, layer.f16_acc)
-
-    def run(self, stream=None):
-        """Launch (on ``stream`` if given, else the bound one); returns ``out``."""
-        s = self.stream if stream is None else _arrays.as_stream(stream)
-        if self._launches is None:
-            self._call(s)
-        else:
-            for launch in self._launches:
-                launch(s)
-        return self.out
+        """Buffers bound once: a :class:`launch.Prepared` whose ``run()`` replays the chosen launches with
+        one driver call each and no argument checking (CUDA-graph capturable; write new inputs into the
+        bound ``A``)."""
+        return self.plan(A, out, stream, out_dtype, bf16, kernel).prepare()

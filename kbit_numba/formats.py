@@ -22,6 +22,7 @@ import numpy as np
 
 BLOCK = 32                 # elements per quantization block (one warp, one bit per lane)
 K_BITS = (2, 3, 4, 5)      # supported bit widths
+MAX_CODES = 1 << max(K_BITS)   # the largest codebook: 32 entries
 E4M4_BIAS = 11             # exponent bias of the absmax byte
 E4M4_MAX = 31.0            # largest encodable absmax: 2**(15-11) * (1 + 15/16)
 TILE_K = 64                # tiled layout: K elements per tile (two blocks)
@@ -163,6 +164,10 @@ class _HostDevice:
     frozen dataclass whose ``ARRAYS`` fields are arrays."""
     ARRAYS = ()
 
+    def dtypes(self):
+        """{array field: the element types the kernels accept for it} (``core.device_weight`` checks)."""
+        raise NotImplementedError
+
     @property
     def on_device(self):
         return not isinstance(getattr(self, self.ARRAYS[0]), np.ndarray)
@@ -204,6 +209,10 @@ class KbitWeight(_HostDevice):
         if self.layout == "tiled" and self.shape[0] % TILE_N:
             raise ValueError(f"the tiled layout needs N % {TILE_N} == 0, got N={self.shape[0]}")
         _check_blocks(self)
+
+    def dtypes(self):
+        absmax = np.uint8 if self.absmax_format == "e4m4" else np.float32
+        return {"packed": (np.uint32,), "absmax": (absmax,), "codebook": (np.float32,)}
 
     @property
     def N(self):
@@ -257,6 +266,7 @@ class KbitCodes(_HostDevice):
             raise ValueError(f"the code layout holds k in {CODES_K}, got k={self.k}")
         _check_blocks(self)
 
+    dtypes = KbitWeight.dtypes
     layout = "codes"
     N = KbitWeight.N
     K = KbitWeight.K
@@ -285,6 +295,31 @@ def _check_blocks(w):
         raise ValueError(f"packed must hold {want} uint32 words, got {_size(w.packed)}")
     if _size(w.absmax) != w.n_blocks:
         raise ValueError(f"absmax must hold {w.n_blocks} values, got {_size(w.absmax)}")
+
+
+@dataclass(frozen=True)
+class KbitExperts(_HostDevice):
+    """E kbit weights of one shape, k, layout, absmax format and codebook, stored back to back (the MoE
+    kernels' input): expert e's words are packed[e*words : (e+1)*words] (its own flat or tiled layout),
+    its absmax values absmax[e*blocks : (e+1)*blocks]. Build with ``core.stack_experts``."""
+    packed: object
+    absmax: object
+    codebook: object
+    k: int
+    expert_shape: tuple
+    n_experts: int
+    layout: str = "flat"
+    absmax_format: str = "e4m4"
+    ARRAYS = ("packed", "absmax", "codebook")
+    dtypes = KbitWeight.dtypes
+
+    def expert(self, e):
+        """Expert e as a KbitWeight (views, no copy)."""
+        N, K = self.expert_shape
+        b = N * padded_k(K, self.layout) // BLOCK
+        w = b * self.k
+        return KbitWeight(self.packed[e * w:(e + 1) * w], self.absmax[e * b:(e + 1) * b], self.codebook,
+                          self.k, self.expert_shape, self.layout, self.absmax_format)
 
 
 # --------------------------------------------------------------------------------------------
@@ -341,6 +376,9 @@ class UniformWeight(_HostDevice):
         if tuple(self.scale_zero.shape) != want:
             raise ValueError(f"scale_zero must have shape {want}, got {tuple(self.scale_zero.shape)}")
 
+    def dtypes(self):
+        return {"packed": (np.uint32,), "scale_zero": (np.float16,)}
+
     @property
     def epw(self):
         return uniform_elements_per_word(self.bits)
@@ -381,6 +419,9 @@ class SbvrWeight(_HostDevice):
         if self.coeff_cache.ndim != 2 or self.coeff_cache.shape[1] != SBVR_PLANES:
             raise ValueError(f"coeff_cache must be [lines, {SBVR_PLANES}], got {self.coeff_cache.shape}")
 
+    def dtypes(self):
+        return {"bvr": (np.uint32,), "coeff_idx": (np.uint8, np.uint16), "coeff_cache": (np.float16,)}
+
     @property
     def nbytes(self):
         return _size(self.bvr) * 4 + _size(self.coeff_idx) * np.dtype(self.coeff_idx.dtype).itemsize
@@ -412,6 +453,9 @@ class BitnetWeight(_HostDevice):
         parts = _size(self.w_scale)
         if parts < 1 or N % parts or (N // parts) % BITNET_BLOCK_N:
             raise ValueError(f"w_scale must hold P parts with N/P a multiple of 16, got {parts} for N={N}")
+
+    def dtypes(self):
+        return {"packed": (np.uint32,), "w_scale": (np.float32,)}
 
     @property
     def nbytes(self):

@@ -48,6 +48,8 @@ from numba.core.errors import RequireLiteralValue
 from numba.cuda.extending import intrinsic
 
 SIMULATOR = bool(config.ENABLE_CUDASIM)
+LOP3_AND_OR = 0xEA               # lop3 truth table of (a & b) | c: mask a field and merge it into c
+BYTE_ONES = 0x01010101           # bit 0 of every byte: a one-bit-per-byte mask; dp4a with it sums 4 bytes
 
 _i32 = ir.IntType(32)
 _u32x = [types.uint32] * 4
@@ -469,14 +471,9 @@ def py_hfma2(a, b, c):   # exact in float64 (half products have 22 bits), then o
 
 def py_bmul2(a, b):
     p = (_halves(a, True) * _halves(b, True)).astype(np.float32)
-    bits = [int(_f32_to_bf16_bits(v)) for v in p]
+    from .reference import float32_to_bf16_bits         # (round to nearest even, written once)
+    bits = float32_to_bf16_bits(p).view(np.uint16).astype(np.uint32)
     return np.uint32(bits[0] | bits[1] << 16)
-
-
-def _f32_to_bf16_bits(v):
-    """Round-to-nearest-even float32 -> bfloat16 bits (finite values)."""
-    u = int(np.array([v], np.float32).view(np.uint32)[0])
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
 
 
 # ---------------------------------------------------------------------------------------------

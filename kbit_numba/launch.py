@@ -1,9 +1,17 @@
-"""A prepared kernel launch: Numba's argument marshalling done once, then one ``cuLaunchKernel`` per call.
+"""How every kernel family is specialised, planned and launched: ``Spec``, ``Plan``, ``Prepared``.
 
-A Numba dispatcher call costs tens of microseconds of host time (typing the arguments, converting each
-array to its ABI fields), several times a decode-step GEMV. For repeated launches with the same buffers
-(a decode loop, a CUDA graph) ``PreparedLaunch`` compiles the kernel for the arguments' types once,
-packs the kernel parameters once in Numba's ABI, and each call is a single driver launch.
+* **Spec**: a family's compile-time choices (k, M, layout, dtypes, tuning knobs) as a frozen, normalised
+  dataclass: the one key of the family's ``lru_cache`` kernel factory (``make_*_kernel(spec)``).
+* **Plan**: what each family's public ``plan(...)`` returns: the inputs checked and bound to device
+  buffers, and the launches (``Step``; a ``HostStep`` for work that is not our kernel, e.g. cuBLAS).
+  ``plan.launch()`` runs it through Numba; the family's ``gemv``/``gemm`` is exactly that.
+* **Prepared** (``plan.prepare()``): the same launches replayed with one driver call per step.
+
+Why ``Prepared``: a Numba dispatcher call costs tens of microseconds of host time (typing the
+arguments, converting each array to its ABI fields), several times a decode-step GEMV. For repeated
+launches with the same buffers (a decode loop, a CUDA graph) ``PreparedLaunch`` compiles the kernel for
+the arguments' types once, packs the kernel parameters once in Numba's ABI, and each call is a single
+``cuLaunchKernel``.
 
 Numba's kernel ABI, per argument (``numba.cuda.dispatcher._Kernel._prepare_args``):
 * an array: meminfo (0), parent (0), nitems, itemsize, data pointer, shape[ndim], strides[ndim] — all
@@ -16,6 +24,8 @@ simulator (no driver) a call is an ordinary kernel launch.
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass, fields, replace
+from typing import NamedTuple
 
 import numpy as np
 from numba import types
@@ -123,41 +133,124 @@ class PreparedLaunch:
         self._launch(self.stream if stream is None else stream)
 
 
-def run_steps(steps, stream=0):
-    """Launch a list of (kernel, grid, block, args) steps in order on ``stream`` (Numba launches)."""
-    for kern, grid, block, args in steps:
-        kern[grid, block, stream](*args)
+class Step(NamedTuple):
+    """One kernel launch of a plan: ``kernel[grid, block, stream, shared](*args)``. ``args`` are device
+    arrays and NumPy scalars (what :class:`PreparedLaunch` can pack)."""
+    kernel: object
+    grid: object
+    block: object
+    args: tuple
+    shared: int = 0
 
 
-class PreparedSteps:
-    """Several kernel launches (e.g. activation quantizer + GEMV) bound to their buffers; ``run()`` is one
-    driver launch per step. Write new activations into ``A`` between runs; results land in ``out``."""
+class HostStep(NamedTuple):
+    """A step that is not one of our kernels (e.g. the cuBLAS call of dequantize + matmul): ``fn(stream)``
+    enqueues its work on ``stream``."""
+    fn: object
 
-    def __init__(self, steps, stream, A, out):
-        self._launches = [PreparedLaunch(k, g, b, a, stream) for k, g, b, a in steps]
-        self.A, self.out = A, out
+
+def launch_step(step, stream=0):
+    """Launch one step the ordinary (checked) way: Numba's dispatcher, or the driver where the step needs
+    more than 48 KB of dynamic shared memory (Numba does not opt a kernel in to that)."""
+    if isinstance(step, HostStep):
+        step.fn(stream)
+    elif step.shared > DEFAULT_SHARED_LIMIT and not SIMULATOR:
+        PreparedLaunch(step.kernel, step.grid, step.block, step.args, stream, step.shared)()
+    else:
+        step.kernel[step.grid, step.block, stream, step.shared](*step.args)
+
+
+@dataclass
+class Plan:
+    """What every family's ``plan(...)`` returns: checked inputs bound to device buffers, and the launches.
+
+    ``A``: the device activations the steps read (for a decode loop, write the next ones into it);
+    ``out``: where the result lands; ``workspace``: scratch the steps share (split-K sums), if any;
+    ``stream``: the stream the buffers were made on, the default for :meth:`launch` and :meth:`prepare`."""
+    steps: list
+    A: object
+    out: object
+    stream: object = 0
+    workspace: object = None
+
+    def launch(self, stream=None):
+        """Run the steps in order (Numba launches); returns ``out``."""
+        stream = self.stream if stream is None else stream
+        for step in self.steps:
+            launch_step(step, stream)
+        return self.out
+
+    def prepare(self):
+        """The same launches bound once: see :class:`Prepared`."""
+        return Prepared(self)
+
+    def __add__(self, other):
+        """Two plans one after the other (e.g. the row slices of a GEMV): ``A`` and ``out`` are the first's."""
+        return Plan(self.steps + other.steps, self.A, self.out, self.stream, self.workspace or other.workspace)
+
+
+class Prepared:
+    """A plan bound once for decode loops and CUDA graphs: each ``run()`` is one driver call per kernel
+    step (no argument typing or checking). Write the next activations into ``.A`` (same shape, dtype and
+    address) before ``run()``; results land in ``.out``."""
+
+    def __init__(self, plan):
+        if isinstance(plan.A, np.ndarray):
+            raise TypeError("prepare binds buffers by address: pass A as a device array")
+        self.plan, self.A, self.out, self.stream = plan, plan.A, plan.out, plan.stream
+        self._launches = [step.fn if isinstance(step, HostStep) else
+                          PreparedLaunch(step.kernel, step.grid, step.block, step.args, plan.stream, step.shared)
+                          for step in plan.steps]
 
     def run(self, stream=None):
+        """Launch every step (on ``stream`` if given, else the plan's); returns ``out``."""
+        from ._arrays import as_stream
+        stream = self.stream if stream is None else as_stream(stream)
         for launch in self._launches:
             launch(stream)
         return self.out
 
 
-def run_plan(plan, A, weight, out, stream, *options):
-    """What a format's ``gemv`` does: ``plan(A, weight, out, stream, *options)`` -> (steps, A, out), the
-    steps launched on ``stream``; returns out."""
-    from ._arrays import as_stream
-    stream = as_stream(stream)
-    steps, _, out = plan(A, weight, out, stream, *options)
-    run_steps(steps, stream)
-    return out
+# ------------------------------------------------------------------------------------------------
+# Specs: the compile-time choices of a kernel specialisation
+# ------------------------------------------------------------------------------------------------
+ELEMENT_TYPES = ("float16", "float32", "bfloat16")     # activations (bfloat16 travels as int16 bits)
+OUT_TYPES = ("float16", "float32")
+NUMBA_TYPES = {"float16": types.float16[::1], "float32": types.float32[::1], "bfloat16": types.int16[::1]}
 
 
-def prepare_plan(plan, A, weight, out, stream, *options):
-    """What a format's ``prepare`` does: the same plan bound once into a :class:`PreparedSteps`."""
-    from ._arrays import as_stream
-    if isinstance(A, np.ndarray):
-        raise TypeError("prepare binds buffers by address: pass A as a device array")
-    stream = as_stream(stream)
-    steps, Ad, out = plan(A, weight, out, stream, *options)
-    return PreparedSteps(steps, stream, Ad, out)
+def type_name(t, name, allowed=ELEMENT_TYPES):
+    """'float16' for np.float16, np.dtype('float16') or 'float16' (bfloat16 is a name only)."""
+    if isinstance(t, str) and t in allowed:
+        return t
+    try:
+        t = np.dtype(t).name
+    except TypeError:
+        t = None
+    if t not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {t!r}")
+    return t
+
+
+@dataclass(frozen=True)
+class Spec:
+    """Base of every family's Spec: a frozen dataclass of the compile-time choices of one kernel
+    specialisation, normalised on construction (``normalise``: dtype names as strings, flags as bools,
+    defaults filled in), so that equal choices are one key of the family's ``lru_cache`` factory."""
+    FAMILY = "kernel"
+
+    def __post_init__(self):
+        for f, v in self.normalise().items():
+            object.__setattr__(self, f, v)
+
+    def normalise(self):
+        """{field: normalised value} for the fields to rewrite; raises ValueError on a bad choice."""
+        return {}
+
+    def with_(self, **changes):
+        return replace(self, **changes)
+
+    @property
+    def name(self):
+        """'gemv k=4 M=1 cols=2 ...': the PTX tests' ids and the benchmark's labels."""
+        return self.FAMILY + " " + " ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))

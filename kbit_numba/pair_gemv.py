@@ -16,11 +16,11 @@ offline and looks weights up several at a time:
 * **Per group of G weights**: 1 prmt + 1 shared load + G*M float32 FMAs (k = 4, M = 1: 2 instructions
   per weight). The block's sum is scaled by its absmax once.
 * **Geometry**: as in the scalar gemv, lane l of K-warp w owns block kb = 32 w + l for the whole launch
-  (its activations stay in registers) and a persistent grid walks the columns, CB per warp per
+  (its activations stay in registers) and a persistent grid walks the columns, ``cols`` per warp per
   iteration. Its 8- or 16-byte loads run two iterations ahead (three code buffers in registers, the
   loop unrolled three times), and all index math is 32-bit.
   The table must be shared by many warps, so a CTA holds ``S`` *slices* of ``KW = ceil(K / 1024)`` warps;
-  slice s takes columns ``s*CB .. s*CB+CB-1`` of each group of S*CB columns. Lane sums are reduced by a
+  slice s takes columns ``s*cols .. s*cols+cols-1`` of each group of S*cols columns. Lane sums are reduced by a
   warp reduce-scatter, then over the KW warps in shared memory (double-buffered, one barrier per
   iteration).
 
@@ -28,22 +28,21 @@ Reference twin: ``reference.gemv`` (which reads ``KbitCodes`` too). Tests: ``tes
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
 from numba import cuda
-
 from numba.cuda.misc.special import literal_unroll
 
 from . import _arrays
-from .codec import _device_weight
-from .device import WARP, e4m4_decode, jit_kernel, make_warp_reduce_scatter, make_word_unpacker, sm_count
-from .formats import BLOCK, CODES_K, KbitCodes, KbitWeight
+from .core import MAX_M, device_weight, k_warps, sm_count
+from .device import WARP, e4m4_decode, i32, jit_kernel, make_warp_reduce_scatter, make_word_unpacker, u32
+from .formats import ABSMAX_FORMATS, BLOCK, CODES_K, KbitCodes, KbitWeight
 from .intrinsics import (SIMULATOR, f16_bits_to_f32, f16x2_as_u32, f32_as_u32, hfma2, ldg64, ldg128, lds64, lds128,
                          lds_u32, prmt, shared_addr, sts128, u32_as_f32)
-from .launch import PreparedLaunch
+from .launch import NUMBA_TYPES, OUT_TYPES, Plan, Spec, Step, launch_step, type_name
 
-MAX_M = 4
 MAX_KW = 32                       # K-warps per slice: K <= 32 * 32 * 32 = 32768
 CODES = 256                       # table entries: one per code byte
 ROW_BYTES = 256                   # one table row per code, so a code byte shifted by 8 is its row address
@@ -56,26 +55,55 @@ PART = CODEBOOK + 16              # float offset of the cross-warp partial sums
 # prmt selector for code byte t of a word: result byte 0 <- the lane's copy offset (byte 4 of {b, a}),
 # byte 1 <- byte t of the code word, bytes 2, 3 <- byte 5 (zero: the offset is < 256).
 PRMT_ROW = 0x5504
-DEFAULT_CB = 4                    # columns per warp per iteration (CB * 16 bytes in flight per lane) ...
-SMALL_WEIGHT = 1 << 24            # ... but 2 at M = 1 below this many weights (see default_cb)
-CTA_WARPS = 2 if SIMULATOR else 16   # warps per CTA the plan aims for (the table is filled once per CTA)
+COL_CHOICES = (1, 2, 4, 8)        # columns per warp per iteration a kernel can be built for
 REGISTERS_PER_SM = 65536
+SHARED_PER_SM = 228 * 1024        # sm_90: shared memory per SM (1 KB of it reserved per CTA)
+# The defaults table, from the H100 sweep (benchmarks/runs/2026-11-23_h100_pair_gemv_sweep.txt):
+# cols: columns per warp per iteration (cols * 16 bytes in flight per lane), but small_cols at M = 1 on
+# weights under small_weight elements (9-12% faster there; see default_cols); cta_warps: warps per CTA
+# the plan aims for (the table is filled once per CTA; 2 on the simulator, which runs threads slowly).
+DEFAULTS = {"cols": 4, "small_cols": 2, "small_weight": 1 << 24, "cta_warps": 2 if SIMULATOR else 16}
+
+
+@dataclass(frozen=True)
+class PairGemvSpec(Spec):
+    """The pair gemv's compile-time choices: the key of :func:`make_pair_gemv_kernel`."""
+    FAMILY = "pair_gemv"
+    k: int
+    M: int
+    cols: int = DEFAULTS["cols"]
+    absmax_format: str = "e4m4"
+    a_type: str = "float16"
+    out_dtype: str = "float16"
+    f16_acc: bool = False
+
+    def normalise(self):
+        if self.k not in CODES_K or not 1 <= self.M <= MAX_M:
+            raise ValueError(f"pair gemv handles k in {CODES_K} and M = 1..{MAX_M}, got k={self.k}, M={self.M}")
+        if self.cols not in COL_CHOICES:
+            raise ValueError(f"cols must be one of {COL_CHOICES}, got {self.cols!r}")
+        if self.absmax_format not in ABSMAX_FORMATS:
+            raise ValueError(f"absmax_format must be one of {ABSMAX_FORMATS}, got {self.absmax_format!r}")
+        a_type = type_name(self.a_type, "a_type")
+        if self.f16_acc and a_type != "float16":
+            raise ValueError(f"f16_acc needs float16 activations, got {a_type}")
+        return dict(k=int(self.k), M=int(self.M), cols=int(self.cols), a_type=a_type,
+                    out_dtype=type_name(self.out_dtype, "out_dtype", OUT_TYPES), f16_acc=bool(self.f16_acc))
 
 
 @lru_cache(maxsize=None)
-def make_pair_gemv_kernel(k, M, CB, absmax_format, a_src, out_dtype, f16_acc=False):
-    """Kernel(A words, packed codes, absmax, codebook, out[M*N], N, n_kb); blockDim = 32 * KW * S.
+def make_pair_gemv_kernel(spec):
+    """Kernel(A words, packed codes, absmax, codebook, out[M*N], N, n_kb) for a :class:`PairGemvSpec`;
+    blockDim = 32 * KW * S.
 
-    k: 2 or 4; M: rows of A (1..4); CB: columns per warp per iteration; a_src: 'float16', 'float32' or
-    'bfloat16' (A read as uint32 words); out_dtype: 'float16' or 'float32'. Launch with
+    k: 2 or 4; M: rows of A (1..4); cols (NCOL here): columns per warp per iteration; a_type: 'float16',
+    'float32' or 'bfloat16' (A read as uint32 words); out_dtype: 'float16' or 'float32'. Launch with
     ``TABLE_BYTES + part_bytes(...)`` bytes of dynamic shared memory.
     f16_acc (float16 A only): the table holds f16x2 pairs and a block's products are summed by
     ``fma.rn.f16x2`` (one instruction per pair and row instead of two FFMAs), in float16; blocks are summed
     in float32 (error bound: tests/test_pair_gemv.py)."""
-    if k not in CODES_K or not 1 <= M <= MAX_M:
-        raise ValueError(f"pair gemv handles k in {CODES_K} and M = 1..{MAX_M}, got k={k}, M={M}")
-    if f16_acc and a_src != "float16":
-        raise ValueError(f"f16_acc needs float16 activations, got {a_src}")
+    k, M, NCOL, f16_acc = spec.k, spec.M, spec.cols, spec.f16_acc       # (checked by PairGemvSpec)
+    absmax_format, a_src, out_dtype = spec.absmax_format, spec.a_type, spec.out_dtype
     G = 8 // k                                     # elements per code byte
     ENTRY = 2 * G if f16_acc else 4 * G            # bytes of one table entry (G values)
     COPIES = min(WARP, ROW_BYTES // ENTRY)         # copies per row: 32, or 16 for float32 quads (k = 2)
@@ -84,7 +112,7 @@ def make_pair_gemv_kernel(k, M, CB, absmax_format, a_src, out_dtype, f16_acc=Fal
     PAIRS = BLOCK // 2                             # f16x2 words of a block's activations
     CODE_MASK = (1 << k) - 1
     N_CODES = 1 << k
-    CM = CB * M
+    CM = NCOL * M
     V = 1 << (CM - 1).bit_length()                 # partial sums per lane, padded to a power of two
     e4m4 = absmax_format == "e4m4"
     absmax_t = np.uint8 if e4m4 else np.float32
@@ -92,11 +120,10 @@ def make_pair_gemv_kernel(k, M, CB, absmax_format, a_src, out_dtype, f16_acc=Fal
     word_to_f32, A_PER_WORD = make_word_unpacker(a_src)
     reduce_scatter = make_warp_reduce_scatter(V)
     ROWS = tuple(range(M))
-    U = np.uint32
 
     @cuda.jit(device=True, inline="always")
     def load_columns(packed, absmax, n0, kb, last4, n_kb, codes, code_absmax):
-        """Issue the loads of columns n0 .. n0+CB-1 of this lane's block (k words in one 16- or 8-byte
+        """Issue the loads of columns n0 .. n0+NCOL-1 of this lane's block (k words in one 16- or 8-byte
         load, and the absmax) into codes / code_absmax.
         The loads are unconditional: a column past N (or a lane past the last block) reads the last
         block instead (last4 = 4 x its index), whose sums are never written (or meet zero activations).
@@ -106,15 +133,15 @@ def make_pair_gemv_kernel(k, M, CB, absmax_format, a_src, out_dtype, f16_acc=Fal
         All index math is 32-bit and unsigned (Numba's default int64 indexing costs ~20 SASS
         instructions per column: 64-bit multiplies, compares and wraparound checks): w4 (4 x the
         block index, its first word) of column n0 + c is one add after column c - 1's."""
-        w4 = U(U(n0 * n_kb + kb) * U(4))            # Numba widens every sum to 64 bits: U() narrows
-        for c in range(CB):
+        w4 = u32(u32(n0 * n_kb + kb) * u32(4))            # Numba widens every sum to 64 bits: u32() narrows
+        for c in range(NCOL):
             i4 = min(w4, last4)
             if k == 4:
                 codes[c, 0], codes[c, 1], codes[c, 2], codes[c, 3] = ldg128(packed, i4)
             else:
-                codes[c, 0], codes[c, 1] = ldg64(packed, U(i4 >> U(1)))
-            code_absmax[c] = absmax[U(i4 >> U(2))]
-            w4 = U(w4 + U(n_kb * U(4)))
+                codes[c, 0], codes[c, 1] = ldg64(packed, u32(i4 >> u32(1)))
+            code_absmax[c] = absmax[u32(i4 >> u32(2))]
+            w4 = u32(w4 + u32(n_kb * u32(4)))
 
     @cuda.jit(device=True, inline="always")
     def decode_columns(smem, table, lane_off, codes, code_absmax, a, ah, acc):
@@ -125,14 +152,14 @@ def make_pair_gemv_kernel(k, M, CB, absmax_format, a_src, out_dtype, f16_acc=Fal
         hs = cuda.local.array(M, np.uint32)
         for j in range(CM, V):
             acc[j] = np.float32(0.0)
-        for c in range(CB):
-            scale = smem[U(U(TABLE_FLOATS) + U(code_absmax[c]))] if e4m4 else code_absmax[c]
+        for c in range(NCOL):
+            scale = smem[u32(u32(TABLE_FLOATS) + u32(code_absmax[c]))] if e4m4 else code_absmax[c]
             for m in range(M):
                 s[m] = np.float32(0.0)
-                hs[m] = np.uint32(0)
+                hs[m] = u32(0)
             for wd in range(k):
                 for t in range(4):
-                    addr = table + prmt(codes[c, wd], lane_off, np.uint32(PRMT_ROW | (t << 4)))
+                    addr = table + prmt(codes[c, wd], lane_off, u32(PRMT_ROW | (t << 4)))
                     e0 = (wd * 4 + t) * G            # first element of this group
                     if f16_acc and G == 2:           # one f16x2 pair, one HFMA2 per row
                         x = lds_u32(smem, addr)
@@ -163,63 +190,63 @@ def make_pair_gemv_kernel(k, M, CB, absmax_format, a_src, out_dtype, f16_acc=Fal
                             s[m] += v3 * a[m, e0 + 3]
             for m in range(M):
                 if f16_acc:                      # the block's two float16 half-sums, in float32
-                    s[m] = f16_bits_to_f32(hs[m]) + f16_bits_to_f32(hs[m] >> np.uint32(16))
+                    s[m] = f16_bits_to_f32(hs[m]) + f16_bits_to_f32(hs[m] >> u32(16))
                 acc[c * M + m] = s[m] * scale
 
     @cuda.jit(device=True, inline="always")
     def reduce_columns(smem, acc, lane, tid, part, flip, slices, kw, n_first, out, N):
         """Sum acc over the CTA's K-warps: a warp reduce-scatter, one partial per (warp, value) into the
         shared buffer half ``flip`` (double-buffered: one barrier per iteration), then one thread per
-        (slice, column, row) adds the slice's KW partials and writes column n_first + s * CB + c."""
+        (slice, column, row) adds the slice's KW partials and writes column n_first + s * NCOL + c."""
         r, v_idx, owner = reduce_scatter(acc, lane)
         if owner:
-            smem[U(part + flip + U(v_idx))] = r
+            smem[u32(part + flip + u32(v_idx))] = r
         cuda.syncthreads()
-        if tid < U(slices * U(CM)):                # one thread per (slice, column, row): sum the K-warps
-            s_out = U(tid // U(CM))
-            v = U(tid - s_out * U(CM))
-            col = U(v // U(M))
-            row = U(v - col * U(M))
-            n = U(n_first + s_out * U(CB) + col)
-            p = U(U(PART) + flip + s_out * kw * U(V) + v)
-            p_end = U(p + kw * U(V))
+        if tid < u32(slices * u32(CM)):                # one thread per (slice, column, row): sum the K-warps
+            s_out = u32(tid // u32(CM))
+            v = u32(tid - s_out * u32(CM))
+            col = u32(v // u32(M))
+            row = u32(v - col * u32(M))
+            n = u32(n_first + s_out * u32(NCOL) + col)
+            p = u32(u32(PART) + flip + s_out * kw * u32(V) + v)
+            p_end = u32(p + kw * u32(V))
             total = np.float32(0.0)
             while p < p_end:
                 total += smem[p]
-                p = U(p + U(V))
-            if n < U(N):
-                out[U(row * U(N) + n)] = np.float16(total) if f16_out else total
+                p = u32(p + u32(V))
+            if n < u32(N):
+                out[u32(row * u32(N) + n)] = np.float16(total) if f16_out else total
 
     def pair_gemv(A, packed, absmax, cb, out, N, n_kb):
         smem = cuda.shared.array(0, np.float32)    # [group table][E4M4 table][codebook][partials]
         # Every index below is uint32 (see load_columns): Numba would make them int64.
-        tid = U(cuda.threadIdx.x)
-        lane = tid % U(WARP)
-        warp = tid // U(WARP)
-        nkb = U(n_kb)
-        kw = U((nkb + U(WARP - 1)) // U(WARP))     # K-warps per slice
-        slices = U(U(cuda.blockDim.x) // U(U(WARP) * kw))
-        sl = U(warp // kw)
-        w = U(warp - sl * kw)
-        kb = U(w * U(WARP) + lane)
+        tid = u32(cuda.threadIdx.x)
+        lane = tid % u32(WARP)
+        warp = tid // u32(WARP)
+        nkb = u32(n_kb)
+        kw = u32((nkb + u32(WARP - 1)) // u32(WARP))     # K-warps per slice
+        slices = u32(u32(cuda.blockDim.x) // u32(u32(WARP) * kw))
+        sl = u32(warp // kw)
+        w = u32(warp - sl * kw)
+        kb = u32(w * u32(WARP) + lane)
         active = kb < nkb
-        group_cols = U(slices * U(CB))
-        col0 = U(sl * U(CB))                       # the slice's first column in a group
-        n_groups = U((U(N) + group_cols - U(1)) // group_cols)
-        g = U(cuda.blockIdx.x)
-        last4 = U(U(U(N) * nkb - U(1)) * U(4))     # 4 x the index of the weight's last block
+        group_cols = u32(slices * u32(NCOL))
+        col0 = u32(sl * u32(NCOL))                       # the slice's first column in a group
+        n_groups = u32((u32(N) + group_cols - u32(1)) // group_cols)
+        g = u32(cuda.blockIdx.x)
+        last4 = u32(u32(u32(N) * nkb - u32(1)) * u32(4))     # 4 x the index of the weight's last block
 
         # ---- 1. the first columns' weight loads go out before anything else ----------------------
-        # three buffers of CB columns' codes and absmax: the loads run two iterations ahead
-        codes_a = cuda.local.array((CB, k), np.uint32)
-        codes_b = cuda.local.array((CB, k), np.uint32)
-        codes_c = cuda.local.array((CB, k), np.uint32)
-        absmax_a = cuda.local.array(CB, absmax_t)
-        absmax_b = cuda.local.array(CB, absmax_t)
-        absmax_c = cuda.local.array(CB, absmax_t)
-        grid = U(cuda.gridDim.x)
-        load_columns(packed, absmax, U(g * group_cols + col0), kb, last4, nkb, codes_a, absmax_a)
-        load_columns(packed, absmax, U((g + grid) * group_cols + col0), kb, last4, nkb, codes_b, absmax_b)
+        # three buffers of NCOL columns' codes and absmax: the loads run two iterations ahead
+        codes_a = cuda.local.array((NCOL, k), np.uint32)
+        codes_b = cuda.local.array((NCOL, k), np.uint32)
+        codes_c = cuda.local.array((NCOL, k), np.uint32)
+        absmax_a = cuda.local.array(NCOL, absmax_t)
+        absmax_b = cuda.local.array(NCOL, absmax_t)
+        absmax_c = cuda.local.array(NCOL, absmax_t)
+        grid = u32(cuda.gridDim.x)
+        load_columns(packed, absmax, u32(g * group_cols + col0), kb, last4, nkb, codes_a, absmax_a)
+        load_columns(packed, absmax, u32((g + grid) * group_cols + col0), kb, last4, nkb, codes_b, absmax_b)
 
         # ---- 2. the group table: entry (code, copy) = G codebook values, element e from bits k*e ----
         #         (read from a shared copy of the codebook: 16384 global reads would serialise the fill).
@@ -229,25 +256,25 @@ def make_pair_gemv_kernel(k, M, CB, absmax_format, a_src, out_dtype, f16_acc=Fal
             smem[CODEBOOK + tid] = cb[tid]
         cuda.syncthreads()
         table = shared_addr(smem)
-        chunk = np.uint32(tid)
-        while chunk < np.uint32(CODES * USED_CHUNKS):
-            code = chunk // np.uint32(USED_CHUNKS)
+        chunk = u32(tid)
+        while chunk < u32(CODES * USED_CHUNKS):
+            code = chunk // u32(USED_CHUNKS)
             vals = cuda.local.array(4, np.uint32)
             for wd in range(4):                     # word wd of the chunk: word wd % WORDS_PER_ENTRY of an entry
                 e = (wd % WORDS_PER_ENTRY) * (2 if f16_acc else 1)      # its (first) element
-                v0 = smem[np.uint32(CODEBOOK) + ((code >> np.uint32(k * e)) & np.uint32(CODE_MASK))]
+                v0 = smem[u32(CODEBOOK) + ((code >> u32(k * e)) & u32(CODE_MASK))]
                 if f16_acc:
-                    v1 = smem[np.uint32(CODEBOOK) + ((code >> np.uint32(k * (e + 1))) & np.uint32(CODE_MASK))]
+                    v1 = smem[u32(CODEBOOK) + ((code >> u32(k * (e + 1))) & u32(CODE_MASK))]
                     vals[wd] = f16x2_as_u32(np.float16(v0), np.float16(v1))
                 else:
                     vals[wd] = f32_as_u32(v0)
-            dst = code * np.uint32(ROW_BYTES) + (chunk - code * np.uint32(USED_CHUNKS)) * np.uint32(CHUNK_BYTES)
+            dst = code * u32(ROW_BYTES) + (chunk - code * u32(USED_CHUNKS)) * u32(CHUNK_BYTES)
             sts128(smem, table + dst, vals[0], vals[1], vals[2], vals[3])
-            chunk = np.uint32(chunk + np.uint32(cuda.blockDim.x))   # (stays 32-bit)
+            chunk = u32(chunk + u32(cuda.blockDim.x))   # (stays 32-bit)
         i = tid
-        while e4m4 and i < U(ABSMAX_CODES):          # every E4M4 byte's value: one shared load per block
-            smem[U(U(TABLE_FLOATS) + i)] = e4m4_decode(np.uint8(i))
-            i = U(i + U(cuda.blockDim.x))
+        while e4m4 and i < u32(ABSMAX_CODES):          # every E4M4 byte's value: one shared load per block
+            smem[u32(u32(TABLE_FLOATS) + i)] = e4m4_decode(np.uint8(i))
+            i = u32(i + u32(cuda.blockDim.x))
 
         # ---- 3. this lane's 32 x M activations, element order, 16-byte loads ---------------------
         a = cuda.local.array((M, BLOCK), np.float32)       # (f16_acc: unused)
@@ -259,51 +286,51 @@ def make_pair_gemv_kernel(k, M, CB, absmax_format, a_src, out_dtype, f16_acc=Fal
                 w4 = ldg128(A, a_base + 4 * q)
                 for h in range(4):
                     if f16_acc:
-                        ah[m, 4 * q + h] = w4[h] if active else np.uint32(0)
+                        ah[m, 4 * q + h] = w4[h] if active else u32(0)
                     else:
                         for e in range(A_PER_WORD):
                             a[m, (4 * q + h) * A_PER_WORD + e] = word_to_f32(w4[h], e) * a_live
-        lane_off = np.uint32((lane % COPIES) * ENTRY)
+        lane_off = u32((lane % COPIES) * ENTRY)
         cuda.syncthreads()
 
-        part = U(U(PART) + (sl * kw + w) * U(V))     # this warp's partial sums (double-buffered: + flip)
-        flip = U(0)
-        FLIP = U(slices * kw * U(V))
+        part = u32(u32(PART) + (sl * kw + w) * u32(V))     # this warp's partial sums (double-buffered: + flip)
+        flip = u32(0)
+        FLIP = u32(slices * kw * u32(V))
         acc = cuda.local.array(V, np.float32)
         # ---- 4. the persistent loop, unrolled three times: a buffer is decoded while the loads of the
         #         group two iterations ahead go into the buffer decoded last. ptxas issues those loads
         #         late, after the decode (a load one iteration ahead would meet its use right after
         #         the barrier), so two iterations ahead is what keeps a whole decode between a load
         #         and its use.
-        ahead = U(U(2) * grid * group_cols)
+        ahead = u32(u32(2) * grid * group_cols)
         while g < n_groups:
-            load_columns(packed, absmax, U(g * group_cols + ahead + col0), kb, last4, nkb, codes_c, absmax_c)
+            load_columns(packed, absmax, u32(g * group_cols + ahead + col0), kb, last4, nkb, codes_c, absmax_c)
             decode_columns(smem, table, lane_off, codes_a, absmax_a, a, ah, acc)
-            reduce_columns(smem, acc, lane, tid, part, flip, slices, kw, U(g * group_cols), out, N)
-            flip = U(FLIP - flip)
-            g = U(g + grid)
+            reduce_columns(smem, acc, lane, tid, part, flip, slices, kw, u32(g * group_cols), out, N)
+            flip = u32(FLIP - flip)
+            g = u32(g + grid)
             if g >= n_groups:
                 break
-            load_columns(packed, absmax, U(g * group_cols + ahead + col0), kb, last4, nkb, codes_a, absmax_a)
+            load_columns(packed, absmax, u32(g * group_cols + ahead + col0), kb, last4, nkb, codes_a, absmax_a)
             decode_columns(smem, table, lane_off, codes_b, absmax_b, a, ah, acc)
-            reduce_columns(smem, acc, lane, tid, part, flip, slices, kw, U(g * group_cols), out, N)
-            flip = U(FLIP - flip)
-            g = U(g + grid)
+            reduce_columns(smem, acc, lane, tid, part, flip, slices, kw, u32(g * group_cols), out, N)
+            flip = u32(FLIP - flip)
+            g = u32(g + grid)
             if g >= n_groups:
                 break
-            load_columns(packed, absmax, U(g * group_cols + ahead + col0), kb, last4, nkb, codes_b, absmax_b)
+            load_columns(packed, absmax, u32(g * group_cols + ahead + col0), kb, last4, nkb, codes_b, absmax_b)
             decode_columns(smem, table, lane_off, codes_c, absmax_c, a, ah, acc)
-            reduce_columns(smem, acc, lane, tid, part, flip, slices, kw, U(g * group_cols), out, N)
-            flip = U(FLIP - flip)
-            g = U(g + grid)
+            reduce_columns(smem, acc, lane, tid, part, flip, slices, kw, u32(g * group_cols), out, N)
+            flip = u32(FLIP - flip)
+            g = u32(g + grid)
 
     return jit_kernel(pair_gemv)
 
 
-def part_bytes(M, CB, slices, kw):
+def part_bytes(M, cols, slices, kw):
     """Dynamic shared bytes after the group table: the E4M4 table, the codebook and the double-buffered
     partials [2, slices, kw, V] float32."""
-    V = 1 << (CB * M - 1).bit_length()
+    V = 1 << (cols * M - 1).bit_length()
     return 4 * (PART - TABLE_FLOATS) + 2 * slices * kw * V * 4
 
 
@@ -321,12 +348,12 @@ def make_to_codes_kernel(k):
         if blk >= n_blocks:
             return
         for wd in range(k):
-            word = np.uint32(0)
+            word = u32(0)
             for f in range(PER_WORD):
                 j = wd * PER_WORD + f               # element j of the block
                 for b in range(k):
-                    bit = (planes[blk * k + b] >> np.uint32(j)) & np.uint32(1)
-                    word |= bit << np.uint32(k * f + b)
+                    bit = (planes[blk * k + b] >> u32(j)) & u32(1)
+                    word |= bit << u32(k * f + b)
             codes[blk * k + wd] = word
 
     return to_codes_kernel
@@ -337,7 +364,7 @@ def to_codes(qw, stream=None):
     from bit planes into k-bit fields (what :func:`gemv` reads). ``reference.to_codes`` is its twin,
     ``reference.from_codes`` the exact inverse."""
     if isinstance(qw, KbitCodes):
-        return _device_weight(qw, _arrays.as_stream(stream))
+        return device_weight(qw, KbitCodes, _arrays.as_stream(stream))
     if not isinstance(qw, KbitWeight):
         raise TypeError(f"to_codes needs a KbitWeight, got {type(qw).__name__}")
     if qw.k not in CODES_K:
@@ -345,11 +372,12 @@ def to_codes(qw, stream=None):
     if qw.layout != "flat":
         raise ValueError(f"to_codes reads the flat layout, got layout={qw.layout!r}")
     stream = _arrays.as_stream(stream)
-    qw = _device_weight(qw, stream)
+    qw = device_weight(qw, KbitWeight, stream)
     n_blocks = qw.n_blocks
     codes = cuda.device_array(n_blocks * qw.k, np.uint32, stream=stream)
     tpb = 256
-    make_to_codes_kernel(qw.k)[(n_blocks + tpb - 1) // tpb, tpb, stream](qw.packed, codes, np.int32(n_blocks))
+    launch_step(Step(make_to_codes_kernel(qw.k), (n_blocks + tpb - 1) // tpb, tpb, (qw.packed, codes, i32(n_blocks))),
+                stream)
     return KbitCodes(codes, qw.absmax, qw.codebook, qw.k, qw.shape, qw.absmax_format)
 
 
@@ -366,47 +394,43 @@ def _kernel_limits(kern, args):
     return attrs.regs, attrs.maxthreads
 
 
-def default_cb(M, N, K):
-    """Columns per warp per iteration, from the H100 sweep (``benchmarks/runs/2026-11-23_h100_pair_gemv_sweep.txt``):
-    2 at M = 1 on weights under 2**24 elements (9-12% faster there), else 4 (up to 16% faster at M = 4
-    and on 4096 x 14336)."""
-    return 2 if M == 1 and N * K < SMALL_WEIGHT else DEFAULT_CB
+def default_cols(M, N, K):
+    """Columns per warp per iteration from the ``DEFAULTS`` table: ``small_cols`` at M = 1 on weights under
+    ``small_weight`` elements, else ``cols``."""
+    return DEFAULTS["small_cols"] if M == 1 and N * K < DEFAULTS["small_weight"] else DEFAULTS["cols"]
 
 
-def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, CB=None, cta_warps=None, f16_acc=False):
-    """Checked inputs and the launch: (PreparedLaunch, device A, out). ``kc``: KbitCodes (a KbitWeight
-    is re-packed with :func:`to_codes`, a copy per call: keep the KbitCodes for repeated use).
-    CB (default :func:`default_cb`) and cta_warps (warps per CTA aimed at) are tuning knobs
-    (``benchmarks/sweep_pair_gemv.py``); f16_acc: see :func:`make_pair_gemv_kernel` (float16 A only)."""
+def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc=False, cols=None, cta_warps=None):
+    """Checked inputs bound into a :class:`launch.Plan` (one launch). ``kc``: KbitCodes (a KbitWeight is
+    re-packed with :func:`to_codes`, a copy per call: keep the KbitCodes for repeated use). f16_acc: see
+    :func:`make_pair_gemv_kernel` (float16 A only). ``cols`` (default :func:`default_cols`) and
+    ``cta_warps`` (warps per CTA aimed at) override the ``DEFAULTS`` table (``benchmarks/sweep_pair_gemv.py``)."""
     stream = _arrays.as_stream(stream)
     kc = to_codes(kc, stream)                              # checked device arrays (re-packed if a KbitWeight)
     N, K = kc.shape
     Ad, a_src, M, out = _arrays.gemv_io(A, kc.shape, out, out_dtype, bf16, stream, "pair gemv", MAX_M)
-    CB = default_cb(M, N, K) if CB is None else CB
-    if CB not in (1, 2, 4, 8):
-        raise ValueError(f"CB must be 1, 2, 4 or 8, got {CB}")
+    spec = PairGemvSpec(kc.k, M, default_cols(M, N, K) if cols is None else cols, kc.absmax_format, a_src,
+                        out.dtype, f16_acc)
     n_kb = K // BLOCK
-    kw = -(-n_kb // WARP)
+    kw = k_warps(K)
     if kw > MAX_KW:
         raise ValueError(f"pair gemv handles K <= {MAX_KW * WARP * BLOCK}, got K={K}")
     _arrays.check_aligned(Ad, 16, "A")
-    kern = make_pair_gemv_kernel(kc.k, M, CB, kc.absmax_format, a_src, out.dtype.name, bool(f16_acc))
+    kern = make_pair_gemv_kernel(spec)
     args = (_arrays.flat_view(Ad, np.uint32), kc.packed, kc.absmax, kc.codebook, _arrays.flat_view(out),
-            np.int32(N), np.int32(n_kb))
+            i32(N), i32(n_kb))
     regs, max_threads = _kernel_limits(kern, args)
     if kw * WARP > max_threads:
-        raise ValueError(f"pair gemv with M={M}, CB={CB} fits {max_threads} threads per CTA: K <= "
-                         f"{max_threads * BLOCK}, got K={K} (use a smaller CB)")
-    n_sm = sm_count()
-    slices = max(1, min((cta_warps or CTA_WARPS) // kw, max_threads // (kw * WARP)))
-    slices = min(slices, -(-N // CB))                      # no slice without a column
-    n_groups = -(-N // (slices * CB))
-    shared = TABLE_BYTES + part_bytes(M, CB, slices, kw)
+        raise ValueError(f"pair gemv with M={M}, cols={spec.cols} fits {max_threads} threads per CTA: K <= "
+                         f"{max_threads * BLOCK}, got K={K} (use fewer cols)")
+    slices = max(1, min((cta_warps or DEFAULTS["cta_warps"]) // kw, max_threads // (kw * WARP)))
+    slices = min(slices, -(-N // spec.cols))               # no slice without a column
+    n_groups = -(-N // (slices * spec.cols))
+    shared = TABLE_BYTES + part_bytes(M, spec.cols, slices, kw)
     regs_alloc = max(8, -(-regs // 8) * 8)                 # registers are allocated in units of 8
-    per_sm = max(1, min(REGISTERS_PER_SM // (slices * kw * WARP * regs_alloc),
-                        (228 * 1024) // (shared + 1024)))
-    grid = min(n_groups, n_sm * per_sm)
-    return PreparedLaunch(kern, grid, slices * kw * WARP, args, stream, shared), Ad, out
+    per_sm = max(1, min(REGISTERS_PER_SM // (slices * kw * WARP * regs_alloc), SHARED_PER_SM // (shared + 1024)))
+    grid = min(n_groups, sm_count() * per_sm)
+    return Plan([Step(kern, grid, slices * kw * WARP, args, shared)], Ad, out, stream)
 
 
 def gemv(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc=False):
@@ -415,48 +439,34 @@ def gemv(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc
     A: float16/float32 [M, K] or [K] (bfloat16 as int16 bits with ``bf16=True``); returns a device array
     [M, N] (or [N]) of ``out_dtype`` (float16 or float32), or writes into ``out``. ``f16_acc=True``
     (float16 A): each 32-weight block is summed in float16 by f16x2 FMAs, blocks in float32."""
-    launch, _, out = plan(A, kc, out, stream, out_dtype, bf16, f16_acc=f16_acc)
-    launch()
-    return out
-
-
-class PreparedPairGemv:
-    """A pair gemv bound to its buffers and stream: each ``run()`` is one driver launch. Write the next
-    activations into ``prepared.A`` before ``run()``; results land in ``prepared.out``."""
-
-    def __init__(self, A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc=False):
-        if isinstance(A, np.ndarray):
-            raise TypeError("prepare binds buffers by address: pass A as a device array")
-        self._launch, self.A, self.out = plan(A, kc, out, stream, out_dtype, bf16, f16_acc=f16_acc)
-
-    def run(self, stream=None):
-        self._launch(None if stream is None else _arrays.as_stream(stream))
-        return self.out
+    return plan(A, kc, out, stream, out_dtype, bf16, f16_acc).launch()
 
 
 def prepare(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc=False):
-    """The fast path for repeated calls: see :class:`PreparedPairGemv`."""
-    return PreparedPairGemv(A, kc, out, stream, out_dtype, bf16, f16_acc)
+    """The fast path for repeated calls: a :class:`launch.Prepared` whose ``run()`` is one driver launch.
+    Write the next activations into ``.A`` before ``run()``; results land in ``.out``."""
+    return plan(A, kc, out, stream, out_dtype, bf16, f16_acc).prepare()
+
+
+def ptx_specs():
+    """Every (k, M) at the default cols (and f16_acc at M = 1, 4), M = 1 at ``small_cols``, and each other
+    value of cols, absmax format, A type and output type with every k."""
+    variants = [dict(M=M) for M in (1, 2, 3, 4)] + [dict(M=M, f16_acc=True) for M in (1, 4)]
+    variants += [dict(M=1, cols=DEFAULTS["small_cols"])]             # what M = 1 runs on small weights
+    variants += [dict(M=2, cols=c) for c in COL_CHOICES if c != DEFAULTS["cols"]]
+    variants += [dict(absmax_format="fp32", M=3), dict(a_type="float32", M=2), dict(a_type="bfloat16", M=1),
+                 dict(out_dtype="float32", M=1)]
+    return [PairGemvSpec(k=k, **v) for k in CODES_K for v in variants]
+
+
+def argtypes(spec):
+    from numba import types as t
+    return (t.uint32[::1], t.uint32[::1], t.uint8[::1] if spec.absmax_format == "e4m4" else t.float32[::1],
+            t.float32[::1], NUMBA_TYPES[spec.out_dtype], t.int32, t.int32)
 
 
 def kernel_specializations():
-    """(name, kernel, argument types) for the PTX checks: every (k, M) at the default CB, and each other
-    value of CB, absmax format, A type and output type with every k."""
+    """(name, kernel, argument types) for the PTX checks: :func:`ptx_specs` and the layout conversion."""
     from numba import types as t
-    nb = {"float16": t.float16[::1], "float32": t.float32[::1]}
-    base = dict(M=1, CB=DEFAULT_CB, fmt="e4m4", a_src="float16", od="float16", f16=False)
-    variants = [dict(M=M) for M in (1, 2, 3, 4)] + [dict(M=M, f16=True) for M in (1, 4)]
-    variants += [dict(M=2, CB=cb) for cb in (1, 2, 8)]
-    variants += [dict(fmt="fp32", M=3), dict(a_src="float32", M=2), dict(a_src="bfloat16"), dict(od="float32")]
-    specs = []
-    for k in CODES_K:
-        for v in variants:
-            c = dict(base, **v)
-            am = t.uint8[::1] if c["fmt"] == "e4m4" else t.float32[::1]
-            name = (f"pair_gemv k={k} M={c['M']} CB={c['CB']} {c['fmt']} A={c['a_src']} out={c['od']}"
-                    + (" f16_acc" if c["f16"] else ""))
-            kern = make_pair_gemv_kernel(k, c["M"], c["CB"], c["fmt"], c["a_src"], c["od"], c["f16"])
-            specs.append((name, kern, (t.uint32[::1], t.uint32[::1], am, t.float32[::1], nb[c["od"]],
-                                       t.int32, t.int32)))
-        specs.append((f"to_codes k={k}", make_to_codes_kernel(k), (t.uint32[::1], t.uint32[::1], t.int32)))
-    return specs
+    return ([(spec.name, make_pair_gemv_kernel(spec), argtypes(spec)) for spec in ptx_specs()]
+            + [(f"to_codes k={k}", make_to_codes_kernel(k), (t.uint32[::1], t.uint32[::1], t.int32)) for k in CODES_K])

@@ -25,6 +25,14 @@ def float32_to_bf16_bits(x):
     return u.astype(np.uint16).view(np.int16)
 
 
+def finite_weights(W, bf16=False):
+    """W as float32, refused with a ValueError if it holds NaN or Inf (no quantizer encodes them)."""
+    W = as_float32(W, bf16)
+    if not np.all(np.isfinite(W)):
+        raise ValueError("W contains NaN or Inf")
+    return W
+
+
 def as_float32(W, bf16=False):
     W = np.asarray(W)
     return bf16_bits_to_float32(W) if bf16 else W.astype(np.float32)
@@ -57,7 +65,7 @@ def quantize(W, k=4, codebook=None, absmax_format="e4m4", bf16=False):
     """W[N, K] float -> KbitWeight (flat layout, NumPy arrays)."""
     k = check_k(k)
     cb = check_codebook(codebook, k)
-    W = as_float32(W, bf16)
+    W = finite_weights(W, bf16)
     if W.ndim != 2 or W.shape[1] % BLOCK:
         raise ValueError(f"W must be 2-D with K a multiple of {BLOCK}, got shape {W.shape}")
     N, K = W.shape
@@ -162,6 +170,38 @@ def gemv(A, qw, bf16=False, accumulate=np.float64):
     return (A.astype(accumulate) @ W.astype(accumulate).T).astype(np.float32)
 
 
+def mma_round(x, bf16=False):
+    """float32 values rounded (to nearest even) to the MMA input type, fp16 or bf16, and back to float32."""
+    x = np.asarray(x, np.float32)
+    if bf16:
+        return bf16_bits_to_float32(float32_to_bf16_bits(x))
+    return x.astype(np.float16).astype(np.float32)
+
+
+def gemm_weights(qw, bf16=False):
+    """W[N, K] as the tensor-core GEMM multiplies it: the codebook value and the absmax each rounded to the
+    MMA type, their product (exact in float32) rounded once more, as one ``mul.rn.f16x2`` (``bf16x2``) does."""
+    qw = to_flat(qw.to_numpy())
+    N, K = qw.shape
+    idx = unpack_bitplanes(np.asarray(qw.packed).reshape(-1, qw.k), qw.k)
+    cb = mma_round(np.asarray(qw.codebook), bf16)
+    absmax = mma_round(decoded_absmax(qw), bf16)
+    return mma_round(cb[idx] * absmax[:, None], bf16).reshape(N, K)
+
+
+def gemm(A, qw, bf16=False):
+    """The tensor-core GEMM's arithmetic, in NumPy: C = A' @ W'^T with W' = :func:`gemm_weights` and A' the
+    activations in the MMA type (float32 A rounded to fp16, as the GEMM's conversion step does); products
+    summed in float64, returned float32. The kernel differs from it only by its float32 accumulation."""
+    A = as_float32(A, bf16)
+    if A.ndim == 1:
+        A = A[None, :]
+    if A.shape[1] != qw.shape[1]:
+        raise ValueError(f"A has K={A.shape[1]}, the weight has K={qw.shape[1]}")
+    A = A if bf16 else mma_round(A)
+    return (A.astype(np.float64) @ gemm_weights(qw, bf16).astype(np.float64).T).astype(np.float32)
+
+
 def block_error_bound(qw_flat, W):
     """Per-block bound on |W - dequantize|: half the largest codebook gap times the true absmax,
     plus the E4M4 rounding |absmax_true - absmax_decoded| (the codebook's max |v| is 1)."""
@@ -239,7 +279,7 @@ def uniform_quantize(W, bits=4, group_size=128):
     """Min-max round-to-nearest per group: scale = (max - min) / (2**bits - 1) (1 where max == min),
     zero = -min / scale, both stored as float16; q = clip(rint(w / scale + zero), 0, 2**bits - 1)
     computed with the stored float16 values in float32. Returns a host UniformWeight."""
-    W = np.asarray(W, np.float32)
+    W = finite_weights(W)
     if W.ndim != 2:
         raise ValueError(f"W must be 2-D [N, K], got shape {W.shape}")
     uniform_elements_per_word(bits)
@@ -323,7 +363,7 @@ def sbvr_encode(W, lines=1024, iters=4, kmeans_iters=6, seed=0, chunk=4096):
     ``iters`` times. The per-group vectors are then clustered (k-means weighted by 1/|c|^2, i.e. in
     relative error) into a cache of ``lines`` float16 rows; each group takes its nearest line and its
     bits are assigned once more against it. Indices are uint8 for <= 256 lines, else uint16."""
-    W = np.asarray(W, np.float32)
+    W = finite_weights(W)
     N, K = W.shape
     if K % SBVR_GROUP:
         raise ValueError(f"SBVR needs K % {SBVR_GROUP} == 0, got K={K}")
@@ -431,7 +471,7 @@ def bitnet_unpack(packed, shape):
 def bitnet_quantize(W, parts=1):
     """Absmean ternary quantisation per part of the columns: s = 1 / max(mean|W_part|, 1e-5),
     w_q = clip(rint(W * s), -1, 1), w_scale = 1 / s. Returns a host BitnetWeight."""
-    W = np.asarray(W, np.float32)
+    W = finite_weights(W)
     N, K = W.shape
     if N % BITNET_BLOCK_N or K % BITNET_BLOCK_K:
         raise ValueError(f"BitNet needs N % {BITNET_BLOCK_N} == 0 and K % {BITNET_BLOCK_K} == 0, got {W.shape}")

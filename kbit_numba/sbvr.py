@@ -31,11 +31,11 @@ import numpy as np
 from numba import cuda
 
 from . import _arrays
-from .device import FULL_MASK, WARP, make_cta_sum, make_loader, sm_count, warp_max
+from .core import MAX_M, RowsSpec, device_weight, sm_count
+from .device import FULL_MASK, WARP, i32, make_cta_sum, make_loader, u32, warp_max
 from .formats import BLOCK, INT8_MAX, SBVR_ACT_PLANES, SBVR_GROUP, SBVR_PLANES, SbvrWeight
 from .intrinsics import f16_bits_to_f32, ldg128
-from .launch import prepare_plan, run_plan, run_steps
-from .scalar_gemv import MAX_M
+from .launch import NUMBA_TYPES, OUT_TYPES, Plan, Step, launch_step
 
 MAX_KW = 16                       # warps per CTA: 512 threads fit the register file at M = 4
 CTA_WARPS_TARGET = 32
@@ -45,13 +45,20 @@ QUANT_WARPS = 4
 Q_MAX = np.float32(INT8_MAX)
 
 
+class SbvrGemvSpec(RowsSpec):
+    """The SBVR gemv's compile-time choices (M, out_dtype): the key of :func:`make_sbvr_gemv` (the
+    coefficient-index dtype, uint8 or uint16, is an argument type: Numba compiles one version per type)."""
+    FAMILY = "sbvr"
+
+
 @lru_cache(maxsize=None)
-def make_sbvr_gemv(M, out_dtype):
-    """Kernel(planes, d, bvr, cidx, cache, out, N, K), grid ceil(N/32), KW warps per CTA.
+def make_sbvr_gemv(spec):
+    """Kernel(planes, d, bvr, cidx, cache, out, N, K) for a :class:`SbvrGemvSpec`, grid ceil(N/32), KW warps
+    per CTA.
 
     planes: uint32 [M * K/32 * 8]; d: float32 [M * K/128]; bvr: uint32 flat [K/32 * N * 4]; cidx: uint8
     or uint16 [K/128 * N]; cache: uint32 view of the float16 [lines, 4] (2 words a line); out [M*N]."""
-    assert 1 <= M <= MAX_M
+    M, out_dtype = spec.M, spec.out_dtype
     f16_out = np.dtype(out_dtype) == np.float16
     cta_sum = make_cta_sum(M)
 
@@ -71,12 +78,12 @@ def make_sbvr_gemv(M, out_dtype):
         for m in range(M):
             acc[m] = np.float32(0.0)
         for g in range(warp, n_groups, n_warps):
-            line = np.int32(cidx[g * N + n])
+            line = i32(cidx[g * N + n])
             c01 = cache[2 * line]
             c23 = cache[2 * line + 1]
             for m in range(M):
                 for s in range(SBVR_PLANES):
-                    isum[m, s] = np.int32(0)
+                    isum[m, s] = i32(0)
             for cc in range(CHUNKS):
                 c = g * CHUNKS + cc
                 wp = ldg128(bvr, (c * N + n) * SBVR_PLANES)          # this column's 4 planes
@@ -84,17 +91,17 @@ def make_sbvr_gemv(M, out_dtype):
                     a_lo = ldg128(planes, (m * n_chunks + c) * SBVR_ACT_PLANES)       # planes 0..3
                     a_hi = ldg128(planes, (m * n_chunks + c) * SBVR_ACT_PLANES + 4)   # planes 4..7
                     for s in range(SBVR_PLANES):
-                        t = np.int32(0)
+                        t = i32(0)
                         for p in range(4):                    # planes 0..3: weights 1, 2, 4, 8
-                            t += np.int32(cuda.popc(np.uint32(wp[s] & a_lo[p]))) << np.int32(p)
+                            t += i32(cuda.popc(u32(wp[s] & a_lo[p]))) << i32(p)
                         for p in range(3):                    # planes 4..6: 16, 32, 64
-                            t += np.int32(cuda.popc(np.uint32(wp[s] & a_hi[p]))) << np.int32(p + 4)
-                        t -= np.int32(cuda.popc(np.uint32(wp[s] & a_hi[3]))) << np.int32(SIGN_PLANE)
+                            t += i32(cuda.popc(u32(wp[s] & a_hi[p]))) << i32(p + 4)
+                        t -= i32(cuda.popc(u32(wp[s] & a_hi[3]))) << i32(SIGN_PLANE)
                         isum[m, s] += t
             k0 = f16_bits_to_f32(c01)
-            k1 = f16_bits_to_f32(c01 >> np.uint32(16))
+            k1 = f16_bits_to_f32(c01 >> u32(16))
             k2 = f16_bits_to_f32(c23)
-            k3 = f16_bits_to_f32(c23 >> np.uint32(16))
+            k3 = f16_bits_to_f32(c23 >> u32(16))
             for m in range(M):
                 dot = (k0 * np.float32(isum[m, 0]) + k1 * np.float32(isum[m, 1])
                        + k2 * np.float32(isum[m, 2]) + k3 * np.float32(isum[m, 3]))
@@ -132,11 +139,11 @@ def make_act_kernel(a_src):
         if live and lane == 0:
             d[item] = np.float32(1.0) / s if s > np.float32(0.0) else np.float32(0.0)
         for c in range(CHUNKS):
-            q = np.int32(round(x[c] * s))
-            q = min(max(q, np.int32(-127)), np.int32(127))
-            byte = np.uint32(q) & np.uint32(0xFF)          # two's complement
+            q = i32(round(x[c] * s))
+            q = min(max(q, i32(-127)), i32(127))
+            byte = u32(q) & u32(0xFF)          # two's complement
             for p in range(SBVR_ACT_PLANES):
-                word = cuda.ballot_sync(FULL_MASK, (byte >> np.uint32(p)) & np.uint32(1))
+                word = cuda.ballot_sync(FULL_MASK, (byte >> u32(p)) & u32(1))
                 if live and lane == p:
                     planes[((m * (K // BLOCK)) + g * CHUNKS + c) * SBVR_ACT_PLANES + p] = word
 
@@ -151,8 +158,8 @@ def _act_step(Ad, a_src, stream, planes=None, d=None):
     planes = _arrays.output(planes, "planes", (M, K // BLOCK, SBVR_ACT_PLANES), np.uint32, stream)
     d = _arrays.output(d, "d", (M, K // SBVR_GROUP), np.float32, stream)
     items = M * (K // SBVR_GROUP)
-    step = (make_act_kernel(a_src), -(-items // QUANT_WARPS), QUANT_WARPS * WARP,
-            (_arrays.flat_view(Ad), _arrays.flat_view(planes), _arrays.flat_view(d), np.int32(M), np.int32(K)))
+    step = Step(make_act_kernel(a_src), -(-items // QUANT_WARPS), QUANT_WARPS * WARP,
+                (_arrays.flat_view(Ad), _arrays.flat_view(planes), _arrays.flat_view(d), i32(M), i32(K)))
     return step, planes, d
 
 
@@ -161,7 +168,7 @@ def quantize_activations(A, stream=None, bf16=False, planes=None, d=None):
     stream = _arrays.as_stream(stream)
     Ad, a_src = _arrays.float_input(A, "A", bf16, (1, 2), stream)
     step, planes, d = _act_step(Ad, a_src, stream, planes, d)
-    run_steps([step], stream)
+    launch_step(step, stream)
     return planes, d
 
 
@@ -171,39 +178,44 @@ def encode(W, lines=1024, **kw):
     return sbvr_encode(_arrays.to_host(W).astype(np.float32), lines, **kw).to_device()
 
 
-def _plan(A, sw, out, stream, out_dtype, bf16):
-    """Checked inputs -> (steps, A, out): the plane quantizer and the GEMV launch."""
-    sw = _arrays.device_weight(sw, SbvrWeight, stream)
+def plan(A, sw, out=None, stream=None, out_dtype=np.float16, bf16=False):
+    """Checked inputs bound into a :class:`launch.Plan`: the plane quantizer and the GEMV launch."""
+    stream = _arrays.as_stream(stream)
+    sw = device_weight(sw, SbvrWeight, stream)
     N, K = sw.shape
     Ad, a_src, M, out = _arrays.gemv_io(A, sw.shape, out, out_dtype, bf16, stream, "sbvr.gemv", MAX_M)
     step, planes, d = _act_step(Ad, a_src, stream)
     n_ctas = -(-N // WARP)
     kw = max(1, min(MAX_KW, K // SBVR_GROUP, -(-sm_count() * CTA_WARPS_TARGET // n_ctas)))
-    gemv_step = (make_sbvr_gemv(M, out.dtype.name), n_ctas, kw * WARP,
-                 (_arrays.flat_view(planes), _arrays.flat_view(d), _arrays.flat_view(sw.bvr),
-                  _arrays.flat_view(sw.coeff_idx), _arrays.flat_view(sw.coeff_cache, np.uint32),
-                  _arrays.flat_view(out), np.int32(N), np.int32(K)))
-    return [step, gemv_step], Ad, out
+    gemv_step = Step(make_sbvr_gemv(SbvrGemvSpec(M, out.dtype)), n_ctas, kw * WARP,
+                     (_arrays.flat_view(planes), _arrays.flat_view(d), _arrays.flat_view(sw.bvr),
+                      _arrays.flat_view(sw.coeff_idx), _arrays.flat_view(sw.coeff_cache, np.uint32),
+                      _arrays.flat_view(out), i32(N), i32(K)))
+    return Plan([step, gemv_step], Ad, out, stream)
 
 
 def gemv(A, sw, out=None, stream=None, out_dtype=np.float16, bf16=False):
     """C[M, N] = A[M, K] @ W^T for M = 1..4 with W an SbvrWeight; A is first quantized to 7-bit planes
     (one extra launch). Returns [M, N] (or [N]) of out_dtype, or writes into ``out``."""
-    return run_plan(_plan, A, sw, out, stream, out_dtype, bf16)
+    return plan(A, sw, out, stream, out_dtype, bf16).launch()
 
 
 def prepare(A, sw, out=None, stream=None, out_dtype=np.float16, bf16=False):
-    """``gemv`` bound to its buffers (``launch.PreparedSteps``): write new activations into ``.A``."""
-    return prepare_plan(_plan, A, sw, out, stream, out_dtype, bf16)
+    """``gemv`` bound to its buffers (a :class:`launch.Prepared`): write new activations into ``.A``."""
+    return plan(A, sw, out, stream, out_dtype, bf16).prepare()
+
+
+def ptx_specs():
+    """(spec, coefficient-index type) pairs: every M with float16 out and uint16 indices, M = 2 with each."""
+    return [(SbvrGemvSpec(M, od), it) for M in (1, 2, 3, 4) for od in OUT_TYPES for it in ("uint8", "uint16")
+            if (od == "float16" and it == "uint16") or M == 2]
 
 
 def kernel_specializations():
     from numba import types as t
-    nb = {"float16": t.float16[::1], "float32": t.float32[::1]}
-    specs = [(f"sbvr M={M} out={od} idx={it}", make_sbvr_gemv(M, od),
-              (t.uint32[::1], t.float32[::1], t.uint32[::1], it_t[::1], t.uint32[::1], nb[od], t.int32, t.int32))
-             for M in (1, 2, 3, 4) for od in ("float16", "float32") for it, it_t in (("u8", t.uint8), ("u16", t.uint16))
-             if (od == "float16" and it == "u16") or M == 2]
-    specs += [(f"sbvr_act A={a}", make_act_kernel(a), (nb[a], t.uint32[::1], t.float32[::1], t.int32, t.int32))
+    specs = [(f"{spec.name} idx={it}", make_sbvr_gemv(spec),
+              (t.uint32[::1], t.float32[::1], t.uint32[::1], getattr(t, it)[::1], t.uint32[::1],
+               NUMBA_TYPES[spec.out_dtype], t.int32, t.int32)) for spec, it in ptx_specs()]
+    specs += [(f"sbvr_act A={a}", make_act_kernel(a), (NUMBA_TYPES[a], t.uint32[::1], t.float32[::1], t.int32, t.int32))
               for a in ("float16", "float32")]
     return specs

@@ -8,7 +8,7 @@ Design (numbers in benchmarks/README.md):
   the columns), so A costs no loads in the inner loop.
 * **Per column a lane reads its block's k bit-plane words** (one 16-byte ``ld.global.nc.v4`` for k = 4,
   8 bytes for k = 2, k words otherwise: the warp reads 32*k*4 contiguous bytes) and one absmax. The
-  loads of the next group of ``CB`` columns are issued before the current group is decoded (a register
+  loads of the next group of ``cols`` columns are issued before the current group is decoded (a register
   double buffer), and the very first ones before A is loaded, so DRAM latency overlaps work.
 * **Decode = a bit-matrix transpose into byte fields.** Word ``F_i`` (i = 0..7) gathers bit i+8t of
   every plane into byte t, already multiplied by 4: ``F_i = OR_b ((plane_b >> i) & 0x01010101) << (b+2)``
@@ -18,7 +18,7 @@ Design (numbers in benchmarks/README.md):
   order, so the permutation costs nothing.
 * **Each weight is looked up once and used for all M rows** (M FMAs, float32 accumulate); the block's
   sum is scaled by its absmax once.
-* **Reduction**: the CB*M partial sums of a lane are reduced across the warp by a reduce-scatter
+* **Reduction**: the cols*M partial sums of a lane are reduced across the warp by a reduce-scatter
   butterfly (31 shuffles for 32 values instead of 5 per value), then across the KW warps in shared
   memory (double-buffered: one barrier per iteration).
 * **Grouped (MoE)** is the same kernel with a flag: ``blockIdx.y`` picks an expert, its weights sit after
@@ -39,40 +39,69 @@ from numba import cuda
 from numba.cuda.misc.special import literal_unroll
 
 from . import _arrays
-from .codec import _device_weight, MAX_CODES
-from .device import (WARP, e4m4_decode, jit_kernel, make_warp_reduce_scatter, make_word_unpacker, sm_count,
-                     tiled_block)
-from .formats import BLOCK, KbitWeight, padded_k
-from .intrinsics import ldg64, ldg128, lds_f32, prmt, shared_addr, u32_as_f32
-from .launch import PreparedLaunch
+from .core import MAX_M, check_grouped, device_weight, k_warps, max_tokens_per_expert, sm_count, unused_i32
+from .device import WARP, e4m4_decode, i32, jit_kernel, make_warp_reduce_scatter, make_word_unpacker, tiled_block, u32
+from .formats import ABSMAX_FORMATS, BLOCK, K_BITS, LAYOUTS, MAX_CODES, KbitWeight, check_k, padded_k
+from .intrinsics import BYTE_ONES, ldg64, ldg128, lds_f32, prmt, shared_addr, u32_as_f32
+from .launch import NUMBA_TYPES, OUT_TYPES, Plan, Spec, Step, type_name
 
-MAX_M = 4
 MAX_KW = 32                      # warps per CTA along K: K <= 32 * 32 * 32 = 32768
 FIELD = 8                        # bits per index field in the transposed words
 N_FIELDS = BLOCK // FIELD        # 4 fields (elements i, i+8, i+16, i+24) per word
 N_WORDS = FIELD                  # 8 transposed words per block
-ONES = 0x01010101                # bit 0 of every byte
 CTA_WARPS_TARGET = 32            # resident warps per SM the grid aims for
-CB_ALIGN = 256                   # codebook's shared address has a zero low byte
+CODEBOOK_ALIGN = 256             # codebook's shared address has a zero low byte
 PRMT_KEEP_HIGH = 0x7650          # prmt selector: bytes 1..3 from the 2nd operand (the address)
-# Tuning from the H200 sweeps in benchmarks/README.md: 2 columns per iteration was best or within 5%
-# of best for M = 1..4 on 2048x5120 and 4096x14336; register caps only hurt (spills).
-DEFAULT_CB = 2
-MAX_REGISTERS = {1: None, 2: None, 3: None, 4: None}
+COL_CHOICES = (1, 2, 4, 8)       # columns per iteration a kernel can be built for
+# The defaults table (the launch knobs a plan uses unless the caller or the per-GPU table says otherwise),
+# from the H200 sweeps in benchmarks/README.md: 2 columns per iteration was best or within 5% of best
+# for M = 1..4 on 2048x5120 and 4096x14336; register caps only hurt (spills).
+DEFAULTS = {"cols": 2, "max_registers": None}
+
+
+@dataclass(frozen=True)
+class GemvSpec(Spec):
+    """The scalar gemv's compile-time choices: the key of :func:`make_gemv_kernel`."""
+    FAMILY = "gemv"
+    k: int
+    M: int
+    cols: int = DEFAULTS["cols"]            # columns per iteration (a lane's loads in flight)
+    layout: str = "flat"
+    absmax_format: str = "e4m4"
+    a_type: str = "float16"                 # float16, float32, bfloat16 (int16 bits)
+    out_dtype: str = "float16"
+    max_registers: object = None            # a per-thread register cap, or None
+    grouped: bool = False                   # the MoE variant
+
+    def normalise(self):
+        if not 1 <= self.M <= MAX_M:
+            raise ValueError(f"gemv handles M = 1..{MAX_M} rows, got M={self.M}")
+        if self.cols not in COL_CHOICES:
+            raise ValueError(f"cols must be one of {COL_CHOICES}, got {self.cols!r}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"gemv reads the layouts {LAYOUTS}, got {self.layout!r}")
+        if self.absmax_format not in ABSMAX_FORMATS:
+            raise ValueError(f"absmax_format must be one of {ABSMAX_FORMATS}, got {self.absmax_format!r}")
+        return dict(k=check_k(self.k), M=int(self.M), cols=int(self.cols), a_type=type_name(self.a_type, "a_type"),
+                    out_dtype=type_name(self.out_dtype, "out_dtype", OUT_TYPES),
+                    max_registers=int(self.max_registers) if self.max_registers else None,
+                    grouped=bool(self.grouped))
 
 
 @lru_cache(maxsize=None)
-def make_gemv_kernel(k, M, CB, layout, absmax_format, a_src, out_dtype, max_registers=None, grouped=False):
-    """Kernel(A[T*K], packed, absmax, codebook, out[T*N], N, K, n_kb, offsets), KW warps per CTA.
+def make_gemv_kernel(spec):
+    """Kernel(A[T*K], packed, absmax, codebook, out[T*N], N, K, n_kb, offsets), KW warps per CTA, for a
+    :class:`GemvSpec`.
 
-    k: bits; M: rows of A (1..4); CB: columns per iteration (1, 2, 4 or 8); max_registers: a register
+    k: bits; M: rows of A (1..4); cols (NCOL here): columns per iteration; max_registers: a register
     cap per thread (more resident warps against fewer registers; see benchmarks/README.md).
     grouped: the MoE variant. blockIdx.y is an expert e whose weights follow the previous experts' in
     packed/absmax; its tokens are rows offsets[e] .. offsets[e+1]-1 of A and out (at most M of them;
     CTAs of experts without tokens exit at once). Not grouped: offsets is unused, the M rows are 0..M-1."""
-    assert 1 <= M <= MAX_M and CB in (1, 2, 4, 8)
+    k, M, NCOL, grouped = spec.k, spec.M, spec.cols, spec.grouped       # (checked by GemvSpec)
+    layout, absmax_format, a_src, out_dtype = spec.layout, spec.absmax_format, spec.a_type, spec.out_dtype
     n_codes = 1 << k
-    CM = CB * M                                    # partial sums per lane per iteration ...
+    CM = NCOL * M                                  # partial sums per lane per iteration ...
     tiled = layout == "tiled"
     e4m4 = absmax_format == "e4m4"
     f16_out = np.dtype(out_dtype) == np.float16
@@ -80,15 +109,15 @@ def make_gemv_kernel(k, M, CB, layout, absmax_format, a_src, out_dtype, max_regi
     absmax_t = np.uint8 if e4m4 else np.float32
     V = 1 << (CM - 1).bit_length()                 # ... padded to a power of two (<= 32)
     reduce_scatter = make_warp_reduce_scatter(V)
-    COLS = tuple(range(CB))                        # literal_unroll(COLS/ROWS): loops fully unrolled,
+    COL_IDX = tuple(range(NCOL))                   # literal_unroll(COL_IDX/ROWS): loops fully unrolled,
     ROWS = tuple(range(M))                         # so per-column registers never spill to local memory
 
     @cuda.jit(device=True, inline="always")
     def load_group(packed, absmax, g, first_slot, kb, active, N, n_kb, nxt, nxt_absmax):
-        """Issue the loads of column group g: this lane's block of each of its CB columns (k plane
+        """Issue the loads of column group g: this lane's block of each of its NCOL columns (k plane
         words in one 16- or 8-byte load where k allows, and the absmax) into nxt / nxt_absmax."""
-        for c in literal_unroll(COLS):
-            n = g * CB + c
+        for c in literal_unroll(COL_IDX):
+            n = g * NCOL + c
             if active and n < N:
                 slot = first_slot + (tiled_block(n, kb, N) if tiled else n * n_kb + kb)
                 if k == 4:
@@ -113,7 +142,7 @@ def make_gemv_kernel(k, M, CB, layout, absmax_format, a_src, out_dtype, max_regi
             rows = M
             first_slot = 0
         # 256-byte aligned, so an index byte (idx*4 < 128) can be merged into the address's low byte
-        cb_sh = cuda.shared.array(MAX_CODES, np.float32, alignment=CB_ALIGN)
+        cb_sh = cuda.shared.array(MAX_CODES, np.float32, alignment=CODEBOOK_ALIGN)
         part = cuda.shared.array((2, MAX_KW, WARP), np.float32)   # double-buffered warp partials
         tid = cuda.threadIdx.x
         lane = tid % WARP
@@ -121,15 +150,15 @@ def make_gemv_kernel(k, M, CB, layout, absmax_format, a_src, out_dtype, max_regi
         n_warps = cuda.blockDim.x // WARP
         kb = warp * WARP + lane
         active = kb < K // BLOCK
-        n_groups = (N + CB - 1) // CB
+        n_groups = (N + NCOL - 1) // NCOL
         g = cuda.blockIdx.x
 
         # ---- 1. start the first column group's weight loads: DRAM latency overlaps the setup below ---
-        nxt = cuda.local.array((CB, k), np.uint32)
-        nxt_absmax = cuda.local.array(CB, absmax_t)
-        for c in literal_unroll(COLS):          # columns past N (and idle lanes) contribute zeros
+        nxt = cuda.local.array((NCOL, k), np.uint32)
+        nxt_absmax = cuda.local.array(NCOL, absmax_t)
+        for c in literal_unroll(COL_IDX):          # columns past N (and idle lanes) contribute zeros
             for b in range(k):
-                nxt[c, b] = np.uint32(0)
+                nxt[c, b] = u32(0)
             nxt_absmax[c] = absmax_t(0)
         load_group(packed, absmax, g, first_slot, kb, active, N, n_kb, nxt, nxt_absmax)
 
@@ -153,15 +182,15 @@ def make_gemv_kernel(k, M, CB, layout, absmax_format, a_src, out_dtype, max_regi
         cb_addr = shared_addr(cb_sh)
         cuda.syncthreads()
 
-        planes = cuda.local.array((CB, k), np.uint32)
-        scale = cuda.local.array(CB, np.float32)
+        planes = cuda.local.array((NCOL, k), np.uint32)
+        scale = cuda.local.array(NCOL, np.float32)
         acc = cuda.local.array(V, np.float32)
         s = cuda.local.array(M, np.float32)
         parity = 0
         while g < n_groups:
-            n0 = g * CB
+            n0 = g * NCOL
             # ---- 3. take the prefetched group, start loading the next one ----------------------
-            for c in literal_unroll(COLS):
+            for c in literal_unroll(COL_IDX):
                 for b in range(k):
                     planes[c, b] = nxt[c, b]
                 scale[c] = e4m4_decode(nxt_absmax[c]) if e4m4 else nxt_absmax[c]
@@ -170,18 +199,18 @@ def make_gemv_kernel(k, M, CB, layout, absmax_format, a_src, out_dtype, max_regi
             # ---- 4. decode each block once, use it for all M rows --------------------------------
             for j in range(CM, V):
                 acc[j] = np.float32(0.0)
-            for c in literal_unroll(COLS):
+            for c in literal_unroll(COL_IDX):
                 for m in range(M):
                     s[m] = np.float32(0.0)
                 for i in range(N_WORDS):
-                    f = np.uint32(0)
+                    f = u32(0)
                     for b in range(k):
                         sh = i - b - 2                      # move bit i+8t of plane b to bit b+2 of byte t
-                        moved = planes[c, b] >> np.uint32(sh) if sh >= 0 else planes[c, b] << np.uint32(-sh)
-                        f |= moved & np.uint32(ONES << (b + 2))
+                        moved = planes[c, b] >> u32(sh) if sh >= 0 else planes[c, b] << u32(-sh)
+                        f |= moved & u32(BYTE_ONES << (b + 2))
                     for t in range(N_FIELDS):
                         # one prmt: byte t of f (= 4*idx) becomes the low byte of the codebook address
-                        v = lds_f32(cb_sh, prmt(f, cb_addr, np.uint32(t | PRMT_KEEP_HIGH)))
+                        v = lds_f32(cb_sh, prmt(f, cb_addr, u32(t | PRMT_KEEP_HIGH)))
                         for m in range(M):
                             s[m] += v * a[m, i * N_FIELDS + t]
                 for m in range(M):
@@ -201,44 +230,41 @@ def make_gemv_kernel(k, M, CB, layout, absmax_format, a_src, out_dtype, max_regi
                     total += part[parity, w, tid]
                 if n < N and m < rows:
                     out[(row0 + m) * N + n] = np.float16(total) if f16_out else total
-            col = np.int32(n0) + np.int32(tid)
-            if grouped and rows > M and tid < CB and col < N:
-                nan = u32_as_f32(np.uint32(0x7FC00000))    # (a float16 NaN literal is invalid NVVM IR)
+            col = i32(n0) + i32(tid)
+            if grouped and rows > M and tid < NCOL and col < N:
+                nan = u32_as_f32(u32(0x7FC00000))    # (a float16 NaN literal is invalid NVVM IR)
                 for r in range(M, rows):              # more tokens than this kernel holds: NaN, never
-                    out[np.int32(row0 + r) * np.int32(N) + col] = np.float16(nan) if f16_out else nan
+                    out[i32(row0 + r) * i32(N) + col] = np.float16(nan) if f16_out else nan
             parity ^= 1
 
-    return jit_kernel(gemv_kernel, max_registers)
+    return jit_kernel(gemv_kernel, spec.max_registers)
 
 
-@lru_cache(maxsize=None)
-def _no_offsets():
-    """The offsets argument of a plain (not grouped) launch: unused, but the kernel ABI has it."""
-    return cuda.to_device(np.zeros(2, np.int32))
+def _launch(spec, N, K, E=1):
+    """(grid, block) of a launch: KW warps per CTA along K, a persistent grid over the column groups that
+    aims at CTA_WARPS_TARGET warps per SM (shared among E experts)."""
+    kw = k_warps(K)
+    n_groups = -(-N // spec.cols)
+    grid = max(1, min(n_groups, -(-sm_count() * max(1, CTA_WARPS_TARGET // kw) // max(1, E))))
+    return (grid, E) if spec.grouped else grid, kw * WARP
 
 
-
-
-def _plan(A, qw, out, stream, out_dtype, bf16, tuning=None):
-    """Validate the inputs and choose the specialisation: (kernel, grid, block, args, out)."""
-    Ad, a_src, M, shape = _arrays.activations(A, qw, bf16, stream)
+def plan(A, qw, out=None, stream=None, out_dtype=np.float16, bf16=False, cols=None, max_registers=None):
+    """Checked inputs of ``C = A @ W^T`` bound into a :class:`launch.Plan` (one launch).
+    ``cols``/``max_registers`` override the ``DEFAULTS`` table (the bench's sweeps, the per-GPU table)."""
+    stream = _arrays.as_stream(stream)
+    qw = device_weight(qw, KbitWeight, stream)
     N, K = qw.shape
-    if not 1 <= M <= MAX_M:
-        raise ValueError(f"gemv handles M = 1..{MAX_M} rows, got M={M}")
     if K > MAX_KW * WARP * BLOCK:
         raise ValueError(f"gemv handles K <= {MAX_KW * WARP * BLOCK}, got K={K}")
-    out_dtype = _arrays.output_dtype(out, out_dtype)
-    qw = _device_weight(qw, stream)
-    out = _arrays.output(out, "out", (M, N) if len(shape) == 2 else (N,), out_dtype, stream)
-    n_sm = sm_count()
-    CB, max_regs = tuning or (DEFAULT_CB, MAX_REGISTERS[M])
-    kw = -(-(K // BLOCK) // WARP)
-    kern = make_gemv_kernel(qw.k, M, CB, qw.layout, qw.absmax_format, a_src, out_dtype.name, max_regs)
-    grid = min(-(-N // CB), n_sm * max(1, CTA_WARPS_TARGET // kw))
+    Ad, a_src, M, out = _arrays.gemv_io(A, qw.shape, out, out_dtype, bf16, stream, "gemv", MAX_M)
     _arrays.check_aligned(Ad, 16, "A")
+    spec = GemvSpec(qw.k, M, DEFAULTS["cols"] if cols is None else cols, qw.layout, qw.absmax_format, a_src,
+                    out.dtype, DEFAULTS["max_registers"] if max_registers is None else max_registers)
+    grid, block = _launch(spec, N, K)
     args = (_arrays.flat_view(Ad, np.uint32), qw.packed, qw.absmax, qw.codebook, _arrays.flat_view(out),
-            np.int32(N), np.int32(K), np.int32(qw.n_kblocks), _no_offsets())
-    return kern, grid, kw * WARP, args, out
+            i32(N), i32(K), i32(qw.n_kblocks), unused_i32())
+    return Plan([Step(make_gemv_kernel(spec), grid, block, args)], Ad, out, stream)
 
 
 def gemv(A, qw, out=None, stream=None, out_dtype=np.float16, bf16=False):
@@ -246,106 +272,39 @@ def gemv(A, qw, out=None, stream=None, out_dtype=np.float16, bf16=False):
 
     A: float16/float32 [M, K] or [K] (bfloat16 as int16 bits with ``bf16=True``); returns a device array
     [M, N] (or [N]) of ``out_dtype`` (float16 or float32), or writes into ``out``."""
+    return plan(A, qw, out, stream, out_dtype, bf16).launch()
+
+
+def prepare(A, qw, out=None, stream=None, out_dtype=np.float16, bf16=False):
+    """The fast path for repeated gemv calls (decode loops, CUDA graphs): a :class:`launch.Prepared` whose
+    ``run()`` is one driver launch. Write the next activations into ``.A``; results land in ``.out``."""
+    return plan(A, qw, out, stream, out_dtype, bf16).prepare()
+
+
+def plan_grouped(A, experts, expert_offsets, out=None, stream=None, out_dtype=np.float16, bf16=False,
+                 max_tokens=None):
+    """Checked inputs of :func:`grouped_gemv` bound into a :class:`launch.Plan` (one launch, or none when
+    there are no tokens or experts)."""
     stream = _arrays.as_stream(stream)
-    kern, grid, block, args, out = _plan(A, qw, out, stream, out_dtype, bf16)
-    kern[grid, block, stream](*args)
-    return out
-
-
-class PreparedGemv:
-    """A gemv bound to its activation buffer, weight, output buffer and stream, for decode loops and
-    CUDA graphs: each ``run()`` is one driver launch (no argument typing or checking).
-
-    Write the next activations into ``prepared.A`` (same shape, dtype and address) before ``run()``;
-    results land in ``prepared.out``."""
-
-    def __init__(self, A, qw, out=None, stream=None, out_dtype=np.float16, bf16=False):
-        stream = _arrays.as_stream(stream)
-        if isinstance(A, np.ndarray):
-            raise TypeError("prepare_gemv binds buffers by address: pass A as a device array")
-        kern, grid, block, args, self.out = _plan(A, qw, out, stream, out_dtype, bf16)
-        self.A = A
-        self._launch = PreparedLaunch(kern, grid, block, args, stream)
-
-    def run(self, stream=None):
-        """Launch (on ``stream`` if given, else the bound one); returns ``out``."""
-        self._launch(None if stream is None else _arrays.as_stream(stream))
-        return self.out
-
-
-def prepare_gemv(A, qw, out=None, stream=None, out_dtype=np.float16, bf16=False):
-    """The fast path for repeated gemv calls: see :class:`PreparedGemv`."""
-    return PreparedGemv(A, qw, out, stream, out_dtype, bf16)
-
-
-@dataclass(frozen=True)
-class KbitExperts:
-    """E kbit weights of one shape, k, layout, absmax format and codebook, stored back to back:
-    expert e's words are packed[e*words : (e+1)*words] (its own flat or tiled layout), its absmax
-    values absmax[e*blocks : (e+1)*blocks]. Build with :func:`stack_experts`."""
-    packed: object
-    absmax: object
-    codebook: object
-    k: int
-    expert_shape: tuple
-    n_experts: int
-    layout: str = "flat"
-    absmax_format: str = "e4m4"
-
-    def expert(self, e):
-        """Expert e as a KbitWeight (views, no copy)."""
-        N, K = self.expert_shape
-        b = N * padded_k(K, self.layout) // BLOCK
-        w = b * self.k
-        return KbitWeight(self.packed[e * w:(e + 1) * w], self.absmax[e * b:(e + 1) * b], self.codebook,
-                          self.k, self.expert_shape, self.layout, self.absmax_format)
-
-
-def stack_experts(experts, stream=None):
-    """A list of KbitWeights (same shape, k, layout, absmax format, codebook) -> KbitExperts on the device."""
-    experts = list(experts)
-    if not experts or not all(isinstance(w, KbitWeight) for w in experts):
-        raise TypeError("stack_experts needs a non-empty list of KbitWeight")
-    w0 = experts[0]
-    key = (w0.shape, w0.k, w0.layout, w0.absmax_format)
-    cb0 = _arrays.to_host(w0.codebook)
-    for w in experts[1:]:
-        if (w.shape, w.k, w.layout, w.absmax_format) != key:
-            raise ValueError(f"every expert must have shape/k/layout/absmax_format {key}, "
-                             f"got {(w.shape, w.k, w.layout, w.absmax_format)}")
-        if not np.array_equal(_arrays.to_host(w.codebook), cb0):
-            raise ValueError("every expert must use the same codebook")
-    stream = _arrays.as_stream(stream)
-    packed = np.concatenate([_arrays.to_host(w.packed).reshape(-1) for w in experts])
-    absmax = np.concatenate([_arrays.to_host(w.absmax).reshape(-1) for w in experts])
-    return KbitExperts(cuda.to_device(packed, stream=stream), cuda.to_device(absmax, stream=stream),
-                       cuda.to_device(cb0.astype(np.float32), stream=stream), w0.k, w0.shape, len(experts),
-                       w0.layout, w0.absmax_format)
-
-
-def check_grouped(A, experts, expert_offsets, bf16, stream):
-    """Checked MoE inputs: (device A, its element type, T, device offsets). A: [T, K] tokens sorted by
-    expert; expert_offsets: int32 [E+1]. Host offsets are also checked to rise from 0 to T."""
-    if not isinstance(experts, KbitExperts):
-        raise TypeError(f"experts must be a KbitExperts (see stack_experts), got {type(experts).__name__}")
+    Ad, a_src, T, offs, experts = check_grouped(A, experts, expert_offsets, bf16, stream)
     E = experts.n_experts
-    K = experts.expert_shape[1]
-    Ad, a_src = _arrays.float_input(A, "A", bf16, 2, stream)
-    T = tuple(Ad.shape)[0]
-    if tuple(Ad.shape)[1] != K:
-        raise ValueError(f"A has K={tuple(Ad.shape)[1]}, the experts have K={K}")
-    offs = _arrays.device_array(expert_offsets, "expert_offsets", (np.int32,), 1, stream)
-    if offs.shape[0] != E + 1:
-        raise ValueError(f"expert_offsets must hold E+1 = {E + 1} values, got {offs.shape[0]}")
-    return Ad, a_src, T, offs
-
-
-def max_tokens_per_expert(host_offsets, T):
-    """The largest expert's token count, after checking that the offsets rise from 0 to T."""
-    h = host_offsets
-    if h[0] != 0 or h[-1] != T or np.any(np.diff(h) < 0):
-        raise ValueError(f"expert_offsets must rise from 0 to T={T}")
-    return int(np.max(np.diff(h))) if len(h) > 1 else 0
+    N, K = experts.expert_shape
+    if max_tokens is None:
+        h = expert_offsets if isinstance(expert_offsets, np.ndarray) else offs.copy_to_host()
+        max_tokens = max_tokens_per_expert(h, T)
+    if max_tokens > MAX_M:
+        raise ValueError(f"grouped_gemv handles up to {MAX_M} tokens per expert, got {max_tokens}")
+    out_dtype = _arrays.output_dtype(out, out_dtype)
+    out = _arrays.output(out, "out", (T, N), out_dtype, stream)
+    _arrays.check_aligned(Ad, 16, "A")
+    spec = GemvSpec(experts.k, max(1, int(max_tokens)), DEFAULTS["cols"], experts.layout, experts.absmax_format,
+                    a_src, out_dtype, grouped=True)
+    grid, block = _launch(spec, N, K, E)
+    steps = [] if not (E and T) else [Step(
+        make_gemv_kernel(spec), grid, block,
+        (_arrays.flat_view(Ad, np.uint32), experts.packed, experts.absmax, experts.codebook, _arrays.flat_view(out),
+         i32(N), i32(K), i32(padded_k(K, experts.layout) // BLOCK), offs))]
+    return Plan(steps, Ad, out, stream)
 
 
 def grouped_gemv(A, experts, expert_offsets, out=None, stream=None, out_dtype=np.float16, bf16=False,
@@ -357,54 +316,27 @@ def grouped_gemv(A, experts, expert_offsets, out=None, stream=None, out_dtype=np
     Returns out [T, N]. The kernel is specialised for at most ``max_tokens`` tokens per expert; left
     None it is read from the offsets (a small device-to-host copy when they live on the device). Rows of
     an expert beyond ``max_tokens`` come out NaN, never silently wrong (use a larger ``max_tokens``)."""
-    stream = _arrays.as_stream(stream)
-    Ad, a_src, T, offs = check_grouped(A, experts, expert_offsets, bf16, stream)
-    E = experts.n_experts
-    N, K = experts.expert_shape
-    if max_tokens is None:
-        h = expert_offsets if isinstance(expert_offsets, np.ndarray) else offs.copy_to_host()
-        max_tokens = max_tokens_per_expert(h, T)
-    if max_tokens > MAX_M:
-        raise ValueError(f"grouped_gemv handles up to {MAX_M} tokens per expert, got {max_tokens}")
-    M = max(1, int(max_tokens))
-    out_dtype = _arrays.output_dtype(out, out_dtype)
-    out = _arrays.output(out, "out", (T, N), out_dtype, stream)
-    _arrays.check_aligned(Ad, 16, "A")
-    n_sm = sm_count()
-    kw = -(-(K // BLOCK) // WARP)
-    CB = DEFAULT_CB
-    n_groups = -(-N // CB)
-    gx = max(1, min(n_groups, -(-n_sm * max(1, CTA_WARPS_TARGET // kw) // max(1, E))))
-    kern = make_gemv_kernel(experts.k, M, CB, experts.layout, experts.absmax_format, a_src, out_dtype.name,
-                            None, True)
-    n_kb = padded_k(K, experts.layout) // BLOCK
-    if E and T:
-        kern[(gx, E), kw * WARP, stream](_arrays.flat_view(Ad, np.uint32), experts.packed, experts.absmax,
-                                         experts.codebook, _arrays.flat_view(out), np.int32(N), np.int32(K),
-                                         np.int32(n_kb), offs)
-    return out
+    return plan_grouped(A, experts, expert_offsets, out, stream, out_dtype, bf16, max_tokens).launch()
+
+
+def ptx_specs():
+    """The specialisations the PTX checks compile: every (k, M) at the defaults, and every value of each
+    other choice (cols, layout, absmax format, A type, output type, grouped) with every k. (A full product
+    would be 768 compilations of several seconds each.)"""
+    variants = [dict(M=M) for M in (1, 2, 3, 4)]
+    variants += [dict(M=2, cols=c) for c in COL_CHOICES if c != DEFAULTS["cols"]]
+    variants += [dict(layout="tiled", M=3), dict(absmax_format="fp32", M=4), dict(a_type="float32", M=2),
+                 dict(a_type="bfloat16", M=1), dict(out_dtype="float32", M=3), dict(grouped=True, M=2)]
+    return [GemvSpec(k=k, **v) for k in K_BITS for v in variants]
+
+
+def argtypes(spec):
+    """The kernel's argument types for ``spec`` (what a plan passes)."""
+    from numba import types as t
+    return (t.uint32[::1], t.uint32[::1], t.uint8[::1] if spec.absmax_format == "e4m4" else t.float32[::1],
+            t.float32[::1], NUMBA_TYPES[spec.out_dtype], t.int32, t.int32, t.int32, t.int32[::1])
 
 
 def kernel_specializations():
-    """(name, kernel, argument types) for the PTX checks: every (k, M) at the default configuration,
-    and every value of each other factor (CB, layout, absmax format, A type, output type) with every k.
-    (A full product would be 768 compilations of several seconds each.)"""
-    from numba import types as t
-    nb = {"float16": t.float16[::1], "float32": t.float32[::1], "bfloat16": t.int16[::1]}
-    base = dict(M=1, CB=8, layout="flat", fmt="e4m4", a_src="float16", od="float16")
-    variants = [dict(M=M) for M in (1, 2, 3, 4)]
-    variants += [dict(M=2, CB=cb) for cb in (1, 2, 4)]
-    variants += [dict(layout="tiled", M=3), dict(fmt="fp32", M=4), dict(a_src="float32", M=2),
-                 dict(a_src="bfloat16"), dict(od="float32", M=3), dict(grouped=True, M=2)]
-    specs = []
-    for k in (2, 3, 4, 5):
-        for v in variants:
-            c = dict(base, **v)
-            am = t.uint8[::1] if c["fmt"] == "e4m4" else t.float32[::1]
-            name = f"gemv k={k} M={c['M']} CB={c['CB']} {c['layout']} {c['fmt']} A={c['a_src']} out={c['od']}"
-            kern = make_gemv_kernel(k, c["M"], c["CB"], c["layout"], c["fmt"], c["a_src"], c["od"], None,
-                                    c.get("grouped", False))
-            name += " grouped" if c.get("grouped") else ""
-            specs.append((name, kern, (t.uint32[::1], t.uint32[::1], am, t.float32[::1], nb[c["od"]],
-                                       t.int32, t.int32, t.int32, t.int32[::1])))
-    return specs
+    """(name, kernel, argument types) for the PTX checks, from :func:`ptx_specs`."""
+    return [(spec.name, make_gemv_kernel(spec), argtypes(spec)) for spec in ptx_specs()]

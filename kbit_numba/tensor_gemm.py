@@ -36,17 +36,18 @@ Reference twin: ``reference.gemv`` (any M). Tests: ``tests/test_gemm.py``.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
 from numba import cuda
 
 from . import _arrays
-from .codec import _device_weight
-from .device import WARP, e4m4_decode, sm_count
-from .formats import TILE_K, TILE_N, padded_k
-from .launch import run_steps
-from .intrinsics import (bmul2, cp_async16, cp_async_commit, cp_async_wait, f16x2_as_u32, f32_as_u32, hmul2,
+from .core import check_grouped, device_weight, max_tokens_per_expert, sm_count, unused_i32
+from .device import WARP, e4m4_decode, f32_to_bf16_bits, i32, u32
+from .formats import ABSMAX_FORMATS, K_BITS, TILE_K, TILE_N, KbitWeight, check_k, padded_k
+from .launch import NUMBA_TYPES, OUT_TYPES, Plan, Spec, Step, type_name
+from .intrinsics import (LOP3_AND_OR, bmul2, cp_async16, cp_async_commit, cp_async_wait, f16x2_as_u32, hmul2,
                          ldmatrix_x4, lds64, lds128, lds_u32, lop3, mma_bf16, mma_f16, rotr, shared_addr,
                          u32_as_f32)
 
@@ -59,7 +60,6 @@ N_SUB = BN // WARPS // MMA_N     # 4 n8 MMA tiles per warp
 ROW_WORDS = BK // 2 + 4          # staged A row: 64 halves + 8 halves of padding (conflict-free ldmatrix)
 CHUNKS_PER_ROW = BK // 8         # 16-byte cp.async copies per staged row
 PAIR_MASK = 0x03030303           # bits 0 and 1 of every byte: one element pair per byte
-AND_OR = 0xEA                    # lop3 truth table of (a & b) | c
 E4M4_CODES = 256                 # entries of the absmax table: one per E4M4 byte
 M_TILES = (1, 2, 4)              # MT: BM = 16 * MT rows of A per CTA
 # K tiles in the shared ring per MT (the tiles ahead of the one in the MMAs are in flight). Measured on the
@@ -67,14 +67,84 @@ M_TILES = (1, 2, 4)              # MT: BM = 16 * MT rows of A per CTA
 # or within 0.3% of it and up to 8% faster than 4 (the kernel waits on its instruction chains, not on DRAM);
 # at MT = 4, 3 was best.
 STAGES_FOR_MT = {1: 2, 2: 2, 4: 3}
+MMA_TYPES = ("float16", "bfloat16")
 SHARED_BUDGET = 46 * 1024        # static shared memory per CTA stays under the 48 KB limit
 FINISH_THREADS = 256
 
 
+# ---- the m16n8k16 fragment index math (PTX ISA, "Matrix Fragments for mma.m16n8k16"), lane (g, t) =
+#      (lane // 4, lane % 4). Plain functions that run in Python (the twins: tests/test_gemm.py checks them
+#      against the PTX layout) and, jitted below, as the kernel's device functions.
+def py_b_fragment(lane):
+    """(column, first k) of the B values this lane holds: b0 = B[2t, 2t+1][g], b1 = B[2t+8, 2t+9][g]. So a
+    lane decodes elements 2t, 2t+1 (and +8, +16, +24) of column g's kbit block."""
+    return lane >> i32(2), i32(2) * (lane & i32(3))
+
+
+def py_c_fragment(lane):
+    """(row, column) in a 16 x 8 C tile of this lane's accumulators c0, c1 (columns col, col + 1); c2, c3
+    are the same columns of row + 8."""
+    return lane >> i32(2), i32(2) * (lane & i32(3))
+
+
+def py_a_fragment_word(lane, mt, kb, s):
+    """Word offset, in a staged K tile, of the row address this lane gives ``ldmatrix.x4`` for the A fragment
+    of m-tile ``mt`` and MMA k-step ``s`` of kbit block ``kb``: lanes 0-15 name rows 0-15 of the 16 x 16 A
+    block at its columns 0-7, lanes 16-31 the same rows at columns 8-15; the four 8 x 8 matrices they
+    load are then registers a0-a3 of mma.m16n8k16. A staged row is ROW_WORDS words of two halves."""
+    return ((i32(16) * i32(mt) + (lane & i32(15))) * i32(ROW_WORDS)
+            + i32(16) * i32(kb) + i32(8) * i32(s) + (lane >> i32(4)) * i32(4))
+
+
+b_fragment = cuda.jit(device=True, inline="always")(py_b_fragment)
+c_fragment = cuda.jit(device=True, inline="always")(py_c_fragment)
+a_fragment_word = cuda.jit(device=True, inline="always")(py_a_fragment_word)
+
+
+def _stage_words(k, MT, absmax_format):
+    """(words of one pipeline stage, words of the pair and absmax tables) in shared memory."""
+    e4m4 = absmax_format == "e4m4"
+    tables = 2 * (1 << (2 * k)) + (2 * E4M4_CODES if e4m4 else 2)
+    return MMA_M * MT * ROW_WORDS + 2 * BN * k + (2 * BN // 4 if e4m4 else 2 * BN), tables
+
+
+def default_stages(k, MT, absmax_format):
+    """``STAGES_FOR_MT[MT]``, fewer if the ring would not fit ``SHARED_BUDGET`` (never below 2)."""
+    stage, tables = _stage_words(k, MT, absmax_format)
+    return max(2, min(STAGES_FOR_MT[MT], (SHARED_BUDGET - 4 * tables) // (4 * stage)))
+
+
+@dataclass(frozen=True)
+class GemmSpec(Spec):
+    """The tensor-core GEMM's compile-time choices: the key of :func:`make_gemm_kernel`."""
+    FAMILY = "gemm"
+    k: int
+    m_tile: int = 1                 # MT: 16-row MMA tiles per CTA (M_TILES)
+    absmax_format: str = "e4m4"
+    a_type: str = "float16"         # the MMA input type: float16 or bfloat16
+    out_dtype: str = "float16"
+    split_k: bool = True            # partial sums into a float32 workspace (grid.z > 1)
+    grouped: bool = False           # the MoE variant
+    stages: object = None           # K tiles in the shared ring; None: default_stages
+
+    def normalise(self):
+        if self.m_tile not in M_TILES:
+            raise ValueError(f"m_tile must be one of {M_TILES}, got {self.m_tile!r}")
+        if self.absmax_format not in ABSMAX_FORMATS:
+            raise ValueError(f"absmax_format must be one of {ABSMAX_FORMATS}, got {self.absmax_format!r}")
+        k = check_k(self.k)
+        stages = default_stages(k, self.m_tile, self.absmax_format) if self.stages is None else int(self.stages)
+        if stages < 2:
+            raise ValueError(f"stages must be >= 2, got {stages}")
+        return dict(k=k, m_tile=int(self.m_tile), a_type=type_name(self.a_type, "a_type", MMA_TYPES),
+                    out_dtype=type_name(self.out_dtype, "out_dtype", OUT_TYPES), split_k=bool(self.split_k),
+                    grouped=bool(self.grouped), stages=stages)
+
+
 @lru_cache(maxsize=None)
-def make_gemm_kernel(k, MT, absmax_format, a_type, out_dtype, split_k, grouped=False, stages=None):
-    """Kernel(A_u32, packed, absmax_u32, codebook, out, workspace, M, N, K, tiles_per_split, offsets, tiles),
-    128 threads, grid (N / 128, ceil(M / (16 MT)), splits).
+def make_gemm_kernel(spec):
+    """Kernel(A_u32, packed, absmax_u32, codebook, out, workspace, M, N, K, tiles_per_split, offsets, tiles)
+    for a :class:`GemmSpec`, 128 threads, grid (N / 128, ceil(M / (16 MT)), splits).
 
     k: bits; MT: 16-row MMA tiles per CTA (1, 2 or 4); a_type: 'float16' or 'bfloat16' (the MMA input
     type; A is read as uint32 words of two values); absmax_u32: the absmax array's bytes as uint32 words
@@ -85,7 +155,8 @@ def make_gemm_kernel(k, MT, absmax_format, a_type, out_dtype, split_k, grouped=F
     offsets[e] .. offsets[e+1]-1 of A and out and whose weights follow the previous experts' in
     packed/absmax. Not grouped: offsets and tiles are unused.
     stages: K tiles in the shared ring (default ``STAGES_FOR_MT[MT]``, fewer if ``SHARED_BUDGET`` says so)."""
-    assert k in (2, 3, 4, 5) and MT in M_TILES
+    k, MT, absmax_format, a_type, out_dtype = spec.k, spec.m_tile, spec.absmax_format, spec.a_type, spec.out_dtype
+    split_k, grouped, STAGES = spec.split_k, spec.grouped, spec.stages          # (checked by GemmSpec)
     BM = MMA_M * MT
     N_PAIRS = 1 << (2 * k)
     TABLE_ALIGN = 4 * N_PAIRS                      # table base | (code * 4) == base + code * 4 ...
@@ -101,10 +172,8 @@ def make_gemm_kernel(k, MT, absmax_format, a_type, out_dtype, split_k, grouped=F
     W_WORDS = 2 * BN * k                           # 128 columns x 2 blocks x k plane words, contiguous
     AM_WORDS = 2 * BN // 4 if e4m4 else 2 * BN     # their 256 absmax values (bytes or float32)
     STAGE_WORDS = A_WORDS + W_WORDS + AM_WORDS
+    assert (STAGE_WORDS, TABLE_WORDS + SCALE_WORDS) == _stage_words(k, MT, absmax_format)   # (default_stages)
     W_COPIES, AM_COPIES = W_WORDS // 4, AM_WORDS // 4
-    STAGES = stages or max(2, min(STAGES_FOR_MT[MT],
-                                  (SHARED_BUDGET - 4 * (TABLE_WORDS + SCALE_WORDS)) // (4 * STAGE_WORDS)))
-    assert STAGES >= 2
     SH_WORDS = STAGES * STAGE_WORDS
     PENDING = STAGES - 2                           # groups left in flight when a tile's copies must be in
     bf16 = a_type == "bfloat16"
@@ -116,8 +185,7 @@ def make_gemm_kernel(k, MT, absmax_format, a_type, out_dtype, split_k, grouped=F
     def half_bits(v):
         """float32 -> the 16-bit pattern of the MMA input type (round to nearest even)."""
         if bf16:
-            u = f32_as_u32(v)
-            return (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+            return f32_to_bf16_bits(v)
         return f16x2_as_u32(np.float16(v), np.float16(0))
 
     @cuda.jit(device=True, inline="always")
@@ -125,96 +193,95 @@ def make_gemm_kernel(k, MT, absmax_format, a_type, out_dtype, split_k, grouped=F
         """(shared address, word offset) of the first ``align``-byte boundary in ``arr``. (A shared array's
         ``alignment=4096`` did not give a 4096-byte aligned address on the H100: the k = 5 table broke.)"""
         a = shared_addr(arr)
-        b = (a + np.uint32(align - 1)) & ~np.uint32(align - 1)
-        return np.uint32(b), np.int32((b - a) >> np.uint32(2))
+        b = (a + u32(align - 1)) & ~u32(align - 1)
+        return u32(b), i32((b - a) >> u32(2))
 
     @cuda.jit(device=True, inline="always")
     def stage(A, packed, absmax, sh, sh_base, kt, slot, w_tile, m0, m_end, K, tid):
         """cp.async K tile kt into pipeline slot ``slot``: rows m0 .. m0+BM-1 of A (zeros from m_end and
         K on), then the plane and absmax words of weight tile ``w_tile`` (contiguous in the tiled layout)."""
-        base = sh_base + np.uint32(4) * np.uint32(slot * np.int32(STAGE_WORDS))
+        base = sh_base + u32(4) * u32(slot * i32(STAGE_WORDS))
         for i in range(MT):                        # BM * 8 copies = MT per thread
-            c = tid + np.int32(i * THREADS)
-            row = c // np.int32(CHUNKS_PER_ROW)
-            ch = c % np.int32(CHUNKS_PER_ROW)
+            c = tid + i32(i * THREADS)
+            row = c // i32(CHUNKS_PER_ROW)
+            ch = c % i32(CHUNKS_PER_ROW)
             grow = m0 + row
-            gcol = kt * np.int32(BK) + ch * np.int32(8)
+            gcol = kt * i32(BK) + ch * i32(8)
             ok = grow < m_end and gcol < K
-            src = (grow * K + gcol) // np.int32(2) if ok else np.int32(0)
-            dst = base + np.uint32(4) * np.uint32(row * np.int32(ROW_WORDS) + ch * np.int32(4))
-            cp_async16(sh, dst, A, src, np.uint32(16) if ok else np.uint32(0))
+            src = (grow * K + gcol) // i32(2) if ok else i32(0)
+            dst = base + u32(4) * u32(row * i32(ROW_WORDS) + ch * i32(4))
+            cp_async16(sh, dst, A, src, u32(16) if ok else u32(0))
         for i in range(-(-W_COPIES // THREADS)):
-            c = tid + np.int32(i * THREADS)
-            if W_COPIES % THREADS == 0 or c < np.int32(W_COPIES):
-                cp_async16(sh, base + np.uint32(4 * A_WORDS) + np.uint32(16) * np.uint32(c), packed,
-                           w_tile * np.int32(W_WORDS) + np.int32(4) * c, np.uint32(16))
-        if tid < np.int32(AM_COPIES):
-            cp_async16(sh, base + np.uint32(4 * (A_WORDS + W_WORDS)) + np.uint32(16) * np.uint32(tid), absmax,
-                       w_tile * np.int32(AM_WORDS) + np.int32(4) * tid, np.uint32(16))
+            c = tid + i32(i * THREADS)
+            if W_COPIES % THREADS == 0 or c < i32(W_COPIES):
+                cp_async16(sh, base + u32(4 * A_WORDS) + u32(16) * u32(c), packed,
+                           w_tile * i32(W_WORDS) + i32(4) * c, u32(16))
+        if tid < i32(AM_COPIES):
+            cp_async16(sh, base + u32(4 * (A_WORDS + W_WORDS)) + u32(16) * u32(tid), absmax,
+                       w_tile * i32(AM_WORDS) + i32(4) * tid, u32(16))
 
     @cuda.jit(device=True, inline="always")
     def pair_addresses(wv, j, kb, pm, realign, tb, addr):
         """addr[q]: shared byte address in the pair table of this lane's element pair 8q+2t, 8q+2t+1 of
         block kb of its column j (pm[b]: the lane's mask of plane b once rotated left by 2b; realign:
         2t - 2 mod 32)."""
-        x = lop3(wv[j, kb * k], pm[0], np.uint32(0), AND_OR)
+        x = lop3(wv[j, kb * k], pm[0], u32(0), LOP3_AND_OR)
         for b in range(1, X_PLANES):
-            x = lop3(rotr(wv[j, kb * k + b], np.uint32(32 - 2 * b)), pm[b], x, AND_OR)
+            x = lop3(rotr(wv[j, kb * k + b], u32(32 - 2 * b)), pm[b], x, LOP3_AND_OR)
         x = rotr(x, realign)                       # code q * 4 at bits 2.. once rotated right by 8q
         if k == 5:                                 # plane 4 -> bits 10, 11 (code bits 8, 9, times 4)
-            y = rotr(lop3(wv[j, kb * k + 4], pm[0], np.uint32(0), AND_OR), realign - np.uint32(8))
+            y = rotr(lop3(wv[j, kb * k + 4], pm[0], u32(0), LOP3_AND_OR), realign - u32(8))
         for q in range(4):
-            xq = x if q == 0 else rotr(x, np.uint32(8 * q))
-            a = lop3(xq, np.uint32(LOW_MASK), tb, AND_OR)
+            xq = x if q == 0 else rotr(x, u32(8 * q))
+            a = lop3(xq, u32(LOW_MASK), tb, LOP3_AND_OR)
             if k == 5:
-                yq = y if q == 0 else rotr(y, np.uint32(8 * q))
-                a = lop3(yq, np.uint32(HIGH_MASK), a, AND_OR)
+                yq = y if q == 0 else rotr(y, u32(8 * q))
+                a = lop3(yq, u32(HIGH_MASK), a, LOP3_AND_OR)
             addr[q] = a
 
     def gemm_kernel(A, packed, absmax, cb, out, ws, M, N, K, tiles_per_split, offsets, tiles):
         table = cuda.shared.array(TABLE_WORDS, np.uint32)
         scales = cuda.shared.array(SCALE_WORDS, np.uint32)
         sh = cuda.shared.array(SH_WORDS, np.uint32, alignment=16)
-        tid = np.int32(cuda.threadIdx.x)
-        lane = tid % np.int32(WARP)
-        warp = tid // np.int32(WARP)
-        g = lane >> np.int32(2)
-        t = lane & np.int32(3)
-        n_tile = np.int32(cuda.blockIdx.x)
-        n_tiles = N // np.int32(BN)
-        k_tiles = (K + np.int32(BK - 1)) // np.int32(BK)
+        tid = i32(cuda.threadIdx.x)
+        lane = tid % i32(WARP)
+        warp = tid // i32(WARP)
+        g, two_t_i = b_fragment(lane)             # this lane's column g and element pair 2t, 2t+1
+        n_tile = i32(cuda.blockIdx.x)
+        n_tiles = N // i32(BN)
+        k_tiles = (K + i32(BK - 1)) // i32(BK)
         if grouped:                                # work item -> (expert, its row tile): binary search
-            n_experts = np.int32(offsets.shape[0] - 1)
-            item = np.int32(cuda.blockIdx.y)
+            n_experts = i32(offsets.shape[0] - 1)
+            item = i32(cuda.blockIdx.y)
             if item >= tiles[n_experts]:           # the grid's bound on the work items overshoots
                 return                             # (the whole CTA: no barrier is skipped by a subset)
-            lo = np.int32(0)                       # invariant: tiles[lo] <= item < tiles[hi]
+            lo = i32(0)                       # invariant: tiles[lo] <= item < tiles[hi]
             hi = n_experts
-            while hi - lo > np.int32(1):
-                mid = (lo + hi) >> np.int32(1)
+            while hi - lo > i32(1):
+                mid = (lo + hi) >> i32(1)
                 if tiles[mid] <= item:
                     lo = mid
                 else:
                     hi = mid
-            m0 = np.int32(offsets[lo] + (item - tiles[lo]) * np.int32(BM))
-            m_end = np.int32(offsets[lo + np.int32(1)])
-            w_tile0 = np.int32(lo * n_tiles * k_tiles + n_tile)   # weight tiles of the experts before
+            m0 = i32(offsets[lo] + (item - tiles[lo]) * i32(BM))
+            m_end = i32(offsets[lo + i32(1)])
+            w_tile0 = i32(lo * n_tiles * k_tiles + n_tile)   # weight tiles of the experts before
         else:
-            m0 = np.int32(np.int32(cuda.blockIdx.y) * np.int32(BM))
+            m0 = i32(i32(cuda.blockIdx.y) * i32(BM))
             m_end = M
             w_tile0 = n_tile
-        kt0 = np.int32(np.int32(cuda.blockIdx.z) * tiles_per_split)
-        kt1 = np.int32(min(kt0 + tiles_per_split, k_tiles))
-        col0 = warp * np.int32(N_SUB * MMA_N) + g  # this lane's column in the CTA tile (+ 8j)
+        kt0 = i32(i32(cuda.blockIdx.z) * tiles_per_split)
+        kt1 = i32(min(kt0 + tiles_per_split, k_tiles))
+        col0 = warp * i32(N_SUB * MMA_N) + g  # this lane's B column in the CTA tile (+ 8j)
         sh_base = shared_addr(sh)
         tb, t0 = aligned_base(table, TABLE_ALIGN)
-        ts, s0 = aligned_base(scales, 4 * E4M4_CODES) if e4m4 else (np.uint32(0), np.int32(0))
+        ts, s0 = aligned_base(scales, 4 * E4M4_CODES) if e4m4 else (u32(0), i32(0))
 
         # ---- the first STAGES - 1 K tiles in flight before anything else ---------------------------------
         for s in range(STAGES - 1):
-            if kt0 + np.int32(s) < kt1:
-                kt = kt0 + np.int32(s)
-                stage(A, packed, absmax, sh, sh_base, kt, np.int32(s), w_tile0 + kt * n_tiles, m0, m_end, K, tid)
+            if kt0 + i32(s) < kt1:
+                kt = kt0 + i32(s)
+                stage(A, packed, absmax, sh, sh_base, kt, i32(s), w_tile0 + kt * n_tiles, m0, m_end, K, tid)
             cp_async_commit()
 
         # ---- the pair table: code bit 2b (2b+1) is plane b of the even (odd) element -----------------
@@ -224,11 +291,11 @@ def make_gemm_kernel(k, MT, absmax_format, a_type, out_dtype, split_k, grouped=F
             for b in range(k):
                 i0 |= ((code >> (2 * b)) & 1) << b
                 i1 |= ((code >> (2 * b + 1)) & 1) << b
-            table[t0 + code] = half_bits(cb[i0]) | (half_bits(cb[i1]) << np.uint32(16))
+            table[t0 + code] = half_bits(cb[i0]) | (half_bits(cb[i1]) << u32(16))
         if e4m4:                                   # the absmax table: E4M4 byte -> its value twice, f16x2
             for c in range(tid, E4M4_CODES, THREADS):
                 h = half_bits(e4m4_decode(np.uint8(c)))
-                scales[s0 + c] = h | (h << np.uint32(16))
+                scales[s0 + c] = h | (h << u32(16))
 
         acc = cuda.local.array((MT, N_SUB, 4), np.float32)
         for mt in range(MT):
@@ -240,53 +307,52 @@ def make_gemm_kernel(k, MT, absmax_format, a_type, out_dtype, split_k, grouped=F
         breg = cuda.local.array(4, np.uint32)
         addr = cuda.local.array(4, np.uint32)
         pm = cuda.local.array(X_PLANES, np.uint32)
-        two_t = np.uint32(2) * np.uint32(t)       # this lane's element pair sits at bits 2t, 2t+1
+        two_t = u32(two_t_i)                 # this lane's element pair sits at bits 2t, 2t+1
         for b in range(X_PLANES):                  # rotl(PAIR_MASK << 2t, 2b) (PAIR_MASK repeats per byte)
-            pm[b] = rotr(np.uint32(PAIR_MASK), np.uint32(32 - 2 * b) - two_t)
-        realign = two_t + np.uint32(30)
-        am_rot = np.uint32(16) * np.uint32(g & np.int32(1)) + np.uint32(30)   # E4M4 byte of block 0, * 4
+            pm[b] = rotr(u32(PAIR_MASK), u32(32 - 2 * b) - two_t)
+        realign = two_t + u32(30)
+        am_rot = u32(16) * u32(g & i32(1)) + u32(30)   # E4M4 byte of block 0, * 4
 
         kt = kt0
-        slot = np.int32(0)
+        slot = i32(0)
         while kt < kt1:
             cp_async_wait(PENDING)                 # this thread's copies of tile kt have landed ...
             cuda.syncthreads()                     # ... and everyone's; the slot of tile kt-1 is free
-            nxt = np.int32(kt + np.int32(STAGES - 1))
+            nxt = i32(kt + i32(STAGES - 1))
             if nxt < kt1:                          # refill that slot with tile kt + STAGES - 1
-                refill = slot - np.int32(1) if slot > np.int32(0) else np.int32(STAGES - 1)
+                refill = slot - i32(1) if slot > i32(0) else i32(STAGES - 1)
                 stage(A, packed, absmax, sh, sh_base, nxt, refill, w_tile0 + nxt * n_tiles, m0, m_end, K, tid)
             cp_async_commit()
-            base = sh_base + np.uint32(4) * np.uint32(slot * np.int32(STAGE_WORDS))
-            w_base = base + np.uint32(4 * A_WORDS)
-            am_base = base + np.uint32(4 * (A_WORDS + W_WORDS))
+            base = sh_base + u32(4) * u32(slot * i32(STAGE_WORDS))
+            w_base = base + u32(4 * A_WORDS)
+            am_base = base + u32(4 * (A_WORDS + W_WORDS))
             for j in range(N_SUB):                 # column col0 + 8j: 2k words at (col * 2k) * 4 bytes
-                p = w_base + np.uint32(4 * WORDS) * np.uint32(col0 + np.int32(8 * j))
+                p = w_base + u32(4 * WORDS) * u32(col0 + i32(8 * j))
                 if WORDS % 4 == 0:                 # k = 2, 4: 16-byte aligned
                     for q in range(WORDS // 4):
                         wv[j, 4 * q], wv[j, 4 * q + 1], wv[j, 4 * q + 2], wv[j, 4 * q + 3] = \
-                            lds128(sh, p + np.uint32(16 * q))
+                            lds128(sh, p + u32(16 * q))
                 else:                              # k = 3, 5: 8-byte aligned
                     for q in range(k):
-                        wv[j, 2 * q], wv[j, 2 * q + 1] = lds64(sh, p + np.uint32(8 * q))
+                        wv[j, 2 * q], wv[j, 2 * q + 1] = lds64(sh, p + u32(8 * q))
             for kb in range(2):                    # the two kbit blocks of the tile = 2 x 2 MMA k-steps
                 for mt in range(MT):
                     for s in range(2):
-                        word = ((np.int32(16 * mt) + (lane & np.int32(15))) * np.int32(ROW_WORDS)
-                                + np.int32(16 * kb + 8 * s) + (lane >> np.int32(4)) * np.int32(4))
+                        word = a_fragment_word(lane, mt, kb, s)
                         afr[mt, s, 0], afr[mt, s, 1], afr[mt, s, 2], afr[mt, s, 3] = \
-                            ldmatrix_x4(sh, base + np.uint32(4) * np.uint32(word))
+                            ldmatrix_x4(sh, base + u32(4) * u32(word))
                 for j in range(N_SUB):
                     pair_addresses(wv, j, kb, pm, realign, tb, addr)
-                    col = col0 + np.int32(8 * j)
+                    col = col0 + i32(8 * j)
                     if e4m4:                       # bytes 2col, 2col+1: the word col // 2, half col % 2
-                        w = lds_u32(sh, am_base + np.uint32(4) * np.uint32(col >> np.int32(1)))
-                        s2 = lds_u32(scales, lop3(rotr(w, am_rot + np.uint32(8 * kb)),
-                                                  np.uint32(4 * E4M4_CODES - 4), ts, AND_OR))
+                        w = lds_u32(sh, am_base + u32(4) * u32(col >> i32(1)))
+                        s2 = lds_u32(scales, lop3(rotr(w, am_rot + u32(8 * kb)),
+                                                  u32(4 * E4M4_CODES - 4), ts, LOP3_AND_OR))
                     else:
-                        v = u32_as_f32(lds_u32(sh, am_base + np.uint32(4) * np.uint32(np.int32(2) * col
-                                                                                        + np.int32(kb))))
+                        v = u32_as_f32(lds_u32(sh, am_base + u32(4) * u32(i32(2) * col
+                                                                                        + i32(kb))))
                         s2 = half_bits(v)
-                        s2 |= s2 << np.uint32(16)
+                        s2 |= s2 << u32(16)
                     for q in range(4):             # elements 8q + 2t, 8q + 2t + 1
                         breg[q] = mul2(lds_u32(table, addr[q]), s2)
                     for mt in range(MT):
@@ -295,27 +361,28 @@ def make_gemm_kernel(k, MT, absmax_format, a_type, out_dtype, split_k, grouped=F
                                 afr[mt, s, 0], afr[mt, s, 1], afr[mt, s, 2], afr[mt, s, 3],
                                 breg[2 * s], breg[2 * s + 1],
                                 acc[mt, j, 0], acc[mt, j, 1], acc[mt, j, 2], acc[mt, j, 3])
-            kt = np.int32(kt + np.int32(1))
-            slot = np.int32(slot + np.int32(1)) if slot < np.int32(STAGES - 1) else np.int32(0)
+            kt = i32(kt + i32(1))
+            slot = i32(slot + i32(1)) if slot < i32(STAGES - 1) else i32(0)
         cp_async_wait(0)
 
-        # ---- epilogue: c0, c1 = C[g, 2t..2t+1]; c2, c3 = C[g+8, 2t..2t+1] of each 16 x 8 tile ---------
+        # ---- epilogue: c0, c1 = C[row, col..col+1]; c2, c3 = C[row+8, col..col+1] of each 16 x 8 tile ----
+        c_row, c_col = c_fragment(lane)
         for mt in range(MT):
             for j in range(N_SUB):
-                col = n_tile * np.int32(BN) + col0 + np.int32(8 * j) - g + np.int32(2) * t
+                col = n_tile * i32(BN) + warp * i32(N_SUB * MMA_N) + i32(8 * j) + c_col
                 for h in range(2):
-                    row = m0 + np.int32(16 * mt + 8 * h) + g
+                    row = m0 + i32(16 * mt + 8 * h) + c_row
                     if row < m_end:
                         i = row * N + col
                         if split_k:
                             cuda.atomic.add(ws, i, acc[mt, j, 2 * h])
-                            cuda.atomic.add(ws, i + np.int32(1), acc[mt, j, 2 * h + 1])
+                            cuda.atomic.add(ws, i + i32(1), acc[mt, j, 2 * h + 1])
                         elif f16_out:
                             out[i] = np.float16(acc[mt, j, 2 * h])
-                            out[i + np.int32(1)] = np.float16(acc[mt, j, 2 * h + 1])
+                            out[i + i32(1)] = np.float16(acc[mt, j, 2 * h + 1])
                         else:
                             out[i] = acc[mt, j, 2 * h]
-                            out[i + np.int32(1)] = acc[mt, j, 2 * h + 1]
+                            out[i + i32(1)] = acc[mt, j, 2 * h + 1]
 
     return cuda.jit(gemm_kernel)
 
@@ -370,9 +437,11 @@ def new_workspace(M, N, stream=0):
 
 def _k_split(Kp, split, M, N, MT):
     """(splits, K tiles per split): ``split`` as asked (no split left empty), else ``choose_split``."""
-    if not split:
+    if split is None:
         return choose_split(M, N, Kp, MT, sm_count())
-    per = -(-(Kp // BK) // split)
+    if isinstance(split, bool) or not isinstance(split, (int, np.integer)) or split < 1:
+        raise ValueError(f"split must be an integer >= 1 (or None: chosen from the shape), got {split!r}")
+    per = -(-(Kp // BK) // int(split))
     return -(-(Kp // BK) // per), per
 
 
@@ -385,53 +454,54 @@ def _sums(ws, n, stream):
     return ws
 
 
-def _half_activations(Ad, a_src, n, launches, stream):
-    """(A, type) for the MMAs: float32 A gets a conversion to a new fp16 buffer appended to launches."""
+def _half_activations(Ad, a_src, n, steps, stream):
+    """(A, type) for the MMAs: float32 A gets a conversion to a new fp16 buffer appended to steps."""
     if a_src != "float32":
         return Ad, a_src
     half = cuda.device_array(n, np.float16, stream=stream)
-    launches.append((_to_half_kernel(), -(-n // FINISH_THREADS), FINISH_THREADS,
-                     (_arrays.flat_view(Ad), half, np.int32(n))))
+    steps.append(Step(_to_half_kernel(), -(-n // FINISH_THREADS), FINISH_THREADS,
+                      (_arrays.flat_view(Ad), half, i32(n))))
     return half, "float16"
 
 
-def plan(A, qw, out=None, stream=0, out_dtype=np.float16, bf16=False, ws=None, split=None, m_tile=None,
-         stages=None):
-    """Validate and choose the launches: ([(kernel, grid, block, args), ...], out, ws). ``stages``: as
-    ``make_gemm_kernel`` (for sweeps)."""
+def _mm_steps(steps, spec, grid, Ad, w, out, ws, rows, N, K, per, offsets, tiles):
+    """The GEMM launch (and, split, the epilogue that writes ``out`` and re-zeroes the workspace)."""
+    steps.append(Step(make_gemm_kernel(spec), grid, THREADS,
+                      (_arrays.flat_view(Ad, np.uint32), w.packed, _arrays.flat_view(w.absmax, np.uint32),
+                       w.codebook, _arrays.flat_view(out), ws, i32(rows), i32(N), i32(K),
+                       i32(per), offsets, tiles)))
+    if spec.split_k:
+        steps.append(Step(make_finish_kernel(out.dtype.name), -(-rows * N // FINISH_THREADS), FINISH_THREADS,
+                          (ws, _arrays.flat_view(out), i32(rows * N))))
+
+
+def plan(A, qw, out=None, stream=None, out_dtype=np.float16, bf16=False, workspace=None, split=None,
+         m_tile=None, stages=None):
+    """Checked inputs of ``C = A @ W^T`` bound into a :class:`launch.Plan`: [float32 A -> float16,] the
+    GEMM [, the split-K epilogue]. ``split``/``m_tile``/``stages`` override the choices made from the
+    shape (``choose_split``, ``m_tile_for``, ``default_stages``)."""
+    stream = _arrays.as_stream(stream)
     Ad, a_src, M, shape = _arrays.activations(A, qw, bf16, stream)
+    qw = device_weight(qw, KbitWeight, stream)
     if qw.layout != "tiled":
         raise ValueError("gemm reads the tiled layout: convert the weight once with repack_tiled(qw)")
     N, K = qw.shape
-    if M < 1 or M * K >= 2**31 or M * N >= 2**31:
-        raise ValueError(f"gemm needs 1 <= M and M*K, M*N < 2**31 (32-bit indices), got M={M}")
+    if M * K >= 2**31 or M * N >= 2**31:
+        raise ValueError(f"gemm needs M*K, M*N < 2**31 (32-bit indices), got M={M}")
     out_dtype = _arrays.output_dtype(out, out_dtype)
-    qw = _device_weight(qw, stream)
     out = _arrays.output(out, "out", (M, N) if len(shape) == 2 else (N,), out_dtype, stream)
-    launches = []
-    Ad, a_src = _half_activations(Ad, a_src, M * K, launches, stream)   # the MMAs take fp16
+    A_in, steps = Ad, []
+    if M == 0:
+        return Plan(steps, A_in, out, stream)
+    Ad, a_src = _half_activations(Ad, a_src, M * K, steps, stream)   # the MMAs take fp16
     _arrays.check_aligned(Ad, 16, "A")
-    MT = m_tile or m_tile_for(M)
-    n_split, per = _k_split(padded_k(K, "tiled"), split, M, N, MT)
-    kern = make_gemm_kernel(qw.k, MT, qw.absmax_format, a_src, out_dtype.name, n_split > 1, stages=stages)
-    if n_split > 1:
-        ws = _sums(ws, M * N, stream)
-    ws_arg = ws if n_split > 1 else _no_workspace()
-    grid = (N // BN, -(-M // (MMA_M * MT)), n_split)
-    launches.append((kern, grid, THREADS, (_arrays.flat_view(Ad, np.uint32), qw.packed,
-                                           _arrays.flat_view(qw.absmax, np.uint32), qw.codebook,
-                                           _arrays.flat_view(out), ws_arg, np.int32(M), np.int32(N),
-                                           np.int32(K), np.int32(per), _no_offsets(), _no_offsets())))
-    if n_split > 1:
-        launches.append((make_finish_kernel(out_dtype.name), -(-M * N // FINISH_THREADS), FINISH_THREADS,
-                         (ws, _arrays.flat_view(out), np.int32(M * N))))
-    return launches, out, ws
-
-
-@lru_cache(maxsize=None)
-def _no_offsets():
-    """The offsets/tiles arguments of a plain (not grouped) launch: unused, but the kernel ABI has them."""
-    return cuda.to_device(np.zeros(2, np.int32))
+    MT = m_tile_for(M) if m_tile is None else m_tile
+    n_split, per = _k_split(padded_k(K, "tiled"), split, M, N, MT if MT in M_TILES else 1)
+    spec = GemmSpec(qw.k, MT, qw.absmax_format, a_src, out_dtype, n_split > 1, stages=stages)
+    ws = _sums(workspace, M * N, stream) if spec.split_k else _no_workspace()
+    _mm_steps(steps, spec, (N // BN, -(-M // (MMA_M * MT)), n_split), Ad, qw, out, ws, M, N, K, per,
+              unused_i32(), unused_i32())
+    return Plan(steps, A_in, out, stream, ws if spec.split_k else None)
 
 
 @lru_cache(maxsize=None)
@@ -448,31 +518,27 @@ def gemm(A, qw, out=None, stream=None, out_dtype=np.float16, bf16=False, workspa
     float32), or writes into ``out``. ``workspace``: a zeroed float32 device array of >= M*N values for
     split-K (allocated per call if needed and not given; it is left zeroed). ``split``/``m_tile``
     override the K-split count and the 16-row tiles per CTA (1, 2, 4) chosen from the shape."""
-    stream = _arrays.as_stream(stream)
-    launches, out, _ = plan(A, qw, out, stream, out_dtype, bf16, workspace, split, m_tile)
-    run_steps(launches, stream)
-    return out
+    return plan(A, qw, out, stream, out_dtype, bf16, workspace, split, m_tile).launch()
+
+
+def ptx_specs():
+    """Every (k, MT) with float16 A, E4M4 absmax and split-K, and each other choice (bf16 A, fp32 absmax,
+    float32 out, no split, grouped) with every k."""
+    variants = [dict(m_tile=mt) for mt in M_TILES]
+    variants += [dict(a_type="bfloat16"), dict(absmax_format="fp32", m_tile=2),
+                 dict(out_dtype="float32", split_k=False), dict(grouped=True, m_tile=2)]
+    return [GemmSpec(k=k, **v) for k in K_BITS for v in variants]
+
+
+def argtypes(spec):
+    from numba import types as t
+    return (t.uint32[::1], t.uint32[::1], t.uint32[::1], t.float32[::1], NUMBA_TYPES[spec.out_dtype],
+            t.float32[::1], t.int32, t.int32, t.int32, t.int32, t.int32[::1], t.int32[::1])
 
 
 def kernel_specializations():
-    """(name, kernel, argument types) for the PTX checks: every (k, MT) with float16 A, E4M4 absmax and
-    split-K, and each other factor (bf16 A, fp32 absmax, float32 out, no split) with every k."""
-    from numba import types as t
-    nb = {"float16": t.float16[::1], "float32": t.float32[::1]}
-    variants = [dict(MT=mt) for mt in M_TILES]
-    variants += [dict(a="bfloat16"), dict(fmt="fp32", MT=2), dict(od="float32", split=False),
-                 dict(grouped=True, MT=2)]
-    specs = []
-    for k in (2, 3, 4, 5):
-        for v in variants:
-            c = dict(dict(MT=1, fmt="e4m4", a="float16", od="float16", split=True), **v)
-            name = f"gemm k={k} MT={c['MT']} {c['fmt']} A={c['a']} out={c['od']} split={c['split']}"
-            name += " grouped" if c.get("grouped") else ""
-            kern = make_gemm_kernel(k, c["MT"], c["fmt"], c["a"], c["od"], c["split"], c.get("grouped", False))
-            specs.append((name, kern, (t.uint32[::1], t.uint32[::1], t.uint32[::1], t.float32[::1], nb[c["od"]],
-                                       t.float32[::1], t.int32, t.int32, t.int32, t.int32, t.int32[::1],
-                                       t.int32[::1])))
-    return specs
+    """(name, kernel, argument types) for the PTX checks, from :func:`ptx_specs`."""
+    return [(spec.name, make_gemm_kernel(spec), argtypes(spec)) for spec in ptx_specs()]
 
 
 @lru_cache(maxsize=None)
@@ -487,12 +553,45 @@ def _tile_offsets_kernel(BM):
     def tile_offsets(offsets, tiles):
         """tiles[e] = sum over experts before e of ceil(tokens / BM) (one thread: E is small)."""
         if cuda.grid(1) == 0:
-            acc = np.int32(0)
+            acc = i32(0)
             tiles[0] = acc
             for e in range(offsets.shape[0] - 1):
-                acc += (offsets[e + 1] - offsets[e] + np.int32(BM - 1)) // np.int32(BM)
+                acc += (offsets[e + 1] - offsets[e] + i32(BM - 1)) // i32(BM)
                 tiles[e + 1] = acc
     return cuda.jit(tile_offsets)
+
+
+def plan_grouped(A, experts, expert_offsets, out=None, stream=None, out_dtype=np.float16, bf16=False,
+                 workspace=None, split=None, m_tile=None):
+    """Checked inputs of :func:`grouped_gemm` bound into a :class:`launch.Plan`: [float32 A -> float16,] the
+    per-expert tile offsets, the GEMM [, the split-K epilogue]."""
+    stream = _arrays.as_stream(stream)
+    Ad, a_src, T, offs, experts = check_grouped(A, experts, expert_offsets, bf16, stream)
+    if experts.layout != "tiled":
+        raise ValueError("grouped_gemm reads the tiled layout: stack repack_tiled(...) weights")
+    E = experts.n_experts
+    N, K = experts.expert_shape
+    if isinstance(expert_offsets, np.ndarray):
+        m_tile = m_tile or m_tile_for(max(1, max_tokens_per_expert(expert_offsets, T)))
+    MT = m_tile or 1
+    if T * K >= 2**31 or T * N >= 2**31 or E * N * K // 32 * experts.k >= 2**31:
+        raise ValueError("grouped_gemm uses 32-bit indices: T*K, T*N and the experts' words must stay < 2**31")
+    out_dtype = _arrays.output_dtype(out, out_dtype)
+    out = _arrays.output(out, "out", (T, N), out_dtype, stream)
+    A_in, steps = Ad, []
+    if T == 0 or E == 0:
+        return Plan(steps, A_in, out, stream)
+    Ad, a_src = _half_activations(Ad, a_src, T * K, steps, stream)
+    _arrays.check_aligned(Ad, 16, "A")
+    BM = MMA_M * MT
+    tiles = _tiles_buffer(E)                     # (no allocation inside a CUDA-graph capture)
+    steps.append(Step(_tile_offsets_kernel(BM), 1, 1, (offs, tiles)))
+    items = T // BM + min(E, T)                  # >= the work items, whatever the routing
+    n_split, per = _k_split(padded_k(K, "tiled"), split, T, N, MT if MT in M_TILES else 1)
+    spec = GemmSpec(experts.k, MT, experts.absmax_format, a_src, out_dtype, n_split > 1, True)
+    ws = _sums(workspace, T * N, stream) if spec.split_k else _no_workspace()
+    _mm_steps(steps, spec, (N // BN, items, n_split), Ad, experts, out, ws, T, N, K, per, offs, tiles)
+    return Plan(steps, A_in, out, stream, ws if spec.split_k else None)
 
 
 def grouped_gemm(A, experts, expert_offsets, out=None, stream=None, out_dtype=np.float16, bf16=False,
@@ -506,38 +605,5 @@ def grouped_gemm(A, experts, expert_offsets, out=None, stream=None, out_dtype=np
     largest expert's token count when the offsets are a NumPy array, else 1. Other arguments as ``gemm``;
     with ``out`` and ``workspace`` given (and device offsets) a call allocates nothing, so it can be
     captured into a CUDA graph. One stream at a time: a small per-expert-count buffer is shared."""
-    from .scalar_gemv import check_grouped, max_tokens_per_expert
-    stream = _arrays.as_stream(stream)
-    Ad, a_src, T, offs = check_grouped(A, experts, expert_offsets, bf16, stream)
-    if experts.layout != "tiled":
-        raise ValueError("grouped_gemm reads the tiled layout: stack repack_tiled(...) weights")
-    E = experts.n_experts
-    N, K = experts.expert_shape
-    if isinstance(expert_offsets, np.ndarray):
-        m_tile = m_tile or m_tile_for(max(1, max_tokens_per_expert(expert_offsets, T)))
-    MT = m_tile or 1
-    if T * K >= 2**31 or T * N >= 2**31 or E * N * K // 32 * experts.k >= 2**31:
-        raise ValueError("grouped_gemm uses 32-bit indices: T*K, T*N and the experts' words must stay < 2**31")
-    out_dtype = _arrays.output_dtype(out, out_dtype)
-    out = _arrays.output(out, "out", (T, N), out_dtype, stream)
-    if T == 0 or E == 0:
-        return out
-    launches = []
-    Ad, a_src = _half_activations(Ad, a_src, T * K, launches, stream)
-    _arrays.check_aligned(Ad, 16, "A")
-    BM = MMA_M * MT
-    tiles = _tiles_buffer(E)                     # (no allocation inside a CUDA-graph capture)
-    launches.append((_tile_offsets_kernel(BM), 1, 1, (offs, tiles)))
-    items = T // BM + min(E, T)                  # >= the work items, whatever the routing
-    n_split, per = _k_split(padded_k(K, "tiled"), split, T, N, MT)
-    kern = make_gemm_kernel(experts.k, MT, experts.absmax_format, a_src, out_dtype.name, n_split > 1, True)
-    ws = _sums(workspace, T * N, stream) if n_split > 1 else _no_workspace()
-    launches.append((kern, (N // BN, items, n_split), THREADS,
-                     (_arrays.flat_view(Ad, np.uint32), experts.packed, _arrays.flat_view(experts.absmax, np.uint32),
-                      experts.codebook,
-                      _arrays.flat_view(out), ws, np.int32(T), np.int32(N), np.int32(K), np.int32(per), offs, tiles)))
-    if n_split > 1:
-        launches.append((make_finish_kernel(out_dtype.name), -(-T * N // FINISH_THREADS), FINISH_THREADS,
-                         (ws, _arrays.flat_view(out), np.int32(T * N))))
-    run_steps(launches, stream)
-    return out
+    return plan_grouped(A, experts, expert_offsets, out, stream, out_dtype, bf16, workspace, split,
+                        m_tile).launch()

@@ -33,6 +33,7 @@ Reference twins: ``reference.uniform_quantize`` / ``uniform_gemv``. Tests: ``tes
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
@@ -40,18 +41,17 @@ from numba import cuda
 
 from . import _arrays
 from .act_quant import int8_step
-from .device import FULL_MASK, WARP, block_max, make_loader, sm_count, small_int_to_f32
+from .core import MAX_M, device_weight, sm_count
+from .device import F32_MAX, FULL_MASK, WARP, block_max, i32, make_loader, small_int_to_f32, u32
 from .formats import LANES, UNIFORM_BITS, UNIFORM_GROUPS, UniformWeight, uniform_elements_per_word
-from .intrinsics import dp4a, f16_bits_to_f32, u32_as_f32
-from .launch import prepare_plan, run_plan
-from .scalar_gemv import MAX_M
+from .intrinsics import BYTE_ONES, dp4a, f16_bits_to_f32, u32_as_f32
+from .launch import NUMBA_TYPES, OUT_TYPES, Plan, Spec, Step, type_name
 
 MAX_KW = 32                       # warps per CTA along K
-F32_2P23_BITS = np.uint32(0x4B000000)     # the float 2**23: OR-ing q < 2**23 into it gives 2**23 + q
+F32_2P23_BITS = u32(0x4B000000)     # the float 2**23: OR-ing q < 2**23 into it gives 2**23 + q
 F32_2P23 = np.float32(8388608.0)
 CTA_WARPS_TARGET = 32             # resident warps per SM the grid aims for
 QUANT_THREADS = 256
-BYTE_ONES = 0x01010101
 
 
 def _geometry(bits, group_size):
@@ -63,23 +63,49 @@ def _geometry(bits, group_size):
     return epw, wpl, rl, gr
 
 
+@dataclass(frozen=True)
+class UniformGemvSpec(Spec):
+    """The uniform gemv's compile-time choices: the key of :func:`make_uniform_gemv`."""
+    FAMILY = "uniform"
+    bits: int
+    M: int
+    group_size: object = 128                # 32, 64, 128, or None (one scale and zero per tensor)
+    a_type: str = "float16"                 # the fp16 path's activations (int8: unused, float16)
+    out_dtype: str = "float16"
+    int8: bool = False                      # int8 activations + dp4a
+
+    def normalise(self):
+        if self.bits not in UNIFORM_BITS:
+            raise ValueError(f"bits must be one of {UNIFORM_BITS}, got {self.bits!r}")
+        if self.group_size not in UNIFORM_GROUPS:
+            raise ValueError(f"group_size must be one of {UNIFORM_GROUPS}, got {self.group_size!r}")
+        if not 1 <= self.M <= MAX_M:
+            raise ValueError(f"uniform.gemv handles M = 1..{MAX_M} rows, got M={self.M}")
+        int8 = bool(self.int8)
+        return dict(bits=int(self.bits), M=int(self.M), group_size=self.group_size and int(self.group_size),
+                    a_type="float16" if int8 else type_name(self.a_type, "a_type"),
+                    out_dtype=type_name(self.out_dtype, "out_dtype", OUT_TYPES), int8=int8)
+
+
 @lru_cache(maxsize=None)
-def make_uniform_gemv(bits, M, group_size, a_src, out_dtype, int8=False):
-    """Kernel(A, packed, sz, d_act, out, N, K, n_chunks, n_groups), KW warps per CTA.
+def make_uniform_gemv(spec):
+    """Kernel(A, packed, sz, d_act, out, N, K, n_chunks, n_groups) for a :class:`UniformGemvSpec`, KW warps
+    per CTA.
 
     A: float16/float32/bf16-bits [M*K] (fp16 path) or uint32 int8 words [M*W] (int8 path, with d_act
     [M] its per-token scales; unused otherwise); packed: uint32 [N * n_chunks*32]; sz: uint32 view of
     the float16 (scale, zero) pairs; out: [M*N]."""
-    assert 1 <= M <= MAX_M
+    bits, M, group_size, a_src, out_dtype, int8 = (spec.bits, spec.M, spec.group_size, spec.a_type,
+                                                   spec.out_dtype, spec.int8)
     epw, WPL, RL, GR = _geometry(bits, group_size)
-    MASK = np.uint32((1 << bits) - 1)
+    MASK = u32((1 << bits) - 1)
     QPW = -(-epw // 4)                       # int8 words (quads of 4 values) per weight word
     SUB = 4 // RL if RL < 4 else 1           # int8: runs per quad (byte masks when runs are short)
     SUB_RL = 4 // SUB
     per_tensor = GR == 0
     # dp4a multiplies *signed* bytes: 8-bit q (0..255) goes in as q - 128 (flip bit 7 of every byte),
     # and the zero moves by the same 128
-    SIGN_FLIP = np.uint32(0x80808080 if bits == 8 else 0)
+    SIGN_FLIP = u32(0x80808080 if bits == 8 else 0)
     Z_SHIFT = np.float32(128.0 if (bits == 8 and int8) else 0.0)
     RUNS_W = epw // RL                       # runs per weight word
     RUNS = WPL * RUNS_W                      # runs per lane and column: <= 32, one per lane
@@ -96,16 +122,16 @@ def make_uniform_gemv(bits, M, group_size, a_src, out_dtype, int8=False):
             p = sz[0]
         else:
             p = sz[n * n_groups + min(row // GR, n_groups - 1)]
-        return f16_bits_to_f32(p), f16_bits_to_f32(p >> np.uint32(16))
+        return f16_bits_to_f32(p), f16_bits_to_f32(p >> u32(16))
 
     @cuda.jit(device=True, inline=True)
     def quad(word, s4):
         """Values 4*s4 .. 4*s4+3 of a weight word in the 4 bytes of a uint32 (0 past epw)."""
-        x = np.uint32(0)
+        x = u32(0)
         for i in range(4):
             j = 4 * s4 + i
             if j < epw:
-                x |= ((word >> np.uint32(bits * j)) & MASK) << np.uint32(8 * i)
+                x |= ((word >> u32(bits * j)) & MASK) << u32(8 * i)
         return x
 
     def kernel(A, packed, sz, d_act, out, N, K, n_chunks, n_groups):
@@ -126,7 +152,7 @@ def make_uniform_gemv(bits, M, group_size, a_src, out_dtype, int8=False):
                     W = n_chunks * QPW * LANES
                     for s4 in range(QPW):
                         a[m, i * QPW + s4] = A[m * W + (ci * QPW + s4) * LANES + lane] if ci < n_chunks \
-                            else np.uint32(0)
+                            else u32(0)
                 else:
                     for j in range(epw):
                         kk = (ci * epw + j) * LANES + lane
@@ -141,7 +167,7 @@ def make_uniform_gemv(bits, M, group_size, a_src, out_dtype, int8=False):
         n = cuda.blockIdx.x
         for i in range(WPL):
             nxt[i] = packed[n * n_words + (chunk0 + i) * LANES + lane] if (n < N and chunk0 + i < n_chunks) \
-                else np.uint32(0)
+                else u32(0)
         parity = 0
         while n < N:
             for i in range(WPL):
@@ -149,7 +175,7 @@ def make_uniform_gemv(bits, M, group_size, a_src, out_dtype, int8=False):
             n_next = n + cuda.gridDim.x                 # the next column's words are in flight meanwhile
             for i in range(WPL):
                 nxt[i] = packed[n_next * n_words + (chunk0 + i) * LANES + lane] \
-                    if (n_next < N and chunk0 + i < n_chunks) else np.uint32(0)
+                    if (n_next < N and chunk0 + i < n_chunks) else u32(0)
             for m in range(M):
                 acc[m] = np.float32(0.0)
             # ---- the column's (scale, zero) pairs: lane r converts run r's once (float16 -> float32 is a
@@ -161,16 +187,16 @@ def make_uniform_gemv(bits, M, group_size, a_src, out_dtype, int8=False):
                 run_c = -(zr - Z_SHIFT) * run_sc
             if int8:
                 for m in range(M):
-                    dot_t[m] = np.int32(0)
-                    sum_t[m] = np.int32(0)
+                    dot_t[m] = i32(0)
+                    sum_t[m] = i32(0)
                 for i in range(WPL):
                     for s4 in range(QPW):
                         x = quad(w[i], s4) ^ SIGN_FLIP
                         for u in range(SUB):
-                            msk = np.uint32(((1 << (8 * SUB_RL)) - 1) << (8 * SUB_RL * u)) if SUB > 1 \
-                                else np.uint32(FULL_MASK)
+                            msk = u32(((1 << (8 * SUB_RL)) - 1) << (8 * SUB_RL * u)) if SUB > 1 \
+                                else u32(FULL_MASK)
                             xm = x & msk
-                            ones = np.uint32(BYTE_ONES) & msk
+                            ones = u32(BYTE_ONES) & msk
                             if per_tensor:
                                 for m in range(M):
                                     dot_t[m] = dp4a(xm, a[m, i * QPW + s4], dot_t[m])
@@ -180,8 +206,8 @@ def make_uniform_gemv(bits, M, group_size, a_src, out_dtype, int8=False):
                                 sc = cuda.shfl_sync(FULL_MASK, run_sc, rid)
                                 c = cuda.shfl_sync(FULL_MASK, run_c, rid)
                                 for m in range(M):
-                                    dot = dp4a(xm, a[m, i * QPW + s4], np.int32(0))
-                                    asum = dp4a(ones, a[m, i * QPW + s4], np.int32(0))
+                                    dot = dp4a(xm, a[m, i * QPW + s4], i32(0))
+                                    asum = dp4a(ones, a[m, i * QPW + s4], i32(0))
                                     acc[m] += sc * small_int_to_f32(dot) + c * small_int_to_f32(asum)
                 if per_tensor:
                     sc = cuda.shfl_sync(FULL_MASK, run_sc, 0)
@@ -196,7 +222,7 @@ def make_uniform_gemv(bits, M, group_size, a_src, out_dtype, int8=False):
                         for jr in range(RL):
                             j = r * RL + jr
                             # float(q) without the quarter-rate I2F: q in the mantissa of 2**23, minus 2**23
-                            q = u32_as_f32(((w[i] >> np.uint32(bits * j)) & MASK) | F32_2P23_BITS) - F32_2P23
+                            q = u32_as_f32(((w[i] >> u32(bits * j)) & MASK) | F32_2P23_BITS) - F32_2P23
                             wv = q * sc + c                       # (q - zero) * scale
                             for m in range(M):
                                 acc[m] += wv * a[m, i * epw + j]
@@ -227,14 +253,15 @@ def make_uniform_gemv(bits, M, group_size, a_src, out_dtype, int8=False):
 @lru_cache(maxsize=None)
 def make_quantize_kernels(bits, group_size, w_src):
     """(scale_zero kernel, pack kernel). The first: one CTA per group (one for the whole tensor),
-    block min/max, then scale and zero as in the reference. The second: one thread per packed word."""
+    block min/max, then scale and zero as in the reference; a NaN or Inf sets err[0]. The second: one
+    thread per packed word."""
     load = make_loader(w_src)
     levels = np.float32((1 << bits) - 1)
     epw = uniform_elements_per_word(bits)
     G = group_size or 0
     F16_MAX = np.float32(65504.0)
 
-    def scale_zero_kernel(W, sz, N, K):
+    def scale_zero_kernel(W, sz, N, K, err):
         scratch = cuda.shared.array(LANES, np.float32)
         g = cuda.blockIdx.x
         if G:
@@ -248,6 +275,9 @@ def make_quantize_kernels(bits, group_size, w_src):
         mx = np.float32(-3.0e38)
         for i in range(cuda.threadIdx.x, count, cuda.blockDim.x):
             v = load(W, base + i)
+            if not abs(v) <= F32_MAX:             # NaN or Inf: flag it (quantize refuses W)
+                err[0] = 1
+                v = np.float32(0.0)
             mn = min(mn, v)
             mx = max(mx, v)
         mx = block_max(mx, scratch)
@@ -269,16 +299,16 @@ def make_quantize_kernels(bits, group_size, w_src):
         n = idx // (n_chunks * LANES)
         c = (idx // LANES) % n_chunks
         t = idx % LANES
-        word = np.uint32(0)
+        word = u32(0)
         for j in range(epw):
             kk = (c * epw + j) * LANES + t
             if kk < K:
                 g = (n * (K // G) + kk // G) if G else 0
                 s = np.float32(sz[2 * g])
                 z = np.float32(sz[2 * g + 1])
-                q = np.int32(round(load(W, n * K + kk) / s + z))
-                q = min(max(q, np.int32(0)), np.int32(levels))
-                word |= np.uint32(q) << np.uint32(bits * j)
+                q = i32(round(load(W, n * K + kk) / s + z))
+                q = min(max(q, i32(0)), i32(levels))
+                word |= u32(q) << u32(bits * j)
         packed[idx] = word
 
     return cuda.jit(scale_zero_kernel), cuda.jit(pack_kernel)
@@ -305,10 +335,13 @@ def quantize(W, bits=4, group_size=128, stream=None):
     sz_kernel, pack_kernel = make_quantize_kernels(bits, group_size, str(Wd.dtype))
     flatW, flat_sz = _arrays.flat_view(Wd), _arrays.flat_view(sz)
     threads = group_size or QUANT_THREADS          # a thread per value of a group (32..128)
-    sz_kernel[n_groups, threads, stream](flatW, flat_sz, np.int32(N), np.int32(K))
+    err = cuda.to_device(np.zeros(1, np.int32), stream=stream)
+    sz_kernel[n_groups, threads, stream](flatW, flat_sz, i32(N), i32(K), err)
+    if err.copy_to_host(stream=stream)[0]:
+        raise ValueError("W contains NaN or Inf")
     total = N * n_chunks * LANES
     pack_kernel[-(-total // QUANT_THREADS), QUANT_THREADS, stream](flatW, flat_sz, _arrays.flat_view(packed),
-                                                                   np.int32(N), np.int32(K), np.int32(n_chunks))
+                                                                   i32(N), i32(K), i32(n_chunks))
     return UniformWeight(packed, sz, bits, (N, K), group_size)
 
 
@@ -320,9 +353,10 @@ def _dummy_scales():
     return cuda.to_device(np.ones(1, np.float32))
 
 
-def _plan(A, uw, out, stream, out_dtype, int8, bf16):
-    """Checked inputs -> (steps, A, out): the activation quantizer (int8 path) and the GEMV launch."""
-    uw = _arrays.device_weight(uw, UniformWeight, stream)
+def plan(A, uw, out=None, stream=None, out_dtype=np.float16, int8=False, bf16=False):
+    """Checked inputs bound into a :class:`launch.Plan`: the activation quantizer (int8 path) and the GEMV."""
+    stream = _arrays.as_stream(stream)
+    uw = device_weight(uw, UniformWeight, stream)
     N, K = uw.shape
     Ad, a_src, M, out = _arrays.gemv_io(A, uw.shape, out, out_dtype, bf16, stream, "uniform.gemv", MAX_M)
     epw, wpl, _, _ = _geometry(uw.bits, uw.group_size)
@@ -337,14 +371,14 @@ def _plan(A, uw, out, stream, out_dtype, int8, bf16):
         a_arg = _arrays.flat_view(words)
     else:
         a_arg, d_act = _arrays.flat_view(Ad), _dummy_scales()
-    kern = make_uniform_gemv(uw.bits, M, uw.group_size, "float16" if int8 else a_src, out.dtype.name, int8)
+    kern = make_uniform_gemv(UniformGemvSpec(uw.bits, M, uw.group_size, a_src, out.dtype, int8))
     n_groups = K // uw.group_size if uw.group_size else 1
     grid = max(1, min(N, sm_count() * max(1, CTA_WARPS_TARGET // kw)))
-    steps.append((kern, grid, kw * WARP, (a_arg, _arrays.flat_view(uw.packed),
-                                          _arrays.flat_view(uw.scale_zero, np.uint32), d_act,
-                                          _arrays.flat_view(out), np.int32(N), np.int32(K),
-                                          np.int32(uw.n_chunks), np.int32(n_groups))))
-    return steps, Ad, out
+    steps.append(Step(kern, grid, kw * WARP, (a_arg, _arrays.flat_view(uw.packed),
+                                              _arrays.flat_view(uw.scale_zero, np.uint32), d_act,
+                                              _arrays.flat_view(out), i32(N), i32(K),
+                                              i32(uw.n_chunks), i32(n_groups))))
+    return Plan(steps, Ad, out, stream)
 
 
 def gemv(A, uw, out=None, stream=None, out_dtype=np.float16, int8=False, bf16=False):
@@ -353,33 +387,32 @@ def gemv(A, uw, out=None, stream=None, out_dtype=np.float16, int8=False, bf16=Fa
     A: float16/float32 [M, K] or [K] (bfloat16 bits as int16 with ``bf16=True``). ``int8=True``
     quantizes A per token to int8 first (``act_quant``, one more launch) and runs the dp4a kernel.
     Returns a device array [M, N] (or [N]) of ``out_dtype``, or writes into ``out``."""
-    return run_plan(_plan, A, uw, out, stream, out_dtype, int8, bf16)
+    return plan(A, uw, out, stream, out_dtype, int8, bf16).launch()
 
 
 def prepare(A, uw, out=None, stream=None, out_dtype=np.float16, int8=False, bf16=False):
     """``gemv`` bound to its buffers for decode loops and CUDA graphs (``launch.PreparedSteps``): write
     the next activations into ``.A`` (a device array) and call ``.run()``."""
-    return prepare_plan(_plan, A, uw, out, stream, out_dtype, int8, bf16)
+    return plan(A, uw, out, stream, out_dtype, int8, bf16).prepare()
+
+
+def ptx_specs():
+    """Every (bits, M = 1, 4) for the fp16 and int8 paths at group 128, every group size at 4 and 3 bits,
+    and the other A / output types once."""
+    specs = [UniformGemvSpec(b, M, 128, int8=i8) for b in UNIFORM_BITS for M in (1, 4) for i8 in (False, True)]
+    specs += [UniformGemvSpec(b, 2, g, int8=i8) for b in (3, 4) for g in (32, 64, None) for i8 in (False, True)]
+    return specs + [UniformGemvSpec(4, 3, 128, "float32", "float32"), UniformGemvSpec(2, 1, 64, "bfloat16")]
 
 
 def kernel_specializations():
-    """Every (bits, M) for the fp16 and int8 paths at group 128, every group size at 4 and 3 bits,
-    and the other A / output types once."""
     from numba import types as t
-    nb = {"float16": t.float16[::1], "float32": t.float32[::1], "bfloat16": t.int16[::1]}
-    specs = []
-    combos = [(b, M, 128, "float16", "float16", i8) for b in UNIFORM_BITS for M in (1, 4) for i8 in (False, True)]
-    combos += [(b, 2, g, "float16", "float16", i8) for b in (3, 4) for g in (32, 64, None) for i8 in (False, True)]
-    combos += [(4, 3, 128, "float32", "float32", False), (2, 1, 64, "bfloat16", "float16", False)]
-    for bits, M, G, a_src, od, i8 in combos:
-        name = f"uniform bits={bits} M={M} G={G} A={'int8' if i8 else a_src} out={od}"
-        aty = t.uint32[::1] if i8 else nb[a_src]
-        specs.append((name, make_uniform_gemv(bits, M, G, a_src, od, i8),
-                      (aty, t.uint32[::1], t.uint32[::1], t.float32[::1], nb[od], t.int32, t.int32, t.int32,
-                       t.int32)))
+    specs = [(spec.name, make_uniform_gemv(spec),
+              (t.uint32[::1] if spec.int8 else NUMBA_TYPES[spec.a_type], t.uint32[::1], t.uint32[::1], t.float32[::1],
+               NUMBA_TYPES[spec.out_dtype], t.int32, t.int32, t.int32, t.int32)) for spec in ptx_specs()]
     for bits in UNIFORM_BITS:
         szk, pk = make_quantize_kernels(bits, 64, "float16")
-        specs.append((f"uniform_quantize_sz bits={bits}", szk, (t.float16[::1], t.float16[::1], t.int32, t.int32)))
+        specs.append((f"uniform_quantize_sz bits={bits}", szk,
+                      (t.float16[::1], t.float16[::1], t.int32, t.int32, t.int32[::1])))
         specs.append((f"uniform_quantize_pack bits={bits}", pk,
                       (t.float16[::1], t.float16[::1], t.uint32[::1], t.int32, t.int32, t.int32)))
     return specs

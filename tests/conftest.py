@@ -55,3 +55,21 @@ if PTX_ONLY and not cuda.is_available():
     _dispatcher.get_current_device = lambda: _Sm90()
 
 import kbit_numba  # noqa: E402,F401  (installs the simulator's warp primitives)
+
+
+def pytest_collection_finish(session):
+    """Under the simulator, start the PTX children now if test_ptx.py was collected: they compile on the
+    cores the simulator (one Python thread at a time) leaves idle, instead of after it."""
+    if PTX_ONLY or os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
+        return
+    if any(os.path.basename(str(item.fspath)) == "test_ptx.py" for item in session.items):
+        import test_ptx
+        test_ptx.start_children()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """PTX children still running when the session ends (test_ptx deselected by -x or a failure) are stopped."""
+    mod = sys.modules.get("test_ptx")
+    for proc, _ in getattr(mod, "_CHILDREN", []):
+        if proc.poll() is None:
+            proc.kill()

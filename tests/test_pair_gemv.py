@@ -44,15 +44,14 @@ def test_codes_field_order():
 @given(seeds, codes_ks, st.integers(1, 4), st.integers(1, MAX_N), KBS, st.sampled_from(["e4m4", "fp32"]),
        st.sampled_from(["float16", "float32", "bfloat16"]), st.sampled_from([np.float16, np.float32]),
        st.sampled_from([1, 2, 4, 8]))
-def test_pair_gemv(seed, k, M, N, kbn, fmt, a_dtype, out_dtype, CB):
+def test_pair_gemv(seed, k, M, N, kbn, fmt, a_dtype, out_dtype, cols):
     rng = np.random.default_rng(seed)
     K = 32 * kbn
     qw = ref.quantize(random_weight(rng, N, K), k=k, absmax_format=fmt)
     kc = pair_gemv.to_codes(qw)
     A = _activations(rng, M, K, a_dtype)
     bf16 = a_dtype == "bfloat16"
-    launch, _, out = pair_gemv.plan(A, kc, out_dtype=out_dtype, bf16=bf16, CB=CB)
-    launch()
+    out = pair_gemv.plan(A, kc, out_dtype=out_dtype, bf16=bf16, cols=cols).launch()
     assert out.shape == (M, N) and out.dtype == np.dtype(out_dtype)
     check_close(out.copy_to_host(), A, qw, bf16, out_dtype)
 
@@ -71,19 +70,18 @@ def check_close_f16_acc(got, A, qw, out_dtype):
     assert_within(got, want, (17 * u + 1e-5) * scale + tiny[None, :] + 1e-30, out_dtype)
 
 
-@settings(max_examples=EXAMPLES)     # (CB's other values: test_pair_gemv; each draw may be a new compilation)
+@settings(max_examples=EXAMPLES)     # (cols' other values: test_pair_gemv; each draw may be a new compilation)
 @given(seeds, codes_ks, st.integers(1, 4), st.integers(1, MAX_N), KBS, st.sampled_from(["e4m4", "fp32"]),
        st.sampled_from([np.float16, np.float32]), st.sampled_from([2, 4]),
        st.sampled_from([1.0, 1e-3, 300.0]))
-def test_pair_gemv_f16_acc(seed, k, M, N, kbn, fmt, out_dtype, CB, a_scale):
+def test_pair_gemv_f16_acc(seed, k, M, N, kbn, fmt, out_dtype, cols, a_scale):
     """The float16-accumulating variant within its stated bound, small and large activations too."""
     rng = np.random.default_rng(seed)
     K = 32 * kbn
     out_dtype = np.float32 if a_scale > 1 else out_dtype     # (large sums would overflow a float16 output)
     qw = ref.quantize(random_weight(rng, N, K), k=k, absmax_format=fmt)
     A = (_activations(rng, M, K, "float32") * a_scale).astype(np.float16)
-    launch, _, out = pair_gemv.plan(A, pair_gemv.to_codes(qw), out_dtype=out_dtype, CB=CB, f16_acc=True)
-    launch()
+    out = pair_gemv.plan(A, pair_gemv.to_codes(qw), out_dtype=out_dtype, cols=cols, f16_acc=True).launch()
     check_close_f16_acc(out.copy_to_host(), A, qw, out_dtype)
 
 
@@ -109,8 +107,8 @@ def test_pair_gemv_refuses():
         pair_gemv.gemv(np.zeros((1, 32), np.float16), qw)
     with pytest.raises(ValueError, match="code layout"):
         pair_gemv.to_codes(ref.quantize(random_weight(rng, 4, 64), k=3))
-    with pytest.raises(ValueError, match="CB"):
-        pair_gemv.plan(np.zeros((1, 64), np.float16), qw, CB=3)
+    with pytest.raises(ValueError, match="cols must be one of"):
+        pair_gemv.plan(np.zeros((1, 64), np.float16), qw, cols=3)
     with pytest.raises(ValueError, match="f16_acc needs float16 activations"):
         pair_gemv.plan(np.zeros((1, 64), np.float32), qw, f16_acc=True)
     with pytest.raises(ValueError, match="code layout"):

@@ -1,12 +1,15 @@
 """Compile every kernel specialisation to PTX for sm_90 and check what the PTX must contain.
 
-Runs where PTX can be produced: on a GPU machine directly, and without a GPU in a child process that
-has the simulator off (``KBIT_NUMBA_PTX_ONLY=1``; needs ``numba-cuda[cu13]`` for NVVM). Under the
-simulator the single test below spawns that child and fails if any of its checks fail.
+Runs where PTX can be produced: on a GPU machine directly, and without a GPU in child processes that
+have the simulator off (``KBIT_NUMBA_PTX_ONLY=1``; needs ``numba-cuda[cu13]`` for NVVM). Under the
+simulator the children start as soon as the session has collected this file (tests/conftest.py), so
+their compiling overlaps the simulator tests; the single test below waits for them and fails if any of
+their checks fail.
 """
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 from numba import cuda
@@ -42,24 +45,24 @@ def _requirements(name):
         k = int(name.split("k=")[1].split()[0])
         must += ["shfl.sync.bfly.b32", "prmt.b32", "cvta.to.shared", "bar.sync"]
         must += ["st.shared.v4.u32"]                         # the table fill, 16 bytes a store
-        if "f16_acc" in name:                                # f16x2 pairs (quads: two), one fma per pair
+        if "f16_acc=True" in name:                           # f16x2 pairs (quads: two), one fma per pair
             must += ["fma.rn.f16x2", {4: "ld.shared.u32", 2: "ld.shared.v2.u32"}[k],
                      {4: "ld.global.nc.v4.u32", 2: "ld.global.nc.v2.u32"}[k]]
         else:
             must += {4: ["ld.global.nc.v4.u32", "ld.shared.v2.u32"], 2: ["ld.global.nc.v2.u32", "ld.shared.v4.u32"]}[k]
         never += ["ld.shared.f64", "cvt.rn.f32.f64"]
     if name.startswith("gemm"):
-        bf16 = "A=bfloat16" in name
+        bf16 = "a_type=bfloat16" in name
         must += ["mma.sync.aligned.m16n8k16.row.col.f32." + ("bf16.bf16" if bf16 else "f16.f16") + ".f32",
                  "ldmatrix.sync.aligned.m8n8.x4.shared.b16", "cp.async.cg.shared.global",
                  "mul.rn." + ("bf16x2" if bf16 else "f16x2"), "ld.shared.u32", "shf.r.wrap.b32", "lop3.b32"]
         must += {4: ["ld.shared.v4.u32"], 2: ["ld.shared.v4.u32"]}.get(int(name.split("k=")[1][0]),
                                                                        ["ld.shared.v2.u32"])
-        if "split=True" in name:
+        if "split_k=True" in name:
             must += ["atom.global.add.f32"]
     if name.startswith("uniform "):
         must += ["shfl.sync.bfly.b32"]
-        if "A=int8" in name:
+        if "int8=True" in name:
             must += ["dp4a.s32.s32"]
         never += ["cvt.rn.f32.f64", "cvt.f64"]               # float32 math only
     if name.startswith("uniform_quantize_sz") or name.startswith("int8_act"):
@@ -85,21 +88,37 @@ def _shard(items):
     return [x for j, x in enumerate(items) if j % n == i]
 
 
+_CHILDREN = []          # (process, log file) of the PTX children, started once per session
+
+
+def start_children(jobs=None):
+    """Start the PTX children (simulator off, every n-th specialisation each). conftest starts them as soon
+    as the session has collected this file, so they compile while the simulator tests run (those hold one
+    core: the children default to the other cores); the test below then waits for them."""
+    if _CHILDREN:
+        return
+    jobs = jobs or int(os.environ.get("KBIT_NUMBA_PTX_JOBS", max(1, (os.cpu_count() or 2) - 1)))
+    for i in range(jobs):
+        env = dict(os.environ, KBIT_NUMBA_PTX_ONLY="1", KBIT_NUMBA_PTX_SHARD=f"{i}/{jobs}")
+        env.pop("NUMBA_ENABLE_CUDASIM", None)
+        log = tempfile.TemporaryFile(mode="w+")
+        proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=5",
+                                 __file__], cwd=os.path.dirname(__file__), env=env, stdout=log, stderr=subprocess.STDOUT,
+                                text=True)
+        _CHILDREN.append((proc, log))
+
+
 if SIM:
     def test_ptx_in_child_process():
-        jobs = int(os.environ.get("KBIT_NUMBA_PTX_JOBS", max(2, os.cpu_count() or 2)))
-        procs = []
-        for i in range(jobs):
-            env = dict(os.environ, KBIT_NUMBA_PTX_ONLY="1", KBIT_NUMBA_PTX_SHARD=f"{i}/{jobs}")
-            env.pop("NUMBA_ENABLE_CUDASIM", None)
-            procs.append(subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                           "--durations=5", __file__], cwd=os.path.dirname(__file__), env=env,
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        for i, proc in enumerate(procs):
-            out, err = proc.communicate()
-            print(f"--- PTX child {i}/{jobs}:", out[-2000:], err[-2000:])
-            assert proc.returncode == 0, out[-6000:] + err[-3000:]
-            assert " passed" in out and " skipped" not in out.splitlines()[-1]
+        start_children()
+        jobs = len(_CHILDREN)
+        for i, (proc, log) in enumerate(_CHILDREN):
+            proc.wait()
+            log.seek(0)
+            out = log.read()
+            print(f"--- PTX child {i}/{jobs}:", out[-2000:])
+            assert proc.returncode == 0, out[-9000:]
+            assert " passed" in out and " skipped" not in out.strip().splitlines()[-1]
 else:
     if SHARD is None or SHARD.startswith("0/"):             # child 0 of the split checks the intrinsics
         def test_intrinsics_ptx():

@@ -1,0 +1,127 @@
+"""The host-side core every kernel family shares: weights on the device, MoE experts, launch geometry.
+
+* ``device_weight(w, cls)``: any format container (``KbitWeight``, ``KbitCodes``, ``KbitExperts``,
+  ``UniformWeight``, ``SbvrWeight``, ``BitnetWeight``) checked (its type, each array's dtype as the
+  container's ``dtypes()`` names it, C-contiguity, a kbit codebook's size) with its arrays on the device.
+* MoE: ``stack_experts`` builds a ``formats.KbitExperts``; ``check_grouped`` and
+  ``max_tokens_per_expert`` check a grouped call's inputs (grouped gemv and grouped gemm).
+* Geometry: ``MAX_M`` (rows a GEMV kernel holds in registers), ``sm_count()``, ``k_warps`` (warps side
+  by side along K when a lane owns a 32-element block), ``unused_i32()`` (the dummy for a kernel
+  argument a launch does not use).
+
+Kernel families import from here, ``formats``, ``device`` (device functions), ``intrinsics`` and
+``launch``; never from each other.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import lru_cache
+
+import numpy as np
+from numba import cuda
+
+from . import _arrays
+from .formats import BLOCK, KbitCodes, KbitExperts, KbitWeight
+from .launch import OUT_TYPES, Spec, type_name
+
+MAX_M = 4                        # rows of A a GEMV kernel holds in registers (M = 1..4)
+WARP = 32
+KBIT_CONTAINERS = (KbitWeight, KbitCodes)
+
+
+def sm_count():
+    """Streaming multiprocessors of the current GPU: the launch geometry of every family sizes its
+    grid from it (2 under the simulator, which has no such attribute)."""
+    try:
+        return cuda.get_current_device().MULTIPROCESSOR_COUNT
+    except Exception:
+        return 2
+
+
+def k_warps(K):
+    """Warps side by side along K when lane l of warp w owns block 32 w + l: ceil(K / 1024)."""
+    return -(-(K // BLOCK) // WARP)
+
+
+@lru_cache(maxsize=None)
+def unused_i32():
+    """A small int32 device array for a kernel argument that a launch leaves unused (the ABI has it)."""
+    return cuda.to_device(np.zeros(2, np.int32))
+
+
+@dataclass(frozen=True)
+class RowsSpec(Spec):
+    """The Spec of a GEMV family whose only compile-time choices are M (1..MAX_M) and the output type
+    (subclasses name the family)."""
+    M: int
+    out_dtype: str = "float16"
+
+    def normalise(self):
+        if not 1 <= self.M <= MAX_M:
+            raise ValueError(f"{self.FAMILY}.gemv handles M = 1..{MAX_M} rows, got M={self.M}")
+        return dict(M=int(self.M), out_dtype=type_name(self.out_dtype, "out_dtype", OUT_TYPES))
+
+
+def device_weight(w, cls=KBIT_CONTAINERS, stream=0):
+    """``w`` checked to be a ``cls`` container (one class or a tuple), with checked device arrays: each
+    array field has a dtype its ``dtypes()`` allows and is C-contiguous; NumPy arrays are copied to the
+    device (a list/tuple codebook is converted first). A kbit codebook must hold 2**k values."""
+    if not isinstance(w, cls):
+        names = " or ".join(c.__name__ for c in (cls if isinstance(cls, tuple) else (cls,)))
+        raise TypeError(f"the weight must be a {names}, got {type(w).__name__}")
+    fixed = {}
+    for field, dtypes in w.dtypes().items():
+        a = getattr(w, field)
+        if isinstance(a, (list, tuple)):
+            a = np.asarray(a, dtypes[0])
+        fixed[field] = _arrays.device_array(a, f"weight.{field}", dtypes, None, stream)
+    if hasattr(w, "codebook") and fixed["codebook"].shape[0] != 1 << w.k:
+        raise ValueError(f"codebook must hold {1 << w.k} values for k={w.k}, got {fixed['codebook'].shape[0]}")
+    return replace(w, **fixed)
+
+
+# ---- MoE experts ---------------------------------------------------------------------------------
+def stack_experts(experts, stream=None):
+    """A list of KbitWeights (same shape, k, layout, absmax format, codebook) -> KbitExperts on the device."""
+    experts = list(experts)
+    if not experts or not all(isinstance(w, KbitWeight) for w in experts):
+        raise TypeError("stack_experts needs a non-empty list of KbitWeight")
+    w0 = experts[0]
+    key = (w0.shape, w0.k, w0.layout, w0.absmax_format)
+    cb0 = _arrays.to_host(w0.codebook)
+    for w in experts[1:]:
+        if (w.shape, w.k, w.layout, w.absmax_format) != key:
+            raise ValueError(f"every expert must have shape/k/layout/absmax_format {key}, "
+                             f"got {(w.shape, w.k, w.layout, w.absmax_format)}")
+        if not np.array_equal(_arrays.to_host(w.codebook), cb0):
+            raise ValueError("every expert must use the same codebook")
+    stream = _arrays.as_stream(stream)
+    packed = np.concatenate([_arrays.to_host(w.packed).reshape(-1) for w in experts])
+    absmax = np.concatenate([_arrays.to_host(w.absmax).reshape(-1) for w in experts])
+    return KbitExperts(cuda.to_device(packed, stream=stream), cuda.to_device(absmax, stream=stream),
+                       cuda.to_device(cb0.astype(np.float32), stream=stream), w0.k, w0.shape, len(experts),
+                       w0.layout, w0.absmax_format)
+
+
+def check_grouped(A, experts, expert_offsets, bf16, stream):
+    """Checked MoE inputs: (device A, its element type, T, device offsets, device experts). A: [T, K]
+    tokens sorted by expert; expert_offsets: int32 [E+1]."""
+    experts = device_weight(experts, KbitExperts, stream)
+    E = experts.n_experts
+    K = experts.expert_shape[1]
+    Ad, a_src = _arrays.float_input(A, "A", bf16, 2, stream)
+    T = tuple(Ad.shape)[0]
+    if tuple(Ad.shape)[1] != K:
+        raise ValueError(f"A has K={tuple(Ad.shape)[1]}, the experts have K={K}")
+    offs = _arrays.device_array(expert_offsets, "expert_offsets", (np.int32,), 1, stream)
+    if offs.shape[0] != E + 1:
+        raise ValueError(f"expert_offsets must hold E+1 = {E + 1} values, got {offs.shape[0]}")
+    return Ad, a_src, T, offs, experts
+
+
+def max_tokens_per_expert(host_offsets, T):
+    """The largest expert's token count, after checking that the offsets rise from 0 to T."""
+    h = host_offsets
+    if h[0] != 0 or h[-1] != T or np.any(np.diff(h) < 0):
+        raise ValueError(f"expert_offsets must rise from 0 to T={T}")
+    return int(np.max(np.diff(h))) if len(h) > 1 else 0

@@ -1,0 +1,149 @@
+"""The shape every kernel family shares: Specs (normalised cache keys), Plans (launch steps), the core
+(one device_weight, experts), the per-GPU table's parameters, and the refusals of bad user arguments."""
+import numpy as np
+import pytest
+from numba import cuda
+
+import kbit_numba as kb
+from kbit_numba import core, dispatch, pair_gemv, scalar_gemv, tensor_gemm
+from kbit_numba import reference as ref
+from kbit_numba.launch import Plan, Prepared, Step
+from helpers import random_weight
+from test_gemm import check_close
+
+
+# ---- Specs ------------------------------------------------------------------------------------------
+def test_specs_normalise_so_equal_choices_are_one_key():
+    a = scalar_gemv.GemvSpec(4, 1, a_type=np.float16, out_dtype=np.dtype(np.float32), grouped=0)
+    b = scalar_gemv.GemvSpec(4, 1, a_type="float16", out_dtype="float32", grouped=False)
+    assert a == b and hash(a) == hash(b) and scalar_gemv.make_gemv_kernel(a) is scalar_gemv.make_gemv_kernel(b)
+    assert a.cols == scalar_gemv.DEFAULTS["cols"]
+    # stages=None is the default ring depth written out: one compilation either way
+    mt = tensor_gemm.M_TILES[0]
+    assert tensor_gemm.GemmSpec(4, mt) == tensor_gemm.GemmSpec(4, mt, stages=tensor_gemm.STAGES_FOR_MT[mt])
+    assert pair_gemv.PairGemvSpec(2, 3, out_dtype=np.float16).name.startswith("pair_gemv k=2 M=3 cols=")
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: scalar_gemv.GemvSpec(4, 5), "M = 1..4"),
+    (lambda: scalar_gemv.GemvSpec(6, 1), "k must be one of"),
+    (lambda: scalar_gemv.GemvSpec(4, 1, cols=3), "cols must be one of"),
+    (lambda: scalar_gemv.GemvSpec(4, 1, a_type="int8"), "a_type must be one of"),
+    (lambda: scalar_gemv.GemvSpec(4, 1, out_dtype="bfloat16"), "out_dtype must be one of"),
+    (lambda: tensor_gemm.GemmSpec(4, 3), "m_tile must be one of"),
+    (lambda: tensor_gemm.GemmSpec(4, 1, a_type="float32"), "a_type must be one of"),
+    (lambda: pair_gemv.PairGemvSpec(3, 1), "k in"),
+    (lambda: pair_gemv.PairGemvSpec(4, 1, a_type="float32", f16_acc=True), "f16_acc needs float16"),
+])
+def test_specs_refuse_bad_choices(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_ptx_checks_cover_the_shipped_defaults():
+    """The PTX test compiles what the plans launch by default (the list is derived from the DEFAULTS)."""
+    gemv = set(scalar_gemv.ptx_specs())
+    assert all(scalar_gemv.GemvSpec(k, M) in gemv for k in kb.K_BITS for M in (1, 2, 3, 4))
+    pair = set(pair_gemv.ptx_specs())
+    for k in pair_gemv.CODES_K:
+        for M in (1, 2, 3, 4):
+            for N, K in ((64, 64), (14336, 4096)):             # small weights (small_cols) and large
+                assert pair_gemv.PairGemvSpec(k, M, pair_gemv.default_cols(M, N, K)) in pair
+    gemm = set(tensor_gemm.ptx_specs())
+    assert all(tensor_gemm.GemmSpec(k, mt) in gemm for k in kb.K_BITS for mt in tensor_gemm.M_TILES)
+
+
+# ---- Plans ------------------------------------------------------------------------------------------
+def test_every_family_plans_the_same_way():
+    rng = np.random.default_rng(0)
+    qw = ref.quantize(random_weight(rng, 8, 64), k=4)
+    A = cuda.to_device(rng.standard_normal((2, 64)).astype(np.float16))
+    plans = [scalar_gemv.plan(A, qw, out_dtype=np.float32), pair_gemv.plan(A, ref.to_codes(qw), out_dtype=np.float32),
+             dispatch.plan(A, qw, out_dtype=np.float32, kernel="gemv")]
+    for p in plans:
+        assert isinstance(p, Plan) and p.A is A and all(isinstance(s, Step) for s in p.steps)
+        check_close(p.launch().copy_to_host(), A.copy_to_host(), qw)
+        prep = p.prepare()
+        assert isinstance(prep, Prepared)
+        check_close(prep.run().copy_to_host(), A.copy_to_host(), qw)
+
+
+def test_table_parameters_reach_the_kernel():
+    """A table rule may carry launch parameters: they override the family's DEFAULTS for that kernel."""
+    table = {"rules": [[4, "gemv", {"cols": 4}], [None, "gemm", {"split": 1}]], "shapes": {}}
+    assert dispatch.choose_rule(2, 128, 64, "flat", table, backend=False) == ("gemv", {"cols": 4})
+    assert dispatch.choose_rule(9, 128, 64, "flat", table, backend=False) == ("gemv", {})   # a fallback
+    rng = np.random.default_rng(1)
+    qw = ref.quantize(random_weight(rng, 8, 64), k=4)
+    A = rng.standard_normal((1, 64)).astype(np.float16)
+    p = dispatch.plan(A, qw, out_dtype=np.float32, table=table)
+    assert p.steps[0].kernel is scalar_gemv.make_gemv_kernel(scalar_gemv.GemvSpec(4, 1, cols=4, out_dtype="float32"))
+    check_close(p.launch().copy_to_host(), A, qw)
+
+
+# ---- the core ---------------------------------------------------------------------------------------
+FAMILIES = ("codec", "scalar_gemv", "pair_gemv", "tensor_gemm", "uniform", "sbvr", "bitnet")
+SHARED = ("_arrays", "core", "formats", "device", "intrinsics", "launch", "act_quant", "reference")
+
+
+def test_no_kernel_family_imports_another():
+    import ast
+    import os
+    root = os.path.dirname(kb.__file__)
+    for fam in FAMILIES:
+        tree = ast.parse(open(os.path.join(root, fam + ".py")).read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                names = [node.module] if node.module else [a.name for a in node.names]
+                assert all(n.split(".")[0] in SHARED for n in names), f"{fam} imports {names}"
+
+
+
+def test_one_device_weight_checks_every_container():
+    qw = ref.quantize(np.ones((8, 64), np.float32), k=2)
+    with pytest.raises(TypeError, match="weight.packed must have dtype"):
+        core.device_weight(kb.KbitWeight(qw.packed.view(np.int32), qw.absmax, qw.codebook, 2, (8, 64)))
+    with pytest.raises(TypeError, match="weight.absmax must have dtype"):
+        core.device_weight(kb.KbitWeight(qw.packed, qw.absmax.astype(np.float32), qw.codebook, 2, (8, 64)))
+    with pytest.raises(ValueError, match="codebook must hold 4 values"):
+        core.device_weight(kb.KbitWeight(qw.packed, qw.absmax, np.zeros(8, np.float32), 2, (8, 64)))
+    with pytest.raises(TypeError, match="must be a UniformWeight"):
+        core.device_weight(qw, kb.formats.UniformWeight)
+    uw = ref.uniform_quantize(np.ones((4, 64), np.float32), 4, 64)
+    with pytest.raises(TypeError, match="weight.scale_zero must have dtype"):
+        kb.uniform.gemv(np.ones((1, 64), np.float16), kb.formats.UniformWeight(
+            uw.packed, uw.scale_zero.astype(np.float32), 4, (4, 64), 64))
+    w = core.device_weight(kb.KbitWeight(qw.packed, qw.absmax, list(qw.codebook), 2, (8, 64)))
+    assert w.on_device and np.array_equal(w.codebook.copy_to_host(), qw.codebook)
+
+
+# ---- refusals of bad user arguments ------------------------------------------------------------------
+def test_user_arguments_are_refused_with_clear_errors():
+    flat = ref.quantize(np.ones((128, 64), np.float32), k=4)
+    tiled = ref.repack_tiled(flat)
+    A = np.ones((2, 64), np.float16)
+    with pytest.raises(ValueError, match="m_tile must be one of"):          # (was a bare assert)
+        kb.gemm(A, tiled, m_tile=3)
+    with pytest.raises(ValueError, match="split must be an integer >= 1"):
+        kb.gemm(A, tiled, split=0)
+    with pytest.raises(TypeError, match="A must be a NumPy array or a CUDA array"):   # (was AttributeError)
+        kb.linear([[1.0] * 64], flat)
+    with pytest.raises(TypeError, match="stream must be"):                 # (was accepted)
+        kb.gemv(A, flat, stream="x")
+    with pytest.raises(ValueError, match="M = 1..4"):
+        kb.gemv(np.ones((0, 64), np.float16), flat)
+    out = kb.gemm(np.ones((0, 64), np.float16), tiled)                      # M = 0: an empty result
+    assert out.shape == (0, 128)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_quantizers_refuse_nan_and_inf(bad):
+    W = np.ones((16, 128), np.float32)
+    W[3, 5] = bad
+    for quantize in (lambda: ref.quantize(W, k=4), lambda: kb.quantize(W, k=4),
+                     lambda: ref.uniform_quantize(W, 4, 64), lambda: ref.bitnet_quantize(W),
+                     lambda: kb.bitnet.quantize(W), lambda: ref.sbvr_encode(W, lines=4, iters=1, kmeans_iters=1)):
+        with pytest.raises(ValueError, match="NaN or Inf"):
+            quantize()
+    with pytest.raises(ValueError, match="NaN or Inf"):          # a device W: flagged by the kernel
+        kb.uniform.quantize(cuda.to_device(W), 4, 64)
