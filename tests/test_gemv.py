@@ -69,6 +69,24 @@ def test_gemv_vector_input_and_out_buffer():
     check_close(out.copy_to_host()[None], a[None], qw.to_numpy())
 
 
+@pytest.mark.parametrize("k, layout, M", [(4, "flat", 3), (3, "tiled", 1)])
+def test_gemv_several_k_warps_and_persistent_loop(monkeypatch, k, layout, M):
+    """The paths small simulator draws miss: K = 1056 (two K-warps, the second with one live lane, so the
+    cross-warp sum runs) and one SM (a grid of 16 CTAs over more column groups, so each CTA walks the
+    persistent loop several times and its prefetch of the next group runs)."""
+    from kbit_numba import scalar_gemv
+    monkeypatch.setattr(scalar_gemv, "sm_count", lambda: 1)
+    rng = np.random.default_rng(k)
+    N, K = (80, 1056) if layout == "flat" else (128, 1056)
+    flat = ref.quantize(random_weight(rng, N, K), k=k)
+    qw = flat if layout == "flat" else ref.repack_tiled(flat)
+    A = _activations(rng, M, K, "float16")
+    p = scalar_gemv.plan(A, qw, out_dtype=np.float32)
+    step = p.steps[0]
+    assert step.block == 64 and step.grid == 16 and -(-N // 2) > step.grid     # 2 K-warps, loops over groups
+    check_close(p.launch().copy_to_host(), A, flat)
+
+
 def test_prepared_gemv_matches_and_rebinds_inputs():
     rng = np.random.default_rng(6)
     qw = kb.quantize(random_weight(rng, 9, 64), k=4)
