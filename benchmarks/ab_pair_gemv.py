@@ -7,6 +7,8 @@ read floor and cuBLAS fp16 in the same run):
 
 Prints, per shape, k, M and accumulation (fp32, f16_acc), the time of the working tree's kernel (A) and
 of the other file's (B), each at its own default plan, alternating A and B three times to expose drift.
+REV must be from commit 35dd0d8 on (plan() returning a launch.Plan); for older revisions, compare the whole
+package with benchmarks/device_ab_bench.sh.
 """
 import importlib.util
 import sys

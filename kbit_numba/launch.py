@@ -24,7 +24,7 @@ simulator (no driver) a call is an ordinary kernel launch.
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import NamedTuple
 
 import numpy as np
@@ -174,8 +174,9 @@ class Plan:
     workspace: object = None
 
     def launch(self, stream=None):
-        """Run the steps in order (Numba launches); returns ``out``."""
-        stream = self.stream if stream is None else stream
+        """Run the steps in order (Numba launches; on ``stream`` if given, else the plan's); returns ``out``."""
+        from ._arrays import as_stream
+        stream = self.stream if stream is None else as_stream(stream)
         for step in self.steps:
             launch_step(step, stream)
         return self.out
@@ -183,10 +184,6 @@ class Plan:
     def prepare(self):
         """The same launches bound once: see :class:`Prepared`."""
         return Prepared(self)
-
-    def __add__(self, other):
-        """Two plans one after the other (e.g. the row slices of a GEMV): ``A`` and ``out`` are the first's."""
-        return Plan(self.steps + other.steps, self.A, self.out, self.stream, self.workspace or other.workspace)
 
 
 class Prepared:
@@ -224,12 +221,12 @@ def type_name(t, name, allowed=ELEMENT_TYPES):
     if isinstance(t, str) and t in allowed:
         return t
     try:
-        t = np.dtype(t).name
+        norm = np.dtype(t).name
     except TypeError:
-        t = None
-    if t not in allowed:
+        norm = None
+    if norm not in allowed:
         raise ValueError(f"{name} must be one of {allowed}, got {t!r}")
-    return t
+    return norm
 
 
 @dataclass(frozen=True)
@@ -246,9 +243,6 @@ class Spec:
     def normalise(self):
         """{field: normalised value} for the fields to rewrite; raises ValueError on a bad choice."""
         return {}
-
-    def with_(self, **changes):
-        return replace(self, **changes)
 
     @property
     def name(self):
