@@ -207,6 +207,26 @@ def nf4_block64(W):
     return (NF4[idx] * absmax).reshape(W.shape).astype(np.float32), W.size // 2 + 4 * blocks.shape[0]
 
 
+def kbit_mse(W, k, grid=np.linspace(0.6, 1.0, 41)):
+    """An experiment, not the package's quantizer: kbit blocks whose E4M4 scale is searched (absmax times
+    0.6 .. 1.0) for the least squared error of the block, instead of the true absmax. The bytes are still
+    the kbit format (any decoder reads them); only the choice of scale and indices differs. Returns
+    (dequantized W, bytes)."""
+    from kbit_numba import formats
+    cb = formats.codebook(k)
+    B = W.reshape(-1, 32).astype(np.float32)
+    amax = np.abs(B).max(1)
+    best_err, best = np.full(len(B), np.inf), np.zeros_like(B)
+    for f in grid:
+        s = formats.e4m4_decode(formats.e4m4_encode(amax * f))
+        idx = np.abs((B / np.maximum(s, 1e-12)[:, None])[..., None] - cb).argmin(-1)
+        Wq = cb[idx] * s[:, None]
+        err = ((Wq - B) ** 2).sum(1)
+        better = err < best_err
+        best_err[better], best[better] = err[better], Wq[better]
+    return best.reshape(W.shape), len(B) * (4 * k + 1)
+
+
 def make_formats():
     """{name: quantize(W) -> (dequantized W, bytes)} through the NumPy references."""
     from kbit_numba import reference as ref
@@ -232,6 +252,7 @@ def make_formats():
         return ref.bitnet_dequantize(bw), bw.nbytes + 4 * np.size(bw.w_scale)
 
     formats = {f"kbit{k}": kbit(k) for k in (2, 3, 4, 5)}
+    formats.update({f"kbit{k}_mse": (lambda W, k=k: kbit_mse(W, k)) for k in (3, 4)})
     formats["nf4_b64"] = nf4_block64
     formats.update({f"uniform{b}_g{g}": uniform(b, g) for b in (2, 3, 4, 8) for g in (64, 128)})
     formats["sbvr"] = sbvr
@@ -272,6 +293,8 @@ def main(argv=None):
     ap.add_argument("--formats", help="comma-separated subset of the formats (default: all)")
     ap.add_argument("--out", help="write the rows as JSON to this file")
     ap.add_argument("--gpu", action="store_true", help="also run the kbit formats through the kernels")
+    ap.add_argument("--sensitivity", metavar="FORMAT",
+                    help="instead: mean cosine with FORMAT applied to one linear kind, then one layer, at a time")
     args = ap.parse_args(argv)
 
     d = model_dir()
@@ -287,6 +310,14 @@ def main(argv=None):
     print(f"{len(sentences)} sentences, {ids.shape[1]} tokens at most; {len(names)} linears, {n_weights} weights; "
           f"float32 forward {time.time() - t0:.1f} s", flush=True)
     formats = make_formats()
+    if args.sensitivity:
+        groups = [(kind, [n for n in names if n.endswith(kind)]) for kind in LINEARS]
+        groups += [(f"layer {i}", [n for n in names if n.startswith(f"encoder.layer.{i}.")]) for i in range(6)]
+        for label, group in groups:
+            weights = {n: formats[args.sensitivity](p[n + ".weight"])[0].astype(np.float32) for n in group}
+            E = embed(p, ids, mask, linear_with(p, weights))
+            print(f"{args.sensitivity} on {label:<22} only: mean cos {compare(E, E0)[0]:.5f}", flush=True)
+        return 0
     chosen = args.formats.split(",") if args.formats else list(formats)
     rows = []
     print(f"{'format':<14} {'bits/w':>6} {'W rel err':>9} {'mean cos':>9} {'min cos':>9} {'spearman':>9}")
