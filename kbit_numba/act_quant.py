@@ -14,6 +14,7 @@ test_bitnet.py.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
@@ -22,7 +23,7 @@ from numba import cuda
 from . import _arrays
 from .device import block_max, i32, make_loader, u32
 from .formats import INT8_ABSMAX_FLOOR, INT8_MAX, LANES
-from .launch import Step, launch_step
+from .launch import NUMBA_TYPES, Spec, Step, launch_step, type_name
 
 THREADS = 256
 Q_MAX = np.float32(INT8_MAX)
@@ -35,9 +36,26 @@ def words_per_row(K, epw):
     return -(-K // (LANES * epw)) * -(-epw // 4) * LANES
 
 
+EPW_CHOICES = (0, 4, 8, 10, 16, 32)     # 0: natural order; else the uniform lane order of that many per word
+
+
+@dataclass(frozen=True)
+class Int8ActSpec(Spec):
+    """The int8 activation quantizer's choices: the key of :func:`make_int8_kernel`."""
+    FAMILY = "int8_act"
+    a_type: str
+    epw: int = 0
+
+    def normalise(self):
+        if self.epw not in EPW_CHOICES:
+            raise ValueError(f"epw must be one of {EPW_CHOICES}, got {self.epw!r}")
+        return dict(a_type=type_name(self.a_type, "a_type"), epw=int(self.epw))
+
+
 @lru_cache(maxsize=None)
-def make_int8_kernel(a_src, epw):
-    """Kernel(A[M*K], words[M*W], d[M], K, W), grid M, THREADS threads."""
+def make_int8_kernel(spec):
+    """Kernel(A[M*K], words[M*W], d[M], K, W) for an :class:`Int8ActSpec`, grid M, THREADS threads."""
+    a_src, epw = spec.a_type, spec.epw
     load = make_loader(a_src)
     qpw = -(-epw // 4) if epw else 1
 
@@ -87,7 +105,7 @@ def int8_step(Ad, a_src, epw, stream=0, words=None, d=None):
     W = words_per_row(K, epw)
     words = _arrays.output(words, "words", (M, W), np.uint32, stream)
     d = _arrays.output(d, "d", (M,), np.float32, stream)
-    step = Step(make_int8_kernel(a_src, epw), M, THREADS,
+    step = Step(make_int8_kernel(Int8ActSpec(a_src, epw)), M, THREADS,
                 (_arrays.flat_view(Ad), _arrays.flat_view(words), d, i32(K), i32(W)))
     return step, words, d
 
@@ -103,13 +121,12 @@ def quantize_int8(A, epw=0, stream=None, bf16=False, words=None, d=None):
     return words, d
 
 
+def ptx_specs():
+    return [Int8ActSpec(a, epw) for epw in EPW_CHOICES for a in ("float16", "float32")
+            if a == "float16" or epw in (0, 10)]
+
+
 def kernel_specializations():
     from numba import types as t
-    specs = []
-    for epw in (0, 4, 8, 10, 16, 32):
-        for a_src, aty in (("float16", t.float16[::1]), ("float32", t.float32[::1])):
-            if a_src == "float32" and epw not in (0, 10):
-                continue
-            specs.append((f"int8_act epw={epw} A={a_src}", make_int8_kernel(a_src, epw),
-                          (aty, t.uint32[::1], t.float32[::1], t.int32, t.int32)))
-    return specs
+    return [(spec.name, make_int8_kernel(spec), (NUMBA_TYPES[spec.a_type], t.uint32[::1], t.float32[::1], t.int32,
+                                                 t.int32)) for spec in ptx_specs()]

@@ -11,6 +11,7 @@ Reference twins: ``reference.quantize``, ``reference.dequantize``, ``reference.r
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
@@ -18,10 +19,10 @@ from numba import cuda
 
 from . import _arrays
 from .core import device_weight
-from .launch import Plan, Step
+from .launch import ELEMENT_TYPES, NUMBA_TYPES, OUT_TYPES, Plan, Spec, Step, type_name
 from .device import F32_MAX, FULL_MASK, WARP, e4m4_decode, e4m4_encode, i32, make_loader, tiled_block, u32, warp_max
-from .formats import (ABSMAX_FORMATS, BLOCK, LAYOUTS, MAX_CODES, TILE_N, KbitWeight, check_codebook, check_k,
-                      padded_k)
+from .formats import (ABSMAX_FORMATS, BLOCK, K_BITS, LAYOUTS, MAX_CODES, TILE_N, KbitWeight, check_codebook,
+                      check_k, padded_k)
 from .intrinsics import f16x2_as_u32, f32_as_u32, stg128
 
 QUANT_THREADS = 256          # 8 warps = 8 blocks per CTA
@@ -31,13 +32,66 @@ THREADS_PER_BLOCK = BLOCK // ELEMS_PER_THREAD
 
 
 # ------------------------------------------------------------------------------------------------
+# Specs: the codec's three kernels and their compile-time choices
+# ------------------------------------------------------------------------------------------------
+def _layout_and_format(spec):
+    if spec.layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {spec.layout!r}")
+    if spec.absmax_format not in ABSMAX_FORMATS:
+        raise ValueError(f"absmax_format must be one of {ABSMAX_FORMATS}, got {spec.absmax_format!r}")
+
+
+@dataclass(frozen=True)
+class QuantizeSpec(Spec):
+    """The quantizer's choices: the key of :func:`make_quantize_kernel`."""
+    FAMILY = "quantize"
+    k: int
+    layout: str = "flat"
+    absmax_format: str = "e4m4"
+    w_type: str = "float16"                 # W's element type (bfloat16 as int16 bits)
+
+    def normalise(self):
+        _layout_and_format(self)
+        return dict(k=check_k(self.k), w_type=type_name(self.w_type, "w_type"))
+
+
+@dataclass(frozen=True)
+class DequantizeSpec(Spec):
+    """The dequantizer's choices: the key of :func:`make_dequantize_kernel`."""
+    FAMILY = "dequantize"
+    k: int
+    layout: str = "flat"
+    absmax_format: str = "e4m4"
+    out_dtype: str = "float16"
+
+    def normalise(self):
+        _layout_and_format(self)
+        return dict(k=check_k(self.k), out_dtype=type_name(self.out_dtype, "dtype", OUT_TYPES))
+
+
+@dataclass(frozen=True)
+class RepackSpec(Spec):
+    """The flat -> tiled repack's choices: the key of :func:`make_repack_kernel`."""
+    FAMILY = "repack"
+    k: int
+    absmax_format: str = "e4m4"
+
+    def normalise(self):
+        if self.absmax_format not in ABSMAX_FORMATS:
+            raise ValueError(f"absmax_format must be one of {ABSMAX_FORMATS}, got {self.absmax_format!r}")
+        return dict(k=check_k(self.k))
+
+
+# ------------------------------------------------------------------------------------------------
 # Kernels
 # ------------------------------------------------------------------------------------------------
 @lru_cache(maxsize=None)
-def make_quantize_kernel(k, layout, absmax_format, src):
-    """Kernel(W[N*K], packed u32, absmax, codebook f32[2**k], N, K, n_kb, err i32[1]).
+def make_quantize_kernel(spec):
+    """Kernel(W[N*K], packed u32, absmax, codebook f32[2**k], N, K, n_kb, err i32[1]) for a
+    :class:`QuantizeSpec`.
 
     n_kb = blocks per stored row (tiled: K padded to 64, the padding blocks are zeros)."""
+    k, layout, absmax_format, src = spec.k, spec.layout, spec.absmax_format, spec.w_type
     n_codes = 1 << k
     tiled = layout == "tiled"
     e4m4 = absmax_format == "e4m4"
@@ -79,9 +133,10 @@ def make_quantize_kernel(k, layout, absmax_format, src):
 
 
 @lru_cache(maxsize=None)
-def make_dequantize_kernel(k, layout, absmax_format, out_dtype):
-    """Kernel(packed u32, absmax, codebook f32[2**k], out u32 view, N, K).
+def make_dequantize_kernel(spec):
+    """Kernel(packed u32, absmax, codebook f32[2**k], out u32 view, N, K) for a :class:`DequantizeSpec`.
     Thread g writes outputs 8g .. 8g+7 of the row-major [N, K] result."""
+    k, layout, absmax_format, out_dtype = spec.k, spec.layout, spec.absmax_format, spec.out_dtype
     n_codes = 1 << k
     tiled = layout == "tiled"
     e4m4 = absmax_format == "e4m4"
@@ -127,10 +182,12 @@ def make_dequantize_kernel(k, layout, absmax_format, out_dtype):
 
 
 @lru_cache(maxsize=None)
-def make_repack_kernel(k, absmax_dtype):
-    """Kernel(flat packed, flat absmax, tiled packed, tiled absmax, N, K, n_kb_tiled): one thread per
-    tiled word; padding blocks (K rounded up to 64) get zero words and zero absmax."""
-    zero = np.dtype(absmax_dtype).type(0)
+def make_repack_kernel(spec):
+    """Kernel(flat packed, flat absmax, tiled packed, tiled absmax, N, K, n_kb_tiled) for a
+    :class:`RepackSpec`: one thread per tiled word; padding blocks (K rounded up to 64) get zero words and
+    zero absmax."""
+    k = spec.k
+    zero = (np.uint8 if spec.absmax_format == "e4m4" else np.float32)(0)
 
     def repack_kernel(fpacked, fabsmax, tpacked, tabsmax, N, K, n_kb):
         g = cuda.grid(1)
@@ -182,7 +239,7 @@ def quantize(W, k=4, codebook=None, absmax_format="e4m4", layout="flat", bf16=Fa
                                stream=stream)
     cb_d = cuda.to_device(cb, stream=stream)
     err = cuda.to_device(np.zeros(1, np.int32), stream=stream)
-    kern = make_quantize_kernel(k, layout, absmax_format, src)
+    kern = make_quantize_kernel(QuantizeSpec(k, layout, absmax_format, src))
     kern[_grid(N * n_kb * WARP, QUANT_THREADS), QUANT_THREADS, stream](
         _arrays.flat_view(Wd), packed, absmax, cb_d, i32(N), i32(K), i32(n_kb), err)
     if err.copy_to_host(stream=stream)[0]:
@@ -198,7 +255,7 @@ def plan_dequantize(qw, dtype=np.float16, out=None, stream=None):
     N, K = qw.shape
     out = _arrays.output(out, "out", (N, K), dtype, stream)
     _arrays.check_aligned(out, 16, "out")
-    kern = make_dequantize_kernel(qw.k, qw.layout, qw.absmax_format, dtype.name)
+    kern = make_dequantize_kernel(DequantizeSpec(qw.k, qw.layout, qw.absmax_format, dtype))
     n_threads = N * K // ELEMS_PER_THREAD
     return Plan([Step(kern, _grid(n_threads, DEQUANT_THREADS), DEQUANT_THREADS,
                       (qw.packed, qw.absmax, qw.codebook, _arrays.flat_view(out, np.uint32), i32(N),
@@ -223,29 +280,37 @@ def repack_tiled(qw, stream=None):
     n_kb = padded_k(K, "tiled") // BLOCK
     packed = cuda.device_array(N * n_kb * qw.k, dtype=np.uint32, stream=stream)
     absmax = cuda.device_array(N * n_kb, dtype=qw.absmax.dtype, stream=stream)
-    kern = make_repack_kernel(qw.k, qw.absmax.dtype.name)
+    kern = make_repack_kernel(RepackSpec(qw.k, qw.absmax_format))
     kern[_grid(N * n_kb * qw.k, 256), 256, stream](
         qw.packed, qw.absmax, packed, absmax, i32(N), i32(K), i32(n_kb))
     return KbitWeight(packed, absmax, qw.codebook, qw.k, qw.shape, "tiled", qw.absmax_format)
 
 
-def kernel_specializations():
-    """(name, kernel, argument types) for every specialisation, for the PTX checks."""
-    from numba import types as t
-    u32, i32 = t.uint32[::1], t.int32
-    src_types = {"float16": t.float16[::1], "float32": t.float32[::1], "bfloat16": t.int16[::1]}
-    out = []
-    for k in (2, 3, 4, 5):
+def ptx_specs():
+    """Every quantize, dequantize and repack specialisation (the codec has no tuning knobs: all of them)."""
+    specs = []
+    for k in K_BITS:
         for layout in LAYOUTS:
             for fmt in ABSMAX_FORMATS:
-                am = t.uint8[::1] if fmt == "e4m4" else t.float32[::1]
-                for src, st in src_types.items():
-                    out.append((f"quantize k={k} {layout} {fmt} {src}", make_quantize_kernel(k, layout, fmt, src),
-                                (st, u32, am, t.float32[::1], i32, i32, i32, t.int32[::1])))
-                for od in ("float16", "float32"):
-                    out.append((f"dequantize k={k} {layout} {fmt} {od}", make_dequantize_kernel(k, layout, fmt, od),
-                                (u32, am, t.float32[::1], u32, i32, i32)))
-        for ad in ("uint8", "float32"):
-            am = t.uint8[::1] if ad == "uint8" else t.float32[::1]
-            out.append((f"repack k={k} {ad}", make_repack_kernel(k, ad), (u32, am, u32, am, i32, i32, i32)))
-    return out
+                specs += [QuantizeSpec(k, layout, fmt, w) for w in ELEMENT_TYPES]
+                specs += [DequantizeSpec(k, layout, fmt, od) for od in OUT_TYPES]
+        specs += [RepackSpec(k, fmt) for fmt in ABSMAX_FORMATS]
+    return specs
+
+
+def argtypes(spec):
+    from numba import types as t
+    u32, i32 = t.uint32[::1], t.int32
+    am = t.uint8[::1] if spec.absmax_format == "e4m4" else t.float32[::1]
+    if isinstance(spec, QuantizeSpec):
+        return (NUMBA_TYPES[spec.w_type], u32, am, t.float32[::1], i32, i32, i32, t.int32[::1])
+    if isinstance(spec, DequantizeSpec):
+        return (u32, am, t.float32[::1], u32, i32, i32)
+    return (u32, am, u32, am, i32, i32, i32)
+
+
+def kernel_specializations():
+    """(name, kernel, argument types) for every specialisation, for the PTX checks."""
+    make = {QuantizeSpec: make_quantize_kernel, DequantizeSpec: make_dequantize_kernel,
+            RepackSpec: make_repack_kernel}
+    return [(spec.name, make[type(spec)](spec), argtypes(spec)) for spec in ptx_specs()]

@@ -25,6 +25,7 @@ Reference twins: ``reference.sbvr_encode`` (the encoder, host), ``sbvr_quantize_
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
@@ -35,7 +36,7 @@ from .core import MAX_M, RowsSpec, device_weight, sm_count
 from .device import FULL_MASK, WARP, i32, make_cta_sum, make_loader, u32, warp_max
 from .formats import BLOCK, INT8_MAX, SBVR_ACT_PLANES, SBVR_GROUP, SBVR_PLANES, SbvrWeight
 from .intrinsics import f16_bits_to_f32, ldg128
-from .launch import NUMBA_TYPES, OUT_TYPES, Plan, Step, launch_step
+from .launch import NUMBA_TYPES, OUT_TYPES, Plan, Spec, Step, launch_step, type_name
 
 MAX_KW = 16                       # warps per CTA: 512 threads fit the register file at M = 4
 CTA_WARPS_TARGET = 32
@@ -114,10 +115,21 @@ def make_sbvr_gemv(spec):
     return cuda.jit(kernel)
 
 
+@dataclass(frozen=True)
+class SbvrActSpec(Spec):
+    """The activation-plane quantizer's choice (A's element type): the key of :func:`make_act_kernel`."""
+    FAMILY = "sbvr_act"
+    a_type: str
+
+    def normalise(self):
+        return dict(a_type=type_name(self.a_type, "a_type"))
+
+
 @lru_cache(maxsize=None)
-def make_act_kernel(a_src):
-    """Kernel(A[M*K], planes[M * K/32 * 8], d[M * K/128], M, K): a warp per (row, group of 128)."""
-    load = make_loader(a_src)
+def make_act_kernel(spec):
+    """Kernel(A[M*K], planes[M * K/32 * 8], d[M * K/128], M, K) for an :class:`SbvrActSpec`: a warp per
+    (row, group of 128)."""
+    load = make_loader(spec.a_type)
 
     def kernel(A, planes, d, M, K):
         lane = cuda.threadIdx.x % WARP
@@ -158,7 +170,7 @@ def _act_step(Ad, a_src, stream, planes=None, d=None):
     planes = _arrays.output(planes, "planes", (M, K // BLOCK, SBVR_ACT_PLANES), np.uint32, stream)
     d = _arrays.output(d, "d", (M, K // SBVR_GROUP), np.float32, stream)
     items = M * (K // SBVR_GROUP)
-    step = Step(make_act_kernel(a_src), -(-items // QUANT_WARPS), QUANT_WARPS * WARP,
+    step = Step(make_act_kernel(SbvrActSpec(a_src)), -(-items // QUANT_WARPS), QUANT_WARPS * WARP,
                 (_arrays.flat_view(Ad), _arrays.flat_view(planes), _arrays.flat_view(d), i32(M), i32(K)))
     return step, planes, d
 
@@ -216,6 +228,7 @@ def kernel_specializations():
     specs = [(f"{spec.name} idx={it}", make_sbvr_gemv(spec),
               (t.uint32[::1], t.float32[::1], t.uint32[::1], getattr(t, it)[::1], t.uint32[::1],
                NUMBA_TYPES[spec.out_dtype], t.int32, t.int32)) for spec, it in ptx_specs()]
-    specs += [(f"sbvr_act A={a}", make_act_kernel(a), (NUMBA_TYPES[a], t.uint32[::1], t.float32[::1], t.int32, t.int32))
-              for a in ("float16", "float32")]
+    for spec in (SbvrActSpec("float16"), SbvrActSpec("float32")):
+        specs.append((spec.name, make_act_kernel(spec),
+                      (NUMBA_TYPES[spec.a_type], t.uint32[::1], t.float32[::1], t.int32, t.int32)))
     return specs

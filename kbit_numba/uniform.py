@@ -250,12 +250,30 @@ def make_uniform_gemv(spec):
 # ---------------------------------------------------------------------------------------------
 # GPU quantizer
 # ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class UniformQuantizeSpec(Spec):
+    """The GPU quantizer's choices: the key of :func:`make_quantize_kernels`."""
+    FAMILY = "uniform_quantize"
+    bits: int
+    group_size: object = 128
+    w_type: str = "float16"
+
+    def normalise(self):
+        if self.bits not in UNIFORM_BITS:
+            raise ValueError(f"bits must be one of {UNIFORM_BITS}, got {self.bits!r}")
+        if self.group_size not in UNIFORM_GROUPS:
+            raise ValueError(f"group_size must be one of {UNIFORM_GROUPS}, got {self.group_size!r}")
+        return dict(bits=int(self.bits), group_size=self.group_size and int(self.group_size),
+                    w_type=type_name(self.w_type, "w_type", ("float16", "float32")))
+
+
 @lru_cache(maxsize=None)
-def make_quantize_kernels(bits, group_size, w_src):
-    """(scale_zero kernel, pack kernel). The first: one CTA per group (one for the whole tensor),
-    block min/max, then scale and zero as in the reference; a NaN or Inf sets err[0]. The second: one
-    thread per packed word."""
-    load = make_loader(w_src)
+def make_quantize_kernels(spec):
+    """(scale_zero kernel, pack kernel) for a :class:`UniformQuantizeSpec`. The first: one CTA per group
+    (one for the whole tensor), block min/max, then scale and zero as in the reference; a NaN or Inf sets
+    err[0]. The second: one thread per packed word."""
+    bits, group_size = spec.bits, spec.group_size
+    load = make_loader(spec.w_type)
     levels = np.float32((1 << bits) - 1)
     epw = uniform_elements_per_word(bits)
     G = group_size or 0
@@ -332,7 +350,7 @@ def quantize(W, bits=4, group_size=128, stream=None):
     sz_shape = (N, K // group_size, 2) if group_size else (1, 1, 2)
     sz = cuda.device_array(sz_shape, np.float16, stream=stream)
     packed = cuda.device_array((N, n_chunks * LANES), np.uint32, stream=stream)
-    sz_kernel, pack_kernel = make_quantize_kernels(bits, group_size, str(Wd.dtype))
+    sz_kernel, pack_kernel = make_quantize_kernels(UniformQuantizeSpec(bits, group_size, Wd.dtype))
     flatW, flat_sz = _arrays.flat_view(Wd), _arrays.flat_view(sz)
     threads = group_size or QUANT_THREADS          # a thread per value of a group (32..128)
     err = cuda.to_device(np.zeros(1, np.int32), stream=stream)
@@ -410,7 +428,7 @@ def kernel_specializations():
               (t.uint32[::1] if spec.int8 else NUMBA_TYPES[spec.a_type], t.uint32[::1], t.uint32[::1], t.float32[::1],
                NUMBA_TYPES[spec.out_dtype], t.int32, t.int32, t.int32, t.int32)) for spec in ptx_specs()]
     for bits in UNIFORM_BITS:
-        szk, pk = make_quantize_kernels(bits, 64, "float16")
+        szk, pk = make_quantize_kernels(UniformQuantizeSpec(bits, 64))
         specs.append((f"uniform_quantize_sz bits={bits}", szk,
                       (t.float16[::1], t.float16[::1], t.int32, t.int32, t.int32[::1])))
         specs.append((f"uniform_quantize_pack bits={bits}", pk,
