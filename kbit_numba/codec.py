@@ -34,39 +34,34 @@ THREADS_PER_BLOCK = BLOCK // ELEMS_PER_THREAD
 # ------------------------------------------------------------------------------------------------
 # Specs: the codec's three kernels and their compile-time choices
 # ------------------------------------------------------------------------------------------------
-def _layout_and_format(spec):
-    if spec.layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {spec.layout!r}")
-    if spec.absmax_format not in ABSMAX_FORMATS:
-        raise ValueError(f"absmax_format must be one of {ABSMAX_FORMATS}, got {spec.absmax_format!r}")
-
-
 @dataclass(frozen=True)
-class QuantizeSpec(Spec):
-    """The quantizer's choices: the key of :func:`make_quantize_kernel`."""
+class _BlocksSpec(Spec):
+    """What the quantizer and the dequantizer both specialise on: k, layout, absmax format, and one element
+    type, ``dtype`` (W's for the quantizer, the output's for the dequantizer; ``DTYPES`` lists the allowed)."""
+    k: int
+    layout: str = "flat"
+    absmax_format: str = "e4m4"
+    dtype: str = "float16"
+    DTYPES = ELEMENT_TYPES
+
+    def normalise(self):
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
+        if self.absmax_format not in ABSMAX_FORMATS:
+            raise ValueError(f"absmax_format must be one of {ABSMAX_FORMATS}, got {self.absmax_format!r}")
+        return dict(k=check_k(self.k), dtype=type_name(self.dtype, "dtype", self.DTYPES))
+
+
+class QuantizeSpec(_BlocksSpec):
+    """The quantizer's choices (``dtype``: W's element type, bfloat16 as int16 bits): the key of
+    :func:`make_quantize_kernel`."""
     FAMILY = "quantize"
-    k: int
-    layout: str = "flat"
-    absmax_format: str = "e4m4"
-    w_type: str = "float16"                 # W's element type (bfloat16 as int16 bits)
-
-    def normalise(self):
-        _layout_and_format(self)
-        return dict(k=check_k(self.k), w_type=type_name(self.w_type, "w_type"))
 
 
-@dataclass(frozen=True)
-class DequantizeSpec(Spec):
-    """The dequantizer's choices: the key of :func:`make_dequantize_kernel`."""
+class DequantizeSpec(_BlocksSpec):
+    """The dequantizer's choices (``dtype``: the output type): the key of :func:`make_dequantize_kernel`."""
     FAMILY = "dequantize"
-    k: int
-    layout: str = "flat"
-    absmax_format: str = "e4m4"
-    out_dtype: str = "float16"
-
-    def normalise(self):
-        _layout_and_format(self)
-        return dict(k=check_k(self.k), out_dtype=type_name(self.out_dtype, "dtype", OUT_TYPES))
+    DTYPES = OUT_TYPES
 
 
 @dataclass(frozen=True)
@@ -91,7 +86,7 @@ def make_quantize_kernel(spec):
     :class:`QuantizeSpec`.
 
     n_kb = blocks per stored row (tiled: K padded to 64, the padding blocks are zeros)."""
-    k, layout, absmax_format, src = spec.k, spec.layout, spec.absmax_format, spec.w_type
+    k, layout, absmax_format, src = spec.k, spec.layout, spec.absmax_format, spec.dtype
     n_codes = 1 << k
     tiled = layout == "tiled"
     e4m4 = absmax_format == "e4m4"
@@ -136,7 +131,7 @@ def make_quantize_kernel(spec):
 def make_dequantize_kernel(spec):
     """Kernel(packed u32, absmax, codebook f32[2**k], out u32 view, N, K) for a :class:`DequantizeSpec`.
     Thread g writes outputs 8g .. 8g+7 of the row-major [N, K] result."""
-    k, layout, absmax_format, out_dtype = spec.k, spec.layout, spec.absmax_format, spec.out_dtype
+    k, layout, absmax_format, out_dtype = spec.k, spec.layout, spec.absmax_format, spec.dtype
     n_codes = 1 << k
     tiled = layout == "tiled"
     e4m4 = absmax_format == "e4m4"
@@ -303,7 +298,7 @@ def argtypes(spec):
     u32, i32 = t.uint32[::1], t.int32
     am = t.uint8[::1] if spec.absmax_format == "e4m4" else t.float32[::1]
     if isinstance(spec, QuantizeSpec):
-        return (NUMBA_TYPES[spec.w_type], u32, am, t.float32[::1], i32, i32, i32, t.int32[::1])
+        return (NUMBA_TYPES[spec.dtype], u32, am, t.float32[::1], i32, i32, i32, t.int32[::1])
     if isinstance(spec, DequantizeSpec):
         return (u32, am, t.float32[::1], u32, i32, i32)
     return (u32, am, u32, am, i32, i32, i32)
