@@ -174,16 +174,17 @@ def _rows(A):
 
 
 def plan(A, qw, out=None, stream=None, workspace=None, out_dtype=np.float16, bf16=False, kernel=None,
-         table=None, f16_acc=False):
+         table=None, f16_acc=False, params=None):
     """Checked inputs of :func:`linear` bound into a :class:`launch.Plan` for the kernel it chooses (M > 4
-    on a gemv: one launch per slice of 4 rows)."""
+    on a gemv: one launch per slice of 4 rows). ``params``: launch parameters for a forced ``kernel``
+    (a chosen one takes its table rule's)."""
     if not isinstance(qw, (KbitWeight, KbitCodes)):
         raise TypeError(f"qw must be a KbitWeight or KbitCodes, got {type(qw).__name__}")
     stream = _arrays.as_stream(stream)
     A = _arrays.check_array(A, "A")
     M = _rows(A)
     N, K = qw.shape
-    params = {}
+    params = dict(params or {})
     if kernel is None:
         kernel, params = choose_rule(M, N, K, qw.layout, table)
     if kernel not in KERNELS:
@@ -280,10 +281,14 @@ class KbitLinear:
         return self.plan(A, out, stream, out_dtype, bf16, kernel).launch()
 
     def plan(self, A, out=None, stream=None, out_dtype=np.float16, bf16=False, kernel=None):
-        """``linear``'s :class:`launch.Plan` for this layer's weight and workspace."""
-        kernel = kernel or self.kernel_for(_rows(_arrays.check_array(A, "A")))
+        """``linear``'s :class:`launch.Plan` for this layer's weight and workspace (the table's launch
+        parameters included when the kernel is the table's choice)."""
+        params = {}
+        if kernel is None:
+            N, K = self.weight.shape
+            kernel, params = choose_rule(_rows(_arrays.check_array(A, "A")), N, K, self.weight.layout, self.table)
         return plan(A, self._weight_for(kernel), out, stream, self.workspace, out_dtype, bf16, kernel,
-                    self.table, self.f16_acc)
+                    self.table, self.f16_acc, params)
 
     def prepare(self, A, out=None, stream=None, out_dtype=np.float16, bf16=False, kernel=None):
         """Buffers bound once: a :class:`launch.Prepared` whose ``run()`` replays the chosen launches with

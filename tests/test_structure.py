@@ -77,8 +77,11 @@ def test_table_parameters_reach_the_kernel():
     qw = ref.quantize(random_weight(rng, 8, 64), k=4)
     A = rng.standard_normal((1, 64)).astype(np.float16)
     p = dispatch.plan(A, qw, out_dtype=np.float32, table=table)
-    assert p.steps[0].kernel is scalar_gemv.make_gemv_kernel(scalar_gemv.GemvSpec(4, 1, cols=4, out_dtype="float32"))
+    want = scalar_gemv.make_gemv_kernel(scalar_gemv.GemvSpec(4, 1, cols=4, out_dtype="float32"))
+    assert p.steps[0].kernel is want
     check_close(p.launch().copy_to_host(), A, qw)
+    layer = kb.KbitLinear(qw, table=table)                  # (N = 8: kept flat) the layer's path too
+    assert layer.plan(A, out_dtype=np.float32).steps[0].kernel is want
 
 
 # ---- the core ---------------------------------------------------------------------------------------
@@ -147,3 +150,15 @@ def test_quantizers_refuse_nan_and_inf(bad):
             quantize()
     with pytest.raises(ValueError, match="NaN or Inf"):          # a device W: flagged by the kernel
         kb.uniform.quantize(cuda.to_device(W), 4, 64)
+
+
+def test_tune_table_writes_the_winning_parameters():
+    """bench --tune --sweep: a swept variant that wins a point goes into the table with its parameters."""
+    from kbit_numba.bench import tune_table
+    row = lambda kern, M, us, params=None: dict(kernel=kern, shape="64x128", M=M, us=us, params=params)  # noqa
+    rows = [row("gemv", 1, 5.0), row("gemv[cols=4,max_registers=None]", 1, 4.0, {"cols": 4, "max_registers": None}),
+            row("gemm", 1, 9.0), row("gemv", 8, 30.0), row("gemm", 8, 10.0), row("linear[gemm]", 8, 1.0)]
+    table = tune_table(rows, "test")
+    assert table["shapes"]["64x128"] == [[1, "gemv", {"cols": 4, "max_registers": None}], [None, "gemm"]]
+    kern, params = dispatch.choose_rule(1, 128, 64, "flat", table, backend=False)
+    assert (kern, params) == ("gemv", {"cols": 4, "max_registers": None})
