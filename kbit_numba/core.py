@@ -21,12 +21,11 @@ import numpy as np
 from numba import cuda
 
 from . import _arrays
-from .formats import BLOCK, KbitCodes, KbitExperts, KbitWeight
+from .device import WARP
+from .formats import BLOCK, KbitExperts, KbitWeight
 from .launch import OUT_TYPES, Spec, type_name
 
 MAX_M = 4                        # rows of A a GEMV kernel holds in registers (M = 1..4)
-WARP = 32
-KBIT_CONTAINERS = (KbitWeight, KbitCodes)
 
 
 def sm_count():
@@ -62,7 +61,7 @@ class RowsSpec(Spec):
         return dict(M=int(self.M), out_dtype=type_name(self.out_dtype, "out_dtype", OUT_TYPES))
 
 
-def device_weight(w, cls=KBIT_CONTAINERS, stream=0):
+def device_weight(w, cls, stream=0):
     """``w`` checked to be a ``cls`` container (one class or a tuple), with checked device arrays: each
     array field has a dtype its ``dtypes()`` allows and is C-contiguous; NumPy arrays are copied to the
     device (a list/tuple codebook is converted first). A kbit codebook must hold 2**k values."""

@@ -103,8 +103,8 @@ def start_children(jobs=None):
         env.pop("NUMBA_ENABLE_CUDASIM", None)
         log = tempfile.TemporaryFile(mode="w+")
         proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=5",
-                                 __file__], cwd=os.path.dirname(__file__), env=env, stdout=log, stderr=subprocess.STDOUT,
-                                text=True)
+                                 __file__], cwd=os.path.dirname(__file__), env=env, stdout=log,
+                                stderr=subprocess.STDOUT, text=True)
         _CHILDREN.append((proc, log))
 
 
