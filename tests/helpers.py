@@ -2,6 +2,7 @@
 import os
 
 import numpy as np
+import pytest
 from hypothesis import strategies as st
 
 import kbit_numba
@@ -17,6 +18,20 @@ MAX_KB = 4 if SIM else 40        # K = 32 * kb
 # pads to a whole K tile of two blocks), two tiles on the GPU.
 MAX_TILES = 1 if SIM else 2
 MAX_KB_TILED = 3 if SIM else MAX_KB
+
+
+def gpu_split(names, values):
+    """On the GPU, one test per value of ``names`` (a parameter the property would otherwise draw), each with
+    ``gpu_examples`` draws: every draw there may compile a kernel specialisation (seconds), and pytest-xdist
+    runs the split tests on separate cores. On the simulator one test draws it (the values are ``None``)."""
+    if SIM:
+        values = [None if "," not in names else (None,) * len(names.split(","))]
+    return pytest.mark.parametrize(names, values)
+
+
+def gpu_examples(n, parts):
+    """Examples per split test: ``n`` on the simulator, ``n / parts`` (rounded up) on the GPU."""
+    return n if SIM else -(-n // parts)
 
 
 def random_weight(rng, N, K, scale=1.0, dtype=np.float32):

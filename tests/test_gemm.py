@@ -7,7 +7,7 @@ from numba import cuda
 import kbit_numba as kb
 from kbit_numba import tensor_gemm as G
 from kbit_numba import reference as ref
-from helpers import assert_within, EXAMPLES, SIM, ks, random_weight, seeds
+from helpers import assert_within, EXAMPLES, gpu_examples, gpu_split, SIM, ks, random_weight, seeds
 
 # The simulator runs 128 Python threads per CTA and meets them at every ldmatrix/mma: keep it to a few
 # CTAs (the split-K test covers every m-tile size there). The GPU goes past 16 and 32 rows (every m-tile
@@ -49,10 +49,12 @@ def _weights(rng, k, n_tiles, K, fmt="e4m4"):
     return flat, ref.repack_tiled(flat)
 
 
-@settings(max_examples=EXAMPLES if SIM else EXAMPLES * 2)
+@gpu_split("k_split", [2, 3, 4, 5])
+@settings(max_examples=EXAMPLES if SIM else gpu_examples(EXAMPLES * 2, 4))
 @given(seeds, ks, st.integers(1, MAX_M), st.integers(1, MAX_NT), st.integers(1, MAX_KB),
        st.sampled_from(["e4m4", "fp32"]), st.sampled_from([np.float16, np.float32]), st.sampled_from([None, 1, 2]))
-def test_gemm(seed, k, M, n_tiles, kbn, fmt, out_dtype, split):
+def test_gemm(k_split, seed, k, M, n_tiles, kbn, fmt, out_dtype, split):
+    k = k_split or k
     rng = np.random.default_rng(seed)
     K = 32 * kbn
     flat, tiled = _weights(rng, k, n_tiles, K, fmt)

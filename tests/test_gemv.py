@@ -6,9 +6,11 @@ from numba import cuda
 
 import kbit_numba as kb
 from kbit_numba import reference as ref
-from helpers import assert_within, EXAMPLES, MAX_KB_TILED, MAX_TILES, SIM, ks, random_weight, seeds
+from helpers import (assert_within, EXAMPLES, gpu_examples, gpu_split, MAX_KB_TILED, MAX_TILES, SIM, ks, random_weight,
+                     seeds)
 
 MAX_N = 12 if SIM else 700
+KS = [2, 3, 4, 5]                 # (on the GPU the long properties run once per k: helpers.gpu_split)
 MAX_KB = 5 if SIM else 70          # K = 32 * kb: odd multiples of 32, and past 1024 (several warps) on the GPU
 
 
@@ -31,11 +33,13 @@ def _activations(rng, M, K, a_dtype, one_d=False):
     return A[0] if one_d else A
 
 
-@settings(max_examples=EXAMPLES * 2)
+@gpu_split("k_split", KS)
+@settings(max_examples=gpu_examples(EXAMPLES * 2, len(KS)))
 @given(seeds, ks, st.integers(1, 4), st.integers(1, MAX_N), st.integers(1, MAX_KB),
        st.sampled_from(["e4m4", "fp32"]), st.sampled_from(["float16", "float32", "bfloat16"]),
        st.sampled_from([np.float16, np.float32]))
-def test_gemv_flat(seed, k, M, N, kbn, fmt, a_dtype, out_dtype):
+def test_gemv_flat(k_split, seed, k, M, N, kbn, fmt, a_dtype, out_dtype):
+    k = k_split or k
     rng = np.random.default_rng(seed)
     K = 32 * kbn
     qw = ref.quantize(random_weight(rng, N, K), k=k, absmax_format=fmt)
@@ -46,10 +50,12 @@ def test_gemv_flat(seed, k, M, N, kbn, fmt, a_dtype, out_dtype):
     check_close(out.copy_to_host(), A, qw, bf16, out_dtype)
 
 
-@settings(max_examples=EXAMPLES)
+@gpu_split("k_split", KS)
+@settings(max_examples=gpu_examples(EXAMPLES, len(KS)))
 @given(seeds, ks, st.integers(1, 4), st.integers(1, MAX_TILES), st.integers(1, MAX_KB_TILED if SIM else MAX_KB),
        st.sampled_from(["e4m4", "fp32"]))
-def test_gemv_tiled(seed, k, M, ntiles, kbn, fmt):
+def test_gemv_tiled(k_split, seed, k, M, ntiles, kbn, fmt):
+    k = k_split or k
     rng = np.random.default_rng(seed)
     K = 32 * kbn
     flat = ref.quantize(random_weight(rng, 128 * ntiles, K), k=k, absmax_format=fmt)
