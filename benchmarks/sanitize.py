@@ -1,8 +1,9 @@
 """Small launches of every kernel family for compute-sanitizer (memcheck / racecheck) on the device:
 
-    compute-sanitizer --tool memcheck python benchmarks/sanitize.py [codec,gemv,pair,grouped,gemm,formats]
+    compute-sanitizer --tool memcheck python benchmarks/sanitize.py [codec,gemv,pair,pdl,grouped,gemm,formats]
 
-(default: every family; name some to check only those).
+(default: every family; name some to check only those). ``pdl``: a chain of pair gemvs launched as
+programmatic dependent launches, each reading the previous one's output.
 """
 import sys
 
@@ -10,7 +11,8 @@ import numpy as np
 
 import kbit_numba as kb
 
-families = sys.argv[1].split(",") if len(sys.argv) > 1 else ["codec", "gemv", "pair", "grouped", "gemm", "formats"]
+families = (sys.argv[1].split(",") if len(sys.argv) > 1
+            else ["codec", "gemv", "pair", "pdl", "grouped", "gemm", "formats"])
 rng = np.random.default_rng(0)
 for k in (2, 3, 4, 5):
     for layout in ("flat", "tiled"):
@@ -46,6 +48,21 @@ if "pair" in families:     # N = 37 (a partial column group), K = 1056 (two K-wa
                     for f16_acc in ((False, True) if fmt == "e4m4" else (False,)):
                         pair_gemv.plan(rng.standard_normal((M, 1056)).astype(np.float16), kc, cols=cols,
                                        f16_acc=f16_acc).launch().copy_to_host()
+if "pdl" in families:      # N = K = 1056: a partial column group, two K-warps; float32 and float16 block sums
+    from numba import cuda
+
+    from kbit_numba import pair_gemv
+    for f16_acc in (False, True):
+        outs = [cuda.to_device(rng.standard_normal((1, 1056)).astype(np.float16))]
+        steps = []
+        for _ in range(3):
+            kc = pair_gemv.to_codes(kb.quantize((rng.standard_normal((1056, 1056)) / 32).astype(np.float16), k=4))
+            cuda.synchronize()
+            steps.append(pair_gemv.prepare(outs[-1], kc, f16_acc=f16_acc, pdl=True))
+            outs.append(steps[-1].out)
+        for step in steps:
+            step.run()
+        outs[-1].copy_to_host()
 if "grouped" in families:
     experts = kb.stack_experts([kb.reference.quantize(rng.standard_normal((128, 64)).astype(np.float32), k=4)
                                 for _ in range(3)])

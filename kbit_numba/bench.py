@@ -201,17 +201,19 @@ def gemv_rows(shapes, ks, ms, ceilings, progress, tunings=(None,)):
     return _gemv_grid_rows(shapes, ks, ms, MAX_M, list, variants, ceilings, progress)
 
 
-def pair_gemv_rows(shapes, ks, ms, ceilings, progress, cols=(None,), f16_acc=False):
+def pair_gemv_rows(shapes, ks, ms, ceilings, progress, cols=(None,), f16_acc=False, pdl=False):
     """Pair-table GEMV rows (k = 2, 4; the code layout made once per weight): shape x k x M (M <= 4),
     each columns-per-iteration choice (None = the default); ``f16_acc``: the float16-accumulating variant,
-    labelled [f16]."""
+    labelled [f16]; ``pdl``: programmatic dependent launches, labelled [pdl] (the graph's launches then
+    overlap as in a chain of layers: a launch's prologue runs during the previous one's tail)."""
     from . import pair_gemv
 
     def label(c):
-        tags = ([] if c is None else [f"cols={c}"]) + (["f16"] if f16_acc else [])
+        tags = ([] if c is None else [f"cols={c}"]) + (["f16"] if f16_acc else []) + (["pdl"] if pdl else [])
         return "pair_gemv" + (f"[{','.join(tags)}]" if tags else "")
 
-    variants = [(label(c), lambda A, kc, out, c=c: _prepared(pair_gemv.plan(A, kc, out, 0, f16_acc=f16_acc, cols=c)),
+    variants = [(label(c), lambda A, kc, out, c=c: _prepared(pair_gemv.plan(A, kc, out, 0, f16_acc=f16_acc, cols=c,
+                                                                          pdl=pdl)),
                  None if c is None else {"cols": c}) for c in cols]
     return _gemv_grid_rows(shapes, [k for k in ks if k in CODES_K], ms, MAX_M,
                            lambda ws: [pair_gemv.to_codes(w) for w in ws], variants, ceilings, progress)
@@ -619,6 +621,9 @@ def main(argv=None):
     p.add_argument("--pair-cols", help="pair_gemv columns per warp per iteration to time, e.g. 2,4,8")
     p.add_argument("--pair-f16", action="store_true",
                    help="also time pair_gemv with float16 accumulation inside a block (f16_acc)")
+    p.add_argument("--pdl", action="store_true",
+                   help="also time pair_gemv as programmatic dependent launches (sm_90): the graph's launches "
+                        "overlap as a chain of layers would (with --pair-f16: the f16_acc variant too)")
     p.add_argument("--overhead", action="store_true", help="also measure host time per call")
     p.add_argument("--moe", action="store_true", help="also time the MoE case (512 experts, batch 32, top-8)")
     p.add_argument("--tune", nargs="?", const="", metavar="FILE",
@@ -672,6 +677,9 @@ def main(argv=None):
         rows += pair_gemv_rows(shapes, ks, ms, ceilings, progress, _parse_list(args.pair_cols, int))
     if args.pair_f16:
         rows += pair_gemv_rows(shapes, ks, ms, ceilings, progress, f16_acc=True)
+    if args.pdl:
+        for f16_acc in (False, True) if args.pair_f16 else (False,):
+            rows += pair_gemv_rows(shapes, ks, ms, ceilings, progress, f16_acc=f16_acc, pdl=True)
     overhead = host_overhead_rows(progress) if args.overhead else []
     moe = (moe_rows(progress) + moe_rows(progress, batch=512)) if args.moe else []
     cublas = {}

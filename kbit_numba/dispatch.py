@@ -241,9 +241,11 @@ class KbitLinear:
     every call runs the pair gemv, the fastest kbit kernel at M = 1..4 on the H100 except on the smallest
     shapes (benchmarks/README.md), but M > 4 runs it in slices of 4 rows (no tensor-core GEMM): a layout
     for decode steps, not for prefill. With it, ``f16_acc=True`` sums each 32-weight block in float16
-    (float16 activations; faster, error bound in tests/test_pair_gemv.py)."""
+    (float16 activations; faster, error bound in tests/test_pair_gemv.py), and ``pdl=True`` launches the pair
+    gemv as a programmatic dependent launch (sm_90): in a chain of layers each one's weight loads and table
+    fill overlap the previous kernel's tail (``launch.py``; 20-45% faster at M = 1 in the H100 bench)."""
 
-    def __init__(self, qw, table=None, stream=None, keep_flat=False, layout="tiled", f16_acc=False):
+    def __init__(self, qw, table=None, stream=None, keep_flat=False, layout="tiled", f16_acc=False, pdl=False):
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         stream = _arrays.as_stream(stream)
@@ -254,11 +256,13 @@ class KbitLinear:
                                  f"KbitCodes), got {getattr(qw, 'layout', type(qw).__name__)}, "
                                  f"k={getattr(qw, 'k', None)}")
             self.weight, self.flat_weight = pair_gemv.to_codes(qw, stream), None
-            self.table, self.workspace, self.f16_acc = table, Workspace(), bool(f16_acc)
+            self.table, self.workspace, self.f16_acc, self.pdl = table, Workspace(), bool(f16_acc), bool(pdl)
+            if self.pdl:          # a programmatic launch may load weights before the kernel before it ends
+                stream.synchronize() if stream else cuda.synchronize()
             return
-        if f16_acc:
-            raise ValueError("f16_acc applies to the pair gemv: use it with layout='codes'")
-        self.f16_acc = False
+        if f16_acc or pdl:
+            raise ValueError("f16_acc and pdl apply to the pair gemv: use them with layout='codes'")
+        self.f16_acc = self.pdl = False
         qw = device_weight(qw, KbitWeight, stream)
         self.flat_weight = qw if qw.layout == "flat" else None
         if qw.layout == "flat" and qw.shape[0] % TILE_N == 0:
@@ -287,6 +291,8 @@ class KbitLinear:
         if kernel is None:
             N, K = self.weight.shape
             kernel, params = choose_rule(_rows(_arrays.check_array(A, "A")), N, K, self.weight.layout, self.table)
+        if self.pdl and kernel == "pair_gemv":
+            params = dict(params, pdl=True)
         return plan(A, self._weight_for(kernel), out, stream, self.workspace, out_dtype, bf16, kernel,
                     self.table, self.f16_acc, params)
 

@@ -4,7 +4,8 @@ Each ``ptx_*`` function is a ``numba.cuda.extending.intrinsic`` that emits one P
 llvmlite's ``InlineAsm``; each ``py_*`` function is its pure-Python/NumPy twin with the same semantics.
 Kernels import the plain names (``ldg128``, ``dp4a``, ...): on the GPU they are the PTX versions, under
 Numba's CUDA simulator (which cannot run inline asm) the twins. ``tests/test_intrinsics.py`` checks
-every PTX version against its twin on random inputs on the GPU.
+every PTX version against its twin on random inputs on the GPU (the ``griddep_*`` pair, whose twins do
+nothing, by the chain of layers in ``tests/test_pair_gemv.py``).
 
 | name         | PTX                                   | why a kernel wants it                          |
 |--------------|---------------------------------------|------------------------------------------------|
@@ -27,6 +28,8 @@ every PTX version against its twin on random inputs on the GPU.
 | bmul2(a, b)  | mul.rn.bf16x2                         | the same for bfloat16 pairs                    |
 | cp_async16(dst, p, src, i, n) | cp.async.cg.shared.global 16 B | global -> shared without registers  |
 | cp_async_commit() / cp_async_wait(n) | cp.async.commit_group / wait_group n | double buffering |
+| griddep_wait() | griddepcontrol.wait                    | PDL: wait for the previous kernel's results    |
+| griddep_launch_dependents() | griddepcontrol.launch_dependents | PDL: let the next kernel start early  |
 | ldmatrix_x4(a, p) | ldmatrix.sync.aligned.m8n8.x4.b16 | the A fragment of mma.m16n8k16 from shared  |
 | mma_f16(a0..a3, b0, b1, c0..c3) | mma.sync.aligned.m16n8k16 f32.f16.f16.f32 | tensor cores |
 | mma_bf16(...) | the same with .bf16 inputs           |                                                |
@@ -279,17 +282,21 @@ def ptx_cp_async16(typingctx, dst, dst_addr, src, src_index, src_bytes):
     return sig, codegen
 
 
+def _no_operands(text, memory=False):
+    """Codegen of an instruction with no operands and no result, kept in place (a side effect);
+    ``memory``: also a compiler barrier for memory accesses around it."""
+    def codegen(context, builder, sig, args):
+        fty = ir.FunctionType(ir.VoidType(), [])
+        builder.call(ir.InlineAsm(fty, text, "~{memory}" if memory else "", side_effect=True), [])
+        return context.get_dummy_value()
+
+    return codegen
+
+
 @intrinsic
 def ptx_cp_async_commit(typingctx):
     """Close the group of cp.async copies issued so far by this thread (cp.async.commit_group)."""
-    sig = types.void()
-
-    def codegen(context, builder, sig, args):
-        fty = ir.FunctionType(ir.VoidType(), [])
-        builder.call(ir.InlineAsm(fty, "cp.async.commit_group;", "", side_effect=True), [])
-        return context.get_dummy_value()
-
-    return sig, codegen
+    return types.void(), _no_operands("cp.async.commit_group;")
 
 
 @intrinsic
@@ -307,6 +314,31 @@ def ptx_cp_async_wait(typingctx, pending):
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+@intrinsic
+def ptx_griddep_wait(typingctx):
+    """Programmatic dependent launch (sm_90): block until the kernels this one depends on have completed and
+    their memory is visible (griddepcontrol.wait). Without a programmatic launch it returns at once. A
+    kernel may read and write anything the previous kernel touches only after it; what no earlier kernel
+    writes (the weights) it may load before it, overlapping the previous kernel's tail."""
+    return types.void(), _no_operands("griddepcontrol.wait;", memory=True)
+
+
+@intrinsic
+def ptx_griddep_launch_dependents(typingctx):
+    """Programmatic dependent launch (sm_90): this CTA allows the next kernel of the stream, if launched
+    programmatically, to start (griddepcontrol.launch_dependents); it starts once every CTA has said so or
+    exited. It only schedules the next kernel early: that kernel's griddep_wait still waits for this one."""
+    return types.void(), _no_operands("griddepcontrol.launch_dependents;", memory=True)
+
+
+def py_griddep_wait():           # the simulator runs launches one after another: nothing to wait for
+    pass
+
+
+def py_griddep_launch_dependents():
+    pass
 
 
 def py_cp_async16(dst, dst_addr, src, src_index, src_bytes):
@@ -650,11 +682,12 @@ def py_f16x2_as_u32(lo, hi):
 # The names kernels use
 # ---------------------------------------------------------------------------------------------
 NAMES = ("ldg128", "ldg64", "stg128", "shared_addr", "lds_f32", "lds_u32", "lds128", "lds64", "sts128", "cp_async16",
-         "cp_async_commit", "cp_async_wait", "ldmatrix_x4", "mma_f16", "mma_bf16", "hmul2", "hfma2", "bmul2", "dp4a",
-         "lop3", "prmt", "rotr", "u32_as_f32", "f32_as_u32", "f16x2_as_u32", "f16_bits_to_f32")
+         "cp_async_commit", "cp_async_wait", "griddep_wait", "griddep_launch_dependents", "ldmatrix_x4", "mma_f16",
+         "mma_bf16", "hmul2", "hfma2", "bmul2", "dp4a", "lop3", "prmt", "rotr", "u32_as_f32", "f32_as_u32",
+         "f16x2_as_u32", "f16_bits_to_f32")
 PAIRS = {name: (globals()["ptx_" + name], globals()["py_" + name]) for name in NAMES}
 
 _pick = 1 if SIMULATOR else 0
 (ldg128, ldg64, stg128, shared_addr, lds_f32, lds_u32, lds128, lds64, sts128, cp_async16, cp_async_commit,
- cp_async_wait, ldmatrix_x4, mma_f16, mma_bf16, hmul2, hfma2, bmul2, dp4a, lop3, prmt, rotr,
- u32_as_f32, f32_as_u32, f16x2_as_u32, f16_bits_to_f32) = (PAIRS[n][_pick] for n in NAMES)
+ cp_async_wait, griddep_wait, griddep_launch_dependents, ldmatrix_x4, mma_f16, mma_bf16, hmul2, hfma2, bmul2, dp4a,
+ lop3, prmt, rotr, u32_as_f32, f32_as_u32, f16x2_as_u32, f16_bits_to_f32) = (PAIRS[n][_pick] for n in NAMES)

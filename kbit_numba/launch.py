@@ -20,6 +20,14 @@ Numba's kernel ABI, per argument (``numba.cuda.dispatcher._Kernel._prepare_args`
 
 Buffers are bound by address: write new inputs *into* the bound arrays between calls. Under the
 simulator (no driver) a call is an ordinary kernel launch.
+
+**Programmatic dependent launch (PDL, sm_90).** A step with ``pdl=True`` is a kernel built to call
+``intrinsics.griddep_wait`` before it reads its activations or writes its output, and
+``griddep_launch_dependents`` early. It is launched with ``cuLaunchKernelEx`` and the
+programmatic-stream-serialization attribute, so it may start while the kernel before it in the stream is
+still running: its weight loads and shared tables overlap that kernel's tail. Stream capture keeps the
+relation as a programmatic edge of the CUDA graph. The weights it reads before waiting must not be written
+by the kernel just before it.
 """
 from __future__ import annotations
 
@@ -83,7 +91,7 @@ class PreparedLaunch:
 
     ``args`` must be device arrays (Numba or CUDA-array-interface objects) and NumPy scalars."""
 
-    def __init__(self, kernel, grid, block, args, stream=0, shared_bytes=0):
+    def __init__(self, kernel, grid, block, args, stream=0, shared_bytes=0, pdl=False):
         self.kernel, self.grid, self.block, self.args = kernel, grid, block, tuple(args)
         self.stream = stream
         self._shared = shared_bytes
@@ -118,6 +126,18 @@ class PreparedLaunch:
         self._grid3 = tuple(grid) + (1,) * (3 - len(grid)) if isinstance(grid, tuple) else (grid, 1, 1)
         self._block3 = tuple(block) + (1,) * (3 - len(block)) if isinstance(block, tuple) else (block, 1, 1)
         self._launch = self._launch_driver
+        if pdl:
+            attr = driver.CUlaunchAttribute()
+            attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attr.value.programmaticStreamSerializationAllowed = 1
+            cfg = driver.CUlaunchConfig()
+            cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = self._grid3
+            cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = self._block3
+            cfg.sharedMemBytes = shared_bytes
+            cfg.attrs = [attr]
+            cfg.numAttrs = 1
+            self._config = cfg
+            self._launch = self._launch_pdl
 
     def _launch_numba(self, stream):
         self.kernel[self.grid, self.block, stream, self._shared](*self.args)
@@ -128,6 +148,12 @@ class PreparedLaunch:
         if err != self._driver.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"cuLaunchKernel failed: {err}")
 
+    def _launch_pdl(self, stream):
+        self._config.hStream = self._driver.CUstream(stream_handle(stream))
+        err, = self._driver.cuLaunchKernelEx(self._config, self._func, self._params_addr, 0)
+        if err != self._driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuLaunchKernelEx (programmatic dependent launch) failed: {err}")
+
     def __call__(self, stream=None):
         """Launch on ``stream`` (default: the stream given at preparation)."""
         self._launch(self.stream if stream is None else stream)
@@ -135,12 +161,14 @@ class PreparedLaunch:
 
 class Step(NamedTuple):
     """One kernel launch of a plan: ``kernel[grid, block, stream, shared](*args)``. ``args`` are device
-    arrays and NumPy scalars (what :class:`PreparedLaunch` can pack)."""
+    arrays and NumPy scalars (what :class:`PreparedLaunch` can pack). ``pdl``: launch it as a programmatic
+    dependent launch (the kernel must be built for it: see the module's docstring)."""
     kernel: object
     grid: object
     block: object
     args: tuple
     shared: int = 0
+    pdl: bool = False
 
 
 class HostStep(NamedTuple):
@@ -151,11 +179,12 @@ class HostStep(NamedTuple):
 
 def launch_step(step, stream=0):
     """Launch one step the ordinary (checked) way: Numba's dispatcher, or the driver where the step needs
-    more than 48 KB of dynamic shared memory (Numba does not opt a kernel in to that)."""
+    more than 48 KB of dynamic shared memory (Numba does not opt a kernel in to that) or is a programmatic
+    dependent launch."""
     if isinstance(step, HostStep):
         step.fn(stream)
-    elif step.shared > DEFAULT_SHARED_LIMIT and not SIMULATOR:
-        PreparedLaunch(step.kernel, step.grid, step.block, step.args, stream, step.shared)()
+    elif (step.shared > DEFAULT_SHARED_LIMIT or step.pdl) and not SIMULATOR:
+        PreparedLaunch(step.kernel, step.grid, step.block, step.args, stream, step.shared, step.pdl)()
     else:
         step.kernel[step.grid, step.block, stream, step.shared](*step.args)
 
@@ -196,7 +225,8 @@ class Prepared:
             raise TypeError("prepare binds buffers by address: pass A as a device array")
         self.plan, self.A, self.out, self.stream = plan, plan.A, plan.out, plan.stream
         self._launches = [step.fn if isinstance(step, HostStep) else
-                          PreparedLaunch(step.kernel, step.grid, step.block, step.args, plan.stream, step.shared)
+                          PreparedLaunch(step.kernel, step.grid, step.block, step.args, plan.stream, step.shared,
+                                         step.pdl)
                           for step in plan.steps]
 
     def run(self, stream=None):

@@ -23,6 +23,10 @@ offline and looks weights up several at a time:
   slice s takes columns ``s*cols .. s*cols+cols-1`` of each group of S*cols columns. Lane sums are reduced by a
   warp reduce-scatter, then over the KW warps in shared memory (double-buffered, one barrier per
   iteration).
+* **Programmatic dependent launch** (``pdl=True``, sm_90; ``launch.py``): a CTA lets the next kernel start
+  at once, and issues its first weight loads and fills its tables *before* ``griddep_wait``; only the
+  activation loads and the output writes come after it. In a chain of layers the next kernel's prologue
+  then overlaps this one's tail.
 
 Reference twin: ``reference.gemv`` (which reads ``KbitCodes`` too). Tests: ``tests/test_pair_gemv.py``.
 """
@@ -39,8 +43,9 @@ from . import _arrays
 from .core import MAX_M, device_weight, k_warps, sm_count
 from .device import WARP, e4m4_decode, i32, jit_kernel, make_warp_reduce_scatter, make_word_unpacker, u32
 from .formats import ABSMAX_FORMATS, BLOCK, CODES_K, KbitCodes, KbitWeight
-from .intrinsics import (SIMULATOR, f16_bits_to_f32, f16x2_as_u32, f32_as_u32, hfma2, ldg64, ldg128, lds64, lds128,
-                         lds_u32, prmt, shared_addr, sts128, u32_as_f32)
+from .intrinsics import (SIMULATOR, f16_bits_to_f32, f16x2_as_u32, f32_as_u32, griddep_launch_dependents,
+                         griddep_wait, hfma2, ldg64, ldg128, lds64, lds128, lds_u32, prmt, shared_addr, sts128,
+                         u32_as_f32)
 from .launch import NUMBA_TYPES, OUT_TYPES, Plan, Spec, Step, launch_step, type_name
 
 MAX_KW = 32                       # K-warps per slice: K <= 32 * 32 * 32 = 32768
@@ -76,6 +81,7 @@ class PairGemvSpec(Spec):
     a_type: str = "float16"
     out_dtype: str = "float16"
     f16_acc: bool = False
+    pdl: bool = False
 
     def normalise(self):
         if self.k not in CODES_K or not 1 <= self.M <= MAX_M:
@@ -88,7 +94,8 @@ class PairGemvSpec(Spec):
         if self.f16_acc and a_type != "float16":
             raise ValueError(f"f16_acc needs float16 activations, got {a_type}")
         return dict(k=int(self.k), M=int(self.M), cols=int(self.cols), a_type=a_type,
-                    out_dtype=type_name(self.out_dtype, "out_dtype", OUT_TYPES), f16_acc=bool(self.f16_acc))
+                    out_dtype=type_name(self.out_dtype, "out_dtype", OUT_TYPES), f16_acc=bool(self.f16_acc),
+                    pdl=bool(self.pdl))
 
 
 @lru_cache(maxsize=None)
@@ -101,8 +108,9 @@ def make_pair_gemv_kernel(spec):
     ``TABLE_BYTES + part_bytes(...)`` bytes of dynamic shared memory.
     f16_acc (float16 A only): the table holds f16x2 pairs and a block's products are summed by
     ``fma.rn.f16x2`` (one instruction per pair and row instead of two FFMAs), in float16; blocks are summed
-    in float32 (error bound: tests/test_pair_gemv.py)."""
-    k, M, NCOL, f16_acc = spec.k, spec.M, spec.cols, spec.f16_acc       # (checked by PairGemvSpec)
+    in float32 (error bound: tests/test_pair_gemv.py). pdl: built for a programmatic dependent launch (the
+    module docstring)."""
+    k, M, NCOL, f16_acc, PDL = spec.k, spec.M, spec.cols, spec.f16_acc, spec.pdl   # (checked by PairGemvSpec)
     absmax_format, a_src, out_dtype = spec.absmax_format, spec.a_type, spec.out_dtype
     G = 8 // k                                     # elements per code byte
     ENTRY = 2 * G if f16_acc else 4 * G            # bytes of one table entry (G values)
@@ -236,6 +244,8 @@ def make_pair_gemv_kernel(spec):
         g = u32(cuda.blockIdx.x)
         last4 = u32(u32(u32(N) * nkb - u32(1)) * u32(4))     # 4 x the index of the weight's last block
 
+        if PDL:                     # the next kernel may start now: it waits for this one in griddep_wait
+            griddep_launch_dependents()
         # ---- 1. the first columns' weight loads go out before anything else ----------------------
         # three buffers of NCOL columns' codes and absmax: the loads run two iterations ahead
         codes_a = cuda.local.array((NCOL, k), np.uint32)
@@ -276,6 +286,8 @@ def make_pair_gemv_kernel(spec):
             smem[u32(u32(TABLE_FLOATS) + i)] = e4m4_decode(np.uint8(i))
             i = u32(i + u32(cuda.blockDim.x))
 
+        if PDL:                     # the activations (and out) may be the previous kernel's: wait for it
+            griddep_wait()
         # ---- 3. this lane's 32 x M activations, element order, 16-byte loads ---------------------
         a = cuda.local.array((M, BLOCK), np.float32)       # (f16_acc: unused)
         ah = cuda.local.array((M, PAIRS), np.uint32)       # f16_acc: the f16x2 words as loaded
@@ -400,17 +412,19 @@ def default_cols(M, N, K):
     return DEFAULTS["small_cols"] if M == 1 and N * K < DEFAULTS["small_weight"] else DEFAULTS["cols"]
 
 
-def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc=False, cols=None, cta_warps=None):
+def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc=False, cols=None, cta_warps=None,
+         pdl=False):
     """Checked inputs bound into a :class:`launch.Plan` (one launch). ``kc``: KbitCodes (a KbitWeight is
     re-packed with :func:`to_codes`, a copy per call: keep the KbitCodes for repeated use). f16_acc: see
-    :func:`make_pair_gemv_kernel` (float16 A only). ``cols`` (default :func:`default_cols`) and
+    :func:`make_pair_gemv_kernel` (float16 A only). pdl: a programmatic dependent launch (sm_90; the
+    weights must not be written by the kernel just before it in the stream). ``cols`` (default :func:`default_cols`) and
     ``cta_warps`` (warps per CTA aimed at) override the ``DEFAULTS`` table (``benchmarks/sweep_pair_gemv.py``)."""
     stream = _arrays.as_stream(stream)
     kc = to_codes(kc, stream)                              # checked device arrays (re-packed if a KbitWeight)
     N, K = kc.shape
     Ad, a_src, M, out = _arrays.gemv_io(A, kc.shape, out, out_dtype, bf16, stream, "pair gemv", MAX_M)
     spec = PairGemvSpec(kc.k, M, default_cols(M, N, K) if cols is None else cols, kc.absmax_format, a_src,
-                        out.dtype, f16_acc)
+                        out.dtype, f16_acc, pdl)
     n_kb = K // BLOCK
     kw = k_warps(K)
     if kw > MAX_KW:
@@ -430,7 +444,7 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc
     regs_alloc = max(8, -(-regs // 8) * 8)                 # registers are allocated in units of 8
     per_sm = max(1, min(REGISTERS_PER_SM // (slices * kw * WARP * regs_alloc), SHARED_PER_SM // (shared + 1024)))
     grid = min(n_groups, sm_count() * per_sm)
-    return Plan([Step(kern, grid, slices * kw * WARP, args, shared)], Ad, out, stream)
+    return Plan([Step(kern, grid, slices * kw * WARP, args, shared, pdl)], Ad, out, stream)
 
 
 def gemv(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc=False):
@@ -442,16 +456,18 @@ def gemv(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc
     return plan(A, kc, out, stream, out_dtype, bf16, f16_acc).launch()
 
 
-def prepare(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc=False):
+def prepare(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc=False, pdl=False):
     """The fast path for repeated calls: a :class:`launch.Prepared` whose ``run()`` is one driver launch.
-    Write the next activations into ``.A`` before ``run()``; results land in ``.out``."""
-    return plan(A, kc, out, stream, out_dtype, bf16, f16_acc).prepare()
+    Write the next activations into ``.A`` before ``run()``; results land in ``.out``. ``pdl``: see
+    :func:`plan`."""
+    return plan(A, kc, out, stream, out_dtype, bf16, f16_acc, pdl=pdl).prepare()
 
 
 def ptx_specs():
-    """Every (k, M) at the default cols (and f16_acc at M = 1, 4), M = 1 at ``small_cols``, and each other
-    value of cols, absmax format, A type and output type with every k."""
+    """Every (k, M) at the default cols (and f16_acc at M = 1, 4; pdl at M = 1), M = 1 at ``small_cols``, and
+    each other value of cols, absmax format, A type and output type with every k."""
     variants = [dict(M=M) for M in (1, 2, 3, 4)] + [dict(M=M, f16_acc=True) for M in (1, 4)]
+    variants += [dict(M=1, pdl=True), dict(M=1, f16_acc=True, pdl=True)]
     variants += [dict(M=1, cols=DEFAULTS["small_cols"])]             # what M = 1 runs on small weights
     variants += [dict(M=2, cols=c) for c in COL_CHOICES if c != DEFAULTS["cols"]]
     variants += [dict(absmax_format="fp32", M=3), dict(a_type="float32", M=2), dict(a_type="bfloat16", M=1),

@@ -99,13 +99,14 @@ def test_prepared_linear_rebinds_inputs(M):
 def test_kbit_linear_codes_layout_runs_the_pair_gemv(M):
     rng = np.random.default_rng(M)
     flat = ref.quantize(random_weight(rng, 24 if SIM else 1000, 64 if SIM else 1056), k=4)
-    layer = kb.KbitLinear(flat, layout="codes")
+    pdl = M > 1                                           # (programmatic dependent launches: test_pair_gemv)
+    layer = kb.KbitLinear(flat, layout="codes", pdl=pdl)
     assert layer.weight.layout == "codes" and layer.kernel_for(M) == "pair_gemv"
     A = rng.standard_normal((M, flat.shape[1])).astype(np.float16)
     check_close(layer(A, out_dtype=np.float32).copy_to_host(), A, flat)
     Ad = cuda.to_device(A)
     prep = layer.prepare(Ad, out_dtype=np.float32)      # one launch per slice of 4 rows
-    assert len(prep.plan.steps) == -(-M // 4)
+    assert len(prep.plan.steps) == -(-M // 4) and all(step.pdl == pdl for step in prep.plan.steps)
     check_close(prep.run().copy_to_host(), A, flat)
     A2 = rng.standard_normal(A.shape).astype(np.float16)
     Ad.copy_to_device(A2)
@@ -137,8 +138,9 @@ def test_codes_layout_refusals():
         kb.KbitLinear(ref.quantize(np.ones((8, 64), np.float32), k=3), layout="codes")
     with pytest.raises(ValueError, match="layout must be one of"):
         kb.KbitLinear(flat, layout="flat")
-    with pytest.raises(ValueError, match="f16_acc applies to the pair gemv"):
-        kb.KbitLinear(flat, f16_acc=True)
+    for flag in ("f16_acc", "pdl"):
+        with pytest.raises(ValueError, match="f16_acc and pdl apply to the pair gemv"):
+            kb.KbitLinear(flat, **{flag: True})
     with pytest.raises(ValueError, match="f16_acc applies to the pair gemv"):
         kb.linear(A, flat, f16_acc=True)                  # (was silently ignored)
 

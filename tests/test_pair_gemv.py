@@ -6,13 +6,15 @@ from numba import cuda
 
 from kbit_numba import device, pair_gemv, reference as ref
 from kbit_numba.formats import CODES_K, KbitCodes
-from helpers import EXAMPLES, SIM, assert_within, random_weight, seeds
+from helpers import EXAMPLES, SIM, assert_within, gpu_examples, gpu_split, random_weight, seeds
 from test_gemv import _activations, check_close
 
 codes_ks = st.sampled_from(CODES_K)
 MAX_N = 12 if SIM else 700
 # K = 32 * kb: past 1024 (two K-warps) on the simulator too, up to several warps on the GPU
 KBS = st.sampled_from([1, 3, 33]) if SIM else st.integers(1, 140)
+# On the GPU the properties below run once per (k, absmax format): 4 tests that xdist spreads over cores.
+SPLIT = [(k, fmt) for k in CODES_K for fmt in ("e4m4", "fp32")]
 
 
 @settings(max_examples=EXAMPLES * 2)
@@ -40,11 +42,13 @@ def test_codes_field_order():
     assert ref.pack_codes(idx2[None], 2)[0][0] == 0xE4E4E4E4
 
 
-@settings(max_examples=EXAMPLES * 2)
+@gpu_split("k_split, fmt_split", SPLIT)
+@settings(max_examples=gpu_examples(EXAMPLES * 2, len(SPLIT)))
 @given(seeds, codes_ks, st.integers(1, 4), st.integers(1, MAX_N), KBS, st.sampled_from(["e4m4", "fp32"]),
        st.sampled_from(["float16", "float32", "bfloat16"]), st.sampled_from([np.float16, np.float32]),
        st.sampled_from([1, 2, 4, 8]))
-def test_pair_gemv(seed, k, M, N, kbn, fmt, a_dtype, out_dtype, cols):
+def test_pair_gemv(k_split, fmt_split, seed, k, M, N, kbn, fmt, a_dtype, out_dtype, cols):
+    k, fmt = k_split or k, fmt_split or fmt
     rng = np.random.default_rng(seed)
     K = 32 * kbn
     qw = ref.quantize(random_weight(rng, N, K), k=k, absmax_format=fmt)
@@ -70,12 +74,14 @@ def check_close_f16_acc(got, A, qw, out_dtype):
     assert_within(got, want, (17 * u + 1e-5) * scale + tiny[None, :] + 1e-30, out_dtype)
 
 
-@settings(max_examples=EXAMPLES)     # (cols' other values: test_pair_gemv; each draw may be a new compilation)
+@gpu_split("k_split, fmt_split", SPLIT)     # (cols' other values: test_pair_gemv)
+@settings(max_examples=gpu_examples(EXAMPLES, len(SPLIT)))
 @given(seeds, codes_ks, st.integers(1, 4), st.integers(1, MAX_N), KBS, st.sampled_from(["e4m4", "fp32"]),
        st.sampled_from([np.float16, np.float32]), st.sampled_from([2, 4]),
        st.sampled_from([1.0, 1e-3, 300.0]))
-def test_pair_gemv_f16_acc(seed, k, M, N, kbn, fmt, out_dtype, cols, a_scale):
+def test_pair_gemv_f16_acc(k_split, fmt_split, seed, k, M, N, kbn, fmt, out_dtype, cols, a_scale):
     """The float16-accumulating variant within its stated bound, small and large activations too."""
+    k, fmt = k_split or k, fmt_split or fmt
     rng = np.random.default_rng(seed)
     K = 32 * kbn
     out_dtype = np.float32 if a_scale > 1 else out_dtype     # (large sums would overflow a float16 output)
@@ -96,6 +102,35 @@ def test_pair_gemv_vector_input_out_buffer_and_prepare():
     A = cuda.to_device(_activations(rng, 2, 64, "float16"))
     step = pair_gemv.prepare(A, pair_gemv.to_codes(qw))
     check_close(step.run().copy_to_host(), A.copy_to_host(), qw, out_dtype=np.float16)
+
+
+@pytest.mark.parametrize("f16_acc", [False, True])
+def test_pair_gemv_pdl_chain_waits_for_the_previous_layer(f16_acc):
+    """Programmatic dependent launch: a chain of layers, each reading the previous one's output as its
+    activations, launched back to back on one stream. Each layer starts before the previous one ends and must
+    wait (griddep_wait) before reading it; a layer that read early would see the last run's values, so the
+    chain runs twice with different inputs and the second run's every layer is checked against its input."""
+    rng = np.random.default_rng(5)
+    D, LAYERS = (64, 3) if SIM else (2048, 6)
+    qws = [ref.quantize((rng.standard_normal((D, D)) / np.sqrt(D)).astype(np.float32), k=4) for _ in range(LAYERS)]
+    stream = cuda.stream()
+    outs = [cuda.to_device(np.zeros((1, D), np.float16), stream=stream)]
+    steps = []
+    for qw in qws:
+        steps.append(pair_gemv.prepare(outs[-1], pair_gemv.to_codes(qw, stream), stream=stream, f16_acc=f16_acc,
+                                       pdl=True))
+        outs.append(steps[-1].out)
+    for run in range(2):
+        outs[0].copy_to_device(rng.standard_normal((1, D)).astype(np.float16), stream=stream)
+        for step in steps:
+            step.run()
+        stream.synchronize()
+    got = [o.copy_to_host() for o in outs]
+    for i, qw in enumerate(qws):
+        if f16_acc:
+            check_close_f16_acc(got[i + 1], got[i], qw, np.float16)
+        else:
+            check_close(got[i + 1], got[i], qw, out_dtype=np.float16)
 
 
 def test_pair_gemv_refuses():

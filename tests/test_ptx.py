@@ -51,6 +51,10 @@ def _requirements(name):
         else:
             must += {4: ["ld.global.nc.v4.u32", "ld.shared.v2.u32"], 2: ["ld.global.nc.v2.u32", "ld.shared.v4.u32"]}[k]
         never += ["ld.shared.f64", "cvt.rn.f32.f64"]
+        if "pdl=True" in name:                               # programmatic dependent launch
+            must += ["griddepcontrol.launch_dependents", "griddepcontrol.wait"]
+        else:
+            never += ["griddepcontrol"]
     if name.startswith("gemm"):
         bf16 = "a_type=bfloat16" in name
         must += ["mma.sync.aligned.m16n8k16.row.col.f32." + ("bf16.bf16" if bf16 else "f16.f16") + ".f32",

@@ -69,6 +69,8 @@ ROWS = [
      lambda: kb.linear(A1, FLAT, f16_acc=True)),
     ("KbitLinear", "`layout` other than 'tiled' or 'codes'", ValueError, "layout must be one of",
      lambda: kb.KbitLinear(FLAT, layout="flat")),
+    ("KbitLinear", "`f16_acc=True` or `pdl=True` without `layout='codes'`", ValueError, "apply to the pair gemv",
+     lambda: kb.KbitLinear(FLAT, pdl=True)),
     ("pair_gemv.to_codes", "k = 3 or 5, or a tiled weight", ValueError, "code layout",
      lambda: kb.pair_gemv.to_codes(ref.quantize(W, k=3))),
     ("pair_gemv.gemv", "`f16_acc=True` with float32 or bfloat16 A", ValueError, "f16_acc needs float16",
