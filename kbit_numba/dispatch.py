@@ -28,6 +28,7 @@ from . import _arrays, pair_gemv, scalar_gemv, tensor_gemm
 from .codec import plan_dequantize, repack_tiled
 from .core import MAX_M, device_weight
 from .formats import CODES_K, TILE_N, KbitCodes, KbitWeight
+from .intrinsics import SIMULATOR
 from .launch import HostStep, Plan, stream_handle
 
 KERNELS = ("gemv", "pair_gemv", "gemm", "dequant_matmul")
@@ -90,7 +91,10 @@ def choose(M, N, K, layout, table=None, backend=None):
 # ---- dequantize + cuBLAS ---------------------------------------------------------------------------
 @lru_cache(maxsize=None)
 def matmul_backend():
-    """'torch' or 'cupy' (whichever imports, torch first) for the cuBLAS call, or None."""
+    """'torch' or 'cupy' (whichever imports, torch first) for the cuBLAS call, or None (always under the
+    simulator: its device arrays are host memory, which cuBLAS cannot read)."""
+    if SIMULATOR:
+        return None
     for name in ("torch", "cupy"):
         try:
             __import__(name)
