@@ -57,6 +57,19 @@ if PTX_ONLY and not cuda.is_available():
 import kbit_numba  # noqa: E402,F401  (installs the simulator's warp primitives)
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "fuzz: a hypothesis property (every one is marked; KBIT_FUZZ=N sets its "
+                                       "examples: tests/README.md)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """``-m fuzz`` selects every hypothesis property."""
+    import pytest
+    for item in items:
+        if hasattr(getattr(item, "obj", None), "hypothesis"):
+            item.add_marker(pytest.mark.fuzz)
+
+
 def pytest_collection_finish(session):
     """Under the simulator, start the PTX children now if test_ptx.py was collected: they compile on the
     cores the simulator (one Python thread at a time) leaves idle, instead of after it."""

@@ -12,6 +12,11 @@ PTX_ONLY = os.environ.get("KBIT_NUMBA_PTX_ONLY") == "1"
 # The simulator runs one Python thread per CUDA thread: keep its problems to a few blocks.
 # On the GPU every new specialisation costs seconds of compilation: examples stay modest there too.
 EXAMPLES = 6 if SIM else 12
+# The fuzz run (tests/README.md): KBIT_FUZZ=N sets N examples per property (the properties that draw more
+# or fewer than EXAMPLES scale with it), and on the GPU lets the shape strategies reach large sizes.
+FUZZ = int(os.environ.get("KBIT_FUZZ", "0") or 0)
+if FUZZ:
+    EXAMPLES = FUZZ
 MAX_N = 8 if SIM else 300
 MAX_KB = 4 if SIM else 40        # K = 32 * kb
 # Tiled layouts have 128 columns a tile: on the simulator one tile and up to three blocks (an odd K still
@@ -42,6 +47,43 @@ def random_weight(rng, N, K, scale=1.0, dtype=np.float32):
 
 seeds = st.integers(0, 2**32 - 1)
 ks = st.sampled_from([2, 3, 4, 5])
+
+
+def sizes(default_max, fuzz_max):
+    """1..default_max; in a GPU fuzz run one draw in eight from up to ``fuzz_max`` (the references' NumPy
+    time grows with the size, so large draws stay a minority)."""
+    small = st.integers(1, default_max)
+    if not FUZZ or SIM:
+        return small
+    return st.one_of(*[small] * 7, st.integers(1, fuzz_max))
+
+
+# Weights that stress the format: blocks of zeros, one huge element per block (the rest round to the
+# codebook's zero), block maxima at and past the E4M4 range's ends (31 saturates; 2**-14 is its smallest
+# step), and float16-subnormal magnitudes.
+WEIGHT_KINDS = ("normal", "zero_blocks", "one_huge", "e4m4_edges", "subnormal")
+weight_kinds = st.sampled_from(WEIGHT_KINDS)
+E4M4_EDGES = (31.0, 40.0, 2.0 ** -14, 2.0 ** -10, 0.96875 * 2.0 ** -10)
+
+
+def adversarial_weight(rng, N, K, kind, dtype=np.float32):
+    """A [N, K] weight of one of ``WEIGHT_KINDS`` (K a multiple of 32)."""
+    W = random_weight(rng, N, K)
+    blocks = W.reshape(N, K // 32, 32)
+    if kind == "zero_blocks":
+        blocks[rng.random(blocks.shape[:2]) < 0.3] = 0
+    elif kind == "one_huge":
+        i = rng.integers(0, 32, size=blocks.shape[:2])
+        np.put_along_axis(blocks, i[..., None], 1e3 * np.sign(rng.standard_normal(blocks.shape[:2]))[..., None], 2)
+    elif kind == "e4m4_edges":
+        peak = np.abs(blocks).max(axis=2, keepdims=True)
+        target = rng.choice(E4M4_EDGES, size=peak.shape)
+        blocks *= np.where(peak > 0, target / np.maximum(peak, 1e-30), 0)
+    elif kind == "subnormal":
+        blocks *= 2.0 ** -20
+    elif kind != "normal":
+        raise ValueError(f"unknown weight kind {kind!r}")
+    return W.astype(dtype)
 
 
 def assert_within(got, want, tol, out_dtype=np.float32):

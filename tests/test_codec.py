@@ -6,24 +6,25 @@ from numba import cuda
 
 import kbit_numba as kb
 from kbit_numba import reference as ref
-from helpers import EXAMPLES, MAX_KB, MAX_KB_TILED, MAX_N, MAX_TILES, ks, random_weight, seeds
+from helpers import (EXAMPLES, MAX_KB, MAX_KB_TILED, MAX_N, MAX_TILES, adversarial_weight, ks, random_weight, seeds,
+                     sizes, weight_kinds)
 
 fmts = st.sampled_from(["e4m4", "fp32"])
 src_dtypes = st.sampled_from(["float32", "float16", "bfloat16"])
 
 
-def _weight(rng, N, K, src):
-    W = random_weight(rng, N, K, dtype=np.float32)
+def _weight(rng, N, K, src, kind="normal"):
+    W = adversarial_weight(rng, N, K, kind)
     if src == "bfloat16":
         return ref.float32_to_bf16_bits(W), True
     return W.astype(src), False
 
 
 @settings(max_examples=EXAMPLES)
-@given(seeds, ks, st.integers(1, MAX_N), st.integers(1, MAX_KB), fmts, src_dtypes)
-def test_quantize_flat_bit_exact(seed, k, N, kbn, fmt, src):
+@given(seeds, ks, sizes(MAX_N, 20000), sizes(MAX_KB, 512), fmts, src_dtypes, weight_kinds)
+def test_quantize_flat_bit_exact(seed, k, N, kbn, fmt, src, kind):
     rng = np.random.default_rng(seed)
-    W, bf16 = _weight(rng, N, 32 * kbn, src)
+    W, bf16 = _weight(rng, N, 32 * kbn, src, kind)
     got = kb.quantize(W, k=k, absmax_format=fmt, bf16=bf16)
     assert got.on_device and got.layout == "flat"
     want = ref.quantize(W, k=k, absmax_format=fmt, bf16=bf16)

@@ -6,8 +6,8 @@ from numba import cuda
 
 import kbit_numba as kb
 from kbit_numba import reference as ref
-from helpers import (assert_within, EXAMPLES, gpu_examples, gpu_split, MAX_KB_TILED, MAX_TILES, SIM, ks, random_weight,
-                     seeds)
+from helpers import (adversarial_weight, assert_within, EXAMPLES, gpu_examples, gpu_split, MAX_KB_TILED, MAX_TILES, SIM, ks,
+                     random_weight, seeds, sizes, weight_kinds)
 
 MAX_N = 12 if SIM else 700
 KS = [2, 3, 4, 5]                 # (on the GPU the long properties run once per k: helpers.gpu_split)
@@ -35,14 +35,14 @@ def _activations(rng, M, K, a_dtype, one_d=False):
 
 @gpu_split("k_split", KS)
 @settings(max_examples=gpu_examples(EXAMPLES * 2, len(KS)))
-@given(seeds, ks, st.integers(1, 4), st.integers(1, MAX_N), st.integers(1, MAX_KB),
+@given(seeds, ks, st.integers(1, 4), sizes(MAX_N, 20000), sizes(MAX_KB, 512),
        st.sampled_from(["e4m4", "fp32"]), st.sampled_from(["float16", "float32", "bfloat16"]),
-       st.sampled_from([np.float16, np.float32]))
-def test_gemv_flat(k_split, seed, k, M, N, kbn, fmt, a_dtype, out_dtype):
+       st.sampled_from([np.float16, np.float32]), weight_kinds)
+def test_gemv_flat(k_split, seed, k, M, N, kbn, fmt, a_dtype, out_dtype, kind):
     k = k_split or k
     rng = np.random.default_rng(seed)
     K = 32 * kbn
-    qw = ref.quantize(random_weight(rng, N, K), k=k, absmax_format=fmt)
+    qw = ref.quantize(adversarial_weight(rng, N, K, kind), k=k, absmax_format=fmt)
     A = _activations(rng, M, K, a_dtype)
     bf16 = a_dtype == "bfloat16"
     out = kb.gemv(A, qw, out_dtype=out_dtype, bf16=bf16)

@@ -6,7 +6,8 @@ from numba import cuda
 
 from kbit_numba import device, pair_gemv, reference as ref
 from kbit_numba.formats import CODES_K, KbitCodes
-from helpers import EXAMPLES, SIM, assert_within, gpu_examples, gpu_split, random_weight, seeds
+from helpers import (EXAMPLES, SIM, adversarial_weight, assert_within, gpu_examples, gpu_split, random_weight, seeds,
+                     sizes, weight_kinds)
 from test_gemv import _activations, check_close
 
 codes_ks = st.sampled_from(CODES_K)
@@ -44,14 +45,14 @@ def test_codes_field_order():
 
 @gpu_split("k_split, fmt_split", SPLIT)
 @settings(max_examples=gpu_examples(EXAMPLES * 2, len(SPLIT)))
-@given(seeds, codes_ks, st.integers(1, 4), st.integers(1, MAX_N), KBS, st.sampled_from(["e4m4", "fp32"]),
+@given(seeds, codes_ks, st.integers(1, 4), sizes(MAX_N, 20000), KBS, st.sampled_from(["e4m4", "fp32"]),
        st.sampled_from(["float16", "float32", "bfloat16"]), st.sampled_from([np.float16, np.float32]),
-       st.sampled_from([1, 2, 4, 8]))
-def test_pair_gemv(k_split, fmt_split, seed, k, M, N, kbn, fmt, a_dtype, out_dtype, cols):
+       st.sampled_from([1, 2, 4, 8]), weight_kinds)
+def test_pair_gemv(k_split, fmt_split, seed, k, M, N, kbn, fmt, a_dtype, out_dtype, cols, kind):
     k, fmt = k_split or k, fmt_split or fmt
     rng = np.random.default_rng(seed)
     K = 32 * kbn
-    qw = ref.quantize(random_weight(rng, N, K), k=k, absmax_format=fmt)
+    qw = ref.quantize(adversarial_weight(rng, N, K, kind), k=k, absmax_format=fmt)
     kc = pair_gemv.to_codes(qw)
     A = _activations(rng, M, K, a_dtype)
     bf16 = a_dtype == "bfloat16"
