@@ -14,7 +14,8 @@ correlation of the pairwise similarities (all pairs of sentences) with the float
     python benchmarks/fidelity_minilm.py [--formats kbit4,nf4,...] [--out FILE] [--gpu]
 
 ``--gpu`` also runs the kbit formats through ``kb.linear`` (the kernels, float16 activations) and reports
-how far their embeddings are from the reference path's.
+how far their embeddings are from the reference path's. ``--accumulation K`` instead emulates the pair
+gemv's float16-activation arithmetic for kbit K, with float32 and with float16 (``f16_acc``) block sums.
 
 Nothing but NumPy and kbit_numba is needed: the safetensors reader and the BERT tokenizer (lower-casing,
 accent stripping, punctuation split, greedy longest-match WordPiece) are written below.
@@ -288,11 +289,51 @@ def gpu_linear(p, names, k):
     return linear
 
 
+def pair_gemv_linear(p, names, k, f16_acc, rows):
+    """``linear(name, x)`` as the pair gemv computes it on float16 activations (kbit k, E4M4): A and the
+    codebook values rounded to float16; ``f16_acc=False``: each product and every sum in float32;
+    ``f16_acc=True``: a block's 32 products summed as two interleaved float16 halves (even and odd
+    elements, 16 fused multiply-adds each, rounded to float16 after each: ``fma.rn.f16x2``), the halves and
+    the absmax scale then in float32, the blocks in float32. Only the token rows ``rows`` (a flat boolean
+    mask of the [B, L] positions) are emulated; padded positions, which no real token attends to, take the
+    float32 path. Bias in float32."""
+    from kbit_numba import reference as ref
+    qws = {n: ref.quantize(p[n + ".weight"], k=k) for n in names}
+
+    def linear(name, x):
+        qw = qws[name]
+        N, K = qw.shape
+        nb = K // 32
+        c = qw.codebook[ref.unpack_bitplanes(np.asarray(qw.packed).reshape(N, nb, k), k)]   # [N, nb, 32]
+        if f16_acc:                                                       # (the f16x2 table)
+            c = c.astype(np.float16).astype(np.float32)
+        scale = ref.decoded_absmax(qw).reshape(N, nb).astype(np.float32)
+        X = x.reshape(-1, K)
+        y = X @ ref.dequantize(qw).T                                      # (padded rows)
+        A = X[rows].astype(np.float16).astype(np.float32).reshape(-1, nb, 32)
+        if not f16_acc:
+            y[rows] = np.einsum("tbj,nbj,nb->tn", A, c, scale, optimize=True)
+        else:
+            for t0 in range(0, len(A), 64):
+                a = A[t0:t0 + 64]
+                h = np.zeros((len(a), N, nb, 2), np.float32)
+                for j in range(16):
+                    h += a[:, None, :, 2 * j:2 * j + 2] * c[None, :, :, 2 * j:2 * j + 2]
+                    h = h.astype(np.float16).astype(np.float32)
+                idx = np.flatnonzero(rows)[t0:t0 + 64]
+                y[idx] = (h.sum(-1) * scale[None]).sum(-1)
+        return y.reshape(*x.shape[:-1], N) + p[name + ".bias"]
+    return linear
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--formats", help="comma-separated subset of the formats (default: all)")
     ap.add_argument("--out", help="write the rows as JSON to this file")
     ap.add_argument("--gpu", action="store_true", help="also run the kbit formats through the kernels")
+    ap.add_argument("--accumulation", metavar="K",
+                    help="instead: kbit K through an emulation of the pair gemv's float16 activations with float32 "
+                         "and with float16 (f16_acc) block sums, against the float32 reference path")
     ap.add_argument("--sensitivity", metavar="FORMAT",
                     help="instead: mean cosine with FORMAT applied to one linear kind, then one layer, at a time")
     args = ap.parse_args(argv)
@@ -310,6 +351,24 @@ def main(argv=None):
     print(f"{len(sentences)} sentences, {ids.shape[1]} tokens at most; {len(names)} linears, {n_weights} weights; "
           f"float32 forward {time.time() - t0:.1f} s", flush=True)
     formats = make_formats()
+    if args.accumulation:
+        k = int(args.accumulation)
+        E_ref = embed(p, ids, mask, linear_with(p, {n: formats[f"kbit{k}"](p[n + ".weight"])[0] for n in names}))
+        rows = []
+        for label, f16 in (("float16 A, float32 sums", False), ("float16 A, f16_acc block sums", True)):
+            t0 = time.time()
+            E = embed(p, ids, mask, pair_gemv_linear(p, names, k, f16, mask.reshape(-1) > 0))
+            mean_cos, min_cos, rho = compare(E, E0)
+            rows.append(dict(format=f"kbit{k}", accumulation=label, mean_cos=mean_cos, min_cos=min_cos,
+                             spearman=rho, min_cos_vs_reference_path=float(np.sum(E * E_ref, axis=1).min()),
+                             seconds=time.time() - t0))
+            print(f"kbit{k} {label:<31} mean cos {mean_cos:.5f}  min cos {min_cos:.5f}  spearman {rho:.5f}  "
+                  f"min cos vs the float32 reference path {rows[-1]['min_cos_vs_reference_path']:.6f}  "
+                  f"({rows[-1]['seconds']:.0f} s)", flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(dict(model="all-MiniLM-L6-v2", sentences=len(sentences), rows=rows), f, indent=1)
+        return 0
     if args.sensitivity:
         groups = [(kind, [n for n in names if n.endswith(kind)]) for kind in LINEARS]
         groups += [(f"layer {i}", [n for n in names if n.startswith(f"encoder.layer.{i}.")]) for i in range(6)]

@@ -78,3 +78,25 @@ def test_nf4_anchor():
     half_gap = 0.153                                    # half the largest gap of the code (-1 .. -0.696)
     assert np.all(np.abs(Wq - W) <= np.repeat(absmax, 64).reshape(W.shape) * half_gap)
     assert abs(F.spearman(np.arange(10.0), np.arange(10.0) ** 3) - 1.0) < 1e-12
+
+
+def test_pair_gemv_emulation_within_the_kernels_bounds():
+    """The fidelity script's emulation of the pair gemv: float32 sums equal the reference on float16 A
+    (to float32 rounding), float16 block sums stay within the f16_acc bound the kernel tests state (17u);
+    padded rows take the float32 path."""
+    from kbit_numba import reference as ref
+    rng = np.random.default_rng(0)
+    p = {"l.weight": rng.standard_normal((24, 96)).astype(np.float32), "l.bias": np.zeros(24, np.float32)}
+    x = rng.standard_normal((3, 5, 96)).astype(np.float32)
+    rows = np.ones(15, bool)
+    rows[-2:] = False
+    qw = ref.quantize(p["l.weight"], k=4)
+    A16 = x.reshape(-1, 96).astype(np.float16)
+    want = ref.gemv(A16, qw)
+    scale = np.abs(A16.astype(np.float64)) @ np.abs(ref.dequantize(qw).astype(np.float64)).T
+    y32 = F.pair_gemv_linear(p, ["l"], 4, False, rows)("l", x).reshape(-1, 24)
+    y16 = F.pair_gemv_linear(p, ["l"], 4, True, rows)("l", x).reshape(-1, 24)
+    assert np.all(np.abs(y32[rows] - want[rows]) <= 1e-5 * scale[rows])
+    err = np.abs(y16[rows] - want[rows])
+    assert np.all(err <= (17 * 2.0 ** -11 + 1e-5) * scale[rows]) and err.max() > 0    # (it does round)
+    np.testing.assert_allclose(y16[~rows], x.reshape(-1, 96)[~rows] @ ref.dequantize(qw).T, rtol=1e-5)
