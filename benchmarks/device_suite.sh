@@ -3,7 +3,11 @@
 # slowest tests printed; then compute-sanitizer memcheck + racecheck of the pair gemv. Logs under $OUT.
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null && export PYTHONPATH=/tmp/site:$PWD || exit
 export PYTHONUNBUFFERED=1
-(cd tests && /usr/bin/time -f "suite wall %e s" timeout ${SUITE_TIMEOUT:-420} python -m pytest -q -n $(nproc) -p no:cacheprovider --durations=25 . > $OUT/suite.log 2>&1; tail -32 $OUT/suite.log)
+(cd tests && /usr/bin/time -f "suite wall %e s" timeout ${SUITE_TIMEOUT:-420} python -m pytest -v -n $(nproc) -p no:cacheprovider --durations=25 -o faulthandler_timeout=150 . > $OUT/suite.log 2>&1; grep -v -i warn $OUT/suite.log | grep -v -E "PASSED|SKIPPED" | tail -40
+ # tests that never finished (a hang or the time limit): collected but without a result line
+ python -m pytest -q --co -p no:cacheprovider . 2>/dev/null | grep :: | sed 's|^tests/||' | sort > /tmp/collected.txt
+ sed -nE 's/^\[gw[0-9]+\] \[ *[0-9]+%\] (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS) //p' $OUT/suite.log | sed 's/ *$//' | sort > /tmp/done.txt
+ echo "unfinished: $(comm -23 /tmp/collected.txt /tmp/done.txt | tr '\n' ' ')")
 for tool in memcheck racecheck; do   # (skipped if SUITE_ONLY=1)
   [ -n "$SUITE_ONLY" ] && break
   timeout 200 compute-sanitizer --tool $tool python benchmarks/sanitize.py pair > $OUT/$tool.log 2>&1
