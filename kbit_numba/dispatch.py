@@ -247,7 +247,8 @@ class KbitLinear:
     for decode steps, not for prefill. With it, ``f16_acc=True`` sums each 32-weight block in float16
     (float16 activations; faster, error bound in tests/test_pair_gemv.py), and ``pdl=True`` launches the pair
     gemv as a programmatic dependent launch (sm_90): in a chain of layers each one's weight loads and table
-    fill overlap the previous kernel's tail (``launch.py``; 20-45% faster at M = 1 in the H100 bench)."""
+    fill overlap the previous kernel's tail (``launch.py``; 11-44% less time per layer in the H100 bench's
+    chains of same-shape layers at M = 1)."""
 
     def __init__(self, qw, table=None, stream=None, keep_flat=False, layout="tiled", f16_acc=False, pdl=False):
         if layout not in LAYOUTS:
@@ -261,8 +262,10 @@ class KbitLinear:
                                  f"k={getattr(qw, 'k', None)}")
             self.weight, self.flat_weight = pair_gemv.to_codes(qw, stream), None
             self.table, self.workspace, self.f16_acc, self.pdl = table, Workspace(), bool(f16_acc), bool(pdl)
-            if self.pdl:          # a programmatic launch may load weights before the kernel before it ends
-                stream.synchronize() if stream else cuda.synchronize()
+            if self.pdl and stream:   # a programmatic launch may load weights before the kernel before it ends
+                stream.synchronize()
+            elif self.pdl:
+                cuda.synchronize()
             return
         if f16_acc or pdl:
             raise ValueError("f16_acc and pdl apply to the pair gemv: use them with layout='codes'")
