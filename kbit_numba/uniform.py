@@ -301,9 +301,10 @@ def make_quantize_kernels(spec):
         mx = block_max(mx, scratch)
         mn = -block_max(-mn, scratch)
         if cuda.threadIdx.x == 0:
-            s16 = np.float16(min((mx - mn) / levels, F16_MAX))   # (as the reference: a float16 step, at most
-            if not s16 > np.float16(0.0):                         #  65504, 1 where it rounds to 0)
-                s16 = np.float16(1.0)
+            scale = np.float32(np.float16(min((mx - mn) / levels, F16_MAX)))   # (as the reference: a float16
+            if not scale > np.float32(0.0):                                     #  step, at most 65504, 1
+                scale = np.float32(1.0)                                         #  where it rounds to 0)
+            s16 = np.float16(scale)
             z = -mn / np.float32(s16)
             z = min(max(z, -F16_MAX), F16_MAX)
             sz[2 * g] = s16
