@@ -57,8 +57,7 @@ def _format_of(weight):
 def quantize_weight(W, format="kbit", k=4, bits=4, group_size=128, lines=1024, parts=1):
     """A float weight [N, K] (torch tensor or NumPy array) in ``format``: kbit (k = 2..5, the GPU quantizer,
     flat layout), uniform (``bits``, ``group_size``), sbvr (``lines``) or bitnet (``parts``)."""
-    if format not in FORMATS:
-        raise ValueError(f"format must be one of {list(FORMATS)}, got {format!r}")
+    _check_format(format)
     if isinstance(W, torch.Tensor):
         W = W.detach().float().cpu().numpy()
     W = np.ascontiguousarray(W, np.float32)
@@ -71,9 +70,13 @@ def quantize_weight(W, format="kbit", k=4, bits=4, group_size=128, lines=1024, p
     return reference.bitnet_quantize(W, parts=parts)
 
 
-def _check_options(format, layout, f16_acc, pdl):
+def _check_format(format):
     if format not in FORMATS:
         raise ValueError(f"format must be one of {list(FORMATS)}, got {format!r}")
+
+
+def _check_options(format, layout, f16_acc, pdl):
+    _check_format(format)
     if format != "kbit" and (layout != "tiled" or f16_acc or pdl):
         raise ValueError(f"layout, f16_acc and pdl apply to format 'kbit', not {format!r}")
 
@@ -147,13 +150,12 @@ class KbitLinear(nn.Module):
             return x.new_empty(lead + (N,))
         bf16 = x.dtype == torch.bfloat16
         a = x2.view(torch.int16) if bf16 else x2
-        out_dtype = torch.float16 if x.dtype == torch.float16 else torch.float32
+        out_dtype, out_np = (torch.float16, np.float16) if x.dtype == torch.float16 else (torch.float32, np.float32)
         if SIMULATOR:                       # CPU tensors: NumPy in, the simulator's device array out
-            out = self._launch(a.numpy(), None, 0, np.dtype(str(out_dtype).split(".")[1]), bf16)
-            y = torch.from_numpy(out.copy_to_host())
+            y = torch.from_numpy(self._launch(a.numpy(), None, 0, out_np, bf16).copy_to_host())
         else:
             y = torch.empty((M, N), dtype=out_dtype, device=x.device)
-            self._launch(a, y, torch.cuda.current_stream(x.device), np.dtype(str(out_dtype).split(".")[1]), bf16)
+            self._launch(a, y, torch.cuda.current_stream(x.device), out_np, bf16)
         return y.to(x.dtype).reshape(lead + (N,))
 
     def _launch(self, a, out, stream, out_dtype, bf16):
@@ -240,8 +242,7 @@ def quantize_model(model, format="kbit", skip=(), progress=True, **options):
     multiple of 32 are kept in their dtype, and the summary says which. ``options``: ``from_linear``'s
     (k, bits, group_size, lines, parts, layout, f16_acc, pdl). ``progress``: a tqdm bar if tqdm is
     installed, else a line per 10% on stderr."""
-    if format not in FORMATS:
-        raise ValueError(f"format must be one of {list(FORMATS)}, got {format!r}")
+    _check_format(format)
     linears = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear)]
     summary = dict(replaced=[], skipped=[], kept_not_multiple_of_32=[], bytes_before=0, bytes_after=0)
     bar = _progress(len(linears)) if progress else None
