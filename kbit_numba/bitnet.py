@@ -108,15 +108,17 @@ def quantize_activations(A, stream=None, bf16=False, words=None, d=None):
     return quantize_int8(A, 0, stream, bf16, words, d)
 
 
-def plan(A, bw, out=None, stream=None, out_dtype=np.float16, bf16=False):
-    """Checked inputs bound into a :class:`launch.Plan`: the int8 quantizer and the GEMV launch."""
+def plan(A, bw, out=None, stream=None, out_dtype=np.float16, bf16=False, act=None):
+    """Checked inputs bound into a :class:`launch.Plan`: the int8 quantizer and the GEMV launch. ``act``:
+    preallocated (words uint32 [M, K/4], d float32 [M]) for the quantized activations, else allocated here
+    (a CUDA-graph capture must pass them: no allocation may happen inside one)."""
     stream = _arrays.as_stream(stream)
     bw = device_weight(bw, BitnetWeight, stream)
     N, K = bw.shape
     if K > MAX_K:
         raise ValueError(f"bitnet.gemv handles K <= {MAX_K}, got {K}")
     Ad, a_src, M, out = _arrays.gemv_io(A, bw.shape, out, out_dtype, bf16, stream, "bitnet.gemv", MAX_M)
-    step, words, d = int8_step(Ad, a_src, 0, stream)
+    step, words, d = int8_step(Ad, a_src, 0, stream, *(act or (None, None)))
     n_blocks = N // BITNET_BLOCK_N
     kw = max(1, min(MAX_KW, K // BITNET_BLOCK_K, -(-sm_count() * CTA_WARPS_TARGET // n_blocks)))
     gemv_step = Step(make_bitnet_gemv(BitnetGemvSpec(M, out.dtype)), n_blocks, kw * WARP,
@@ -125,10 +127,11 @@ def plan(A, bw, out=None, stream=None, out_dtype=np.float16, bf16=False):
     return Plan([step, gemv_step], Ad, out, stream)
 
 
-def gemv(A, bw, out=None, stream=None, out_dtype=np.float16, bf16=False):
+def gemv(A, bw, out=None, stream=None, out_dtype=np.float16, bf16=False, act=None):
     """C[M, N] = A[M, K] @ W^T for M = 1..4 with W a BitnetWeight; A (float16/float32, or bf16 bits)
-    is quantized per token to int8 first (one extra launch). Returns [M, N] (or [N]) of out_dtype."""
-    return plan(A, bw, out, stream, out_dtype, bf16).launch()
+    is quantized per token to int8 first (one extra launch; ``act``: see :func:`plan`). Returns [M, N]
+    (or [N]) of out_dtype."""
+    return plan(A, bw, out, stream, out_dtype, bf16, act).launch()
 
 
 def prepare(A, bw, out=None, stream=None, out_dtype=np.float16, bf16=False):

@@ -23,6 +23,7 @@ from numba import cuda
 from . import _arrays
 from .device import WARP
 from .formats import BLOCK, KbitExperts, KbitWeight
+from .intrinsics import SIMULATOR
 from .launch import OUT_TYPES, Spec, type_name
 
 MAX_M = 4                        # rows of A a GEMV kernel holds in registers (M = 1..4)
@@ -35,6 +36,37 @@ def sm_count():
         return cuda.get_current_device().MULTIPROCESSOR_COUNT
     except Exception:
         return 2
+
+
+REGISTERS_PER_SM = 65536          # sm_90 (and sm_80): one CTA can use at most this many registers
+MAX_REGISTERS = 255               # the most registers a thread can have
+
+
+def kernel_limits(kern, args):
+    """(registers per thread, most threads per CTA) of the kernel compiled for ``args``, as the driver
+    reports them (registers decide how large a CTA can be); (0, 1024) under the simulator."""
+    if SIMULATOR:
+        return 0, 1024
+    sig = tuple(kern.typeof_pyval(x) for x in args)
+    attrs = kern.compile(sig)._codelibrary.get_cufunc().attrs
+    return attrs.regs, attrs.maxthreads
+
+
+def fit_threads(make, spec, args, threads):
+    """(spec, kernel, registers, most threads per CTA) of ``make(spec)``, recompiled with a register cap
+    (``spec.max_registers``) when its registers do not leave room for a CTA of ``threads``: a gemv CTA holds
+    all of K's warps, so a long K at M = 4 (a llama3-8b down projection, K = 14336: 448 threads) needs one.
+    The cap splits the register file over the warps rounded up to a power of two (a cap of 144 for 14 warps
+    left room for only 12, the allocation granularity)."""
+    kern = make(spec)
+    regs, max_threads = kernel_limits(kern, args)
+    if threads > max_threads:
+        warps = -(-threads // WARP)
+        cap = min(MAX_REGISTERS, REGISTERS_PER_SM // (WARP * (1 << (warps - 1).bit_length())))
+        spec = replace(spec, max_registers=cap)
+        kern = make(spec)
+        regs, max_threads = kernel_limits(kern, args)
+    return spec, kern, regs, max_threads
 
 
 def k_warps(K):

@@ -40,7 +40,7 @@ from numba import cuda
 from numba.cuda.misc.special import literal_unroll
 
 from . import _arrays
-from .core import MAX_M, device_weight, k_warps, sm_count
+from .core import MAX_M, REGISTERS_PER_SM, device_weight, fit_threads, k_warps, sm_count
 from .device import WARP, e4m4_decode, i32, jit_kernel, make_warp_reduce_scatter, make_word_unpacker, u32
 from .formats import ABSMAX_FORMATS, BLOCK, CODES_K, KbitCodes, KbitWeight
 from .intrinsics import (SIMULATOR, f16_bits_to_f32, f16x2_as_u32, f32_as_u32, griddep_launch_dependents,
@@ -61,7 +61,6 @@ PART = CODEBOOK + 16              # float offset of the cross-warp partial sums
 # byte 1 <- byte t of the code word, bytes 2, 3 <- byte 5 (zero: the offset is < 256).
 PRMT_ROW = 0x5504
 COL_CHOICES = (1, 2, 4, 8)        # columns per warp per iteration a kernel can be built for
-REGISTERS_PER_SM = 65536
 SHARED_PER_SM = 228 * 1024        # sm_90: shared memory per SM (1 KB of it reserved per CTA)
 # The defaults table, from the H100 sweep (benchmarks/runs/2026-11-23_h100_pair_gemv_sweep.txt):
 # cols: columns per warp per iteration (cols * 16 bytes in flight per lane), but small_cols at M = 1 on
@@ -82,6 +81,7 @@ class PairGemvSpec(Spec):
     out_dtype: str = "float16"
     f16_acc: bool = False
     pdl: bool = False
+    max_registers: object = None            # a per-thread register cap (long K at M = 4), or None
 
     def normalise(self):
         if self.k not in CODES_K or not 1 <= self.M <= MAX_M:
@@ -95,7 +95,7 @@ class PairGemvSpec(Spec):
             raise ValueError(f"f16_acc needs float16 activations, got {a_type}")
         return dict(k=int(self.k), M=int(self.M), cols=int(self.cols), a_type=a_type,
                     out_dtype=type_name(self.out_dtype, "out_dtype", OUT_TYPES), f16_acc=bool(self.f16_acc),
-                    pdl=bool(self.pdl))
+                    pdl=bool(self.pdl), max_registers=int(self.max_registers) if self.max_registers else None)
 
 
 @lru_cache(maxsize=None)
@@ -336,7 +336,7 @@ def make_pair_gemv_kernel(spec):
             flip = u32(FLIP - flip)
             g = u32(g + grid)
 
-    return jit_kernel(pair_gemv)
+    return jit_kernel(pair_gemv, spec.max_registers)
 
 
 def part_bytes(M, cols, slices, kw):
@@ -396,16 +396,6 @@ def to_codes(qw, stream=None):
 # ------------------------------------------------------------------------------------------------
 # Launch
 # ------------------------------------------------------------------------------------------------
-def _kernel_limits(kern, args):
-    """(registers per thread, most threads per CTA) of the kernel compiled for ``args``, as the driver
-    reports them (registers decide how large a CTA can be); (0, 1024) under the simulator."""
-    if SIMULATOR:
-        return 0, 1024
-    sig = tuple(kern.typeof_pyval(x) for x in args)
-    attrs = kern.compile(sig)._codelibrary.get_cufunc().attrs
-    return attrs.regs, attrs.maxthreads
-
-
 def default_cols(M, N, K):
     """Columns per warp per iteration from the ``DEFAULTS`` table: ``small_cols`` at M = 1 on weights under
     ``small_weight`` elements, else ``cols``."""
@@ -423,17 +413,16 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc
     kc = to_codes(kc, stream)                              # checked device arrays (re-packed if a KbitWeight)
     N, K = kc.shape
     Ad, a_src, M, out = _arrays.gemv_io(A, kc.shape, out, out_dtype, bf16, stream, "pair gemv", MAX_M)
-    spec = PairGemvSpec(kc.k, M, default_cols(M, N, K) if cols is None else cols, kc.absmax_format, a_src,
-                        out.dtype, f16_acc, pdl)
     n_kb = K // BLOCK
     kw = k_warps(K)
     if kw > MAX_KW:
         raise ValueError(f"pair gemv handles K <= {MAX_KW * WARP * BLOCK}, got K={K}")
     _arrays.check_aligned(Ad, 16, "A")
-    kern = make_pair_gemv_kernel(spec)
     args = (_arrays.flat_view(Ad, np.uint32), kc.packed, kc.absmax, kc.codebook, _arrays.flat_view(out),
             i32(N), i32(n_kb))
-    regs, max_threads = _kernel_limits(kern, args)
+    spec = PairGemvSpec(kc.k, M, default_cols(M, N, K) if cols is None else cols, kc.absmax_format, a_src,
+                        out.dtype, f16_acc, pdl)
+    spec, kern, regs, max_threads = fit_threads(make_pair_gemv_kernel, spec, args, kw * WARP)
     if kw * WARP > max_threads:
         raise ValueError(f"pair gemv with M={M}, cols={spec.cols} fits {max_threads} threads per CTA: K <= "
                          f"{max_threads * BLOCK}, got K={K} (use fewer cols)")

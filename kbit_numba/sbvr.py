@@ -190,13 +190,15 @@ def encode(W, lines=1024, **kw):
     return sbvr_encode(_arrays.to_host(W).astype(np.float32), lines, **kw).to_device()
 
 
-def plan(A, sw, out=None, stream=None, out_dtype=np.float16, bf16=False):
-    """Checked inputs bound into a :class:`launch.Plan`: the plane quantizer and the GEMV launch."""
+def plan(A, sw, out=None, stream=None, out_dtype=np.float16, bf16=False, act=None):
+    """Checked inputs bound into a :class:`launch.Plan`: the plane quantizer and the GEMV launch. ``act``:
+    preallocated (planes uint32 [M, K/32, 8], d float32 [M, K/128]) for the quantized activations, else
+    allocated here (a CUDA-graph capture must pass them: no allocation may happen inside one)."""
     stream = _arrays.as_stream(stream)
     sw = device_weight(sw, SbvrWeight, stream)
     N, K = sw.shape
     Ad, a_src, M, out = _arrays.gemv_io(A, sw.shape, out, out_dtype, bf16, stream, "sbvr.gemv", MAX_M)
-    step, planes, d = _act_step(Ad, a_src, stream)
+    step, planes, d = _act_step(Ad, a_src, stream, *(act or (None, None)))
     n_ctas = -(-N // WARP)
     kw = max(1, min(MAX_KW, K // SBVR_GROUP, -(-sm_count() * CTA_WARPS_TARGET // n_ctas)))
     gemv_step = Step(make_sbvr_gemv(SbvrGemvSpec(M, out.dtype)), n_ctas, kw * WARP,
@@ -206,10 +208,10 @@ def plan(A, sw, out=None, stream=None, out_dtype=np.float16, bf16=False):
     return Plan([step, gemv_step], Ad, out, stream)
 
 
-def gemv(A, sw, out=None, stream=None, out_dtype=np.float16, bf16=False):
+def gemv(A, sw, out=None, stream=None, out_dtype=np.float16, bf16=False, act=None):
     """C[M, N] = A[M, K] @ W^T for M = 1..4 with W an SbvrWeight; A is first quantized to 7-bit planes
-    (one extra launch). Returns [M, N] (or [N]) of out_dtype, or writes into ``out``."""
-    return plan(A, sw, out, stream, out_dtype, bf16).launch()
+    (one extra launch; ``act``: see :func:`plan`). Returns [M, N] (or [N]) of out_dtype, or writes into ``out``."""
+    return plan(A, sw, out, stream, out_dtype, bf16, act).launch()
 
 
 def prepare(A, sw, out=None, stream=None, out_dtype=np.float16, bf16=False):

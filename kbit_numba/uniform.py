@@ -41,8 +41,8 @@ from numba import cuda
 
 from . import _arrays
 from .act_quant import int8_step
-from .core import MAX_M, device_weight, sm_count
-from .device import F32_MAX, FULL_MASK, WARP, block_max, i32, make_loader, small_int_to_f32, u32
+from .core import MAX_M, device_weight, fit_threads, sm_count
+from .device import F32_MAX, FULL_MASK, WARP, block_max, i32, jit_kernel, make_loader, small_int_to_f32, u32
 from .formats import LANES, UNIFORM_BITS, UNIFORM_GROUPS, UniformWeight, uniform_elements_per_word
 from .intrinsics import BYTE_ONES, dp4a, f16_bits_to_f32, u32_as_f32
 from .launch import NUMBA_TYPES, OUT_TYPES, Plan, Spec, Step, type_name
@@ -73,6 +73,7 @@ class UniformGemvSpec(Spec):
     a_type: str = "float16"                 # the fp16 path's activations (int8: unused, float16)
     out_dtype: str = "float16"
     int8: bool = False                      # int8 activations + dp4a
+    max_registers: object = None            # a per-thread register cap (long K at M = 4), or None
 
     def normalise(self):
         if self.bits not in UNIFORM_BITS:
@@ -84,7 +85,8 @@ class UniformGemvSpec(Spec):
         int8 = bool(self.int8)
         return dict(bits=int(self.bits), M=int(self.M), group_size=self.group_size and int(self.group_size),
                     a_type="float16" if int8 else type_name(self.a_type, "a_type"),
-                    out_dtype=type_name(self.out_dtype, "out_dtype", OUT_TYPES), int8=int8)
+                    out_dtype=type_name(self.out_dtype, "out_dtype", OUT_TYPES), int8=int8,
+                    max_registers=int(self.max_registers) if self.max_registers else None)
 
 
 @lru_cache(maxsize=None)
@@ -244,7 +246,7 @@ def make_uniform_gemv(spec):
             parity ^= 1
             n = n_next
 
-    return cuda.jit(kernel)
+    return jit_kernel(kernel, spec.max_registers)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -367,7 +369,10 @@ def quantize(W, bits=4, group_size=128, stream=None):
 # GEMV
 # ---------------------------------------------------------------------------------------------
 @lru_cache(maxsize=None)
+@lru_cache(maxsize=None)
 def _dummy_scales():
+    """The float16 path's unused activation-scale argument: one array for every call (no allocation per call,
+    so that a call can be captured into a CUDA graph)."""
     return cuda.to_device(np.ones(1, np.float32))
 
 
@@ -389,13 +394,16 @@ def plan(A, uw, out=None, stream=None, out_dtype=np.float16, int8=False, bf16=Fa
         a_arg = _arrays.flat_view(words)
     else:
         a_arg, d_act = _arrays.flat_view(Ad), _dummy_scales()
-    kern = make_uniform_gemv(UniformGemvSpec(uw.bits, M, uw.group_size, a_src, out.dtype, int8))
     n_groups = K // uw.group_size if uw.group_size else 1
+    args = (a_arg, _arrays.flat_view(uw.packed), _arrays.flat_view(uw.scale_zero, np.uint32), d_act,
+            _arrays.flat_view(out), i32(N), i32(K), i32(uw.n_chunks), i32(n_groups))
+    spec = UniformGemvSpec(uw.bits, M, uw.group_size, a_src, out.dtype, int8)
+    spec, kern, _, max_threads = fit_threads(make_uniform_gemv, spec, args, kw * WARP)
+    if kw * WARP > max_threads:
+        raise ValueError(f"{uw.bits}-bit uniform.gemv at M={M} fits {max_threads} threads per CTA, K={K} needs "
+                         f"{kw * WARP}")
     grid = max(1, min(N, sm_count() * max(1, CTA_WARPS_TARGET // kw)))
-    steps.append(Step(kern, grid, kw * WARP, (a_arg, _arrays.flat_view(uw.packed),
-                                              _arrays.flat_view(uw.scale_zero, np.uint32), d_act,
-                                              _arrays.flat_view(out), i32(N), i32(K),
-                                              i32(uw.n_chunks), i32(n_groups))))
+    steps.append(Step(kern, grid, kw * WARP, args))
     return Plan(steps, Ad, out, stream)
 
 

@@ -56,6 +56,19 @@ def test_uniform_gemv(seed, bits, M, N, kbn, gsel, int8, a_dtype, out_dtype):
     assert_within(got.copy_to_host(), want, tol, out_dtype)
 
 
+@pytest.mark.skipif(SIM, reason="the simulator has no register limit (and K = 14336 is slow there)")
+@pytest.mark.parametrize("int8", [False, True])
+def test_uniform_gemv_long_k_at_m4(int8):
+    """M = 4 at K = 14336 (a llama3-8b down projection, 4-bit g128): the launch failed with
+    CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES until the plan capped the registers (core.fit_threads; bench --model)."""
+    rng = np.random.default_rng(4)
+    uw = ref.uniform_quantize(rng.standard_normal((40, 14336)), 4, 128)
+    A = rng.standard_normal((4, 14336)).astype(np.float16)
+    want = ref.uniform_gemv(A, uw, int8=int8)
+    tol = 2e-5 * (np.abs(A).astype(np.float64) @ np.abs(ref.uniform_dequantize(uw)).astype(np.float64).T) + 1e-30
+    assert_within(uniform.gemv(A, uw, int8=int8).copy_to_host(), want, tol, np.float16)
+
+
 @settings(max_examples=EXAMPLES)
 @given(seeds, bits_st, st.integers(1, 3), st.integers(1, 12), st.integers(0, 3), st.sampled_from(["float16", "float32"]))
 def test_gpu_quantizer_equals_reference(seed, bits, N, kbn, gsel, w_dtype):
