@@ -245,7 +245,8 @@ class KbitLinear:
     every call runs the pair gemv, the fastest kbit kernel at M = 1..4 on the H100 except on the smallest
     shapes (benchmarks/README.md), but M > 4 runs it in slices of 4 rows (no tensor-core GEMM): a layout
     for decode steps, not for prefill. With it, ``f16_acc=True`` sums each 32-weight block in float16
-    (float16 activations; faster, error bound in tests/test_pair_gemv.py), and ``pdl=True`` launches the pair
+    when the activations are float16 (faster, error bound in tests/test_pair_gemv.py; float32 and bfloat16
+    activations keep float32 sums), and ``pdl=True`` launches the pair
     gemv as a programmatic dependent launch (sm_90): in a chain of layers each one's weight loads and table
     fill overlap the previous kernel's tail (``launch.py``; 11-44% less time per layer in the H100 bench's
     chains of same-shape layers at M = 1)."""
@@ -300,8 +301,10 @@ class KbitLinear:
             kernel, params = choose_rule(_rows(_arrays.check_array(A, "A")), N, K, self.weight.layout, self.table)
         if self.pdl and kernel == "pair_gemv":
             params = dict(params, pdl=True)
+        # f16_acc sums in float16 only float16 activations; float32 and bfloat16 ones keep float32 sums
+        f16_acc = self.f16_acc and not bf16 and str(A.dtype) in ("float16", "torch.float16")
         return plan(A, self._weight_for(kernel), out, stream, self.workspace, out_dtype, bf16, kernel,
-                    self.table, self.f16_acc, params)
+                    self.table, f16_acc, params)
 
     def prepare(self, A, out=None, stream=None, out_dtype=np.float16, bf16=False, kernel=None):
         """Buffers bound once: a :class:`launch.Prepared` whose ``run()`` replays the chosen launches with

@@ -35,7 +35,8 @@ from . import bitnet, reference, sbvr, uniform
 from .codec import quantize as _kbit_quantize
 from .core import MAX_M, device_weight
 from .dispatch import KbitLinear as _KbitLinearRuntime
-from .formats import BLOCK, BitnetWeight, KbitCodes, KbitWeight, SbvrWeight, UniformWeight
+from .formats import (BLOCK, SBVR_ACT_PLANES, SBVR_GROUP, BitnetWeight, KbitCodes, KbitWeight, SbvrWeight,
+                      UniformWeight)
 from .intrinsics import SIMULATOR
 
 FORMATS = {"kbit": KbitWeight, "uniform": UniformWeight, "sbvr": SbvrWeight, "bitnet": BitnetWeight}
@@ -93,7 +94,10 @@ class KbitLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.options = dict(layout=layout, f16_acc=bool(f16_acc), pdl=bool(pdl))
         _check_options(self.format, **self.options)
-        self.bias = None if bias is None else nn.Parameter(torch.as_tensor(bias).detach().clone(),
+        # the bias lives with the weight (the GPU; CPU tensors under the simulator), whatever the source layer's
+        # device: a CPU nn.Linear quantized with from_linear runs on CUDA inputs
+        bias_device = "cpu" if SIMULATOR else "cuda"
+        self.bias = None if bias is None else nn.Parameter(torch.as_tensor(bias).detach().to(bias_device, copy=True),
                                                            requires_grad=False)
         self.handle = next(_HANDLES)
         _LAYERS[self.handle] = self
@@ -143,6 +147,8 @@ class KbitLinear(nn.Module):
             raise ValueError(f"x has {x.shape[-1]} features, the layer {K}")
         if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise TypeError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
+        if not SIMULATOR and x.device.type != "cuda":
+            raise ValueError(f"x must be a CUDA tensor (the quantized weight lives on the GPU), got {x.device}")
         lead = tuple(x.shape[:-1])
         x2 = x.reshape(-1, K).contiguous()
         M = x2.shape[0]
@@ -163,13 +169,29 @@ class KbitLinear(nn.Module):
             return self.runtime(a, out=out, stream=stream, out_dtype=out_dtype, bf16=bf16)
         gemv = _GEMV[self.format]
         if a.shape[0] <= MAX_M:
-            return gemv(a, self.weight, out=out, stream=stream, out_dtype=out_dtype, bf16=bf16)
+            return gemv(a, self.weight, out=out, stream=stream, out_dtype=out_dtype, bf16=bf16,
+                        **self._act_buffers(a.shape[0]))
         parts = [gemv(a[r:r + MAX_M], self.weight, out=None if out is None else out[r:r + MAX_M], stream=stream,
-                      out_dtype=out_dtype, bf16=bf16) for r in range(0, a.shape[0], MAX_M)]
+                      out_dtype=out_dtype, bf16=bf16, **self._act_buffers(a[r:r + MAX_M].shape[0]))
+                 for r in range(0, a.shape[0], MAX_M)]
         if out is not None:
             return out
         from numba import cuda                         # (simulator: gather the slices)
         return cuda.to_device(np.concatenate([p.copy_to_host() for p in parts]))
+
+    def _act_buffers(self, M):
+        """BitNet's and SBVR's quantized-activation buffers from torch's allocator, as Numba views ({} for the
+        other formats, and under the simulator): a Numba allocation inside torch's CUDA-graph capture would
+        invalidate it, torch's caching allocator is capture-safe."""
+        if SIMULATOR or self.format not in ("bitnet", "sbvr"):
+            return {}
+        from numba import cuda
+        K = self.in_features
+        words, d = (((M, K // 4), (M,)) if self.format == "bitnet" else
+                    ((M, K // BLOCK, SBVR_ACT_PLANES), (M, K // SBVR_GROUP)))
+        words = torch.empty(words, dtype=torch.int32, device="cuda")
+        d = torch.empty(d, dtype=torch.float32, device="cuda")
+        return dict(act=(cuda.as_cuda_array(words).view(np.uint32), cuda.as_cuda_array(d)))
 
     # ---- state_dict: the format's arrays as tensors, the rest as extra state -----------------------
     def _host_weight(self):

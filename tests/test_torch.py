@@ -40,12 +40,18 @@ def _want(layer, x, lin):
     return y + (0 if lin.bias is None else lin.bias.detach().double().cpu().numpy())
 
 
+# activation dtypes and leading dims; on the GPU one test per dtype (each compiles its own kernels)
+LEADS = ((torch.float32, (2, 3)), (torch.float16, (5,)), (torch.bfloat16, (1, 1)))
+
+
 @pytest.mark.parametrize("fmt, opts, K, N", CASES)
-def test_forward_matches_the_reference(fmt, opts, K, N):
+@pytest.mark.parametrize("leads", [LEADS] if SIM else [(lead,) for lead in LEADS], ids=lambda ls: "-".join(
+    str(d).replace("torch.", "") for d, _ in ls))
+def test_forward_matches_the_reference(fmt, opts, K, N, leads):
     lin = _linear(K, N).to(DEVICE)
     layer = KbitLinear.from_linear(lin, fmt, **opts)
     assert layer.format == fmt and (layer.out_features, layer.in_features) == (N, K)
-    for dtype, lead in ((torch.float32, (2, 3)), (torch.float16, (5,)), (torch.bfloat16, (1, 1))):
+    for dtype, lead in leads:
         x = torch.randn(*lead, K, device=DEVICE).to(dtype)
         y = layer(x)
         assert y.shape == lead + (N,) and y.dtype == dtype and y.device == x.device
@@ -103,6 +109,7 @@ def test_state_dict_of_the_other_formats_round_trips():
 
 def test_quantize_model_replaces_linears_keeps_odd_ones_and_reports_bytes(capsys):
     model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 48), nn.Linear(48, 8), nn.Linear(8, 8))
+    model.to(DEVICE)
     summary = quantize_model(model, k=4, skip=["2"], progress=True)
     assert summary["replaced"] == ["0"] and summary["skipped"] == ["2"]
     assert summary["kept_not_multiple_of_32"] == ["3", "4"]
@@ -111,7 +118,7 @@ def test_quantize_model_replaces_linears_keeps_odd_ones_and_reports_bytes(capsys
     assert summary["bytes_after"] == 64 * 32 // 32 * (4 * 4 + 1) + 16 * 4     # planes + E4M4 absmax + codebook
     err = capsys.readouterr().err
     assert "not a multiple of 32: 3, 4" in err and "MiB" in err
-    y = model(torch.randn(2, 64))
+    y = model(torch.randn(2, 64, device=DEVICE))
     assert y.shape == (2, 8)
 
 
@@ -129,10 +136,13 @@ def test_errors_name_what_is_known():
         KbitLinear.from_linear(lin, "bitnet", layout="codes")
     layer = KbitLinear.from_linear(lin)
     with pytest.raises(ValueError, match="x has 32 features"):
-        layer(torch.randn(2, 32))
+        layer(torch.randn(2, 32, device=DEVICE))
     with pytest.raises(TypeError, match="float16, bfloat16 or float32"):
-        layer(torch.ones(2, 64, dtype=torch.int32))
-    assert layer(torch.randn(0, 64)).shape == (0, 8)
+        layer(torch.ones(2, 64, dtype=torch.int32, device=DEVICE))
+    if not SIM:
+        with pytest.raises(ValueError, match="CUDA tensor"):
+            layer(torch.randn(2, 64))
+    assert layer(torch.randn(0, 64, device=DEVICE)).shape == (0, 8)
     assert set(FORMATS) == {"kbit", "uniform", "sbvr", "bitnet"}
 
 
@@ -145,13 +155,20 @@ def test_the_custom_op_has_a_fake_implementation():
 
 
 @gpu_only
-def test_compiled_and_graph_captured_model_matches_eager():
+@pytest.mark.parametrize("fmt, opts", [("kbit", dict(k=4)), ("bitnet", {}), ("uniform", dict(bits=4)),
+                                       ("sbvr", dict(lines=256))])
+def test_compiled_and_graph_captured_model_matches_eager(fmt, opts):
+    """torch.compile and CUDA-graph capture of every format (BitNet and SBVR quantize activations into scratch
+    buffers: a Numba allocation inside the capture invalidated it, found by bench --model)."""
     model = nn.Sequential(nn.Linear(1024, 2048), nn.SiLU(), nn.Linear(2048, 512)).half().cuda()
-    quantize_model(model, k=4, progress=False)
+    quantize_model(model, format=fmt, progress=False, **opts)
     x = torch.randn(4, 1024, device="cuda", dtype=torch.float16)
     eager = model(x)
     compiled = torch.compile(model, fullgraph=True)
-    assert torch.allclose(compiled(x), eager, rtol=1e-3, atol=1e-3)
+    # compiled SiLU rounds differently from eager's in the last float16 bit; BitNet and SBVR quantize the next
+    # layer's activations (int8 / 7 bits), where such a bit can move a value by one quantization step
+    tol = 1e-2 if fmt in ("bitnet", "sbvr") else 1e-3
+    assert torch.allclose(compiled(x), eager, rtol=tol, atol=tol)
     static_x = x.clone()
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
