@@ -53,6 +53,13 @@ def _graph_time_torch(launch, n_launch, replays, warmup):
         ns = cuda.external_stream(torch.cuda.current_stream().cuda_stream)
         for i in range(n_launch):
             launch(i, ns)
+    t = replay_us(g, replays, warmup) / n_launch
+    del g
+    return t
+
+
+def replay_us(g, replays=7, warmup=2):
+    """Median microseconds of one replay of the torch CUDA graph ``g`` (CUDA events), after ``warmup``."""
     times = []
     for r in range(warmup + replays):
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -61,8 +68,7 @@ def _graph_time_torch(launch, n_launch, replays, warmup):
         stop.record()
         stop.synchronize()
         if r >= warmup:
-            times.append(start.elapsed_time(stop) * 1e3 / n_launch)
-    del g
+            times.append(start.elapsed_time(stop) * 1e3)
     return statistics.median(times)
 
 

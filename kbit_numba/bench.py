@@ -605,6 +605,23 @@ def _demo():
     return 0 if ok else 1
 
 
+def _model_main(args, device, progress):
+    """``--model``: the whole-model decode step of ``bench_model``, printed, and saved as JSON / a plot."""
+    from . import bench_model
+    variants = _parse_list(args.variants) if args.variants else None
+    rows = bench_model.run(args.model, variants, _parse_list(args.batch, int), args.context, progress)
+    print(f"device: {device}; model {args.model}, decode step in one CUDA graph, attention stand-in: SDPA over a "
+          f"{args.context}-token fp16 KV cache per layer (bench_model.py)")
+    print(bench_model.format_rows(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=device, model=args.model, config=bench_model.MODELS[args.model], rows=rows), f,
+                      indent=1)
+    if args.plot:
+        bench_model.plot(rows, args.plot, device)
+    return 0
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m kbit_numba.bench", description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default=",".join(SEED_SHAPES), help="K x N list, e.g. 2048x5120,4096x14336")
@@ -630,8 +647,21 @@ def main(argv=None):
                    help="time gemv, gemm and dequant_matmul (k=4 unless --k is given) over --shapes and "
                         "M = %s (unless --m is given) and write the linear() table for this GPU (default: "
                         "kbit_numba/tuning/<gpu>.json)" % ",".join(map(str, TUNE_MS)))
+    p.add_argument("--model", help="time a whole-model decode step instead of the kernel grid (needs torch): "
+                                    "one of llama3-8b (kbit_numba/bench_model.py)")
+    p.add_argument("--batch", default="1,4,16", help="with --model: batch sizes (tokens per step)")
+    p.add_argument("--variants", help="with --model: weight formats to time (default: all of "
+                                      "bench_model.VARIANTS), e.g. 'fp16,kbit k=4'")
+    p.add_argument("--context", type=int, default=1024, help="with --model: KV-cache tokens of the attention "
+                                                             "stand-in")
     p.add_argument("--demo", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.model:
+        from . import bench_model
+        try:
+            bench_model.check_names(args.model, _parse_list(args.variants) if args.variants else [])
+        except ValueError as e:
+            p.error(str(e))
 
     from numba.core import config
     if args.demo or config.ENABLE_CUDASIM:
@@ -653,6 +683,8 @@ def main(argv=None):
 
     dev = cuda.get_current_device()
     name = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
+    if args.model:
+        return _model_main(args, name, progress)
     progress("measuring bandwidth ceilings")
     read_bw, copy_bw = measure_ceilings()
     ceilings = dict(read_GBps=read_bw, copy_GBps=copy_bw)

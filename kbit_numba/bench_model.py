@@ -1,0 +1,326 @@
+"""Whole-model decode step: ``python -m kbit_numba.bench --model llama3-8b`` (needs torch and a GPU).
+
+One decode step runs every decoder layer of the model on a batch of B tokens (one new token per sequence)::
+
+    h = rmsnorm(x);  x = x + W_o · attention(W_qkv · h)
+    h = rmsnorm(x);  g, u = W_gate_up · h;  x = x + W_down · (silu(g) * u)
+
+* **Linear layers**: QKV fused into one matrix and gate/up into one (as vLLM and TensorRT-LLM run them),
+  random weights, each layer's weights in its own buffers (format variants quantize one random matrix per
+  projection and copy it into every layer: the same values, separate memory, so no layer reads another's
+  weights from the L2). fp16 runs ``nn.Linear`` (cuBLAS); the kbit_numba variants run
+  ``kbit_numba.torch.KbitLinear``, the drop-in a user would use.
+* **Attention stand-in** (a fixed cost, named in the report): ``scaled_dot_product_attention`` of the new
+  token's query over a fixed ``context``-token fp16 KV cache per layer (GQA); the new token's k and v are
+  not appended, and no rotary embedding is applied.
+* **RMSNorm, SiLU, residual**: two small fused Numba kernels, as an inference engine runs them (vLLM's
+  ``fused_add_rms_norm`` and ``silu_and_mul``): ``add_rmsnorm`` (residual += y; h = rmsnorm(residual) * w)
+  and ``silu_mul`` (silu(g) * u); their torch twins run on CPU tensors (the simulator) and test them on the
+  GPU. Not in the step: embedding, final norm, lm_head, sampling.
+* **Timing**: the whole step is captured in one CUDA graph (``torch.cuda.graph``) and replayed; the step
+  time is the median over replays (CUDA events). The linear-only time is a second graph of the same layers'
+  linear calls alone, so "linear share" = linear-only / step.
+"""
+from __future__ import annotations
+
+import gc
+import math
+import time
+import traceback
+
+import numpy as np
+
+# Shapes from the published configs (hidden_size, intermediate_size, heads, kv heads, head_dim, layers).
+MODELS = {
+    "llama3-8b": dict(hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128, layers=32),
+}
+CONTEXT = 1024                  # tokens in the attention stand-in's KV cache
+BATCHES = (1, 4, 16)
+# variant name -> (format, KbitLinear options); "fp16" is nn.Linear (cuBLAS)
+VARIANTS = {
+    "fp16": None,
+    "kbit k=2": ("kbit", dict(k=2)), "kbit k=3": ("kbit", dict(k=3)),
+    "kbit k=4": ("kbit", dict(k=4)), "kbit k=5": ("kbit", dict(k=5)),
+    "kbit k=2 codes": ("kbit", dict(k=2, layout="codes")),
+    "kbit k=2 codes pdl": ("kbit", dict(k=2, layout="codes", pdl=True)),
+    "kbit k=4 codes": ("kbit", dict(k=4, layout="codes")),
+    "kbit k=4 codes pdl": ("kbit", dict(k=4, layout="codes", pdl=True)),
+    "kbit k=4 codes pdl f16_acc": ("kbit", dict(k=4, layout="codes", pdl=True, f16_acc=True)),
+    "uniform 4-bit g128": ("uniform", dict(bits=4, group_size=128)),
+    "bitnet": ("bitnet", dict(parts=1)),
+}
+_QUANTIZE_KEYS = ("k", "bits", "group_size", "parts")      # the options that change the quantized bytes
+
+
+def projections(cfg):
+    """(name, N, K) of one decoder layer's linear layers, in the order the step runs them."""
+    H, I, hd = cfg["hidden"], cfg["intermediate"], cfg["head_dim"]
+    q, kv = cfg["heads"] * hd, cfg["kv_heads"] * hd
+    return [("qkv", q + 2 * kv, H), ("o", H, q), ("gate_up", 2 * I, H), ("down", H, I)]
+
+
+def check_names(model, variants):
+    if model not in MODELS:
+        raise ValueError(f"unknown model {model!r}: known models are {', '.join(MODELS)}")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise ValueError(f"unknown format variant(s) {unknown}: known variants are {', '.join(VARIANTS)}")
+
+
+# add_rmsnorm: one CTA per token row, 1024 threads, so that a 4096-wide row is 4 loads per thread (each
+# loop iteration waits for its load: few iterations keep the kernel from being latency bound at batch 1).
+# silu_mul: one thread per output element, 256 a CTA, a grid over (columns, rows).
+NORM_THREADS = 1024
+SILU_THREADS = 256
+_KERNELS = {}
+
+
+def _kernels():
+    """The two fused elementwise kernels (compiled once): one CTA per token row."""
+    if not _KERNELS:
+        from numba import cuda, float32
+
+        @cuda.jit
+        def add_rmsnorm(res, y, w, h, eps):
+            """res[b] += y[b] (float16, in place); h[b] = res[b] / rms(res[b]) * w (float32 sum of squares)."""
+            b, t = cuda.blockIdx.x, cuda.threadIdx.x
+            H = res.shape[1]
+            part = cuda.shared.array(NORM_THREADS, float32)
+            acc = float32(0)
+            for j in range(t, H, NORM_THREADS):
+                v = float32(res[b, j]) + float32(y[b, j])
+                res[b, j] = v
+                v = float32(res[b, j])                 # (the float16 value the next layer reads)
+                acc += v * v
+            part[t] = acc
+            cuda.syncthreads()
+            step = NORM_THREADS // 2
+            while step > 0:                            # tree sum over the CTA
+                if t < step:
+                    part[t] += part[t + step]
+                cuda.syncthreads()
+                step //= 2
+            inv = float32(1) / math.sqrt(part[0] / float32(H) + float32(eps))
+            for j in range(t, H, NORM_THREADS):
+                h[b, j] = float32(res[b, j]) * inv * float32(w[j])
+
+        @cuda.jit
+        def silu_mul(gu, out):
+            """out[b, j] = silu(gu[b, j]) * gu[b, I + j], I = out.shape[1]; b = blockIdx.y."""
+            b, j = cuda.blockIdx.y, cuda.grid(1)
+            I = out.shape[1]
+            if j < I:
+                g = float32(gu[b, j])
+                out[b, j] = g / (float32(1) + math.exp(-g)) * float32(gu[b, I + j])
+
+        _KERNELS.update(add_rmsnorm=add_rmsnorm, silu_mul=silu_mul)
+    return _KERNELS
+
+
+def add_rmsnorm_torch(res, y, w, eps=1e-6):
+    """The twin of ``add_rmsnorm``: updates ``res`` in place, returns h."""
+    res.add_(y)
+    r = res.float()
+    return (r * (r.pow(2).mean(-1, keepdim=True) + eps).rsqrt() * w.float()).to(res.dtype)
+
+
+def silu_mul_torch(gu):
+    g, u = gu.float().chunk(2, dim=-1)
+    return (g * (1 / (1 + (-g).exp())) * u).to(gu.dtype)
+
+
+class DecodeStep:
+    """One model's decode step for a batch of B tokens with the given per-layer linear modules."""
+
+    def __init__(self, cfg, linears, B, context=CONTEXT, device="cuda"):
+        import torch
+        self.torch, self.cfg, self.linears, self.B = torch, cfg, linears, B
+        H, hd = cfg["hidden"], cfg["head_dim"]
+        dev, f16 = device, torch.float16
+        g = torch.Generator(device=dev).manual_seed(0)
+        self.x = torch.randn(B, H, device=dev, dtype=f16, generator=g)
+        self.norms = [(torch.ones(H, device=dev, dtype=f16), torch.ones(H, device=dev, dtype=f16))
+                      for _ in linears]
+        kv_shape = (B, cfg["kv_heads"], context, hd)
+        self.kv = [(torch.randn(kv_shape, device=dev, dtype=f16, generator=g),
+                    torch.randn(kv_shape, device=dev, dtype=f16, generator=g)) for _ in linears]
+        # the linear-only graph's inputs: one static tensor per projection input width
+        self.static = {K: torch.randn(B, K, device=dev, dtype=f16, generator=g) * 0.1
+                       for _, _, K in projections(cfg)}
+
+    def add_rmsnorm(self, res, y, w, eps=1e-6):
+        if not res.is_cuda:
+            return add_rmsnorm_torch(res, y, w, eps)
+        from numba import cuda
+        h = self.torch.empty_like(res)
+        s = cuda.external_stream(self.torch.cuda.current_stream().cuda_stream)
+        _kernels()["add_rmsnorm"][res.shape[0], NORM_THREADS, s](
+            cuda.as_cuda_array(res), cuda.as_cuda_array(y), cuda.as_cuda_array(w), cuda.as_cuda_array(h), eps)
+        return h
+
+    def silu_mul(self, gu):
+        if not gu.is_cuda:
+            return silu_mul_torch(gu)
+        from numba import cuda
+        out = self.torch.empty(gu.shape[0], gu.shape[1] // 2, device=gu.device, dtype=gu.dtype)
+        s = cuda.external_stream(self.torch.cuda.current_stream().cuda_stream)
+        grid = (-(-out.shape[1] // SILU_THREADS), gu.shape[0])
+        _kernels()["silu_mul"][grid, SILU_THREADS, s](cuda.as_cuda_array(gu), cuda.as_cuda_array(out))
+        return out
+
+    def _attention(self, qkv, kv):
+        F = self.torch.nn.functional
+        B, nq, hd = self.B, self.cfg["heads"], self.cfg["head_dim"]
+        q = qkv[:, :nq * hd].reshape(B, nq, 1, hd)
+        o = F.scaled_dot_product_attention(q, kv[0], kv[1], enable_gqa=True)
+        return o.reshape(B, nq * hd)
+
+    def step(self):
+        """The residual stream after every layer (x is left as it was: each replay computes the same step)."""
+        res = self.x.clone()
+        y = self.torch.zeros_like(res)
+        for (qkv, o, gate_up, down), (n1, n2), kv in zip(self.linears, self.norms, self.kv):
+            h = self.add_rmsnorm(res, y, n1)               # (layer 0: res += 0)
+            h = self.add_rmsnorm(res, o(self._attention(qkv(h), kv)), n2)
+            y = down(self.silu_mul(gate_up(h)))
+        res.add_(y)
+        return res
+
+    def linears_only(self):
+        for layer in self.linears:
+            for lin, (_, _, K) in zip(layer, projections(self.cfg)):
+                lin(self.static[K])
+
+
+def graph_us(torch, fn, replays=20, warmup=3):
+    """Median microseconds of one replay of a CUDA graph that captured ``fn()`` once."""
+    from numba import cuda
+
+    from ._timing import replay_us
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):                  # compile the kernels, create handles, settle the allocator
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with cuda.defer_cleanup(), torch.cuda.graph(g):   # (no Numba cuMemFree inside the capture)
+        fn()
+    t = replay_us(g, replays, warmup)
+    del g
+    return t
+
+
+def build_linears(cfg, variant, base, progress, device="cuda"):
+    """Per layer, the 4 projection modules of ``variant``; ``base``: projection name -> a random float32
+    [N, K] NumPy matrix (quantized once per variant, then copied into every layer's own buffers)."""
+    import torch
+    from torch import nn
+
+    from .bench import _device_copies
+    from .torch import KbitLinear, quantize_weight
+    L = cfg["layers"]
+    per_proj = []
+    for name, N, K in projections(cfg):
+        if VARIANTS[variant] is None:
+            mods = []
+            for _ in range(L):
+                lin = nn.Linear(K, N, bias=False, device=device, dtype=torch.float16)
+                with torch.no_grad():
+                    lin.weight.normal_(0, 0.02)
+                mods.append(lin)
+        else:
+            fmt, opts = VARIANTS[variant]
+            qopts = {key: v for key, v in opts.items() if key in _QUANTIZE_KEYS}
+            layout_opts = {key: v for key, v in opts.items() if key not in _QUANTIZE_KEYS}
+            progress(f"{variant}: quantizing {name} {N}x{K}")
+            w = quantize_weight(base[name], fmt, **qopts)
+            mods = [KbitLinear(c, **layout_opts) for c in _device_copies(w, L)]
+        per_proj.append(mods)
+    return list(zip(*per_proj))
+
+
+def weight_bytes(linears):
+    total = 0
+    for layer in linears:
+        for lin in layer:
+            total += lin.weight_bytes() if hasattr(lin, "weight_bytes") else lin.weight.numel() * 2
+    return total
+
+
+def run(model="llama3-8b", variants=None, batches=BATCHES, context=CONTEXT, progress=print):
+    """Rows of {variant, batch, step_us, tokens_per_s, linear_us, linear_share, weight_bytes, bits_per_weight}."""
+    import torch
+    variants = list(variants or VARIANTS)
+    check_names(model, variants)
+    cfg = MODELS[model]
+    params = cfg["layers"] * sum(N * K for _, N, K in projections(cfg))
+    rng = np.random.default_rng(0)
+    base = {name: (rng.standard_normal((N, K), dtype=np.float32) * 0.02) for name, N, K in projections(cfg)}
+    rows = []
+    for variant in variants:
+        t0 = time.perf_counter()
+        linears = build_linears(cfg, variant, base, progress)
+        nbytes = weight_bytes(linears)
+        progress(f"{variant}: {nbytes / 2**30:.2f} GiB of weights, built in {time.perf_counter() - t0:.0f} s")
+        step = None
+        for B in batches:
+            del step                        # (the previous batch's KV caches)
+            step = DecodeStep(cfg, linears, B, context)
+            try:
+                with torch.no_grad():
+                    t_step = graph_us(torch, step.step)
+                    t_lin = graph_us(torch, step.linears_only)
+            except Exception as e:          # a variant that cannot run this batch: reported, the others go on
+                rows.append(dict(model=model, variant=variant, batch=B, context=context, error=repr(e)[:300]))
+                progress(f"{variant} B={B}: FAILED {e!r}"[:400])
+                traceback.print_exc()
+                continue
+            rows.append(dict(model=model, variant=variant, batch=B, context=context, step_us=t_step,
+                             tokens_per_s=B * 1e6 / t_step, linear_us=t_lin, linear_share=t_lin / t_step,
+                             weight_bytes=nbytes, bits_per_weight=8 * nbytes / params))
+            progress(f"{variant} B={B}: step {t_step:.0f} us, linear layers alone {t_lin:.0f} us")
+        del linears, step
+        gc.collect()
+        torch.cuda.empty_cache()
+    fp16 = {r["batch"]: r["tokens_per_s"] for r in rows if r["variant"] == "fp16" and "error" not in r}
+    for r in rows:
+        if r["batch"] in fp16 and "error" not in r:
+            r["vs_fp16"] = r["tokens_per_s"] / fp16[r["batch"]]
+    return rows
+
+
+def format_rows(rows):
+    head = (f"{'variant':<28}{'B':>4}{'bits/w':>8}{'GiB':>7}{'step us':>10}{'tokens/s':>10}{'x fp16':>8}"
+            f"{'linear us':>11}{'linear %':>10}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['variant']:<28}{r['batch']:>4}  failed: {r['error']}")
+            continue
+        lines.append(f"{r['variant']:<28}{r['batch']:>4}{r['bits_per_weight']:>8.2f}{r['weight_bytes'] / 2**30:>7.2f}"
+                     f"{r['step_us']:>10.0f}{r['tokens_per_s']:>10.0f}{r.get('vs_fp16', float('nan')):>8.2f}"
+                     f"{r['linear_us']:>11.0f}{100 * r['linear_share']:>9.0f}%")
+    return "\n".join(lines)
+
+
+def plot(rows, path, device):
+    """tokens/s against bits per weight, one series per batch size."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for B in sorted({r["batch"] for r in rows}):
+        pts = sorted((r["bits_per_weight"], r["tokens_per_s"], r["variant"]) for r in rows
+                     if r["batch"] == B and "error" not in r)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o", label=f"batch {B}")
+        for bpw, tps, name in pts:
+            ax.annotate(name, (bpw, tps), fontsize=6, xytext=(3, 2), textcoords="offset points")
+    ax.set_xlabel("bits per weight (linear layers)")
+    ax.set_ylabel("tokens/s (decode step, CUDA graph)")
+    ax.set_yscale("log")
+    ax.set_title(f"{rows[0]['model']} decode step on {device}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)

@@ -1,0 +1,82 @@
+"""bench --model: the decode step's structure on a tiny config (simulator: CPU tensors) and its name errors.
+The timings themselves need a GPU (benchmarks/README.md)."""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="kbit_numba.torch tests need torch (CI installs none)")
+
+from kbit_numba import bench, bench_model, reference as ref  # noqa: E402
+from helpers import SIM  # noqa: E402
+
+DEVICE = "cpu" if SIM else "cuda"
+DEQUANTIZE = {"kbit": ref.dequantize, "uniform": ref.uniform_dequantize, "bitnet": ref.bitnet_dequantize}
+# small enough for the simulator; on the GPU wide enough for every format's blocks and groups (K % 128 == 0)
+TINY = (dict(hidden=64, intermediate=32, heads=2, kv_heads=1, head_dim=32, layers=2) if SIM else
+        dict(hidden=256, intermediate=384, heads=4, kv_heads=2, head_dim=64, layers=2))
+
+
+def test_projections_are_the_fused_llama_shapes():
+    assert bench_model.projections(bench_model.MODELS["llama3-8b"]) == [
+        ("qkv", 4096 + 2 * 1024, 4096), ("o", 4096, 4096), ("gate_up", 2 * 14336, 4096), ("down", 4096, 14336)]
+
+
+# On the simulator each simulated kernel launch takes tens of seconds: there the step runs in fp16 only
+# (the structure), and test_torch covers KbitLinear's simulated kernels
+@pytest.mark.parametrize("variant", ["kbit k=4"] if SIM else ["kbit k=4", "kbit k=2 codes", "kbit k=4 codes pdl f16_acc",
+                                                              "uniform 4-bit g128"])
+def test_quantized_step_follows_the_fp16_step(variant):
+    """The same random weights through fp16 nn.Linear and through a quantized variant: the two steps' outputs
+    agree to the quantization error, and the linear-only pass runs every layer's four projections."""
+    if SIM:
+        variant = "fp16"
+    rng = np.random.default_rng(0)
+    base = {name: rng.standard_normal((N, K), dtype=np.float32) * 0.1 for name, N, K in bench_model.projections(TINY)}
+    quiet = lambda msg: None  # noqa: E731
+    q = bench_model.build_linears(TINY, variant, base, quiet, DEVICE)
+    f = bench_model.build_linears(TINY, "fp16", base, quiet, DEVICE)
+    for ql, fl in zip(q, f):     # the fp16 step's weights: the quantized layer's own weights, dequantized
+        for qlin, flin, (name, _, _) in zip(ql, fl, bench_model.projections(TINY)):
+            w = base[name] if variant == "fp16" else DEQUANTIZE[qlin.format](qlin._host_weight())
+            flin.weight.data.copy_(torch.from_numpy(np.asarray(w, np.float32)))
+            if variant == "fp16":
+                qlin.weight.data.copy_(flin.weight.data)
+    assert len(q) == TINY["layers"] and all(len(layer) == 4 for layer in q)
+    if not SIM:
+        assert 0 < bench_model.weight_bytes(q) < bench_model.weight_bytes(f) / 3
+    outs = []
+    for linears in (q, f):
+        step = bench_model.DecodeStep(TINY, linears, 2, context=8, device=DEVICE)
+        with torch.no_grad():
+            outs.append(step.step().float().cpu().numpy())
+            step.linears_only()
+    assert outs[0].shape == (2, TINY["hidden"]) and np.isfinite(outs[0]).all()
+    err = np.abs(outs[0] - outs[1]).max() / np.abs(outs[1]).max()
+    # the same weights both ways: only the float16 rounding of activations and sums differs (uniform: 8-bit
+    # activations); on the simulator fp16 both ways, the same step twice
+    bound = 0 if SIM else 0.05 if variant.startswith("uniform") else 0.02
+    assert err <= bound, err
+
+
+def test_unknown_model_or_variant_lists_the_known_ones():
+    with pytest.raises(ValueError, match="known models are llama3-8b"):
+        bench_model.check_names("gpt5", [])
+    with pytest.raises(ValueError, match="known variants are fp16, kbit k=2"):
+        bench_model.check_names("llama3-8b", ["nf4"])
+    with pytest.raises(SystemExit):
+        bench.main(["--model", "gpt5"])
+
+
+@pytest.mark.skipif(SIM, reason="the fused kernels take CUDA tensors")
+def test_fused_kernels_equal_their_torch_twins():
+    g = torch.Generator(device="cuda").manual_seed(1)
+    res = torch.randn(3, 4096, device="cuda", dtype=torch.float16, generator=g)
+    y = torch.randn(3, 4096, device="cuda", dtype=torch.float16, generator=g)
+    w = torch.rand(4096, device="cuda", dtype=torch.float16, generator=g) + 0.5
+    step = bench_model.DecodeStep(TINY, [], 3, context=8)
+    res2 = res.clone()
+    h = step.add_rmsnorm(res, y, w)
+    h2 = bench_model.add_rmsnorm_torch(res2, y, w)
+    assert torch.equal(res, res2)
+    torch.testing.assert_close(h, h2, rtol=2e-3, atol=2e-3)
+    gu = torch.randn(3, 2 * 14336, device="cuda", dtype=torch.float16, generator=g) * 4
+    torch.testing.assert_close(step.silu_mul(gu), bench_model.silu_mul_torch(gu), rtol=2e-3, atol=2e-3)
