@@ -278,7 +278,7 @@ def _groups(W, group_size):
 def uniform_quantize(W, bits=4, group_size=128):
     """Min-max round-to-nearest per group: scale = (max - min) / (2**bits - 1), stored as float16 (at most
     65504; 1 where its float16 is 0: max == min, or a range below float16's smallest step, whose weights then
-    all dequantize to ~0), zero = -min / scale, stored as float16; q = clip(rint(w / scale + zero), 0,
+    all dequantize to ~0), zero = -min / scale, stored as float16 (a zero of either sign as +0.0); q = clip(rint(w / scale + zero), 0,
     2**bits - 1) computed with the stored float16 values in float32. Returns a host UniformWeight."""
     W = finite_weights(W)
     if W.ndim != 2:
@@ -292,7 +292,8 @@ def uniform_quantize(W, bits=4, group_size=128):
     levels = np.float32((1 << bits) - 1)
     s16 = np.minimum((mx - mn) / levels, np.float32(65504)).astype(np.float16)
     s16 = np.where(s16 > 0, s16, np.float16(1))
-    z16 = np.clip(-mn / s16.astype(np.float32), -65504, 65504).astype(np.float16)
+    # (+ 0: a zero point of -0.0, from mn = +0.0, is stored as +0.0, the sign the GPU quantizer stores too)
+    z16 = (np.clip(-mn / s16.astype(np.float32), -65504, 65504) + np.float32(0)).astype(np.float16)
     q = np.clip(np.rint(g / s16.astype(np.float32)[..., None] + z16.astype(np.float32)[..., None]), 0, levels)
     sz = np.stack([s16, z16], axis=-1)
     return UniformWeight(uniform_pack(q.reshape(N, K), bits), sz, bits, (N, K), group_size)

@@ -308,8 +308,8 @@ def make_quantize_kernels(spec):
                 scale = np.float32(1.0)                                         #  where it rounds to 0)
             s16 = np.float16(scale)
             z = -mn / np.float32(s16)
-            z = min(max(z, -F16_MAX), F16_MAX)
-            sz[2 * g] = s16
+            z = min(max(z, -F16_MAX), F16_MAX) + np.float32(0.0)   # (-0.0 + 0.0 = +0.0: one sign for zero,
+            sz[2 * g] = s16                                         #  whichever sign the block min had)
             sz[2 * g + 1] = np.float16(z)
 
     def pack_kernel(W, sz, packed, N, K, n_chunks):

@@ -6,7 +6,7 @@ from numba import cuda
 
 from kbit_numba import act_quant, reference as ref, uniform
 from kbit_numba.formats import UNIFORM_BITS
-from helpers import EXAMPLES, SIM, assert_within, seeds
+from helpers import EXAMPLES, SIM, adversarial_weight, assert_within, seeds, weight_kinds
 
 MAX_N = 5 if SIM else 300
 MAX_KB = 10 if SIM else 140        # K = 32 * kb: 3-bit chunks of 320 padded, several K-warps on the GPU
@@ -70,11 +70,13 @@ def test_uniform_gemv_long_k_at_m4(int8):
 
 
 @settings(max_examples=EXAMPLES)
-@given(seeds, bits_st, st.integers(1, 3), st.integers(1, 12), st.integers(0, 3), st.sampled_from(["float16", "float32"]))
-def test_gpu_quantizer_equals_reference(seed, bits, N, kbn, gsel, w_dtype):
+@given(seeds, bits_st, st.integers(1, 3), st.integers(1, 12), st.integers(0, 3), st.sampled_from(["float16", "float32"]),
+       weight_kinds)
+def test_gpu_quantizer_equals_reference(seed, bits, N, kbn, gsel, w_dtype, kind):
+    """Byte-equal to the reference, adversarial weights included (all-zero groups: the zero point's sign)."""
     rng = np.random.default_rng(seed)
     K, G = _case(seed, bits, kbn, gsel)
-    W = (rng.standard_normal((N, K)) * np.exp(rng.uniform(-3, 1, (N, 1)))).astype(w_dtype)
+    W = adversarial_weight(rng, N, K, kind, w_dtype)
     want = ref.uniform_quantize(W, bits, G)
     got = uniform.quantize(W, bits, G).to_numpy()
     assert np.array_equal(got.packed, want.packed)
