@@ -30,7 +30,7 @@ import numpy as np
 from numba import cuda
 
 from . import _arrays
-from .act_quant import int8_step, quantize_int8
+from .act_quant import int8_step, quantize_int8, words_per_row
 from .core import MAX_M, RowsSpec, device_weight, sm_count
 from .device import FULL_MASK, WARP, i32, make_cta_sum, u32
 from .formats import BITNET_BLOCK_K, BITNET_BLOCK_N, BitnetWeight
@@ -106,6 +106,11 @@ def quantize(W, parts=1):
 def quantize_activations(A, stream=None, bf16=False, words=None, d=None):
     """Per-token int8 activations for the BitNet kernel: (words uint32 [M, K/4], d float32 [M])."""
     return quantize_int8(A, 0, stream, bf16, words, d)
+
+
+def act_shapes(M, K):
+    """Shapes of the quantized activations of M rows: (words uint32, d float32), as ``int8_step`` makes them."""
+    return (M, words_per_row(K, 0)), (M,)
 
 
 def plan(A, bw, out=None, stream=None, out_dtype=np.float16, bf16=False, act=None):

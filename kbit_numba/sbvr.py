@@ -162,13 +162,19 @@ def make_act_kernel(spec):
     return cuda.jit(kernel)
 
 
+def act_shapes(M, K):
+    """Shapes of the quantized activations of M rows: (planes uint32, d float32)."""
+    return (M, K // BLOCK, SBVR_ACT_PLANES), (M, K // SBVR_GROUP)
+
+
 def _act_step(Ad, a_src, stream, planes=None, d=None):
     shape = tuple(Ad.shape)
     M, K = (1, shape[0]) if len(shape) == 1 else shape
     if K % SBVR_GROUP:
         raise ValueError(f"SBVR needs K % {SBVR_GROUP} == 0, got K={K}")
-    planes = _arrays.output(planes, "planes", (M, K // BLOCK, SBVR_ACT_PLANES), np.uint32, stream)
-    d = _arrays.output(d, "d", (M, K // SBVR_GROUP), np.float32, stream)
+    planes_shape, d_shape = act_shapes(M, K)
+    planes = _arrays.output(planes, "planes", planes_shape, np.uint32, stream)
+    d = _arrays.output(d, "d", d_shape, np.float32, stream)
     items = M * (K // SBVR_GROUP)
     step = Step(make_act_kernel(SbvrActSpec(a_src)), -(-items // QUANT_WARPS), QUANT_WARPS * WARP,
                 (_arrays.flat_view(Ad), _arrays.flat_view(planes), _arrays.flat_view(d), i32(M), i32(K)))

@@ -35,12 +35,12 @@ from . import bitnet, reference, sbvr, uniform
 from .codec import quantize as _kbit_quantize
 from .core import MAX_M, device_weight
 from .dispatch import KbitLinear as _KbitLinearRuntime
-from .formats import (BLOCK, SBVR_ACT_PLANES, SBVR_GROUP, BitnetWeight, KbitCodes, KbitWeight, SbvrWeight,
-                      UniformWeight)
+from .formats import BLOCK, BitnetWeight, KbitCodes, KbitWeight, SbvrWeight, UniformWeight
 from .intrinsics import SIMULATOR
 
 FORMATS = {"kbit": KbitWeight, "uniform": UniformWeight, "sbvr": SbvrWeight, "bitnet": BitnetWeight}
 _GEMV = {"uniform": uniform.gemv, "sbvr": sbvr.gemv, "bitnet": bitnet.gemv}   # M = 1..4 each
+_ACT_SHAPES = {"bitnet": bitnet.act_shapes, "sbvr": sbvr.act_shapes}         # formats quantizing activations
 _LAYERS = weakref.WeakValueDictionary()     # handle -> KbitLinear: what the custom op's int argument names
 _HANDLES = itertools.count(1)
 
@@ -183,12 +183,10 @@ class KbitLinear(nn.Module):
         """BitNet's and SBVR's quantized-activation buffers from torch's allocator, as Numba views ({} for the
         other formats, and under the simulator): a Numba allocation inside torch's CUDA-graph capture would
         invalidate it, torch's caching allocator is capture-safe."""
-        if SIMULATOR or self.format not in ("bitnet", "sbvr"):
+        if SIMULATOR or self.format not in _ACT_SHAPES:
             return {}
         from numba import cuda
-        K = self.in_features
-        words, d = (((M, K // 4), (M,)) if self.format == "bitnet" else
-                    ((M, K // BLOCK, SBVR_ACT_PLANES), (M, K // SBVR_GROUP)))
+        words, d = _ACT_SHAPES[self.format](M, self.in_features)
         words = torch.empty(words, dtype=torch.int32, device="cuda")
         d = torch.empty(d, dtype=torch.float32, device="cuda")
         return dict(act=(cuda.as_cuda_array(words).view(np.uint32), cuda.as_cuda_array(d)))
