@@ -37,6 +37,15 @@ if "gemm" in families:     # grouped: an expert with two row tiles, an empty one
     for split in (1, 2):
         kb.grouped_gemm(rng.standard_normal((21, 96)).astype(np.float16), tiled, np.array([0, 18, 18, 21], np.int32),
                         split=split, m_tile=1).copy_to_host()
+if "gemm" in families:     # the code layout: N = 200 (a partial column tile, the absmax array ending mid-word)
+    from kbit_numba import pair_gemv
+    for k in pair_gemv.CODES_K:
+        for fmt in ("e4m4", "fp32"):
+            flat = kb.quantize(rng.standard_normal((201, 192)).astype(np.float16), k=k, absmax_format=fmt)
+            kc = pair_gemv.to_codes(flat)
+            for M, split in ((5, 1), (20, 2), (40, None)):
+                kb.gemm(rng.standard_normal((M, 192)).astype(np.float16), kc, split=split).copy_to_host()
+            kb.dequantize(kc).copy_to_host()
 if "pair" in families:     # N = 37 (a partial column group), K = 1056 (two K-warps, the second nearly idle)
     from kbit_numba import pair_gemv
     for k in pair_gemv.CODES_K:            # (each specialisation compiles slowly under the sanitizer: few)

@@ -63,9 +63,9 @@ def float_input(x, name, bf16, ndim, stream=0):
 def activations(A, qw, bf16, stream=0):
     """Checked activations for ``A @ W^T`` with W the KbitWeight ``qw``: (device A, element type, M, A's
     shape); A is [M, K] or [K] with W's K."""
-    from .formats import KbitWeight
-    if not isinstance(qw, KbitWeight):
-        raise TypeError(f"qw must be a KbitWeight, got {type(qw).__name__}")
+    from .formats import KbitCodes, KbitWeight
+    if not isinstance(qw, (KbitWeight, KbitCodes)):
+        raise TypeError(f"qw must be a KbitWeight or KbitCodes, got {type(qw).__name__}")
     return activations_for(A, qw.shape[1], bf16, stream)
 
 

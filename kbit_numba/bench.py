@@ -235,8 +235,8 @@ def _mm_row(label, K, N, k, M, t, nbytes, ceilings, params=None):
 
 def matmul_rows(shapes, ks, ms, ceilings, progress, kernels=("gemm", "dequant_matmul", "linear")):
     """Any-M rows on rotating tiled weights: the tensor-core GEMM, dequantize + cuBLAS fp16 (torch), and
-    ``linear`` (whatever the package's table picks; at M <= 4 also on the code layout, the pair gemv). Percent
-    of the read ceiling counts the kbit bytes."""
+    ``linear`` (whatever the package's table picks), and for k = 2, 4 the same on the code layout (KbitLinear's
+    default there). Percent of the read ceiling counts the kbit bytes."""
     from numba import cuda
 
     from . import codec, dispatch as lin, pair_gemv, tensor_gemm
@@ -252,8 +252,7 @@ def matmul_rows(shapes, ks, ms, ceilings, progress, kernels=("gemm", "dequant_ma
             n = rotation_count(nbytes)
             flats = _rotating_weights(K, N, k, n, rng)
             ws = _tiled_copies(flats)
-            codes = ([pair_gemv.to_codes(w) for w in flats] if "linear" in kernels and k in CODES_K
-                     and any(M <= 4 for M in ms) else [])
+            codes = [pair_gemv.to_codes(w) for w in flats] if k in CODES_K and K % tensor_gemm.BK == 0 else []
             wbuf = cuda.device_array((N, K), np.float16)
             space = lin.Workspace()
             for M in ms:
@@ -267,6 +266,12 @@ def matmul_rows(shapes, ks, ms, ceilings, progress, kernels=("gemm", "dequant_ma
                     def gemm_launch(i, s, plans=plans):
                         plans[i % n](s)
                     cases.append(("gemm", gemm_launch))
+                    if codes:
+                        cplans = [_prepared(tensor_gemm.plan(A, w, out, 0, np.float16, False, sums)) for w in codes]
+
+                        def cgemm_launch(i, s, plans=cplans):
+                            plans[i % n](s)
+                        cases.append(("gemm+codes", cgemm_launch))
                 if "dequant_matmul" in kernels and torch is not None:
                     At, Ot, Wt = (torch.as_tensor(x, device="cuda") for x in (A, out, wbuf))
 
@@ -274,7 +279,7 @@ def matmul_rows(shapes, ks, ms, ceilings, progress, kernels=("gemm", "dequant_ma
                         codec.dequantize(ws[i % n], out=wbuf, stream=s)
                         torch.matmul(At, Wt.t(), out=Ot)      # torch's current stream is the capture stream
                     cases.append(("dequant_matmul", dq_launch))
-                if "linear" in kernels:               # KbitLinear's default: the tiled weight only
+                if "linear" in kernels:               # KbitLinear(layout="tiled")
                     choice = lin.choose(M, N, K, "tiled")
 
                     def lin_launch(i, s, choice=choice):
@@ -284,10 +289,12 @@ def matmul_rows(shapes, ks, ms, ceilings, progress, kernels=("gemm", "dequant_ma
                         def flat_launch(i, s):
                             lin.linear(A, flats[i % n], out=out, stream=s, workspace=space, kernel="gemv")
                         cases.append(("linear+flat[gemv]", flat_launch))
-                    if codes and M <= 4:                # KbitLinear(layout="codes"): the pair gemv
-                        def codes_launch(i, s):
-                            lin.linear(A, codes[i % n], out=out, stream=s, workspace=space)
-                        cases.append(("linear+codes[pair_gemv]", codes_launch))
+                    if codes:                           # KbitLinear's default for k = 2, 4: the code layout
+                        cchoice = lin.choose(M, N, K, "codes")
+
+                        def codes_launch(i, s, cchoice=cchoice):
+                            lin.linear(A, codes[i % n], out=out, stream=s, workspace=space, kernel=cchoice)
+                        cases.append((f"linear+codes[{cchoice}]", codes_launch))
                 for label, fn in cases:
                     progress(f"{label} {K}x{N} k={k} M={M}")
                     t = graph_time_us(fn, n * max(1, 32 // n))

@@ -11,7 +11,7 @@ Reference twins: ``reference.quantize``, ``reference.dequantize``, ``reference.r
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import numpy as np
@@ -21,8 +21,8 @@ from . import _arrays
 from .core import device_weight
 from .launch import ELEMENT_TYPES, NUMBA_TYPES, OUT_TYPES, Plan, Spec, Step, type_name
 from .device import F32_MAX, FULL_MASK, WARP, e4m4_decode, e4m4_encode, i32, make_loader, tiled_block, u32, warp_max
-from .formats import (ABSMAX_FORMATS, BLOCK, K_BITS, LAYOUTS, MAX_CODES, TILE_N, KbitWeight, check_codebook,
-                      check_k, padded_k)
+from .formats import (ABSMAX_FORMATS, BLOCK, CODES_K, K_BITS, LAYOUTS, MAX_CODES, TILE_N, KbitCodes, KbitWeight,
+                      check_codebook, check_k, padded_k)
 from .intrinsics import f16x2_as_u32, f32_as_u32, stg128
 
 QUANT_THREADS = 256          # 8 warps = 8 blocks per CTA
@@ -59,9 +59,17 @@ class QuantizeSpec(_BlocksSpec):
 
 
 class DequantizeSpec(_BlocksSpec):
-    """The dequantizer's choices (``dtype``: the output type): the key of :func:`make_dequantize_kernel`."""
+    """The dequantizer's choices (``dtype``: the output type): the key of :func:`make_dequantize_kernel`.
+    It also reads the code layout (``KbitCodes``, k = 2, 4)."""
     FAMILY = "dequantize"
     DTYPES = OUT_TYPES
+
+    def normalise(self):
+        if self.layout == "codes":
+            if self.k not in CODES_K:
+                raise ValueError(f"the code layout holds k in {CODES_K}, got k={self.k}")
+            return dict(replace(self, layout="flat").normalise(), layout="codes")
+        return super().normalise()
 
 
 @dataclass(frozen=True)
@@ -134,6 +142,7 @@ def make_dequantize_kernel(spec):
     k, layout, absmax_format, out_dtype = spec.k, spec.layout, spec.absmax_format, spec.dtype
     n_codes = 1 << k
     tiled = layout == "tiled"
+    codes = layout == "codes"           # a thread's 8 elements: 8k bits of one word, at bit 8k * (g % 4) % 32
     e4m4 = absmax_format == "e4m4"
     f16 = np.dtype(out_dtype) == np.float16
 
@@ -151,16 +160,23 @@ def make_dequantize_kernel(spec):
             kb = blk - n * kbr
             slot = tiled_block(n, kb, N) if tiled else blk
             scale = e4m4_decode(absmax[slot]) if e4m4 else absmax[slot]
-            shift = u32((g % THREADS_PER_BLOCK) * ELEMS_PER_THREAD)
-            planes = cuda.local.array(k, np.uint32)
-            for b in range(k):
-                planes[b] = packed[slot * k + b] >> shift
+            part = g % THREADS_PER_BLOCK
             vals = cuda.local.array(ELEMS_PER_THREAD, np.float32)
-            for j in range(ELEMS_PER_THREAD):
-                idx = u32(0)
+            if codes:
+                bit = part * (ELEMS_PER_THREAD * k)
+                word = packed[slot * k + bit // 32] >> u32(bit % 32)
+                for j in range(ELEMS_PER_THREAD):
+                    vals[j] = cb_sh[(word >> u32(j * k)) & u32(n_codes - 1)] * scale
+            else:
+                shift = u32(part * ELEMS_PER_THREAD)
+                planes = cuda.local.array(k, np.uint32)
                 for b in range(k):
-                    idx |= ((planes[b] >> u32(j)) & u32(1)) << u32(b)
-                vals[j] = cb_sh[idx] * scale
+                    planes[b] = packed[slot * k + b] >> shift
+                for j in range(ELEMS_PER_THREAD):
+                    idx = u32(0)
+                    for b in range(k):
+                        idx |= ((planes[b] >> u32(j)) & u32(1)) << u32(b)
+                    vals[j] = cb_sh[idx] * scale
             if f16:
                 stg128(out, g * 4,
                        f16x2_as_u32(np.float16(vals[0]), np.float16(vals[1])),
@@ -246,7 +262,7 @@ def plan_dequantize(qw, dtype=np.float16, out=None, stream=None):
     """Checked inputs of :func:`dequantize` bound into a :class:`launch.Plan` (one launch; ``A`` is None)."""
     dtype = _arrays.output_dtype(out, dtype, "dtype")        # a given out decides the type
     stream = _arrays.as_stream(stream)
-    qw = device_weight(qw, KbitWeight, stream)
+    qw = device_weight(qw, KbitCodes if isinstance(qw, KbitCodes) else KbitWeight, stream)
     N, K = qw.shape
     out = _arrays.output(out, "out", (N, K), dtype, stream)
     _arrays.check_aligned(out, 16, "out")
@@ -258,7 +274,7 @@ def plan_dequantize(qw, dtype=np.float16, out=None, stream=None):
 
 
 def dequantize(qw, dtype=np.float16, out=None, stream=None):
-    """KbitWeight (flat or tiled, E4M4 or fp32 absmax) -> device array [N, K] of float16/float32
+    """KbitWeight (flat or tiled, E4M4 or fp32 absmax) or KbitCodes -> device array [N, K] of float16/float32
     (``dtype``; a preallocated ``out`` device array decides the type itself)."""
     return plan_dequantize(qw, dtype, out, stream).launch()
 
@@ -290,6 +306,7 @@ def ptx_specs():
                 specs += [QuantizeSpec(k, layout, fmt, w) for w in ELEMENT_TYPES]
                 specs += [DequantizeSpec(k, layout, fmt, od) for od in OUT_TYPES]
         specs += [RepackSpec(k, fmt) for fmt in ABSMAX_FORMATS]
+    specs += [DequantizeSpec(k, "codes", fmt, od) for k in CODES_K for fmt in ABSMAX_FORMATS for od in OUT_TYPES]
     return specs
 
 

@@ -8,11 +8,13 @@ M <= max_m wins, ``null`` = any M) and per-shape rules for the shapes it measure
 A rule is only followed when its kernel applies; otherwise the next applicable one in ``FALLBACK``:
 ``gemv`` needs M <= 4 (bigger M runs it in slices of 4 rows), ``gemm`` the tiled layout,
 ``dequant_matmul`` torch or CuPy for the cuBLAS call. A weight in the code layout (``KbitCodes``, k = 2, 4)
-is read by ``pair_gemv`` only (M > 4 in slices of 4 rows): a layout for decode steps.
+is read by ``pair_gemv`` and by ``gemm`` (K a multiple of 64); the table's ``codes_rules`` (default
+``CODES_RULES``) choose between them.
 
-``KbitLinear`` keeps a weight ready for repeated calls: a tiled copy (which serves gemv and gemm), or with
-``layout="codes"`` the code layout for the pair gemv, a ``Workspace`` (split-K sums, the dequantized
-weight) and prepared launches for decode loops.
+``KbitLinear`` keeps a weight ready for repeated calls: by default the code layout where it can (k = 2, 4, K a
+multiple of 64: the pair gemv for decode, the gemm and dequantize + cuBLAS for larger M), else a tiled copy
+(which serves gemv and gemm); a ``Workspace`` (split-K sums, the dequantized weight) and prepared launches
+for decode loops.
 """
 from __future__ import annotations
 
@@ -26,17 +28,22 @@ from numba import cuda
 
 from . import _arrays, pair_gemv, scalar_gemv, tensor_gemm
 from .codec import plan_dequantize, repack_tiled
-from .core import MAX_M, device_weight
+from .core import MAX_M, device_weight, k_warps
 from .formats import CODES_K, TILE_N, KbitCodes, KbitWeight
 from .intrinsics import SIMULATOR
 from .launch import HostStep, Plan, stream_handle
 
 KERNELS = ("gemv", "pair_gemv", "gemm", "dequant_matmul")
-LAYOUTS = ("tiled", "codes")          # what KbitLinear keeps on the device
+LAYOUTS = ("auto", "tiled", "codes")  # what KbitLinear keeps on the device ("auto": codes where it can)
 FALLBACK = ("gemm", "dequant_matmul", "gemv")
 TUNING_DIR = os.path.join(os.path.dirname(__file__), "tuning")
 DEFAULT_TABLE = {"device": "default", "rules": [[4, "gemv"], [256, "gemm"], [None, "dequant_matmul"]],
                  "shapes": {}}
+# The code layout, when a table has no codes_rules (H100, benchmarks/README.md): the pair gemv at M <= 4 where
+# its CTA of all K's warps fits without a register cap (PAIR_GEMV_MAX_ROW_WARPS), else the gemm, and
+# dequantize + cuBLAS from the tiled tables' crossover on.
+CODES_RULES = [[4, "pair_gemv"], [64, "gemm"], [None, "dequant_matmul"]]
+PAIR_GEMV_MAX_ROW_WARPS = 32       # M * ceil(K / 1024): M = 4 at K = 14336 (56) spilled, 85 us vs the gemm's 38
 
 
 # ---- the per-GPU table ---------------------------------------------------------------------------
@@ -68,9 +75,18 @@ def choose_rule(M, N, K, layout, table=None, backend=None):
     parameters (e.g. ``{"cols": 2}`` for gemv, ``{"split": 4, "m_tile": 2}`` for gemm) go to that
     kernel's ``plan`` and override its ``DEFAULTS`` table; a fallback kernel runs with its defaults.
     ``backend``: the cuBLAS route ('torch', 'cupy', or False for none); None asks ``matmul_backend()``."""
-    if layout == "codes":          # the only kernel that reads the code layout
-        return "pair_gemv", {}
     table = table or load_table()
+    if layout == "codes":          # the pair gemv, the gemm where K allows, dequantize + cuBLAS
+        rules = table.get("codes_rules", CODES_RULES)
+        want, params = next((r[1], dict(r[2]) if len(r) > 2 else {}) for r in rules if r[0] is None or M <= r[0])
+        gemm_ok = K % tensor_gemm.BK == 0
+        if want == "pair_gemv" and M <= MAX_M and M * k_warps(K) > PAIR_GEMV_MAX_ROW_WARPS and gemm_ok:
+            want, params = "gemm", {}
+        usable = {"pair_gemv": True, "gemm": gemm_ok,
+                  "dequant_matmul": bool(backend if backend is not None else matmul_backend())}
+        if usable.get(want, False):
+            return want, params
+        return ("gemm" if gemm_ok else "pair_gemv"), {}
     rules = table.get("shapes", {}).get(f"{K}x{N}", table["rules"])
     want, params = next((r[1], dict(r[2]) if len(r) > 2 else {}) for r in rules if r[0] is None or M <= r[0])
     usable = {"gemv": M <= MAX_M, "gemm": layout == "tiled",
@@ -193,13 +209,14 @@ def plan(A, qw, out=None, stream=None, workspace=None, out_dtype=np.float16, bf1
         kernel, params = choose_rule(M, N, K, qw.layout, table)
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-    if (kernel == "pair_gemv") != (qw.layout == "codes"):
+    if (kernel == "pair_gemv") != (qw.layout == "codes") and kernel != "gemm" and kernel != "dequant_matmul":
         raise ValueError(f"kernel {kernel!r} does not read the {qw.layout} layout "
-                         "(pair_gemv reads KbitCodes, the others KbitWeight)")
+                         "(pair_gemv reads KbitCodes, gemv KbitWeight, gemm and dequant_matmul both)")
     if f16_acc and kernel != "pair_gemv":
         raise ValueError(f"f16_acc applies to the pair gemv (KbitCodes), not to kernel {kernel!r}")
     if bf16 and kernel == "dequant_matmul":       # cuBLAS through torch/CuPy takes no int16 bf16 bits
-        kernel, params = ("gemm" if qw.layout == "tiled" else "gemv"), {}
+        gemm_ok = qw.layout == "tiled" or (qw.layout == "codes" and K % tensor_gemm.BK == 0)
+        kernel, params = ("gemm" if gemm_ok else "pair_gemv" if qw.layout == "codes" else "gemv"), {}
     if kernel == "gemm":      # (without a Workspace, gemm allocates split-K sums only when it splits)
         sums = workspace.sums(M * N, stream) if workspace is not None else None
         return tensor_gemm.plan(A, qw, out, stream, out_dtype, bf16, sums, **params)
@@ -229,32 +246,37 @@ def linear(A, qw, out=None, stream=None, workspace=None, out_dtype=np.float16, b
 
 
 class KbitLinear:
-    """A kbit weight kept ready for repeated ``linear`` calls (decode and prefill steps).
+    """A kbit weight kept ready for repeated ``linear`` calls (decode and prefill steps), one copy of it.
 
-    Holds the weight on the device in the tiled layout when N is a multiple of 128 (gemv and gemm both
-    read it; otherwise the flat layout, served by gemv and dequantize + cuBLAS), and a ``Workspace``.
+    ``layout="auto"`` (the default) keeps the **code layout** (``KbitCodes``, the same bytes) for k = 2, 4
+    when K is a multiple of 64 (and the weight is flat or already codes), else the tiled layout. The
+    code layout serves every M: the pair gemv at M = 1..4 (the fastest kbit kernel there: 1.6x the tiled
+    gemv at 4096x14336 on the H100), the tensor-core gemm above, and dequantize + cuBLAS for large M; its
+    gemm is up to 30% slower than the tiled layout's (benchmarks/README.md), so prefill-heavy use at
+    k = 2, 4 may prefer ``layout="tiled"``. The tiled layout (N a multiple of 128; otherwise the flat
+    layout, served by gemv and dequantize + cuBLAS) serves the scalar gemv and the gemm.
+
     ``layer(A)`` is ``linear(A, weight, workspace=...)``; ``layer.prepare(A, out)`` binds buffers once and
     returns an object whose ``run()`` replays the chosen launches with no argument checking (CUDA-graph
     capturable; write new inputs into the bound ``A``).
 
-    ``keep_flat=True`` also keeps the flat layout for the scalar GEMV (twice the weight memory): the gemv
-    reads the tiled layout with scattered 16-byte loads and was up to 26% slower at M = 1..4 on the
-    H100 and H200 grids (4096x14336 M=1: 27.3 vs 21.7 us; benchmarks/README.md).
+    ``keep_flat=True`` (tiled only) also keeps the flat layout for the scalar GEMV (twice the weight
+    memory): the gemv reads the tiled layout with scattered 16-byte loads and was up to 26% slower at
+    M = 1..4 on the H100 and H200 grids (4096x14336 M=1: 27.3 vs 21.7 us; benchmarks/README.md).
 
-    ``layout="codes"`` (k = 2, 4, from a flat weight) keeps only the code layout instead, the same bytes:
-    every call runs the pair gemv, the fastest kbit kernel at M = 1..4 on the H100 except on the smallest
-    shapes (benchmarks/README.md), but M > 4 runs it in slices of 4 rows (no tensor-core GEMM): a layout
-    for decode steps, not for prefill. With it, ``f16_acc=True`` sums each 32-weight block in float16
-    when the activations are float16 (faster, error bound in tests/test_pair_gemv.py; float32 and bfloat16
-    activations keep float32 sums), and ``pdl=True`` launches the pair
-    gemv as a programmatic dependent launch (sm_90): in a chain of layers each one's weight loads and table
-    fill overlap the previous kernel's tail (``launch.py``; 11-44% less time per layer in the H100 bench's
-    chains of same-shape layers at M = 1)."""
+    With the code layout, ``f16_acc=True`` makes the pair gemv sum each 32-weight block in float16 when the
+    activations are float16 (faster, error bound in tests/test_pair_gemv.py; float32 and bfloat16
+    activations keep float32 sums), and ``pdl=True`` launches the pair gemv as a programmatic dependent
+    launch (sm_90): in a chain of layers each one's weight loads and table fill overlap the previous
+    kernel's tail (``launch.py``; 11-44% less time per layer in the H100 bench's chains of same-shape
+    layers at M = 1)."""
 
-    def __init__(self, qw, table=None, stream=None, keep_flat=False, layout="tiled", f16_acc=False, pdl=False):
+    def __init__(self, qw, table=None, stream=None, keep_flat=False, layout="auto", f16_acc=False, pdl=False):
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         stream = _arrays.as_stream(stream)
+        if layout == "auto":
+            layout = "codes" if self.codes_apply(qw) and not keep_flat else "tiled"
         if layout == "codes":
             if not (isinstance(qw, KbitCodes) or (isinstance(qw, KbitWeight) and qw.k in CODES_K
                                                   and qw.layout == "flat")):
@@ -269,7 +291,8 @@ class KbitLinear:
                 cuda.synchronize()
             return
         if f16_acc or pdl:
-            raise ValueError("f16_acc and pdl apply to the pair gemv: use them with layout='codes'")
+            raise ValueError(f"f16_acc and pdl apply to the pair gemv, which reads the code layout (k in {CODES_K}, "
+                             f"a flat KbitWeight or KbitCodes), not this {layout} one")
         self.f16_acc = self.pdl = False
         qw = device_weight(qw, KbitWeight, stream)
         self.flat_weight = qw if qw.layout == "flat" else None
@@ -280,6 +303,14 @@ class KbitLinear:
         self.weight = qw
         self.table = table
         self.workspace = Workspace()
+
+    @staticmethod
+    def codes_apply(qw):
+        """Whether ``layout="auto"`` keeps ``qw`` in the code layout: a KbitCodes, or a flat KbitWeight with
+        k = 2 or 4, and K a multiple of 64 (what the gemm on the code layout reads)."""
+        flat_ok = isinstance(qw, KbitCodes) or (isinstance(qw, KbitWeight) and qw.layout == "flat"
+                                                and qw.k in CODES_K)
+        return flat_ok and qw.shape[1] % tensor_gemm.BK == 0
 
     def _weight_for(self, kernel):
         """The flat copy for the scalar GEMV when one is kept, else the (tiled) weight."""
@@ -302,7 +333,9 @@ class KbitLinear:
         if self.pdl and kernel == "pair_gemv":
             params = dict(params, pdl=True)
         # f16_acc sums in float16 only float16 activations; float32 and bfloat16 ones keep float32 sums
-        f16_acc = self.f16_acc and not bf16 and str(A.dtype) in ("float16", "torch.float16")
+        # (and only in the pair gemv: the gemm's MMAs have no such option)
+        f16_acc = (self.f16_acc and kernel == "pair_gemv" and not bf16
+                   and str(A.dtype) in ("float16", "torch.float16"))
         return plan(A, self._weight_for(kernel), out, stream, self.workspace, out_dtype, bf16, kernel,
                     self.table, f16_acc, params)
 

@@ -27,6 +27,7 @@ nothing, by the chain of layers in ``tests/test_pair_gemv.py``).
 | hfma2(a, b, c) | fma.rn.f16x2                        | two half multiply-adds in one instruction      |
 | bmul2(a, b)  | mul.rn.bf16x2                         | the same for bfloat16 pairs                    |
 | cp_async16(dst, p, src, i, n) | cp.async.cg.shared.global 16 B | global -> shared without registers  |
+| cp_async4(dst, p, src, i, n) | cp.async.ca.shared.global 4 B  | the same for 4 bytes of a byte array   |
 | cp_async_commit() / cp_async_wait(n) | cp.async.commit_group / wait_group n | double buffering |
 | griddep_wait() | griddepcontrol.wait                    | PDL: wait for the previous kernel's results    |
 | griddep_launch_dependents() | griddepcontrol.launch_dependents | PDL: let the next kernel start early  |
@@ -282,6 +283,28 @@ def ptx_cp_async16(typingctx, dst, dst_addr, src, src_index, src_bytes):
     return sig, codegen
 
 
+@intrinsic
+def ptx_cp_async4(typingctx, dst, dst_addr, src, src_index, src_bytes):
+    """4 bytes from element ``src_index`` of ``src`` (a 1-D uint8 or uint32 global array; the byte address
+    must be 4-byte aligned) to the shared byte address dst_addr (cp.async.ca: the .cg form copies only 16
+    bytes); only ``src_bytes`` (0..4) are read, the rest is zero-filled: a copy may end with the array."""
+    if not (isinstance(src, types.Array) and src.ndim == 1 and src.dtype in (types.uint8, types.uint32)):
+        raise TypeError(f"cp_async4 needs a 1-D uint8/uint32 array, got {src}")
+    sig = types.void(dst, dst_addr, src, src_index, src_bytes)
+
+    def codegen(context, builder, sig, args):
+        ptr = _element_ptr(context, builder, sig.args[2], args[2], args[3], sig.args[3])
+        d = context.cast(builder, args[1], sig.args[1], types.uint32)
+        n = context.cast(builder, args[4], sig.args[4], types.uint32)
+        fty = ir.FunctionType(ir.VoidType(), [_i32, ptr.type, _i32])
+        text = ("{ .reg .u64 g; cvta.to.global.u64 g, $1; "
+                "cp.async.ca.shared.global [$0], [g], 4, $2; }")
+        builder.call(ir.InlineAsm(fty, text, "r,l,r", side_effect=True), [d, ptr, n])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 def _no_operands(text, memory=False):
     """Codegen of an instruction with no operands and no result, kept in place (a side effect);
     ``memory``: also a compiler barrier for memory accesses around it."""
@@ -345,6 +368,15 @@ def py_cp_async16(dst, dst_addr, src, src_index, src_bytes):
     d, i = int(dst_addr) >> 2, int(src_index)
     for j in range(4):
         dst[d + j] = src[i + j] if int(src_bytes) else 0
+
+
+def py_cp_async4(dst, dst_addr, src, src_index, src_bytes):
+    raw = np.asarray(src).reshape(-1).view(np.uint8)
+    start = int(src_index) * np.asarray(src).dtype.itemsize
+    word = np.zeros(4, np.uint8)
+    n = int(src_bytes)
+    word[:n] = raw[start:start + n]
+    _words(dst)[int(dst_addr) >> 2] = word.view(np.uint32)[0]
 
 
 def py_cp_async_commit():
@@ -682,12 +714,13 @@ def py_f16x2_as_u32(lo, hi):
 # The names kernels use
 # ---------------------------------------------------------------------------------------------
 NAMES = ("ldg128", "ldg64", "stg128", "shared_addr", "lds_f32", "lds_u32", "lds128", "lds64", "sts128", "cp_async16",
-         "cp_async_commit", "cp_async_wait", "griddep_wait", "griddep_launch_dependents", "ldmatrix_x4", "mma_f16",
-         "mma_bf16", "hmul2", "hfma2", "bmul2", "dp4a", "lop3", "prmt", "rotr", "u32_as_f32", "f32_as_u32",
-         "f16x2_as_u32", "f16_bits_to_f32")
+         "cp_async4", "cp_async_commit", "cp_async_wait", "griddep_wait", "griddep_launch_dependents",
+         "ldmatrix_x4", "mma_f16", "mma_bf16", "hmul2", "hfma2", "bmul2", "dp4a", "lop3", "prmt", "rotr", "u32_as_f32",
+         "f32_as_u32", "f16x2_as_u32", "f16_bits_to_f32")
 PAIRS = {name: (globals()["ptx_" + name], globals()["py_" + name]) for name in NAMES}
 
 _pick = 1 if SIMULATOR else 0
-(ldg128, ldg64, stg128, shared_addr, lds_f32, lds_u32, lds128, lds64, sts128, cp_async16, cp_async_commit,
- cp_async_wait, griddep_wait, griddep_launch_dependents, ldmatrix_x4, mma_f16, mma_bf16, hmul2, hfma2, bmul2, dp4a,
- lop3, prmt, rotr, u32_as_f32, f32_as_u32, f16x2_as_u32, f16_bits_to_f32) = (PAIRS[n][_pick] for n in NAMES)
+(ldg128, ldg64, stg128, shared_addr, lds_f32, lds_u32, lds128, lds64, sts128, cp_async16, cp_async4,
+ cp_async_commit, cp_async_wait, griddep_wait, griddep_launch_dependents, ldmatrix_x4, mma_f16, mma_bf16, hmul2,
+ hfma2, bmul2, dp4a, lop3, prmt, rotr, u32_as_f32, f32_as_u32, f16x2_as_u32,
+ f16_bits_to_f32) = (PAIRS[n][_pick] for n in NAMES)

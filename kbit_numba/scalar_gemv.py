@@ -39,7 +39,8 @@ from numba import cuda
 from numba.cuda.misc.special import literal_unroll
 
 from . import _arrays
-from .core import MAX_M, check_grouped, device_weight, k_warps, max_tokens_per_expert, sm_count, unused_i32
+from .core import (MAX_M, check_grouped, device_weight, fit_threads, k_warps, max_tokens_per_expert, sm_count,
+                   unused_i32)
 from .device import WARP, e4m4_decode, i32, jit_kernel, make_warp_reduce_scatter, make_word_unpacker, tiled_block, u32
 from .formats import ABSMAX_FORMATS, BLOCK, K_BITS, LAYOUTS, MAX_CODES, KbitWeight, check_k, padded_k
 from .intrinsics import BYTE_ONES, ldg64, ldg128, lds_f32, prmt, shared_addr, u32_as_f32
@@ -264,7 +265,10 @@ def plan(A, qw, out=None, stream=None, out_dtype=np.float16, bf16=False, cols=No
     grid, block = _launch(spec, N, K)
     args = (_arrays.flat_view(Ad, np.uint32), qw.packed, qw.absmax, qw.codebook, _arrays.flat_view(out),
             i32(N), i32(K), i32(qw.n_kblocks), unused_i32())
-    return Plan([Step(make_gemv_kernel(spec), grid, block, args)], Ad, out, stream)
+    spec, kern, _, max_threads = fit_threads(make_gemv_kernel, spec, args, block)   # long K at M = 4
+    if block > max_threads:
+        raise ValueError(f"gemv at M={M} fits {max_threads} threads per CTA: K <= {max_threads * BLOCK}, got K={K}")
+    return Plan([Step(kern, grid, block, args)], Ad, out, stream)
 
 
 def gemv(A, qw, out=None, stream=None, out_dtype=np.float16, bf16=False):

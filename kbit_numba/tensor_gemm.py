@@ -45,11 +45,11 @@ from numba import cuda
 from . import _arrays
 from .core import check_grouped, device_weight, max_tokens_per_expert, sm_count, unused_i32
 from .device import WARP, e4m4_decode, f32_to_bf16_bits, i32, u32
-from .formats import ABSMAX_FORMATS, K_BITS, TILE_K, TILE_N, KbitWeight, check_k, padded_k
+from .formats import ABSMAX_FORMATS, BLOCK, CODES_K, K_BITS, TILE_K, TILE_N, KbitCodes, KbitWeight, check_k, padded_k
 from .launch import NUMBA_TYPES, OUT_TYPES, Plan, Spec, Step, type_name
-from .intrinsics import (LOP3_AND_OR, bmul2, cp_async16, cp_async_commit, cp_async_wait, f16x2_as_u32, hmul2,
-                         ldmatrix_x4, lds64, lds128, lds_u32, lop3, mma_bf16, mma_f16, rotr, shared_addr,
-                         u32_as_f32)
+from .intrinsics import (LOP3_AND_OR, bmul2, cp_async4, cp_async16, cp_async_commit, cp_async_wait,
+                         f16x2_as_u32, hmul2, ldmatrix_x4, lds64, lds128, lds_u32, lop3, mma_bf16, mma_f16, rotr,
+                         shared_addr, u32_as_f32)
 
 WARPS = 4
 THREADS = WARPS * WARP
@@ -68,6 +68,13 @@ M_TILES = (1, 2, 4)              # MT: BM = 16 * MT rows of A per CTA
 # at MT = 4, 3 was best.
 STAGES_FOR_MT = {1: 2, 2: 2, 4: 3}
 MMA_TYPES = ("float16", "bfloat16")
+LAYOUTS = ("tiled", "codes")     # what the B operand is decoded from: bit planes or k-bit fields
+# The code layout's E4M4 absmax, K a multiple of AM_CHUNK_K: one 16-byte cp.async per column brings the 16
+# bytes of AM_CHUNK_TILES K tiles at once, into a ring of two such chunks. (One 4-byte copy per column per K
+# tile cost 15% of the gemm's time at 4096x14336: 128 separate lines per tile; benchmarks/README.md.)
+AM_CHUNK_TILES = 8
+AM_CHUNK_K = 16 * BLOCK          # a column's absmax row is 16-byte aligned when K is a multiple of 512
+CHUNK_RING_WORDS = 2 * BN * 4    # two chunks of 128 columns x 16 bytes
 SHARED_BUDGET = 46 * 1024        # static shared memory per CTA stays under the 48 KB limit
 FINISH_THREADS = 256
 
@@ -101,16 +108,27 @@ c_fragment = cuda.jit(device=True, inline="always")(py_c_fragment)
 a_fragment_word = cuda.jit(device=True, inline="always")(py_a_fragment_word)
 
 
-def _stage_words(k, MT, absmax_format):
-    """(words of one pipeline stage, words of the pair and absmax tables) in shared memory."""
+def _absmax_words(absmax_format, layout, am_chunk=False):
+    """Staged absmax words per K tile: tiled E4M4 stores a tile's 256 bytes contiguously (64 words); the
+    code layout's flat absmax gives each column's 2 bytes in the 4-byte word that holds them (128 words),
+    or none with ``am_chunk`` (a separate ring of AM_CHUNK_TILES tiles); float32 absmax: 2 words per column."""
+    if absmax_format != "e4m4":
+        return 2 * BN
+    if layout == "codes":
+        return 0 if am_chunk else BN
+    return 2 * BN // 4
+
+
+def _stage_words(k, MT, absmax_format, layout="tiled", am_chunk=False):
+    """(words of one pipeline stage, words of the pair and absmax tables and the absmax chunk ring)."""
     e4m4 = absmax_format == "e4m4"
-    tables = 2 * (1 << (2 * k)) + (2 * E4M4_CODES if e4m4 else 2)
-    return MMA_M * MT * ROW_WORDS + 2 * BN * k + (2 * BN // 4 if e4m4 else 2 * BN), tables
+    tables = 2 * (1 << (2 * k)) + (2 * E4M4_CODES if e4m4 else 2) + (CHUNK_RING_WORDS if am_chunk else 0)
+    return MMA_M * MT * ROW_WORDS + 2 * BN * k + _absmax_words(absmax_format, layout, am_chunk), tables
 
 
-def default_stages(k, MT, absmax_format):
+def default_stages(k, MT, absmax_format, layout="tiled", am_chunk=False):
     """``STAGES_FOR_MT[MT]``, fewer if the ring would not fit ``SHARED_BUDGET`` (never below 2)."""
-    stage, tables = _stage_words(k, MT, absmax_format)
+    stage, tables = _stage_words(k, MT, absmax_format, layout, am_chunk)
     return max(2, min(STAGES_FOR_MT[MT], (SHARED_BUDGET - 4 * tables) // (4 * stage)))
 
 
@@ -126,19 +144,30 @@ class GemmSpec(Spec):
     split_k: bool = True            # partial sums into a float32 workspace (grid.z > 1)
     grouped: bool = False           # the MoE variant
     stages: object = None           # K tiles in the shared ring; None: default_stages
+    layout: str = "tiled"           # the weight's layout: 'tiled' (KbitWeight) or 'codes' (KbitCodes, k = 2, 4)
+    am_chunk: bool = False          # codes, E4M4, K % AM_CHUNK_K == 0: the absmax in chunks of AM_CHUNK_TILES
 
     def normalise(self):
         if self.m_tile not in M_TILES:
             raise ValueError(f"m_tile must be one of {M_TILES}, got {self.m_tile!r}")
         if self.absmax_format not in ABSMAX_FORMATS:
             raise ValueError(f"absmax_format must be one of {ABSMAX_FORMATS}, got {self.absmax_format!r}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         k = check_k(self.k)
-        stages = default_stages(k, self.m_tile, self.absmax_format) if self.stages is None else int(self.stages)
+        if self.layout == "codes" and (k not in CODES_K or self.grouped):
+            raise ValueError(f"the gemm reads the code layout for k in {CODES_K}, not grouped; got k={k}, "
+                             f"grouped={self.grouped}")
+        if self.am_chunk and (self.layout != "codes" or self.absmax_format != "e4m4"):
+            raise ValueError("am_chunk applies to the code layout with E4M4 absmax")
+        stages = (default_stages(k, self.m_tile, self.absmax_format, self.layout, bool(self.am_chunk))
+                  if self.stages is None else int(self.stages))
         if stages < 2:
             raise ValueError(f"stages must be >= 2, got {stages}")
         return dict(k=k, m_tile=int(self.m_tile), a_type=type_name(self.a_type, "a_type", MMA_TYPES),
                     out_dtype=type_name(self.out_dtype, "out_dtype", OUT_TYPES), split_k=bool(self.split_k),
-                    grouped=bool(self.grouped), stages=stages)
+                    grouped=bool(self.grouped), stages=stages, layout=self.layout,
+                    am_chunk=bool(self.am_chunk))
 
 
 @lru_cache(maxsize=None)
@@ -157,6 +186,7 @@ def make_gemm_kernel(spec):
     stages: K tiles in the shared ring (default ``STAGES_FOR_MT[MT]``, fewer if ``SHARED_BUDGET`` says so)."""
     k, MT, absmax_format, a_type, out_dtype = spec.k, spec.m_tile, spec.absmax_format, spec.a_type, spec.out_dtype
     split_k, grouped, STAGES = spec.split_k, spec.grouped, spec.stages          # (checked by GemmSpec)
+    codes = spec.layout == "codes"
     BM = MMA_M * MT
     N_PAIRS = 1 << (2 * k)
     TABLE_ALIGN = 4 * N_PAIRS                      # table base | (code * 4) == base + code * 4 ...
@@ -170,11 +200,21 @@ def make_gemm_kernel(spec):
     # One pipeline stage holds one K tile: [A rows | plane words | absmax words], each 16-byte aligned.
     A_WORDS = BM * ROW_WORDS
     W_WORDS = 2 * BN * k                           # 128 columns x 2 blocks x k plane words, contiguous
-    AM_WORDS = 2 * BN // 4 if e4m4 else 2 * BN     # their 256 absmax values (bytes or float32)
+    AM_CHUNK = spec.am_chunk
+    AM_WORDS = _absmax_words(absmax_format, spec.layout, AM_CHUNK)   # their 256 absmax values (bytes or float32)
     STAGE_WORDS = A_WORDS + W_WORDS + AM_WORDS
-    assert (STAGE_WORDS, TABLE_WORDS + SCALE_WORDS) == _stage_words(k, MT, absmax_format)   # (default_stages)
+    RING_WORDS = CHUNK_RING_WORDS if AM_CHUNK else 0
+    assert (STAGE_WORDS, TABLE_WORDS + SCALE_WORDS + RING_WORDS) == _stage_words(k, MT, absmax_format, spec.layout,
+                                                                                AM_CHUNK)
     W_COPIES, AM_COPIES = W_WORDS // 4, AM_WORDS // 4
-    SH_WORDS = STAGES * STAGE_WORDS
+    # The code layout: a column's 2k words of a K tile are contiguous in it too, so they take 2k/4 16-byte
+    # copies (k = 2: one, k = 4: two) into the same shared order as a tiled tile. The lane's pair
+    # 8q+2t, 8q+2t+1 is the 2k-bit field at bit (8q+2t)k mod 32 of word (8q+2t)k / 32: one rotation puts
+    # it, times 4, at bits 2.., and a lop3 masks it into the table base.
+    COL_COPIES = 2 * k // 4
+    CODE_MASK = ((1 << (2 * k)) - 1) << 2
+    AM_BYTES = 1 if e4m4 else 4                    # absmax bytes per block
+    SH_WORDS = STAGES * STAGE_WORDS + RING_WORDS   # the stages, then the absmax chunk ring (am_chunk)
     PENDING = STAGES - 2                           # groups left in flight when a tile's copies must be in
     bf16 = a_type == "bfloat16"
     mma = mma_bf16 if bf16 else mma_f16
@@ -197,9 +237,10 @@ def make_gemm_kernel(spec):
         return u32(b), i32((b - a) >> u32(2))
 
     @cuda.jit(device=True, inline="always")
-    def stage(A, packed, absmax, sh, sh_base, kt, slot, w_tile, m0, m_end, K, tid):
+    def stage(A, packed, absmax, sh, sh_base, kt, slot, w_tile, m0, m_end, N, K, tid):
         """cp.async K tile kt into pipeline slot ``slot``: rows m0 .. m0+BM-1 of A (zeros from m_end and
-        K on), then the plane and absmax words of weight tile ``w_tile`` (contiguous in the tiled layout)."""
+        K on), then the plane and absmax words of weight tile ``w_tile`` (contiguous in the tiled layout;
+        the code layout: column tile ``w_tile``'s words of K tile kt, zeros from column N on)."""
         base = sh_base + u32(4) * u32(slot * i32(STAGE_WORDS))
         for i in range(MT):                        # BM * 8 copies = MT per thread
             c = tid + i32(i * THREADS)
@@ -211,6 +252,39 @@ def make_gemm_kernel(spec):
             src = (grow * K + gcol) // i32(2) if ok else i32(0)
             dst = base + u32(4) * u32(row * i32(ROW_WORDS) + ch * i32(4))
             cp_async16(sh, dst, A, src, u32(16) if ok else u32(0))
+        if codes:
+            n_kb = K >> i32(5)
+            for i in range(W_COPIES // THREADS):
+                c = tid + i32(i * THREADS)
+                col = w_tile * i32(BN) + c // i32(COL_COPIES)
+                ok = col < N
+                src = ((col * n_kb + i32(2) * kt) * i32(k) + i32(4) * (c % i32(COL_COPIES))) if ok else i32(0)
+                cp_async16(sh, base + u32(4 * A_WORDS) + u32(16) * u32(c), packed, src, u32(16) if ok else u32(0))
+            if AM_CHUNK:                           # first tile of a chunk: the chunk's 16 bytes per column
+                if (kt & i32(AM_CHUNK_TILES - 1)) == i32(0):
+                    col = w_tile * i32(BN) + tid
+                    ok = col < N
+                    dst = (sh_base + u32(4 * STAGES * STAGE_WORDS) + u32(16 * BN) * u32((kt >> i32(3)) & i32(1))
+                           + u32(16) * u32(tid))
+                    cp_async16(sh, dst, absmax, ((col * n_kb + i32(2) * kt) >> i32(2)) if ok else i32(0),
+                               u32(16) if ok else u32(0))
+                return
+            n_bytes = N * n_kb * i32(AM_BYTES)
+            for i in range(AM_WORDS // THREADS):   # E4M4: the word holding the column's 2 bytes; fp32: 2 words
+                c = tid + i32(i * THREADS)
+                col = w_tile * i32(BN) + c // i32(AM_WORDS // BN)
+                byte = (col * n_kb + i32(2) * kt) * i32(AM_BYTES) + i32(4) * (c % i32(AM_WORDS // BN))
+                byte = byte & i32(-4)
+                dst = base + u32(4 * (A_WORDS + W_WORDS)) + u32(4) * u32(c)
+                if col < N and n_bytes - byte < i32(4):   # the array ends inside this word (E4M4 only): a
+                    w = u32(0)                            # plain load (compute-sanitizer counts a shortened
+                    for b in range(4):                    # cp.async as all 4 bytes read)
+                        if byte + i32(b) < n_bytes:
+                            w |= u32(absmax[byte + i32(b)]) << u32(8 * b)
+                    sh[i32((dst - sh_base) >> u32(2))] = w
+                else:
+                    cp_async4(sh, dst, absmax, byte if col < N else i32(0), u32(4) if col < N else u32(0))
+            return
         for i in range(-(-W_COPIES // THREADS)):
             c = tid + i32(i * THREADS)
             if W_COPIES % THREADS == 0 or c < i32(W_COPIES):
@@ -238,6 +312,14 @@ def make_gemm_kernel(spec):
                 yq = y if q == 0 else rotr(y, u32(8 * q))
                 a = lop3(yq, u32(HIGH_MASK), a, LOP3_AND_OR)
             addr[q] = a
+
+    @cuda.jit(device=True, inline="always")
+    def code_addresses(wv, j, kb, rot0, rot1, tb, addr):
+        """The code layout: addr[q] = the pair table address of this lane's pair 8q+2t, 8q+2t+1 of block kb
+        of its column j (rot0, rot1: the rotations of fields at bit 2tk and 2tk + 16, minus 2)."""
+        for q in range(4):
+            w = wv[j, kb * k + (q * k) // 4]
+            addr[q] = lop3(rotr(w, rot1 if (8 * q * k) % 32 else rot0), u32(CODE_MASK), tb, LOP3_AND_OR)
 
     def gemm_kernel(A, packed, absmax, cb, out, ws, M, N, K, tiles_per_split, offsets, tiles):
         table = cuda.shared.array(TABLE_WORDS, np.uint32)
@@ -281,16 +363,22 @@ def make_gemm_kernel(spec):
         for s in range(STAGES - 1):
             if kt0 + i32(s) < kt1:
                 kt = kt0 + i32(s)
-                stage(A, packed, absmax, sh, sh_base, kt, i32(s), w_tile0 + kt * n_tiles, m0, m_end, K, tid)
+                stage(A, packed, absmax, sh, sh_base, kt, i32(s), n_tile if codes else w_tile0 + kt * n_tiles,
+                      m0, m_end, N, K, tid)
             cp_async_commit()
 
-        # ---- the pair table: code bit 2b (2b+1) is plane b of the even (odd) element -----------------
+        # ---- the pair table: tiled, code bit 2b (2b+1) is plane b of the even (odd) element; codes, the
+        #      low (high) k bits are the even (odd) element's index ---------------------------------------
         for code in range(tid, N_PAIRS, THREADS):
-            i0 = 0
-            i1 = 0
-            for b in range(k):
-                i0 |= ((code >> (2 * b)) & 1) << b
-                i1 |= ((code >> (2 * b + 1)) & 1) << b
+            if codes:
+                i0 = code & ((1 << k) - 1)
+                i1 = code >> k
+            else:
+                i0 = 0
+                i1 = 0
+                for b in range(k):
+                    i0 |= ((code >> (2 * b)) & 1) << b
+                    i1 |= ((code >> (2 * b + 1)) & 1) << b
             table[t0 + code] = half_bits(cb[i0]) | (half_bits(cb[i1]) << u32(16))
         if e4m4:                                   # the absmax table: E4M4 byte -> its value twice, f16x2
             for c in range(tid, E4M4_CODES, THREADS):
@@ -312,6 +400,11 @@ def make_gemm_kernel(spec):
             pm[b] = rotr(u32(PAIR_MASK), u32(32 - 2 * b) - two_t)
         realign = two_t + u32(30)
         am_rot = u32(16) * u32(g & i32(1)) + u32(30)   # E4M4 byte of block 0, * 4
+        rot0 = two_t * u32(k) + u32(30)            # codes: field at bit 2tk (+16) of a word, * 4
+        rot1 = rot0 + u32(16)
+        col_kb = cuda.local.array(N_SUB, np.int32)  # codes: the first block of column j, in absmax bytes
+        for j in range(N_SUB):
+            col_kb[j] = (n_tile * i32(BN) + col0 + i32(8 * j)) * (K >> i32(5))
 
         kt = kt0
         slot = i32(0)
@@ -321,7 +414,8 @@ def make_gemm_kernel(spec):
             nxt = i32(kt + i32(STAGES - 1))
             if nxt < kt1:                          # refill that slot with tile kt + STAGES - 1
                 refill = slot - i32(1) if slot > i32(0) else i32(STAGES - 1)
-                stage(A, packed, absmax, sh, sh_base, nxt, refill, w_tile0 + nxt * n_tiles, m0, m_end, K, tid)
+                stage(A, packed, absmax, sh, sh_base, nxt, refill, n_tile if codes else w_tile0 + nxt * n_tiles,
+                      m0, m_end, N, K, tid)
             cp_async_commit()
             base = sh_base + u32(4) * u32(slot * i32(STAGE_WORDS))
             w_base = base + u32(4 * A_WORDS)
@@ -342,9 +436,24 @@ def make_gemm_kernel(spec):
                         afr[mt, s, 0], afr[mt, s, 1], afr[mt, s, 2], afr[mt, s, 3] = \
                             ldmatrix_x4(sh, base + u32(4) * u32(word))
                 for j in range(N_SUB):
-                    pair_addresses(wv, j, kb, pm, realign, tb, addr)
                     col = col0 + i32(8 * j)
-                    if e4m4:                       # bytes 2col, 2col+1: the word col // 2, half col % 2
+                    if codes:
+                        code_addresses(wv, j, kb, rot0, rot1, tb, addr)
+                    else:
+                        pair_addresses(wv, j, kb, pm, realign, tb, addr)
+                    if AM_CHUNK:                   # chunk kt / 8: word (kt % 8) / 2 of col's 16 bytes
+                        w = lds_u32(sh, sh_base + u32(4 * STAGES * STAGE_WORDS)
+                                    + u32(16 * BN) * u32((kt >> i32(3)) & i32(1)) + u32(16) * u32(col)
+                                    + u32(4) * u32((kt & i32(7)) >> i32(1)))
+                        byte = u32(2) * u32(kt & i32(1)) + u32(kb)
+                        s2 = lds_u32(scales, lop3(rotr(w, u32(8) * byte + u32(30)),
+                                                  u32(4 * E4M4_CODES - 4), ts, LOP3_AND_OR))
+                    elif codes and e4m4:           # the word at col holds byte (col_kb + 2kt) % 4 (+ kb)
+                        w = lds_u32(sh, am_base + u32(4) * u32(col))
+                        byte = u32((col_kb[j] + i32(2) * kt) & i32(3)) + u32(kb)
+                        s2 = lds_u32(scales, lop3(rotr(w, u32(8) * byte + u32(30)),
+                                                  u32(4 * E4M4_CODES - 4), ts, LOP3_AND_OR))
+                    elif e4m4:                     # bytes 2col, 2col+1: the word col // 2, half col % 2
                         w = lds_u32(sh, am_base + u32(4) * u32(col >> i32(1)))
                         s2 = lds_u32(scales, lop3(rotr(w, am_rot + u32(8 * kb)),
                                                   u32(4 * E4M4_CODES - 4), ts, LOP3_AND_OR))
@@ -372,7 +481,17 @@ def make_gemm_kernel(spec):
                 col = n_tile * i32(BN) + warp * i32(N_SUB * MMA_N) + i32(8 * j) + c_col
                 for h in range(2):
                     row = m0 + i32(16 * mt + 8 * h) + c_row
-                    if row < m_end:
+                    if codes and row < m_end:      # N need not fill the last column tile
+                        i = row * N + col
+                        for e in range(2):
+                            if col + i32(e) < N:
+                                if split_k:
+                                    cuda.atomic.add(ws, i + i32(e), acc[mt, j, 2 * h + e])
+                                elif f16_out:
+                                    out[i + i32(e)] = np.float16(acc[mt, j, 2 * h + e])
+                                else:
+                                    out[i + i32(e)] = acc[mt, j, 2 * h + e]
+                    elif row < m_end:
                         i = row * N + col
                         if split_k:
                             cuda.atomic.add(ws, i, acc[mt, j, 2 * h])
@@ -424,7 +543,7 @@ def m_tile_for(M):
 def choose_split(M, N, K_padded, MT, n_sm, target_waves=2):
     """K splits so that the CTAs fill about ``target_waves`` CTAs per SM (no split ever empty)."""
     k_tiles = K_padded // BK
-    tiles = (N // BN) * -(-M // (MMA_M * MT))
+    tiles = -(-N // BN) * -(-M // (MMA_M * MT))
     split = max(1, min(k_tiles, -(-target_waves * n_sm // tiles)))
     per = -(-k_tiles // split)
     return -(-k_tiles // per), per
@@ -466,8 +585,9 @@ def _half_activations(Ad, a_src, n, steps, stream):
 
 def _mm_steps(steps, spec, grid, Ad, w, out, ws, rows, N, K, per, offsets, tiles):
     """The GEMM launch (and, split, the epilogue that writes ``out`` and re-zeroes the workspace)."""
+    absmax = _arrays.flat_view(w.absmax, np.uint8 if spec.layout == "codes" and not spec.am_chunk else np.uint32)
     steps.append(Step(make_gemm_kernel(spec), grid, THREADS,
-                      (_arrays.flat_view(Ad, np.uint32), w.packed, _arrays.flat_view(w.absmax, np.uint32),
+                      (_arrays.flat_view(Ad, np.uint32), w.packed, absmax,
                        w.codebook, _arrays.flat_view(out), ws, i32(rows), i32(N), i32(K),
                        i32(per), offsets, tiles)))
     if spec.split_k:
@@ -482,9 +602,16 @@ def plan(A, qw, out=None, stream=None, out_dtype=np.float16, bf16=False, workspa
     shape (``choose_split``, ``m_tile_for``, ``default_stages``)."""
     stream = _arrays.as_stream(stream)
     Ad, a_src, M, shape = _arrays.activations(A, qw, bf16, stream)
-    qw = device_weight(qw, KbitWeight, stream)
-    if qw.layout != "tiled":
-        raise ValueError("gemm reads the tiled layout: convert the weight once with repack_tiled(qw)")
+    if isinstance(qw, KbitCodes):
+        qw = device_weight(qw, KbitCodes, stream)
+        if qw.K % BK:
+            raise ValueError(f"gemm reads the code layout for K a multiple of {BK}, got K={qw.K} "
+                             "(the pair gemv reads any K)")
+    else:
+        qw = device_weight(qw, KbitWeight, stream)
+        if qw.layout != "tiled":
+            raise ValueError("gemm reads the tiled layout or the code layout: convert the weight once with "
+                             "repack_tiled(qw) or pair_gemv.to_codes(qw)")
     N, K = qw.shape
     if M * K >= 2**31 or M * N >= 2**31:
         raise ValueError(f"gemm needs M*K, M*N < 2**31 (32-bit indices), got M={M}")
@@ -496,10 +623,17 @@ def plan(A, qw, out=None, stream=None, out_dtype=np.float16, bf16=False, workspa
     Ad, a_src = _half_activations(Ad, a_src, M * K, steps, stream)   # the MMAs take fp16
     _arrays.check_aligned(Ad, 16, "A")
     MT = m_tile_for(M) if m_tile is None else m_tile
-    n_split, per = _k_split(padded_k(K, "tiled"), split, M, N, MT if MT in M_TILES else 1)
-    spec = GemmSpec(qw.k, MT, qw.absmax_format, a_src, out_dtype, n_split > 1, stages=stages)
+    layout = qw.layout if qw.layout == "codes" else "tiled"
+    am_chunk = layout == "codes" and qw.absmax_format == "e4m4" and K % AM_CHUNK_K == 0
+    Kp = K if layout == "codes" else padded_k(K, "tiled")
+    n_split, per = _k_split(Kp, split, M, N, MT if MT in M_TILES else 1)
+    if am_chunk and per % AM_CHUNK_TILES:        # a split starts at a chunk
+        per = -(-per // AM_CHUNK_TILES) * AM_CHUNK_TILES
+        n_split = -(-(Kp // BK) // per)
+    spec = GemmSpec(qw.k, MT, qw.absmax_format, a_src, out_dtype, n_split > 1, stages=stages, layout=layout,
+                    am_chunk=am_chunk)
     ws = _sums(workspace, M * N, stream) if spec.split_k else _no_workspace()
-    _mm_steps(steps, spec, (N // BN, -(-M // (MMA_M * MT)), n_split), Ad, qw, out, ws, M, N, K, per,
+    _mm_steps(steps, spec, (-(-N // BN), -(-M // (MMA_M * MT)), n_split), Ad, qw, out, ws, M, N, K, per,
               unused_i32(), unused_i32())
     return Plan(steps, A_in, out, stream, ws if spec.split_k else None)
 
@@ -527,12 +661,17 @@ def ptx_specs():
     variants = [dict(m_tile=mt) for mt in M_TILES]
     variants += [dict(a_type="bfloat16"), dict(absmax_format="fp32", m_tile=2),
                  dict(out_dtype="float32", split_k=False), dict(grouped=True, m_tile=2)]
-    return [GemmSpec(k=k, **v) for k in K_BITS for v in variants]
+    codes = [dict(m_tile=mt, layout="codes") for mt in M_TILES]
+    codes += [dict(layout="codes", a_type="bfloat16", absmax_format="fp32", out_dtype="float32", split_k=False)]
+    codes += [dict(m_tile=mt, layout="codes", am_chunk=True) for mt in M_TILES]
+    return [GemmSpec(k=k, **v) for k in K_BITS for v in variants] + [GemmSpec(k=k, **v) for k in CODES_K
+                                                                     for v in codes]
 
 
 def argtypes(spec):
     from numba import types as t
-    return (t.uint32[::1], t.uint32[::1], t.uint32[::1], t.float32[::1], NUMBA_TYPES[spec.out_dtype],
+    absmax = t.uint8[::1] if spec.layout == "codes" and not spec.am_chunk else t.uint32[::1]
+    return (t.uint32[::1], t.uint32[::1], absmax, t.float32[::1], NUMBA_TYPES[spec.out_dtype],
             t.float32[::1], t.int32, t.int32, t.int32, t.int32, t.int32[::1], t.int32[::1])
 
 

@@ -7,9 +7,10 @@ torch stays optional: ``import kbit_numba`` never imports this module; ``import 
     y = layer(x)                                        # x [..., K] float16/bfloat16/float32 -> y [..., N], x's dtype
     quantize_model(model, k=4, skip=["lm_head"])        # replaces the model's nn.Linear layers, prints bytes saved
 
-* **The weight** is a kbit_numba container on the GPU in the layout its kernel reads: kbit keeps the tiled
-  layout (gemv and tensor-core GEMM, any M; ``dispatch.KbitLinear``) or, with ``layout="codes"``, the pair
-  gemv's code layout (decode; ``f16_acc``, ``pdl``); uniform, SBVR and BitNet keep their own, and run their
+* **The weight** is a kbit_numba container on the GPU in the layout its kernels read (``dispatch.KbitLinear``):
+  kbit keeps the code layout where it applies (``layout="auto"``: k = 2, 4 and K a multiple of 64; pair gemv,
+  gemm, dequantize + cuBLAS; ``f16_acc``, ``pdl``), else the tiled layout (gemv and gemm), or the one
+  ``layout`` names; uniform, SBVR and BitNet keep their own, and run their
   gemv (M = 1..4) in slices of 4 rows for larger M.
 * **forward** calls ``torch.ops.kbit_numba.linear(x, handle)``: a ``torch.library.custom_op`` with a fake
   (meta) implementation, so a model using it traces under ``torch.compile``; the op launches on torch's
@@ -78,7 +79,7 @@ def _check_format(format):
 
 def _check_options(format, layout, f16_acc, pdl):
     _check_format(format)
-    if format != "kbit" and (layout != "tiled" or f16_acc or pdl):
+    if format != "kbit" and (layout not in ("auto", "tiled") or f16_acc or pdl):
         raise ValueError(f"layout, f16_acc and pdl apply to format 'kbit', not {format!r}")
 
 
@@ -88,7 +89,7 @@ class KbitLinear(nn.Module):
     ``weight``: a KbitWeight (flat or tiled), KbitCodes, UniformWeight, SbvrWeight or BitnetWeight, host or
     device; ``bias``: a tensor [N] or None. ``layout``, ``f16_acc``, ``pdl``: kbit only (``dispatch.KbitLinear``)."""
 
-    def __init__(self, weight, bias=None, layout="tiled", f16_acc=False, pdl=False):
+    def __init__(self, weight, bias=None, layout="auto", f16_acc=False, pdl=False):
         super().__init__()
         self.format = _format_of(weight)
         self.out_features, self.in_features = weight.shape
@@ -105,7 +106,7 @@ class KbitLinear(nn.Module):
 
     # ---- construction -----------------------------------------------------------------------------
     @classmethod
-    def from_linear(cls, linear, format="kbit", k=4, bits=4, group_size=128, lines=1024, parts=1, layout="tiled",
+    def from_linear(cls, linear, format="kbit", k=4, bits=4, group_size=128, lines=1024, parts=1, layout="auto",
                     f16_acc=False, pdl=False):
         """Quantize an ``nn.Linear`` (its weight is read once; the result lives on the GPU)."""
         if not isinstance(linear, nn.Linear):

@@ -65,6 +65,17 @@ def test_dequantize_error_bound(seed, k, N, kbn, fmt, scale):
     assert np.all(err <= bound * (1 + 1e-5) + 1e-30)
 
 
+@settings(max_examples=EXAMPLES)
+@given(seeds, st.sampled_from([2, 4]), st.integers(1, MAX_N), st.integers(1, MAX_KB), fmts,
+       st.sampled_from([np.float16, np.float32]))
+def test_dequantize_code_layout(seed, k, N, kbn, fmt, dtype):
+    """The code layout (KbitCodes) dequantizes to exactly what its flat twin does."""
+    rng = np.random.default_rng(seed)
+    flat = ref.quantize(random_weight(rng, N, 32 * kbn), k=k, absmax_format=fmt)
+    got = kb.dequantize(ref.to_codes(flat), dtype=dtype).copy_to_host()
+    np.testing.assert_array_equal(got, ref.dequantize(flat).astype(dtype))
+
+
 def test_user_codebook_and_zero_blocks():
     cb = np.array([-1, -0.1, 0.2, 0.9], np.float32)
     W = np.zeros((3, 64), np.float32)

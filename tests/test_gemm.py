@@ -125,6 +125,57 @@ def test_gemm_several_column_and_row_tiles():
     check_gemm(p.launch().copy_to_host(), A, flat)
 
 
+# The code layout (KbitCodes, k = 2, 4): K a multiple of 64, any N (the last column tile partial, odd N).
+MAX_N_CODES = 140 if SIM else 600
+
+
+@settings(max_examples=EXAMPLES if SIM else gpu_examples(EXAMPLES * 2, 2))
+@given(seeds, st.sampled_from([2, 4]), st.integers(1, MAX_M), st.integers(1, MAX_N_CODES),
+       st.integers(1, MAX_KB // 2 + 1), st.sampled_from(["e4m4", "fp32"]),
+       st.sampled_from(["float16", "float32", "bfloat16"]), st.sampled_from([np.float16, np.float32]),
+       st.sampled_from([None, 1, 2]))
+def test_gemm_code_layout(seed, k, M, N, k64, fmt, a_type, out_dtype, split):
+    rng = np.random.default_rng(seed)
+    K = 64 * k64
+    flat = ref.quantize(random_weight(rng, N, K), k=k, absmax_format=fmt)
+    A = rng.standard_normal((M, K)).astype(np.float32)
+    bf16 = a_type == "bfloat16"
+    A = ref.float32_to_bf16_bits(A) if bf16 else A.astype(a_type)
+    out = kb.gemm(A, ref.to_codes(flat), out_dtype=out_dtype, split=split, bf16=bf16)
+    assert out.shape == (M, N) and out.dtype == np.dtype(out_dtype)
+    check_gemm(out.copy_to_host(), A, flat, bf16=bf16, out_dtype=out_dtype)
+
+
+def test_gemm_code_layout_partial_column_tile_and_absmax_tail():
+    """N = 131, K = 192: a second column tile of 3 columns, and 131 * 6 E4M4 bytes end inside a word (that
+    word is loaded, not copied by cp.async, which would read past the array)."""
+    rng = np.random.default_rng(14)
+    flat = ref.quantize(random_weight(rng, 131, 192), k=4)
+    A = rng.standard_normal((3, 192)).astype(np.float16)
+    p = G.plan(A, ref.to_codes(flat), out_dtype=np.float32, split=1)
+    assert p.steps[0].grid == (2, 1, 1)
+    check_gemm(p.launch().copy_to_host(), A, flat)
+
+
+@pytest.mark.parametrize("k, split", [(2, 2)] if SIM else [(4, 1), (2, 2), (4, 3)])
+def test_gemm_code_layout_absmax_chunks(k, split):
+    """K a multiple of 512 (E4M4): the absmax comes in chunks of 8 K tiles through a ring of two. K = 1536:
+    three chunks (the ring wraps), split 2 (rounded to 8 tiles a split: 16 + 8) and 3 (8 each)."""
+    rng = np.random.default_rng(15 + k)
+    flat = ref.quantize(random_weight(rng, 72, 1536), k=k)
+    A = rng.standard_normal((3, 1536)).astype(np.float16)
+    p = G.plan(A, ref.to_codes(flat), out_dtype=np.float32, split=split)
+    assert p.steps[0].grid[2] == split
+    assert p.steps[0].args[2].dtype == np.uint32          # the chunked path reads the absmax as 16-byte words
+    check_gemm(p.launch().copy_to_host(), A, flat)
+
+
+def test_gemm_code_layout_refuses_k_not_a_multiple_of_64():
+    codes = ref.to_codes(ref.quantize(np.ones((8, 96), np.float32), k=4))
+    with pytest.raises(ValueError, match="multiple of 64"):
+        kb.gemm(np.ones((8, 96), np.float16), codes)
+
+
 def test_fragment_index_math_matches_the_ptx_layout():
     """The GEMM's fragment index functions (the kernel's device functions, run here in Python) against the
     m16n8k16 fragment layout the mma twin implements (intrinsics._fragment_maps, from the PTX ISA)."""

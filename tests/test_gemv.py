@@ -93,6 +93,18 @@ def test_gemv_several_k_warps_and_persistent_loop(monkeypatch, k, layout, M):
     check_close(p.launch().copy_to_host(), A, flat)
 
 
+@pytest.mark.skipif(SIM, reason="the simulator has no register limit (and K = 14336 is slow there)")
+@pytest.mark.parametrize("k, layout", [(5, "flat"), (4, "tiled")])
+def test_gemv_long_k_at_m4_caps_registers(k, layout):
+    """M = 4 at K = 14336 (a llama3-8b down projection): 448 threads per CTA do not fit the kernel's
+    registers, so the plan recompiles it with a register cap (it failed to launch before)."""
+    rng = np.random.default_rng(k)
+    qw = ref.quantize(random_weight(rng, 128, 14336), k=k)
+    A = _activations(rng, 4, 14336, "float16")
+    out = kb.gemv(A, ref.repack_tiled(qw) if layout == "tiled" else qw)
+    check_close(out.copy_to_host(), A, qw, False, np.float16)
+
+
 def test_prepared_gemv_matches_and_rebinds_inputs():
     rng = np.random.default_rng(6)
     qw = kb.quantize(random_weight(rng, 9, 64), k=4)

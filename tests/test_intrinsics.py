@@ -132,9 +132,10 @@ def test_vector_loads_and_stores():
 
 
 @cuda.jit
-def _shared_vector_kernel(src, dst):
+def _shared_vector_kernel(src, src_bytes, dst):
     """src (16 words) -> shared by cp.async -> lds128 / lds64 -> dst; then sts128 over the last 4 words
-    and lds128 back; one thread."""
+    and lds128 back; then three cp_async4 copies of src_bytes (4, 3 and 0 bytes read) into words 0..2,
+    read back into dst[10..12]; one thread."""
     sh = cuda.shared.array(16, np.uint32, alignment=16)
     base = I.shared_addr(sh)
     for c in range(4):
@@ -145,15 +146,28 @@ def _shared_vector_kernel(src, dst):
     dst[4], dst[5] = I.lds64(sh, base + np.uint32(8))
     I.sts128(sh, base + np.uint32(48), dst[0] + np.uint32(1), dst[1], dst[4], np.uint32(7))
     dst[6], dst[7], dst[8], dst[9] = I.lds128(sh, base + np.uint32(48))
+    cuda.syncthreads()
+    I.cp_async4(sh, base, src_bytes, 4, np.uint32(4))
+    I.cp_async4(sh, base + np.uint32(4), src_bytes, 8, np.uint32(3))
+    I.cp_async4(sh, base + np.uint32(8), src_bytes, 12, np.uint32(0))
+    I.cp_async_commit()
+    I.cp_async_wait(0)
+    dst[10], dst[11] = I.lds64(sh, base)
+    dst[12] = I.lds_u32(sh, base + np.uint32(8))
 
 
 @pytest.mark.skipif(PTX_ONLY, reason="runs a kernel")
 def test_shared_vector_loads():
     src = np.arange(16, dtype=np.uint32) * np.uint32(2654435761)
-    dst = cuda.to_device(np.zeros(10, np.uint32))
-    _shared_vector_kernel[1, 1](cuda.to_device(src), dst)
+    src_bytes = np.arange(1, 17, dtype=np.uint8) * np.uint8(17)
+    dst = cuda.to_device(np.zeros(13, np.uint32))
+    _shared_vector_kernel[1, 1](cuda.to_device(src), cuda.to_device(src_bytes), dst)
     stored = [src[8] + np.uint32(1), src[9], src[2], 7]
-    np.testing.assert_array_equal(dst.copy_to_host(), np.concatenate([src[8:12], src[2:4], stored]))
+    partial = np.zeros(4, np.uint8)
+    partial[:3] = src_bytes[8:11]
+    copied4 = [src_bytes[4:8].view(np.uint32)[0], partial.view(np.uint32)[0], 0]
+    np.testing.assert_array_equal(dst.copy_to_host(),
+                                  np.concatenate([src[8:12], src[2:4], stored, copied4]).astype(np.uint32))
 
 
 # ---- tensor-core path: cp.async -> ldmatrix -> mma, against NumPy (PTX on the GPU, twins here) -------

@@ -21,7 +21,11 @@ def test_choose_follows_rules_shapes_and_fallbacks():
     assert ch(8, layout="flat") == "dequant_matmul"           # no tiled copy: no gemm
     assert ch(8, layout="flat", backend=False) == "gemv"      # no torch/CuPy either: gemv in slices
     assert ch(100, backend=False) == "gemm"                   # no cuBLAS: the tensor cores serve every M
-    assert {ch(M, layout="codes") for M in (1, 4, 5, 4096)} == {"pair_gemv"}   # the one reader of codes
+    # the code layout: the pair gemv at M <= 4, the gemm (K a multiple of 64), dequantize + cuBLAS
+    assert [ch(M, layout="codes") for M in (1, 4, 5, 64, 65)] == ["pair_gemv"] * 2 + ["gemm"] * 2 + ["dequant_matmul"]
+    assert ch(100, layout="codes", backend=False) == "gemm"
+    assert {ch(M, K=96, layout="codes", backend=False) for M in (1, 5, 100)} == {"pair_gemv"}   # K % 64 != 0
+    assert [ch(M, K=14336, layout="codes") for M in (2, 3, 4)] == ["pair_gemv", "gemm", "gemm"]  # register room
 
 
 def test_table_lookup_by_device_name(tmp_path, monkeypatch):
@@ -43,21 +47,38 @@ def test_linear_any_m(M):
     K = 96
     flat = ref.quantize(random_weight(rng, 128, K), k=4)
     layer = kb.KbitLinear(flat)
-    assert layer.weight.layout == "tiled"
+    assert layer.weight.layout == "tiled"                  # (K % 64 != 0: no code layout)
     A = rng.standard_normal((M, K)).astype(np.float16)
     out = layer(A, out_dtype=np.float32)
     assert out.shape == (M, 128)
     check_close(out.copy_to_host(), A, flat)
 
 
-@pytest.mark.parametrize("kernel", ["gemv", "gemm", "dequant_matmul"])
-def test_linear_forced_kernels_agree(kernel):
+@pytest.mark.parametrize("M", [1, 6, 17] if SIM else [1, 2, 4, 5, 16, 33, 64, 200, 600])
+def test_kbit_linear_auto_keeps_the_code_layout(M):
+    """The default KbitLinear on k = 4, K a multiple of 64: the code layout, every M (pair gemv, gemm,
+    dequantize + cuBLAS), N not a multiple of 128."""
+    rng = np.random.default_rng(M)
+    flat = ref.quantize(random_weight(rng, 72 if SIM else 300, 128), k=4)
+    layer = kb.KbitLinear(flat)
+    assert layer.weight.layout == "codes"
+    A = rng.standard_normal((M, 128)).astype(np.float16)
+    out = layer(A, out_dtype=np.float32)
+    assert out.shape == (M, flat.shape[0])
+    check_close(out.copy_to_host(), A, flat)
+    assert kb.KbitLinear(ref.quantize(random_weight(rng, 8, 96), k=4)).weight.layout == "flat"   # K % 64
+    assert kb.KbitLinear(ref.quantize(random_weight(rng, 128, 128), k=3)).weight.layout == "tiled"   # k = 3
+
+
+@pytest.mark.parametrize("kernel, layout", [("gemv", "tiled"), ("gemm", "tiled"), ("dequant_matmul", "tiled"),
+                                            ("gemm", "codes"), ("dequant_matmul", "codes")])
+def test_linear_forced_kernels_agree(kernel, layout):
     if kernel == "dequant_matmul" and L.matmul_backend() is None:
         pytest.skip("dequant_matmul needs torch or CuPy")
     rng = np.random.default_rng(3)
     N = 8 if kernel == "gemv" and SIM else 128                   # gemv: 6 rows = slices of 4 and 2
-    flat = ref.quantize(random_weight(rng, N, 64), k=3)
-    w = flat if N % 128 else ref.repack_tiled(flat)
+    flat = ref.quantize(random_weight(rng, N, 64), k=3 if layout == "tiled" else 2)
+    w = ref.to_codes(flat) if layout == "codes" else flat if N % 128 else ref.repack_tiled(flat)
     A = rng.standard_normal((6, 64)).astype(np.float16)
     out = kb.linear(cuda.to_device(A), w, kernel=kernel, out_dtype=np.float32, workspace=kb.Workspace())
     check_close(out.copy_to_host(), A, flat)
@@ -75,7 +96,7 @@ def test_kbit_linear_keep_flat_serves_gemv_from_the_flat_copy():
 
 def test_linear_flat_weight_with_n_not_a_tile_multiple():
     rng = np.random.default_rng(4)
-    flat = ref.quantize(random_weight(rng, 20, 64), k=2)
+    flat = ref.quantize(random_weight(rng, 20, 64), k=3)
     layer = kb.KbitLinear(flat)
     assert layer.weight.layout == "flat"
     A = rng.standard_normal((7, 64)).astype(np.float16)
@@ -88,7 +109,7 @@ def test_prepared_linear_rebinds_inputs(M):
     flat = ref.quantize(random_weight(rng, 128, 64), k=4)
     layer = kb.KbitLinear(flat)
     A = cuda.to_device(rng.standard_normal((M, 64)).astype(np.float16))
-    prep = layer.prepare(A, out_dtype=np.float32, kernel="gemv" if M <= 4 else "gemm")
+    prep = layer.prepare(A, out_dtype=np.float32, kernel="pair_gemv" if M <= 4 else "gemm")   # (codes layout)
     check_close(prep.run().copy_to_host(), A.copy_to_host(), flat)
     A2 = rng.standard_normal((M, 64)).astype(np.float16)
     A.copy_to_device(A2)
@@ -97,8 +118,9 @@ def test_prepared_linear_rebinds_inputs(M):
 
 @pytest.mark.parametrize("M", [1, 6] if SIM else [1, 3, 4, 6, 17])
 def test_kbit_linear_codes_layout_runs_the_pair_gemv(M):
+    """K not a multiple of 64: the code layout's only reader is the pair gemv (M > 4 in slices of 4 rows)."""
     rng = np.random.default_rng(M)
-    flat = ref.quantize(random_weight(rng, 24 if SIM else 1000, 64 if SIM else 1056), k=4)
+    flat = ref.quantize(random_weight(rng, 24 if SIM else 1000, 96 if SIM else 1056), k=4)
     pdl = M > 1                                           # (programmatic dependent launches: test_pair_gemv)
     layer = kb.KbitLinear(flat, layout="codes", pdl=pdl)
     assert layer.weight.layout == "codes" and layer.kernel_for(M) == "pair_gemv"
@@ -128,6 +150,10 @@ def test_kbit_linear_codes_f16_acc(M):
 def test_codes_layout_refusals():
     flat = ref.quantize(np.ones((128, 64), np.float32), k=4)
     A = np.ones((1, 64), np.float16)
+    with pytest.raises(ValueError, match="f16_acc and pdl apply to the pair gemv"):
+        kb.KbitLinear(flat, layout="tiled", pdl=True)
+    with pytest.raises(ValueError, match="f16_acc and pdl apply to the pair gemv"):
+        kb.KbitLinear(ref.quantize(np.ones((128, 64), np.float32), k=5), f16_acc=True)
     with pytest.raises(ValueError, match="does not read the codes layout"):
         kb.linear(A, ref.to_codes(flat), kernel="gemv")
     with pytest.raises(ValueError, match="does not read the flat layout"):
@@ -138,9 +164,10 @@ def test_codes_layout_refusals():
         kb.KbitLinear(ref.quantize(np.ones((8, 64), np.float32), k=3), layout="codes")
     with pytest.raises(ValueError, match="layout must be one of"):
         kb.KbitLinear(flat, layout="flat")
-    for flag in ("f16_acc", "pdl"):
+    for flag in ("f16_acc", "pdl"):                      # (flat k = 4, K = 64: "auto" keeps the code layout)
         with pytest.raises(ValueError, match="f16_acc and pdl apply to the pair gemv"):
-            kb.KbitLinear(flat, **{flag: True})
+            kb.KbitLinear(flat, layout="tiled", **{flag: True})
+    assert kb.KbitLinear(flat, pdl=True).pdl
     with pytest.raises(ValueError, match="f16_acc applies to the pair gemv"):
         kb.linear(A, flat, f16_acc=True)                  # (was silently ignored)
 

@@ -80,8 +80,14 @@ def test_table_parameters_reach_the_kernel():
     want = scalar_gemv.make_gemv_kernel(scalar_gemv.GemvSpec(4, 1, cols=4, out_dtype="float32"))
     assert p.steps[0].kernel is want
     check_close(p.launch().copy_to_host(), A, qw)
-    layer = kb.KbitLinear(qw, table=table)                  # (N = 8: kept flat) the layer's path too
+    layer = kb.KbitLinear(qw, table=table, layout="tiled")   # (N = 8: kept flat) the layer's path too
     assert layer.plan(A, out_dtype=np.float32).steps[0].kernel is want
+    # the code layout's rules (KbitLinear's default for k = 4) carry parameters the same way
+    table["codes_rules"] = [[4, "pair_gemv", {"cols": 1}], [None, "gemm"]]
+    layer = kb.KbitLinear(qw, table=table)
+    assert layer.weight.layout == "codes"
+    assert layer.plan(A, out_dtype=np.float32).steps[0].kernel is pair_gemv.make_pair_gemv_kernel(
+        pair_gemv.PairGemvSpec(4, 1, cols=1, out_dtype="float32"))
 
 
 # ---- the core ---------------------------------------------------------------------------------------

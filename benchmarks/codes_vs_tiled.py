@@ -1,0 +1,59 @@
+"""The kbit kernels on the two layouts KbitLinear can keep, in one run (CUDA-graph timed, L2-cold weights,
+cuBLAS fp16 and the read floor of the same run):
+
+    python benchmarks/codes_vs_tiled.py [K x N list] [k list] [M list]
+
+Per shape, k and M: the pair gemv and the tensor-core gemm on the code layout (``KbitCodes``), the scalar
+gemv and the gemm on the tiled layout, and what ``linear`` picks for each layout. Decides whether the code
+layout can be KbitLinear's default (one copy of the weight that serves every M).
+"""
+import sys
+
+import numpy as np
+from numba import cuda
+
+from kbit_numba import bench, dispatch, pair_gemv, scalar_gemv, tensor_gemm
+from kbit_numba.codec import repack_tiled
+from kbit_numba._timing import graph_time_us, rotation_count
+
+shapes = [tuple(int(v) for v in s.split("x")) for s in (sys.argv[1] if len(sys.argv) > 1 else
+                                                         "4096x14336,2048x5120,4096x6144,14336x4096").split(",")]
+ks = [int(v) for v in (sys.argv[2] if len(sys.argv) > 2 else "4,2").split(",")]
+ms = [int(v) for v in (sys.argv[3] if len(sys.argv) > 3 else "1,2,4,5,8,16,32").split(",")]
+rng = np.random.default_rng(1)
+cols = ["pair(c)", "gemm(c)", "gemv(t)", "gemm(t)", "lin(c)", "lin(t)"]
+print(f"{'K x N':>11} {'k':>1} {'M':>2} " + " ".join(f"{c:>8}" for c in cols) + f" {'cuBLAS':>7} {'floor':>6}"
+      " best(c)/best(t) best(c) vs cuBLAS")
+for K, N in shapes:
+    for k in ks:
+        nbytes = N * K // 32 * (4 * k + 1)
+        n = rotation_count(nbytes)
+        flats = bench._rotating_weights(K, N, k, n, rng)
+        codes = [pair_gemv.to_codes(w) for w in flats]
+        tiled = [repack_tiled(w) for w in flats]
+        del flats
+        for M in ms:
+            A = cuda.to_device(rng.standard_normal((M, K)).astype(np.float16))
+            out = cuda.device_array((M, N), np.float16)
+            ws = dispatch.Workspace()
+            plans = {
+                "pair(c)": (lambda w: pair_gemv.plan(A, w, out, 0)) if M <= 4 else None,
+                "gemm(c)": lambda w: tensor_gemm.plan(A, w, out, 0, workspace=ws.sums(M * N)),
+                "gemv(t)": (lambda w: scalar_gemv.plan(A, w, out, 0)) if M <= 4 else None,
+                "gemm(t)": lambda w: tensor_gemm.plan(A, w, out, 0, workspace=ws.sums(M * N)),
+                "lin(c)": lambda w: dispatch.plan(A, w, out, 0, ws),
+                "lin(t)": lambda w: dispatch.plan(A, w, out, 0, ws),
+            }
+            t = {}
+            for name, make in plans.items():
+                if make is None:
+                    continue
+                weights = codes if "(c)" in name else tiled
+                runs = [make(w).prepare().run for w in weights]
+                t[name] = graph_time_us(lambda i, s: runs[i % n](s), n * max(1, 64 // n))
+            floor = bench.floor_us(nbytes + M * K * 2 + M * N * 2)
+            cub = bench.cublas_row(K, N, M) or float("nan")
+            best_c = min(v for key, v in t.items() if key in ("pair(c)", "gemm(c)"))
+            best_t = min(v for key, v in t.items() if key in ("gemv(t)", "gemm(t)"))
+            print(f"{K:>5}x{N:<5} {k} {M:>2} " + " ".join(f"{t[c]:8.2f}" if c in t else f"{'-':>8}" for c in cols)
+                  + f" {cub:7.2f} {floor:6.2f} {best_c / best_t:15.3f} {cub / best_c:14.2f}x", flush=True)
