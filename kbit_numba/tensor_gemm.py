@@ -1,4 +1,4 @@
-"""Tensor-core GEMM: C[M, N] = A[M, K] @ W[N, K]^T for any M, with tiled kbit weights (k = 2..5).
+"""Tensor-core GEMM: C[M, N] = A[M, K] @ W[N, K]^T for any M, with tiled kbit weights (k = 2..5) or the code layout.
 
 Design (numbers in benchmarks/README.md):
 
@@ -26,6 +26,14 @@ Design (numbers in benchmarks/README.md):
   one ``mul.rn.f16x2`` scales the pair. Every step is an explicit 32-bit instruction (``rotr``, ``lop3``):
   Numba's own integer shifts widen to 64 bits. The four lanes of a quad read the same plane words
   (``ld.shared.v4``/``v2``: one broadcast).
+* **The code layout** (``KbitCodes``, k = 2, 4, K a multiple of 64; ``layout="codes"``; KbitLinear's default):
+  a column's 2k words of a K tile are contiguous there too, so they are copied (zeros past N) into the
+  same shared order. Lane (g, t)'s pair 8q+2t, 8q+2t+1 is one 2k-bit field at bit (8q+2t)k mod 32 of word
+  (8q+2t)k / 32, so its table address is one ``rotr`` and one ``lop3``. The flat absmax gives a column 2
+  bytes per K tile; one 4-byte copy per column per tile cost 15% of the time, so when K is a multiple
+  of 512 (``am_chunk``) one 16-byte copy per column brings 8 tiles' bytes into a ring of two chunks.
+  Each K tile still reads 128 separate 32-byte pieces (the tiled layout: 4 KB in one piece), which
+  keeps it 2-25% slower than the tiled gemm (benchmarks/README.md).
 * **Split-K** over ``blockIdx.z`` when the C tiles are too few for the SMs: partial tiles are added
   atomically into a float32 workspace; a second small kernel writes the output and zeroes the
   workspace again, so a workspace stays ready for the next call (one launch at a time per workspace).
