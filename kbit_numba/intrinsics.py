@@ -262,47 +262,39 @@ def py_sts128(arr, addr, a, b, c, d):
         _words(arr)[i + j] = np.uint32(int(v) & 0xFFFFFFFF)
 
 
+def _cp_async_codegen(instruction, size):
+    """Codegen of ``instruction [dst], [src], size, src_bytes`` (a cp.async form): dst the 32-bit shared
+    address (args[1]), src the address of element args[3] of the global array args[2], src_bytes args[4]."""
+    def codegen(context, builder, sig, args):
+        ptr = _element_ptr(context, builder, sig.args[2], args[2], args[3], sig.args[3])
+        d = context.cast(builder, args[1], sig.args[1], types.uint32)
+        n = context.cast(builder, args[4], sig.args[4], types.uint32)
+        fty = ir.FunctionType(ir.VoidType(), [_i32, ptr.type, _i32])
+        text = "{ .reg .u64 g; cvta.to.global.u64 g, $1; " + instruction + f" [$0], [g], {size}, $2; }}"
+        builder.call(ir.InlineAsm(fty, text, "r,l,r", side_effect=True), [d, ptr, n])
+        return context.get_dummy_value()
+
+    return codegen
+
+
 @intrinsic
 def ptx_cp_async16(typingctx, dst, dst_addr, src, src_index, src_bytes):
     """16 bytes from src[src_index .. +3] (a uint32 global array) to the shared byte address dst_addr
     without passing through registers (cp.async.cg); only ``src_bytes`` (0 or 16) are read, the rest
     of the 16 bytes is zero-filled. ``dst`` is the shared array (only the twin reads it)."""
     _check_u32_array(src, "cp_async16")
-    sig = types.void(dst, dst_addr, src, src_index, src_bytes)
-
-    def codegen(context, builder, sig, args):
-        ptr = _element_ptr(context, builder, sig.args[2], args[2], args[3], sig.args[3])
-        d = context.cast(builder, args[1], sig.args[1], types.uint32)
-        n = context.cast(builder, args[4], sig.args[4], types.uint32)
-        fty = ir.FunctionType(ir.VoidType(), [_i32, ptr.type, _i32])
-        text = ("{ .reg .u64 g; cvta.to.global.u64 g, $1; "
-                "cp.async.cg.shared.global [$0], [g], 16, $2; }")
-        builder.call(ir.InlineAsm(fty, text, "r,l,r", side_effect=True), [d, ptr, n])
-        return context.get_dummy_value()
-
-    return sig, codegen
+    return types.void(dst, dst_addr, src, src_index, src_bytes), _cp_async_codegen("cp.async.cg.shared.global", 16)
 
 
 @intrinsic
 def ptx_cp_async4(typingctx, dst, dst_addr, src, src_index, src_bytes):
     """4 bytes from element ``src_index`` of ``src`` (a 1-D uint8 or uint32 global array; the byte address
     must be 4-byte aligned) to the shared byte address dst_addr (cp.async.ca: the .cg form copies only 16
-    bytes); only ``src_bytes`` (0..4) are read, the rest is zero-filled: a copy may end with the array."""
+    bytes); only ``src_bytes`` (0..4) are read, the rest is zero-filled (compute-sanitizer still counts a
+    shortened copy as a 4-byte read: do not let one run past the end of an array)."""
     if not (isinstance(src, types.Array) and src.ndim == 1 and src.dtype in (types.uint8, types.uint32)):
         raise TypeError(f"cp_async4 needs a 1-D uint8/uint32 array, got {src}")
-    sig = types.void(dst, dst_addr, src, src_index, src_bytes)
-
-    def codegen(context, builder, sig, args):
-        ptr = _element_ptr(context, builder, sig.args[2], args[2], args[3], sig.args[3])
-        d = context.cast(builder, args[1], sig.args[1], types.uint32)
-        n = context.cast(builder, args[4], sig.args[4], types.uint32)
-        fty = ir.FunctionType(ir.VoidType(), [_i32, ptr.type, _i32])
-        text = ("{ .reg .u64 g; cvta.to.global.u64 g, $1; "
-                "cp.async.ca.shared.global [$0], [g], 4, $2; }")
-        builder.call(ir.InlineAsm(fty, text, "r,l,r", side_effect=True), [d, ptr, n])
-        return context.get_dummy_value()
-
-    return sig, codegen
+    return types.void(dst, dst_addr, src, src_index, src_bytes), _cp_async_codegen("cp.async.ca.shared.global", 4)
 
 
 def _no_operands(text, memory=False):
