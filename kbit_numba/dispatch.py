@@ -252,8 +252,8 @@ class KbitLinear:
     when K is a multiple of 64 (and the weight is flat or already codes), else the tiled layout. The
     code layout serves every M: the pair gemv at M = 1..4 (the fastest kbit kernel there: 1.6x the tiled
     gemv at 4096x14336 on the H100), the tensor-core gemm above, and dequantize + cuBLAS for large M; its
-    gemm is 2-25% slower than the tiled layout's at M = 8..16 (H100, benchmarks/README.md), so prefill-heavy use at
-    k = 2, 4 may prefer ``layout="tiled"``. The tiled layout (N a multiple of 128; otherwise the flat
+    gemm is 2-25% slower than the tiled layout's at M = 8..16 (H100, benchmarks/README.md), so
+    prefill-heavy use at k = 2, 4 may prefer ``layout="tiled"``. The tiled layout (N a multiple of 128; otherwise the flat
     layout, served by gemv and dequantize + cuBLAS) serves the scalar gemv and the gemm.
 
     ``layer(A)`` is ``linear(A, weight, workspace=...)``; ``layer.prepare(A, out)`` binds buffers once and
