@@ -252,7 +252,7 @@ def matmul_rows(shapes, ks, ms, ceilings, progress, kernels=("gemm", "dequant_ma
             n = rotation_count(nbytes)
             flats = _rotating_weights(K, N, k, n, rng)
             ws = _tiled_copies(flats)
-            codes = [pair_gemv.to_codes(w) for w in flats] if k in CODES_K and K % tensor_gemm.BK == 0 else []
+            codes = [pair_gemv.to_codes(w) for w in flats] if k in CODES_K and lin.gemm_reads("codes", K) else []
             wbuf = cuda.device_array((N, K), np.float16)
             space = lin.Workspace()
             for M in ms:

@@ -36,6 +36,7 @@ from .launch import HostStep, Plan, stream_handle
 KERNELS = ("gemv", "pair_gemv", "gemm", "dequant_matmul")
 LAYOUTS = ("auto", "tiled", "codes")  # what KbitLinear keeps on the device ("auto": codes where it can)
 FALLBACK = ("gemm", "dequant_matmul", "gemv")
+FALLBACK_CODES = ("gemm", "pair_gemv")   # (the pair gemv reads every code-layout weight)
 TUNING_DIR = os.path.join(os.path.dirname(__file__), "tuning")
 DEFAULT_TABLE = {"device": "default", "rules": [[4, "gemv"], [256, "gemm"], [None, "dequant_matmul"]],
                  "shapes": {}}
@@ -69,6 +70,12 @@ def load_table(name=None):
         return json.load(f)
 
 
+def gemm_reads(layout, K):
+    """Whether the tensor-core gemm reads a weight of ``layout`` with K columns: the tiled layout, or the
+    code layout with K a multiple of its K tile (64)."""
+    return layout == "tiled" or (layout == "codes" and K % tensor_gemm.BK == 0)
+
+
 def choose_rule(M, N, K, layout, table=None, backend=None):
     """(kernel, launch parameters) that ``linear`` runs for an M x K input and an N x K weight of
     ``layout``. A table rule is ``[max_m, kernel]`` or ``[max_m, kernel, {parameter: value}]``: the
@@ -76,24 +83,18 @@ def choose_rule(M, N, K, layout, table=None, backend=None):
     kernel's ``plan`` and override its ``DEFAULTS`` table; a fallback kernel runs with its defaults.
     ``backend``: the cuBLAS route ('torch', 'cupy', or False for none); None asks ``matmul_backend()``."""
     table = table or load_table()
-    if layout == "codes":          # the pair gemv, the gemm where K allows, dequantize + cuBLAS
-        rules = table.get("codes_rules", CODES_RULES)
-        want, params = next((r[1], dict(r[2]) if len(r) > 2 else {}) for r in rules if r[0] is None or M <= r[0])
-        gemm_ok = K % tensor_gemm.BK == 0
-        if want == "pair_gemv" and M <= MAX_M and M * k_warps(K) > PAIR_GEMV_MAX_ROW_WARPS and gemm_ok:
-            want, params = "gemm", {}
-        usable = {"pair_gemv": True, "gemm": gemm_ok,
-                  "dequant_matmul": bool(backend if backend is not None else matmul_backend())}
-        if usable.get(want, False):
-            return want, params
-        return ("gemm" if gemm_ok else "pair_gemv"), {}
-    rules = table.get("shapes", {}).get(f"{K}x{N}", table["rules"])
+    codes = layout == "codes"      # (the pair gemv, the gemm where K allows, dequantize + cuBLAS)
+    rules = (table.get("codes_rules", CODES_RULES) if codes
+             else table.get("shapes", {}).get(f"{K}x{N}", table["rules"]))
     want, params = next((r[1], dict(r[2]) if len(r) > 2 else {}) for r in rules if r[0] is None or M <= r[0])
-    usable = {"gemv": M <= MAX_M, "gemm": layout == "tiled",
+    gemm_ok = gemm_reads(layout, K)
+    if codes and want == "pair_gemv" and M <= MAX_M and M * k_warps(K) > PAIR_GEMV_MAX_ROW_WARPS and gemm_ok:
+        want, params = "gemm", {}
+    usable = {"gemv": not codes and M <= MAX_M, "pair_gemv": codes, "gemm": gemm_ok,
               "dequant_matmul": bool(backend if backend is not None else matmul_backend())}
     if usable.get(want, False):
         return want, params
-    for kern in FALLBACK:
+    for kern in FALLBACK_CODES if codes else FALLBACK:
         if usable[kern]:
             return kern, {}
     return "gemv", {}              # any M, in slices of 4 rows
@@ -209,14 +210,14 @@ def plan(A, qw, out=None, stream=None, workspace=None, out_dtype=np.float16, bf1
         kernel, params = choose_rule(M, N, K, qw.layout, table)
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-    if (kernel == "pair_gemv") != (qw.layout == "codes") and kernel != "gemm" and kernel != "dequant_matmul":
+    if kernel in ("gemv", "pair_gemv") and (kernel == "pair_gemv") != (qw.layout == "codes"):
         raise ValueError(f"kernel {kernel!r} does not read the {qw.layout} layout "
                          "(pair_gemv reads KbitCodes, gemv KbitWeight, gemm and dequant_matmul both)")
     if f16_acc and kernel != "pair_gemv":
         raise ValueError(f"f16_acc applies to the pair gemv (KbitCodes), not to kernel {kernel!r}")
     if bf16 and kernel == "dequant_matmul":       # cuBLAS through torch/CuPy takes no int16 bf16 bits
-        gemm_ok = qw.layout == "tiled" or (qw.layout == "codes" and K % tensor_gemm.BK == 0)
-        kernel, params = ("gemm" if gemm_ok else "pair_gemv" if qw.layout == "codes" else "gemv"), {}
+        kernel, params = ("gemm" if gemm_reads(qw.layout, K) else "pair_gemv" if qw.layout == "codes"
+                          else "gemv"), {}
     if kernel == "gemm":      # (without a Workspace, gemm allocates split-K sums only when it splits)
         sums = workspace.sums(M * N, stream) if workspace is not None else None
         return tensor_gemm.plan(A, qw, out, stream, out_dtype, bf16, sums, **params)
@@ -253,8 +254,8 @@ class KbitLinear:
     code layout serves every M: the pair gemv at M = 1..4 (the fastest kbit kernel there: 1.6x the tiled
     gemv at 4096x14336 on the H100), the tensor-core gemm above, and dequantize + cuBLAS for large M; its
     gemm is 2-25% slower than the tiled layout's at M = 8..16 (H100, benchmarks/README.md), so
-    prefill-heavy use at k = 2, 4 may prefer ``layout="tiled"``. The tiled layout (N a multiple of 128; otherwise the flat
-    layout, served by gemv and dequantize + cuBLAS) serves the scalar gemv and the gemm.
+    prefill-heavy use at k = 2, 4 may prefer ``layout="tiled"``. The tiled layout (N a multiple of 128;
+    otherwise the flat layout, served by gemv and dequantize + cuBLAS) serves the scalar gemv and the gemm.
 
     ``layer(A)`` is ``linear(A, weight, workspace=...)``; ``layer.prepare(A, out)`` binds buffers once and
     returns an object whose ``run()`` replays the chosen launches with no argument checking (CUDA-graph
@@ -310,7 +311,7 @@ class KbitLinear:
         k = 2 or 4, and K a multiple of 64 (what the gemm on the code layout reads)."""
         flat_ok = isinstance(qw, KbitCodes) or (isinstance(qw, KbitWeight) and qw.layout == "flat"
                                                 and qw.k in CODES_K)
-        return flat_ok and qw.shape[1] % tensor_gemm.BK == 0
+        return flat_ok and gemm_reads("codes", qw.shape[1])
 
     def _weight_for(self, kernel):
         """The flat copy for the scalar GEMV when one is kept, else the (tiled) weight."""

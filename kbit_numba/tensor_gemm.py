@@ -81,6 +81,7 @@ LAYOUTS = ("tiled", "codes")     # what the B operand is decoded from: bit plane
 # bytes of AM_CHUNK_TILES K tiles at once, into a ring of two such chunks. (One 4-byte copy per column per K
 # tile cost 15% of the gemm's time at 4096x14336: 128 separate lines per tile; benchmarks/README.md.)
 AM_CHUNK_TILES = 8
+AM_CHUNK_SHIFT = 3               # kt >> AM_CHUNK_SHIFT == kt // AM_CHUNK_TILES
 AM_CHUNK_K = 16 * BLOCK          # a column's absmax row is 16-byte aligned when K is a multiple of 512
 CHUNK_RING_WORDS = 2 * BN * 4    # two chunks of 128 columns x 16 bytes
 SHARED_BUDGET = 46 * 1024        # static shared memory per CTA stays under the 48 KB limit
@@ -245,6 +246,12 @@ def make_gemm_kernel(spec):
         return u32(b), i32((b - a) >> u32(2))
 
     @cuda.jit(device=True, inline="always")
+    def chunk_addr(sh_base, kt):
+        """am_chunk: the shared byte address of the ring slot of K tile kt's absmax chunk (after the stages)."""
+        return (sh_base + u32(4 * STAGES * STAGE_WORDS)
+                + u32(16 * BN) * u32((kt >> i32(AM_CHUNK_SHIFT)) & i32(1)))
+
+    @cuda.jit(device=True, inline="always")
     def stage(A, packed, absmax, sh, sh_base, kt, slot, w_tile, m0, m_end, N, K, tid):
         """cp.async K tile kt into pipeline slot ``slot``: rows m0 .. m0+BM-1 of A (zeros from m_end and
         K on), then the plane and absmax words of weight tile ``w_tile`` (contiguous in the tiled layout;
@@ -272,10 +279,8 @@ def make_gemm_kernel(spec):
                 if (kt & i32(AM_CHUNK_TILES - 1)) == i32(0):
                     col = w_tile * i32(BN) + tid
                     ok = col < N
-                    dst = (sh_base + u32(4 * STAGES * STAGE_WORDS) + u32(16 * BN) * u32((kt >> i32(3)) & i32(1))
-                           + u32(16) * u32(tid))
-                    cp_async16(sh, dst, absmax, ((col * n_kb + i32(2) * kt) >> i32(2)) if ok else i32(0),
-                               u32(16) if ok else u32(0))
+                    cp_async16(sh, chunk_addr(sh_base, kt) + u32(16) * u32(tid), absmax,
+                               ((col * n_kb + i32(2) * kt) >> i32(2)) if ok else i32(0), u32(16) if ok else u32(0))
                 return
             n_bytes = N * n_kb * i32(AM_BYTES)
             for i in range(AM_WORDS // THREADS):   # E4M4: the word holding the column's 2 bytes; fp32: 2 words
@@ -449,22 +454,20 @@ def make_gemm_kernel(spec):
                         code_addresses(wv, j, kb, rot0, rot1, tb, addr)
                     else:
                         pair_addresses(wv, j, kb, pm, realign, tb, addr)
+                    # E4M4: the word holding the block's byte, and the rotation that puts that byte * 4 at
+                    # bits 2..9 for the absmax table's address
                     if AM_CHUNK:                   # chunk kt / 8: word (kt % 8) / 2 of col's 16 bytes
-                        w = lds_u32(sh, sh_base + u32(4 * STAGES * STAGE_WORDS)
-                                    + u32(16 * BN) * u32((kt >> i32(3)) & i32(1)) + u32(16) * u32(col)
-                                    + u32(4) * u32((kt & i32(7)) >> i32(1)))
-                        byte = u32(2) * u32(kt & i32(1)) + u32(kb)
-                        s2 = lds_u32(scales, lop3(rotr(w, u32(8) * byte + u32(30)),
-                                                  u32(4 * E4M4_CODES - 4), ts, LOP3_AND_OR))
+                        w = lds_u32(sh, chunk_addr(sh_base, kt) + u32(16) * u32(col)
+                                    + u32(4) * u32((kt & i32(AM_CHUNK_TILES - 1)) >> i32(1)))
+                        rot = u32(8) * (u32(2) * u32(kt & i32(1)) + u32(kb)) + u32(30)
                     elif codes and e4m4:           # the word at col holds byte (col_kb + 2kt) % 4 (+ kb)
                         w = lds_u32(sh, am_base + u32(4) * u32(col))
-                        byte = u32((col_kb[j] + i32(2) * kt) & i32(3)) + u32(kb)
-                        s2 = lds_u32(scales, lop3(rotr(w, u32(8) * byte + u32(30)),
-                                                  u32(4 * E4M4_CODES - 4), ts, LOP3_AND_OR))
+                        rot = u32(8) * (u32((col_kb[j] + i32(2) * kt) & i32(3)) + u32(kb)) + u32(30)
                     elif e4m4:                     # bytes 2col, 2col+1: the word col // 2, half col % 2
                         w = lds_u32(sh, am_base + u32(4) * u32(col >> i32(1)))
-                        s2 = lds_u32(scales, lop3(rotr(w, am_rot + u32(8 * kb)),
-                                                  u32(4 * E4M4_CODES - 4), ts, LOP3_AND_OR))
+                        rot = am_rot + u32(8 * kb)
+                    if e4m4:
+                        s2 = lds_u32(scales, lop3(rotr(w, rot), u32(4 * E4M4_CODES - 4), ts, LOP3_AND_OR))
                     else:
                         v = u32_as_f32(lds_u32(sh, am_base + u32(4) * u32(i32(2) * col
                                                                                         + i32(kb))))
@@ -489,27 +492,16 @@ def make_gemm_kernel(spec):
                 col = n_tile * i32(BN) + warp * i32(N_SUB * MMA_N) + i32(8 * j) + c_col
                 for h in range(2):
                     row = m0 + i32(16 * mt + 8 * h) + c_row
-                    if codes and row < m_end:      # N need not fill the last column tile
+                    if row < m_end:
                         i = row * N + col
-                        for e in range(2):
-                            if col + i32(e) < N:
+                        for e in range(2):         # (the code layout's N need not fill the last column tile)
+                            if not codes or col + i32(e) < N:
                                 if split_k:
                                     cuda.atomic.add(ws, i + i32(e), acc[mt, j, 2 * h + e])
                                 elif f16_out:
                                     out[i + i32(e)] = np.float16(acc[mt, j, 2 * h + e])
                                 else:
                                     out[i + i32(e)] = acc[mt, j, 2 * h + e]
-                    elif row < m_end:
-                        i = row * N + col
-                        if split_k:
-                            cuda.atomic.add(ws, i, acc[mt, j, 2 * h])
-                            cuda.atomic.add(ws, i + i32(1), acc[mt, j, 2 * h + 1])
-                        elif f16_out:
-                            out[i] = np.float16(acc[mt, j, 2 * h])
-                            out[i + i32(1)] = np.float16(acc[mt, j, 2 * h + 1])
-                        else:
-                            out[i] = acc[mt, j, 2 * h]
-                            out[i + i32(1)] = acc[mt, j, 2 * h + 1]
 
     return cuda.jit(gemm_kernel)
 
