@@ -1,6 +1,6 @@
 """SASS instructions executed per weight, measured with Nsight Compute, for the kbit GEMVs (GPU machine):
 
-    python benchmarks/instructions_per_weight.py [K x N list] [k list] [M list]
+    python benchmarks/instructions_per_weight.py [K x N list] [k list] [M list] [kernel list]
     e.g. python benchmarks/instructions_per_weight.py 2048x5120,4096x14336 4 1,4
 
 Runs itself under ``ncu --metrics smsp__inst_executed.sum`` (one launch of each kernel per point) and
@@ -14,14 +14,16 @@ import sys
 
 import numpy as np
 
-KERNELS = ("gemv", "pair_gemv", "pair_gemv_f16")   # pair_gemv_f16: f16_acc=True
+KERNELS = ("gemv", "pair_gemv", "pair_gemv_f16", "mma_gemv")   # pair_gemv_f16: f16_acc=True
 
 
 def _points(argv):
     shapes = [tuple(int(v) for v in s.split("x")) for s in (argv[0] if argv else "2048x5120,4096x14336").split(",")]
     ks = [int(v) for v in (argv[1] if len(argv) > 1 else "4").split(",")]
     ms = [int(v) for v in (argv[2] if len(argv) > 2 else "1,4").split(",")]
-    return [(K, N, k, M, kern) for K, N in shapes for k in ks for M in ms for kern in KERNELS]
+    kernels = argv[3].split(",") if len(argv) > 3 else KERNELS
+    return [(K, N, k, M, kern) for K, N in shapes for k in ks for M in ms for kern in kernels
+            if M <= 4 or kern == "mma_gemv"]
 
 
 def launch(points):
@@ -29,7 +31,7 @@ def launch(points):
     from numba import cuda
 
     import kbit_numba as kb
-    from kbit_numba import pair_gemv
+    from kbit_numba import mma_gemv, pair_gemv
 
     rng = np.random.default_rng(0)
     for K, N, k, M, kern in points:
@@ -37,6 +39,8 @@ def launch(points):
         A = cuda.to_device(rng.standard_normal((M, K)).astype(np.float16))
         if kern == "gemv":
             kb.prepare_gemv(A, qw).run()
+        elif kern == "mma_gemv":
+            mma_gemv.prepare(A, pair_gemv.to_codes(qw)).run()
         else:
             pair_gemv.prepare(A, pair_gemv.to_codes(qw), f16_acc=kern == "pair_gemv_f16").run()
         cuda.synchronize()
@@ -52,7 +56,7 @@ def main(argv):
     # every launch is profiled (Numba's kernel names are mangled): keep the GEMVs, not quantize / to_codes
     rows = [r for r in csv.DictReader(io.StringIO(proc.stdout[proc.stdout.find('"ID"'):]))
             if r.get("Metric Name") == "smsp__inst_executed.sum" and "to_codes" not in r["Kernel Name"]
-            and ("gemv_kernel" in r["Kernel Name"] or "pair_gemv" in r["Kernel Name"])]
+            and any(n in r["Kernel Name"] for n in ("gemv_kernel", "pair_gemv", "mma_gemv"))]
     if len(rows) != len(points):
         print(proc.stdout[-3000:], proc.stderr[-3000:])
         raise SystemExit(f"expected {len(points)} profiled kernels, got {len(rows)}")

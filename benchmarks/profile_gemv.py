@@ -4,7 +4,7 @@
         --section SchedulerStats --section LaunchStats -k regex:gemv python benchmarks/profile_gemv.py K N k M [KERNEL]
 
 KERNEL: ``gemv`` (the scalar gemv, default), ``pair`` or ``pair_f16`` (the pair gemv on the code layout,
-fp32 or ``f16_acc`` sums; k = 2 or 4).
+fp32 or ``f16_acc`` sums; k = 2 or 4), ``mma`` (the tensor-core gemv, M <= 8).
 """
 import sys
 
@@ -20,6 +20,8 @@ qw = kb.quantize((rng.standard_normal((N, K)) * 0.02).astype(np.float16), k=k)
 A = cuda.to_device(rng.standard_normal((M, K)).astype(np.float16))
 if kernel == "gemv":
     prep = kb.prepare_gemv(A, qw)
+elif kernel == "mma":
+    prep = kb.mma_gemv.prepare(A, kb.pair_gemv.to_codes(qw))
 else:
     prep = kb.pair_gemv.prepare(A, kb.pair_gemv.to_codes(qw), f16_acc=kernel == "pair_f16")
 for _ in range(3):

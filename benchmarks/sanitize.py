@@ -1,9 +1,10 @@
 """Small launches of every kernel family for compute-sanitizer (memcheck / racecheck) on the device:
 
-    compute-sanitizer --tool memcheck python benchmarks/sanitize.py [codec,gemv,pair,pdl,grouped,gemm,formats]
+    compute-sanitizer --tool memcheck python benchmarks/sanitize.py [codec,gemv,pair,mma,pdl,grouped,gemm,formats]
 
 (default: every family; name some to check only those). ``pdl``: a chain of pair gemvs launched as
-programmatic dependent launches, each reading the previous one's output.
+programmatic dependent launches, each reading the previous one's output. ``mma``: the tensor-core gemv,
+also as a PDL chain.
 """
 import sys
 
@@ -12,7 +13,7 @@ import numpy as np
 import kbit_numba as kb
 
 families = (sys.argv[1].split(",") if len(sys.argv) > 1
-            else ["codec", "gemv", "pair", "pdl", "grouped", "gemm", "formats"])
+            else ["codec", "gemv", "pair", "mma", "pdl", "grouped", "gemm", "formats"])
 rng = np.random.default_rng(0)
 for k in (2, 3, 4, 5):
     for layout in ("flat", "tiled"):
@@ -57,6 +58,22 @@ if "pair" in families:     # N = 37 (a partial column group), K = 1056 (two K-wa
                     for f16_acc in ((False, True) if fmt == "e4m4" else (False,)):
                         pair_gemv.plan(rng.standard_normal((M, 1056)).astype(np.float16), kc, cols=cols,
                                        f16_acc=f16_acc).launch().copy_to_host()
+if "mma" in families:      # N = 37 (a partial strip), K = 1088 (5 K-warps, the last one with idle lanes)
+    from numba import cuda
+
+    from kbit_numba import mma_gemv, pair_gemv
+    for k in pair_gemv.CODES_K:
+        for fmt in ("e4m4", "fp32"):
+            kc = pair_gemv.to_codes(kb.quantize(rng.standard_normal((37, 1088)).astype(np.float16), k=k,
+                                                absmax_format=fmt))
+            for M in ((1, 8) if fmt == "e4m4" else (5,)):
+                mma_gemv.gemv(rng.standard_normal((M, 1088)).astype(np.float16), kc).copy_to_host()
+    kc = pair_gemv.to_codes(kb.quantize((rng.standard_normal((1088, 1088)) / 32).astype(np.float16), k=4))
+    cuda.synchronize()
+    first = mma_gemv.prepare(cuda.to_device(rng.standard_normal((6, 1088)).astype(np.float16)), kc, pdl=True)
+    second = mma_gemv.prepare(first.out, kc, pdl=True)
+    first.run()
+    second.run().copy_to_host()
 if "pdl" in families:      # N = K = 1056: a partial column group, two K-warps; float32 and float16 block sums
     from numba import cuda
 

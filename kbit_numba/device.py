@@ -1,4 +1,5 @@
-"""Device helpers shared by every kernel family: element loaders, E4M4, warp reductions, tiled indices.
+"""Device helpers shared by every kernel family: element loaders, E4M4, warp reductions, tiled indices, and the
+group table of the code-layout gemvs (``pair_gemv``, ``mma_gemv``).
 
 All are ``cuda.jit(device=True)`` functions that NVVM inlines; under the simulator they run as Python.
 Integer math is kept in explicit uint32/int32 and float constants in float32 so that Numba emits
@@ -12,7 +13,7 @@ import numpy as np
 from numba import cuda
 
 from .formats import E4M4_BIAS, TILE_N
-from .intrinsics import SIMULATOR, f16_bits_to_f32, f32_as_u32, u32_as_f32
+from .intrinsics import SIMULATOR, f16_bits_to_f32, f16x2_as_u32, f32_as_u32, shared_addr, sts128, u32_as_f32
 
 # Numba types plain Python ints as int64 and widens every integer sum to 64 bits: kernels write their
 # 32-bit integer math explicitly, through these two names.
@@ -221,3 +222,66 @@ def py_warp_reduce_scatter(acc):
     lanes = np.arange(WARP)
     v_idx = lanes >> (5 - V_LOG)
     return acc.sum(axis=0)[v_idx], v_idx, lanes % (WARP >> V_LOG) == 0
+
+
+# ---- the group table of the code-layout gemvs (pair_gemv, mma_gemv): 64 KB at the start of the dynamic shared
+#      array, one 256-byte row per code byte, so that one prmt makes a lookup's address
+CODES = 256                       # table entries: one per code byte
+ROW_BYTES = 256                   # one table row per code, so a code byte shifted by 8 is its row address
+TABLE_BYTES = CODES * ROW_BYTES   # 64 KB of dynamic shared memory
+TABLE_FLOATS = TABLE_BYTES // 4
+CHUNK_BYTES = 16                  # the fill writes the table 16 bytes (one st.shared.v4) at a time
+ABSMAX_CODES = 256                # E4M4 bytes, decoded once per CTA into shared memory after the table
+CODEBOOK = TABLE_FLOATS + ABSMAX_CODES   # float offset of the codebook (<= 16 values, staged for the fill)
+# prmt selector for code byte t of a word: result byte 0 <- the lane's copy offset (byte 4 of {b, a}),
+# byte 1 <- byte t of the code word, bytes 2, 3 <- byte 5 (zero: the offset is < 256).
+PRMT_ROW = 0x5504
+SHARED_PER_SM = 228 * 1024        # sm_90: shared memory per SM (1 KB of it reserved per CTA)
+
+
+@lru_cache(maxsize=None)
+def make_table_fill(k, entry_type):
+    """(fill, ENTRY, COPIES): ``fill(smem, cb, tid)`` builds the group table at the start of the dynamic shared
+    array ``smem`` (all threads of the CTA call it; it stages the codebook at float offset ``CODEBOOK`` and
+    meets them at one barrier). Entry (code, copy) holds the G = 8 // k codebook values of code byte ``code``
+    (element e from bits k*e) as float32 words (``entry_type`` 'float32') or packed pairs of 'float16' or
+    'bfloat16' (low half first); ENTRY is its size in bytes, COPIES the copies per 256-byte row (lane l
+    reads copy l % COPIES at row offset (l % COPIES) * ENTRY). Each thread writes one 16-byte chunk of a row
+    at a time (one ``st.shared.v4``); a chunk's 4 words are 4 // (ENTRY / 4) copies of the entry. The
+    codebook is read from shared memory: 16384 global reads would serialise the fill."""
+    G = 8 // k
+    packed = entry_type != "float32"
+    ENTRY = (2 if packed else 4) * G
+    COPIES = min(WARP, ROW_BYTES // ENTRY)         # 32, or 16 for float32 quads (k = 2)
+    USED_CHUNKS = COPIES * ENTRY // CHUNK_BYTES    # chunks of a row the copies fill (f16, k = 4: half)
+    WORDS_PER_ENTRY = ENTRY // 4
+    CODE_MASK = (1 << k) - 1
+    N_CODES = 1 << k
+    bf16 = entry_type == "bfloat16"
+
+    @cuda.jit(device=True, inline="always")
+    def fill(smem, cb, tid):
+        if tid < u32(N_CODES):
+            smem[u32(CODEBOOK) + tid] = cb[tid]
+        cuda.syncthreads()
+        table = shared_addr(smem)
+        chunk = u32(tid)
+        while chunk < u32(CODES * USED_CHUNKS):
+            code = chunk // u32(USED_CHUNKS)
+            vals = cuda.local.array(4, np.uint32)
+            for wd in range(4):                     # word wd of the chunk: word wd % WORDS_PER_ENTRY of an entry
+                e = (wd % WORDS_PER_ENTRY) * (2 if packed else 1)      # its (first) element
+                v0 = smem[u32(CODEBOOK) + ((code >> u32(k * e)) & u32(CODE_MASK))]
+                if packed:
+                    v1 = smem[u32(CODEBOOK) + ((code >> u32(k * (e + 1))) & u32(CODE_MASK))]
+                    if bf16:
+                        vals[wd] = f32_to_bf16_bits(v0) | (f32_to_bf16_bits(v1) << u32(16))
+                    else:
+                        vals[wd] = f16x2_as_u32(np.float16(v0), np.float16(v1))
+                else:
+                    vals[wd] = f32_as_u32(v0)
+            dst = code * u32(ROW_BYTES) + (chunk - code * u32(USED_CHUNKS)) * u32(CHUNK_BYTES)
+            sts128(smem, table + dst, vals[0], vals[1], vals[2], vals[3])
+            chunk = u32(chunk + u32(cuda.blockDim.x))   # (stays 32-bit)
+
+    return fill, ENTRY, COPIES

@@ -1,4 +1,4 @@
-"""One entry point for C = A @ W^T: ``linear`` picks scalar GEMV, pair GEMV, tensor-core GEMM or dequantize + cuBLAS.
+"""One entry point for C = A @ W^T: ``linear`` picks scalar GEMV, pair GEMV, tensor-core GEMV or GEMM, or dequantize + cuBLAS.
 
 The choice depends on M and the shape and comes from a per-GPU table, ``kbit_numba/tuning/<gpu>.json``,
 written by ``python -m kbit_numba.bench --tune`` on that GPU (loaded by device name; unknown GPUs get
@@ -8,11 +8,11 @@ M <= max_m wins, ``null`` = any M) and per-shape rules for the shapes it measure
 A rule is only followed when its kernel applies; otherwise the next applicable one in ``FALLBACK``:
 ``gemv`` needs M <= 4 (bigger M runs it in slices of 4 rows), ``gemm`` the tiled layout,
 ``dequant_matmul`` torch or CuPy for the cuBLAS call. A weight in the code layout (``KbitCodes``, k = 2, 4)
-is read by ``pair_gemv`` and by ``gemm`` (K a multiple of 64); the table's ``codes_rules`` (default
-``CODES_RULES``) choose between them.
+is read by ``pair_gemv``, by ``mma_gemv`` (M <= 8, float16/bfloat16 A, K a multiple of 64 up to 8192) and by
+``gemm`` (K a multiple of 64); the table's ``codes_rules`` (default ``CODES_RULES``) choose between them.
 
 ``KbitLinear`` keeps a weight ready for repeated calls: by default the code layout where it can (k = 2, 4, K a
-multiple of 64: the pair gemv for decode, the gemm and dequantize + cuBLAS for larger M), else a tiled copy
+multiple of 64: the pair and tensor-core gemvs for decode, the gemm and dequantize + cuBLAS for larger M), else a tiled copy
 (which serves gemv and gemm); a ``Workspace`` (split-K sums, the dequantized weight) and prepared launches
 for decode loops.
 """
@@ -26,24 +26,26 @@ from functools import lru_cache, partial
 import numpy as np
 from numba import cuda
 
-from . import _arrays, pair_gemv, scalar_gemv, tensor_gemm
+from . import _arrays, mma_gemv, pair_gemv, scalar_gemv, tensor_gemm
 from .codec import plan_dequantize, repack_tiled
 from .core import MAX_M, device_weight, k_warps
 from .formats import CODES_K, TILE_N, KbitCodes, KbitWeight
 from .intrinsics import SIMULATOR
 from .launch import HostStep, Plan, stream_handle
 
-KERNELS = ("gemv", "pair_gemv", "gemm", "dequant_matmul")
+KERNELS = ("gemv", "pair_gemv", "mma_gemv", "gemm", "dequant_matmul")
 LAYOUTS = ("auto", "tiled", "codes")  # what KbitLinear keeps on the device ("auto": codes where it can)
 FALLBACK = ("gemm", "dequant_matmul", "gemv")
 FALLBACK_CODES = ("gemm", "pair_gemv")   # (the pair gemv reads every code-layout weight)
 TUNING_DIR = os.path.join(os.path.dirname(__file__), "tuning")
 DEFAULT_TABLE = {"device": "default", "rules": [[4, "gemv"], [256, "gemm"], [None, "dequant_matmul"]],
                  "shapes": {}}
-# The code layout, when a table has no codes_rules (H100, benchmarks/README.md): the pair gemv at M <= 4 where
-# its CTA of all K's warps fits without a register cap (PAIR_GEMV_MAX_ROW_WARPS), else the gemm, and
-# dequantize + cuBLAS from the tiled tables' crossover on.
-CODES_RULES = [[4, "pair_gemv"], [64, "gemm"], [None, "dequant_matmul"]]
+# The code layout, when a table has no codes_rules (H100, benchmarks/README.md): the pair gemv at M <= 2, the
+# tensor-core gemv to M = 8 (6-34% faster than the pair gemv at M = 4 and the gemm at M = 8), the gemm to 64,
+# dequantize + cuBLAS from the tiled tables' crossover on. Where the tensor-core gemv does not apply
+# (K > 8192, float32 A) the pair gemv runs to M = 4 if its CTA of all K's warps fits without a register cap
+# (PAIR_GEMV_MAX_ROW_WARPS), else the gemm.
+CODES_RULES = [[2, "pair_gemv"], [8, "mma_gemv"], [64, "gemm"], [None, "dequant_matmul"]]
 PAIR_GEMV_MAX_ROW_WARPS = 32       # M * ceil(K / 1024): M = 4 at K = 14336 (56) spilled, 85 us vs the gemm's 38
 
 
@@ -76,21 +78,31 @@ def gemm_reads(layout, K):
     return layout == "tiled" or (layout == "codes" and K % tensor_gemm.BK == 0)
 
 
-def choose_rule(M, N, K, layout, table=None, backend=None):
+def mma_reads(M, K, half=True):
+    """Whether the tensor-core gemv takes M rows of ``half`` (float16/bfloat16) activations on a code-layout
+    weight with K columns."""
+    return half and M <= mma_gemv.MAX_TOKENS and K % 64 == 0 and K <= mma_gemv.MAX_K
+
+
+def choose_rule(M, N, K, layout, table=None, backend=None, half=True):
     """(kernel, launch parameters) that ``linear`` runs for an M x K input and an N x K weight of
     ``layout``. A table rule is ``[max_m, kernel]`` or ``[max_m, kernel, {parameter: value}]``: the
     parameters (e.g. ``{"cols": 2}`` for gemv, ``{"split": 4, "m_tile": 2}`` for gemm) go to that
     kernel's ``plan`` and override its ``DEFAULTS`` table; a fallback kernel runs with its defaults.
-    ``backend``: the cuBLAS route ('torch', 'cupy', or False for none); None asks ``matmul_backend()``."""
+    ``backend``: the cuBLAS route ('torch', 'cupy', or False for none); None asks ``matmul_backend()``.
+    ``half``: the activations are float16 or bfloat16 (what the tensor-core gemv takes)."""
     table = table or load_table()
     codes = layout == "codes"      # (the pair gemv, the gemm where K allows, dequantize + cuBLAS)
     rules = (table.get("codes_rules", CODES_RULES) if codes
              else table.get("shapes", {}).get(f"{K}x{N}", table["rules"]))
     want, params = next((r[1], dict(r[2]) if len(r) > 2 else {}) for r in rules if r[0] is None or M <= r[0])
     gemm_ok = gemm_reads(layout, K)
+    mma_ok = codes and mma_reads(M, K, half)
+    if codes and want == "mma_gemv" and not mma_ok and M <= MAX_M:
+        want, params = "pair_gemv", {}
     if codes and want == "pair_gemv" and M <= MAX_M and M * k_warps(K) > PAIR_GEMV_MAX_ROW_WARPS and gemm_ok:
         want, params = "gemm", {}
-    usable = {"gemv": not codes and M <= MAX_M, "pair_gemv": codes, "gemm": gemm_ok,
+    usable = {"gemv": not codes and M <= MAX_M, "pair_gemv": codes, "mma_gemv": mma_ok, "gemm": gemm_ok,
               "dequant_matmul": bool(backend if backend is not None else matmul_backend())}
     if usable.get(want, False):
         return want, params
@@ -100,9 +112,9 @@ def choose_rule(M, N, K, layout, table=None, backend=None):
     return "gemv", {}              # any M, in slices of 4 rows
 
 
-def choose(M, N, K, layout, table=None, backend=None):
+def choose(M, N, K, layout, table=None, backend=None, half=True):
     """The kernel ``linear`` runs (see :func:`choose_rule`)."""
-    return choose_rule(M, N, K, layout, table, backend)[0]
+    return choose_rule(M, N, K, layout, table, backend, half)[0]
 
 
 # ---- dequantize + cuBLAS ---------------------------------------------------------------------------
@@ -194,6 +206,11 @@ def _rows(A):
     return 1 if len(shape) == 1 else shape[0]
 
 
+def half_input(A, bf16=False):
+    """Whether activations ``A`` are float16 (a NumPy, device or torch array) or bfloat16 bits (``bf16``)."""
+    return bool(bf16) or str(A.dtype) in ("float16", "torch.float16")
+
+
 def plan(A, qw, out=None, stream=None, workspace=None, out_dtype=np.float16, bf16=False, kernel=None,
          table=None, f16_acc=False, params=None):
     """Checked inputs of :func:`linear` bound into a :class:`launch.Plan` for the kernel it chooses (M > 4
@@ -207,12 +224,12 @@ def plan(A, qw, out=None, stream=None, workspace=None, out_dtype=np.float16, bf1
     N, K = qw.shape
     params = dict(params or {})
     if kernel is None:
-        kernel, params = choose_rule(M, N, K, qw.layout, table)
+        kernel, params = choose_rule(M, N, K, qw.layout, table, half=half_input(A, bf16))
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-    if kernel in ("gemv", "pair_gemv") and (kernel == "pair_gemv") != (qw.layout == "codes"):
+    if kernel in ("gemv", "pair_gemv", "mma_gemv") and (kernel != "gemv") != (qw.layout == "codes"):
         raise ValueError(f"kernel {kernel!r} does not read the {qw.layout} layout "
-                         "(pair_gemv reads KbitCodes, gemv KbitWeight, gemm and dequant_matmul both)")
+                         "(pair_gemv and mma_gemv read KbitCodes, gemv KbitWeight, gemm and dequant_matmul both)")
     if f16_acc and kernel != "pair_gemv":
         raise ValueError(f"f16_acc applies to the pair gemv (KbitCodes), not to kernel {kernel!r}")
     if bf16 and kernel == "dequant_matmul":       # cuBLAS through torch/CuPy takes no int16 bf16 bits
@@ -223,6 +240,8 @@ def plan(A, qw, out=None, stream=None, workspace=None, out_dtype=np.float16, bf1
         return tensor_gemm.plan(A, qw, out, stream, out_dtype, bf16, sums, **params)
     if kernel == "dequant_matmul":
         return plan_dequant_matmul(A, qw, out, stream, out_dtype, workspace)
+    if kernel == "mma_gemv":
+        return mma_gemv.plan(A, qw, out, stream, out_dtype, bf16, **params)
     gemv_plan = (partial(pair_gemv.plan, f16_acc=f16_acc, **params) if kernel == "pair_gemv"
                  else partial(scalar_gemv.plan, **params))
     if M <= MAX_M:
@@ -251,10 +270,11 @@ class KbitLinear:
 
     ``layout="auto"`` (the default) keeps the **code layout** (``KbitCodes``, the same bytes) for k = 2, 4
     when K is a multiple of 64 (and the weight is flat or already codes), else the tiled layout. The
-    code layout serves every M: the pair gemv at M = 1..4 (the fastest kbit kernel there: 1.6x the tiled
-    gemv at 4096x14336 on the H100), the tensor-core gemm above, and dequantize + cuBLAS for large M; its
-    gemm is 2-25% slower than the tiled layout's at M = 8..16 (H100, benchmarks/README.md), so
-    prefill-heavy use at k = 2, 4 may prefer ``layout="tiled"``. The tiled layout (N a multiple of 128;
+    code layout serves every M: the pair gemv at M = 1, 2 (the fastest kbit kernel there: 1.6x the tiled
+    gemv at 4096x14336 on the H100), the tensor-core gemv to M = 8 (K <= 8192, float16/bfloat16 A), the
+    tensor-core gemm above, and dequantize + cuBLAS for large M; its gemm is 2-25% slower than the tiled
+    layout's at M = 8..16 (H100, benchmarks/README.md), so prefill-heavy use at k = 2, 4 may prefer
+    ``layout="tiled"``. The tiled layout (N a multiple of 128;
     otherwise the flat layout, served by gemv and dequantize + cuBLAS) serves the scalar gemv and the gemm.
 
     ``layer(A)`` is ``linear(A, weight, workspace=...)``; ``layer.prepare(A, out)`` binds buffers once and
@@ -267,8 +287,8 @@ class KbitLinear:
 
     With the code layout, ``f16_acc=True`` makes the pair gemv sum each 32-weight block in float16 when the
     activations are float16 (faster, error bound in tests/test_pair_gemv.py; float32 and bfloat16
-    activations keep float32 sums), and ``pdl=True`` launches the pair gemv as a programmatic dependent
-    launch (sm_90): in a chain of layers each one's weight loads and table fill overlap the previous
+    activations keep float32 sums), and ``pdl=True`` launches the pair and tensor-core gemvs as programmatic
+    dependent launches (sm_90): in a chain of layers each one's weight loads and table fill overlap the previous
     kernel's tail (``launch.py``; 11-44% less time per layer in the H100 bench's chains of same-shape
     layers at M = 1)."""
 
@@ -292,7 +312,7 @@ class KbitLinear:
                 cuda.synchronize()
             return
         if f16_acc or pdl:
-            raise ValueError(f"f16_acc and pdl apply to the pair gemv, which reads the code layout (k in {CODES_K}, "
+            raise ValueError(f"f16_acc and pdl apply to the gemvs that read the code layout (k in {CODES_K}, "
                              f"a flat KbitWeight or KbitCodes), not this {layout} one")
         self.f16_acc = self.pdl = False
         qw = device_weight(qw, KbitWeight, stream)
@@ -317,9 +337,10 @@ class KbitLinear:
         """The flat copy for the scalar GEMV when one is kept, else the (tiled) weight."""
         return self.flat_weight if kernel == "gemv" and self.flat_weight is not None else self.weight
 
-    def kernel_for(self, M):
+    def kernel_for(self, M, half=True):
+        """The kernel a call with M rows runs (``half``: float16 or bfloat16 activations)."""
         N, K = self.weight.shape
-        return choose(M, N, K, self.weight.layout, self.table)
+        return choose(M, N, K, self.weight.layout, self.table, half=half)
 
     def __call__(self, A, out=None, stream=None, out_dtype=np.float16, bf16=False, kernel=None):
         return self.plan(A, out, stream, out_dtype, bf16, kernel).launch()
@@ -330,8 +351,9 @@ class KbitLinear:
         params = {}
         if kernel is None:
             N, K = self.weight.shape
-            kernel, params = choose_rule(_rows(_arrays.check_array(A, "A")), N, K, self.weight.layout, self.table)
-        if self.pdl and kernel == "pair_gemv":
+            kernel, params = choose_rule(_rows(_arrays.check_array(A, "A")), N, K, self.weight.layout, self.table,
+                                         half=half_input(A, bf16))
+        if self.pdl and kernel in ("pair_gemv", "mma_gemv"):
             params = dict(params, pdl=True)
         # f16_acc sums in float16 only float16 activations; float32 and bfloat16 ones keep float32 sums
         # (and only in the pair gemv: the gemm's MMAs have no such option)

@@ -41,27 +41,16 @@ from numba.cuda.misc.special import literal_unroll
 
 from . import _arrays
 from .core import MAX_M, REGISTERS_PER_SM, device_weight, fit_threads, k_warps, sm_count
-from .device import WARP, e4m4_decode, i32, jit_kernel, make_warp_reduce_scatter, make_word_unpacker, u32
+from .device import (ABSMAX_CODES, CODEBOOK, PRMT_ROW, SHARED_PER_SM, TABLE_BYTES, TABLE_FLOATS, WARP, e4m4_decode,
+                     i32, jit_kernel, make_table_fill, make_warp_reduce_scatter, make_word_unpacker, u32)
 from .formats import ABSMAX_FORMATS, BLOCK, CODES_K, KbitCodes, KbitWeight
-from .intrinsics import (SIMULATOR, f16_bits_to_f32, f16x2_as_u32, f32_as_u32, griddep_launch_dependents,
-                         griddep_wait, hfma2, ldg64, ldg128, lds64, lds128, lds_u32, prmt, shared_addr, sts128,
-                         u32_as_f32)
+from .intrinsics import (SIMULATOR, f16_bits_to_f32, griddep_launch_dependents, griddep_wait, hfma2, ldg64, ldg128,
+                         lds64, lds128, lds_u32, prmt, shared_addr, u32_as_f32)
 from .launch import NUMBA_TYPES, OUT_TYPES, Plan, Spec, Step, launch_step, type_name
 
 MAX_KW = 32                       # K-warps per slice: K <= 32 * 32 * 32 = 32768
-CODES = 256                       # table entries: one per code byte
-ROW_BYTES = 256                   # one table row per code, so a code byte shifted by 8 is its row address
-TABLE_BYTES = CODES * ROW_BYTES   # 64 KB of dynamic shared memory
-TABLE_FLOATS = TABLE_BYTES // 4
-CHUNK_BYTES = 16                  # the fill writes the table 16 bytes (one st.shared.v4) at a time
-ABSMAX_CODES = 256                # E4M4 bytes, decoded once per CTA into shared memory after the table
-CODEBOOK = TABLE_FLOATS + ABSMAX_CODES   # float offset of the codebook (<= 16 values, staged for the fill)
 PART = CODEBOOK + 16              # float offset of the cross-warp partial sums
-# prmt selector for code byte t of a word: result byte 0 <- the lane's copy offset (byte 4 of {b, a}),
-# byte 1 <- byte t of the code word, bytes 2, 3 <- byte 5 (zero: the offset is < 256).
-PRMT_ROW = 0x5504
 COL_CHOICES = (1, 2, 4, 8)        # columns per warp per iteration a kernel can be built for
-SHARED_PER_SM = 228 * 1024        # sm_90: shared memory per SM (1 KB of it reserved per CTA)
 # The defaults table, from the H100 sweep (benchmarks/runs/2026-11-23_h100_pair_gemv_sweep.txt):
 # cols: columns per warp per iteration (cols * 16 bytes in flight per lane), but small_cols at M = 1 on
 # weights under small_weight elements (9-12% faster there; see default_cols); cta_warps: warps per CTA
@@ -98,6 +87,7 @@ class PairGemvSpec(Spec):
                     pdl=bool(self.pdl), max_registers=int(self.max_registers) if self.max_registers else None)
 
 
+
 @lru_cache(maxsize=None)
 def make_pair_gemv_kernel(spec):
     """Kernel(A words, packed codes, absmax, codebook, out[M*N], N, n_kb) for a :class:`PairGemvSpec`;
@@ -113,13 +103,8 @@ def make_pair_gemv_kernel(spec):
     k, M, NCOL, f16_acc, PDL = spec.k, spec.M, spec.cols, spec.f16_acc, spec.pdl   # (checked by PairGemvSpec)
     absmax_format, a_src, out_dtype = spec.absmax_format, spec.a_type, spec.out_dtype
     G = 8 // k                                     # elements per code byte
-    ENTRY = 2 * G if f16_acc else 4 * G            # bytes of one table entry (G values)
-    COPIES = min(WARP, ROW_BYTES // ENTRY)         # copies per row: 32, or 16 for float32 quads (k = 2)
-    USED_CHUNKS = COPIES * ENTRY // CHUNK_BYTES    # chunks of a row the copies fill (f16, k = 4: half)
-    WORDS_PER_ENTRY = ENTRY // 4
+    fill_table, ENTRY, COPIES = make_table_fill(k, "float16" if f16_acc else "float32")
     PAIRS = BLOCK // 2                             # f16x2 words of a block's activations
-    CODE_MASK = (1 << k) - 1
-    N_CODES = 1 << k
     CM = NCOL * M
     V = 1 << (CM - 1).bit_length()                 # partial sums per lane, padded to a power of two
     e4m4 = absmax_format == "e4m4"
@@ -258,29 +243,9 @@ def make_pair_gemv_kernel(spec):
         load_columns(packed, absmax, u32(g * group_cols + col0), kb, last4, nkb, codes_a, absmax_a)
         load_columns(packed, absmax, u32((g + grid) * group_cols + col0), kb, last4, nkb, codes_b, absmax_b)
 
-        # ---- 2. the group table: entry (code, copy) = G codebook values, element e from bits k*e ----
-        #         (read from a shared copy of the codebook: 16384 global reads would serialise the fill).
-        #         A thread writes 16 bytes a store, one chunk of a row: the chunk's 4 floats are
-        #         4 // G copies of the row's G values.
-        if tid < N_CODES:
-            smem[CODEBOOK + tid] = cb[tid]
-        cuda.syncthreads()
+        # ---- 2. the group table (make_table_fill) and the E4M4 table --------------------------------
+        fill_table(smem, cb, tid)
         table = shared_addr(smem)
-        chunk = u32(tid)
-        while chunk < u32(CODES * USED_CHUNKS):
-            code = chunk // u32(USED_CHUNKS)
-            vals = cuda.local.array(4, np.uint32)
-            for wd in range(4):                     # word wd of the chunk: word wd % WORDS_PER_ENTRY of an entry
-                e = (wd % WORDS_PER_ENTRY) * (2 if f16_acc else 1)      # its (first) element
-                v0 = smem[u32(CODEBOOK) + ((code >> u32(k * e)) & u32(CODE_MASK))]
-                if f16_acc:
-                    v1 = smem[u32(CODEBOOK) + ((code >> u32(k * (e + 1))) & u32(CODE_MASK))]
-                    vals[wd] = f16x2_as_u32(np.float16(v0), np.float16(v1))
-                else:
-                    vals[wd] = f32_as_u32(v0)
-            dst = code * u32(ROW_BYTES) + (chunk - code * u32(USED_CHUNKS)) * u32(CHUNK_BYTES)
-            sts128(smem, table + dst, vals[0], vals[1], vals[2], vals[3])
-            chunk = u32(chunk + u32(cuda.blockDim.x))   # (stays 32-bit)
         i = tid
         while e4m4 and i < u32(ABSMAX_CODES):          # every E4M4 byte's value: one shared load per block
             smem[u32(u32(TABLE_FLOATS) + i)] = e4m4_decode(np.uint8(i))

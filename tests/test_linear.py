@@ -21,11 +21,17 @@ def test_choose_follows_rules_shapes_and_fallbacks():
     assert ch(8, layout="flat") == "dequant_matmul"           # no tiled copy: no gemm
     assert ch(8, layout="flat", backend=False) == "gemv"      # no torch/CuPy either: gemv in slices
     assert ch(100, backend=False) == "gemm"                   # no cuBLAS: the tensor cores serve every M
-    # the code layout: the pair gemv at M <= 4, the gemm (K a multiple of 64), dequantize + cuBLAS
-    assert [ch(M, layout="codes") for M in (1, 4, 5, 64, 65)] == ["pair_gemv"] * 2 + ["gemm"] * 2 + ["dequant_matmul"]
+    # the code layout: the pair gemv at M <= 2, the tensor-core gemv to 8, the gemm (K a multiple of 64),
+    # dequantize + cuBLAS
+    assert ([ch(M, layout="codes") for M in (1, 2, 3, 8, 9, 64, 65)]
+            == ["pair_gemv"] * 2 + ["mma_gemv"] * 2 + ["gemm"] * 2 + ["dequant_matmul"])
     assert ch(100, layout="codes", backend=False) == "gemm"
     assert {ch(M, K=96, layout="codes", backend=False) for M in (1, 5, 100)} == {"pair_gemv"}   # K % 64 != 0
-    assert [ch(M, K=14336, layout="codes") for M in (2, 3, 4)] == ["pair_gemv", "gemm", "gemm"]  # register room
+    # K > 8192 (no tensor-core gemv): the pair gemv where its registers fit, else the gemm
+    assert [ch(M, K=14336, layout="codes") for M in (2, 3, 4, 8)] == ["pair_gemv", "gemm", "gemm", "gemm"]
+    assert [ch(M, K=8256, layout="codes") for M in (3, 4)] == ["pair_gemv", "gemm"]
+    # float32 activations (the tensor-core gemv takes 16-bit ones): the pair gemv to M = 4, then the gemm
+    assert [L.choose(M, 512, 64, "codes", TABLE, "torch", half=False) for M in (3, 4, 5)] == ["pair_gemv"] * 2 + ["gemm"]
 
 
 def test_table_lookup_by_device_name(tmp_path, monkeypatch):
@@ -71,7 +77,7 @@ def test_kbit_linear_auto_keeps_the_code_layout(M):
 
 
 @pytest.mark.parametrize("kernel, layout", [("gemv", "tiled"), ("gemm", "tiled"), ("dequant_matmul", "tiled"),
-                                            ("gemm", "codes"), ("dequant_matmul", "codes")])
+                                            ("gemm", "codes"), ("mma_gemv", "codes"), ("dequant_matmul", "codes")])
 def test_linear_forced_kernels_agree(kernel, layout):
     if kernel == "dequant_matmul" and L.matmul_backend() is None:
         pytest.skip("dequant_matmul needs torch or CuPy")
@@ -101,6 +107,24 @@ def test_linear_flat_weight_with_n_not_a_tile_multiple():
     assert layer.weight.layout == "flat"
     A = rng.standard_normal((7, 64)).astype(np.float16)
     check_close(layer(A, out_dtype=np.float32).copy_to_host(), A, flat)
+
+
+@pytest.mark.parametrize("M", [5] if SIM else [3, 8])
+def test_kbit_linear_mid_m_runs_the_tensor_core_gemv(M):
+    """M = 3..8 on the code layout: the tensor-core gemv (prepared and as PDL launches too); float32
+    activations, which it does not take, go to the pair gemv or the gemm."""
+    rng = np.random.default_rng(20 + M)
+    flat = ref.quantize(random_weight(rng, 40 if SIM else 600, 128 if SIM else 2048), k=4)
+    for pdl in (False, True):
+        layer = kb.KbitLinear(flat, pdl=pdl)
+        assert layer.kernel_for(M) == "mma_gemv"
+        A = rng.standard_normal((M, flat.shape[1])).astype(np.float16)
+        prep = layer.prepare(cuda.to_device(A), out_dtype=np.float32)
+        assert [step.pdl for step in prep.plan.steps] == [pdl]
+        check_close(prep.run().copy_to_host(), A, flat)
+    assert layer.kernel_for(M, half=False) == ("pair_gemv" if M <= 4 else "gemm")
+    A32 = rng.standard_normal((M, flat.shape[1])).astype(np.float32)
+    check_close(layer(A32, out_dtype=np.float32).copy_to_host(), A32, flat)
 
 
 @pytest.mark.parametrize("M", [8] if SIM else [2, 8])     # (prepared gemv: also tests/test_gemv.py)
@@ -150,9 +174,9 @@ def test_kbit_linear_codes_f16_acc(M):
 def test_codes_layout_refusals():
     flat = ref.quantize(np.ones((128, 64), np.float32), k=4)
     A = np.ones((1, 64), np.float16)
-    with pytest.raises(ValueError, match="f16_acc and pdl apply to the pair gemv"):
+    with pytest.raises(ValueError, match="f16_acc and pdl apply to the gemvs that read the code layout"):
         kb.KbitLinear(flat, layout="tiled", pdl=True)
-    with pytest.raises(ValueError, match="f16_acc and pdl apply to the pair gemv"):
+    with pytest.raises(ValueError, match="f16_acc and pdl apply to the gemvs that read the code layout"):
         kb.KbitLinear(ref.quantize(np.ones((128, 64), np.float32), k=5), f16_acc=True)
     with pytest.raises(ValueError, match="does not read the codes layout"):
         kb.linear(A, ref.to_codes(flat), kernel="gemv")
@@ -165,7 +189,7 @@ def test_codes_layout_refusals():
     with pytest.raises(ValueError, match="layout must be one of"):
         kb.KbitLinear(flat, layout="flat")
     for flag in ("f16_acc", "pdl"):                      # (flat k = 4, K = 64: "auto" keeps the code layout)
-        with pytest.raises(ValueError, match="f16_acc and pdl apply to the pair gemv"):
+        with pytest.raises(ValueError, match="f16_acc and pdl apply to the gemvs that read the code layout"):
             kb.KbitLinear(flat, layout="tiled", **{flag: True})
     assert kb.KbitLinear(flat, pdl=True).pdl
     with pytest.raises(ValueError, match="f16_acc applies to the pair gemv"):

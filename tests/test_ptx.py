@@ -20,9 +20,9 @@ CC = (9, 0)
 
 
 def _specializations():
-    from kbit_numba import act_quant, bitnet, codec, pair_gemv, sbvr, scalar_gemv, tensor_gemm, uniform
+    from kbit_numba import act_quant, bitnet, codec, mma_gemv, pair_gemv, sbvr, scalar_gemv, tensor_gemm, uniform
     return (codec.kernel_specializations() + scalar_gemv.kernel_specializations()
-            + pair_gemv.kernel_specializations()
+            + pair_gemv.kernel_specializations() + mma_gemv.kernel_specializations()
             + tensor_gemm.kernel_specializations() + act_quant.kernel_specializations()
             + uniform.kernel_specializations() + sbvr.kernel_specializations()
             + bitnet.kernel_specializations())
@@ -41,6 +41,13 @@ def _requirements(name):
         must += ["shfl.sync.bfly.b32", "prmt.b32", "ld.shared.f32", "cvta.to.shared"]
         must += {4: ["ld.global.nc.v4.u32"], 2: ["ld.global.nc.v2.u32"]}.get(k, [])
         never += ["ld.shared.f64", "cvt.rn.f32.f64"]         # no float64 crept into the inner loop
+    if name.startswith("mma_gemv"):                          # 16-byte weight loads, table pairs, MMAs
+        k = int(name.split("k=")[1].split()[0])
+        must += ["ld.global.nc.v4.u32", "prmt.b32", "mma.sync.aligned.m16n8k16", "st.shared.v4.u32", "bar.sync",
+                 {4: "ld.shared.u32", 2: "ld.shared.v2.u32"}[k]]
+        must += ["mul.rn.bf16x2"] if "bfloat16" in name else ["mul.rn.f16x2"]
+        if "pdl=True" in name:
+            must += ["griddepcontrol.wait", "griddepcontrol.launch_dependents"]
     if name.startswith("pair_gemv"):
         k = int(name.split("k=")[1].split()[0])
         must += ["shfl.sync.bfly.b32", "prmt.b32", "cvta.to.shared", "bar.sync"]

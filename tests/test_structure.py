@@ -91,7 +91,7 @@ def test_table_parameters_reach_the_kernel():
 
 
 # ---- the core ---------------------------------------------------------------------------------------
-FAMILIES = ("codec", "scalar_gemv", "pair_gemv", "tensor_gemm", "uniform", "sbvr", "bitnet")
+FAMILIES = ("codec", "scalar_gemv", "pair_gemv", "mma_gemv", "tensor_gemm", "uniform", "sbvr", "bitnet")
 SHARED = ("_arrays", "core", "formats", "device", "intrinsics", "launch", "act_quant", "reference")
 
 

@@ -1,0 +1,62 @@
+"""The tensor-core gemv (``mma_gemv``) against the other code-layout kernels and the tiled gemm, one run
+(CUDA-graph timed, L2-cold weights, cuBLAS fp16 and the read floor of the same run):
+
+    python benchmarks/mma_gemv_bench.py [K x N list] [k list] [M list] [--pdl]
+
+Columns: mma(c) (and mma(c) launched with PDL in a chain of its own launches, ``--pdl``), the pair gemv
+(M <= 4; float32 and float16 block sums), the gemm on the code layout and on the tiled layout.
+"""
+import sys
+
+import numpy as np
+from numba import cuda
+
+from kbit_numba import bench, mma_gemv, pair_gemv, tensor_gemm
+from kbit_numba.codec import repack_tiled
+from kbit_numba._timing import graph_time_us, rotation_count
+
+args = [a for a in sys.argv[1:] if not a.startswith("--")]
+pdl = "--pdl" in sys.argv
+shapes = [tuple(int(v) for v in s.split("x")) for s in (args[0] if args else
+                                                         "4096x14336,2048x5120,4096x6144,4096x4096").split(",")]
+ks = [int(v) for v in (args[1] if len(args) > 1 else "4,2").split(",")]
+ms = [int(v) for v in (args[2] if len(args) > 2 else "1,2,4,8").split(",")]
+rng = np.random.default_rng(1)
+cols = ["mma(c)"] + (["mma,pdl"] if pdl else []) + ["pair(c)", "pair,f16", "gemm(c)", "gemm(t)"]
+print(f"{'K x N':>11} {'k':>1} {'M':>2} " + " ".join(f"{c:>8}" for c in cols) + f" {'cuBLAS':>7} {'floor':>6}"
+      " %floor(mma) mma vs cuBLAS  mma vs best other")
+for K, N in shapes:
+    for k in ks:
+        nbytes = N * K // 32 * (4 * k + 1)
+        n = rotation_count(nbytes)
+        flats = bench._rotating_weights(K, N, k, n, rng)
+        codes = [pair_gemv.to_codes(w) for w in flats]
+        tiled = [repack_tiled(w) for w in flats]
+        del flats
+        for M in ms:
+            A = cuda.to_device(rng.standard_normal((M, K)).astype(np.float16))
+            out = cuda.device_array((M, N), np.float16)
+            sums = tensor_gemm.new_workspace(M, N)
+            plans = {
+                "mma(c)": lambda w: mma_gemv.plan(A, w, out, 0),
+                "mma,pdl": lambda w: mma_gemv.plan(A, w, out, 0, pdl=True),
+                "pair(c)": (lambda w: pair_gemv.plan(A, w, out, 0)) if M <= 4 else None,
+                "pair,f16": (lambda w: pair_gemv.plan(A, w, out, 0, f16_acc=True)) if M <= 4 else None,
+                "gemm(c)": lambda w: tensor_gemm.plan(A, w, out, 0, workspace=sums),
+                "gemm(t)": lambda w: tensor_gemm.plan(A, w, out, 0, workspace=sums),
+            }
+            t = {}
+            for name in cols:
+                make = plans[name]
+                if make is None or (name.startswith("mma") and K > 8192):
+                    continue
+                weights = tiled if name == "gemm(t)" else codes
+                runs = [make(w).prepare().run for w in weights]
+                t[name] = graph_time_us(lambda i, s: runs[i % n](s), n * max(1, 64 // n))
+            floor = bench.floor_us(nbytes + M * K * 2 + M * N * 2)
+            cub = bench.cublas_row(K, N, M) or float("nan")
+            mma = t.get("mma(c)", float("nan"))
+            other = min(v for key, v in t.items() if not key.startswith("mma"))
+            print(f"{K:>5}x{N:<5} {k} {M:>2} " + " ".join(f"{t[c]:8.2f}" if c in t else f"{'-':>8}" for c in cols)
+                  + f" {cub:7.2f} {floor:6.2f} {100 * floor / mma:10.0f}% {cub / mma:12.2f}x {other / mma:17.2f}x",
+                  flush=True)

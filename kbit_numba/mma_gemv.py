@@ -1,0 +1,335 @@
+"""Tensor-core GEMV ("swap AB"): C[M, N] = A[M, K] @ W[N, K]^T for M = 1..8 on the code layout (k = 2, 4).
+
+The pair gemv (``pair_gemv``) spends G * M FMAs per code byte, so its cost grows with M; the tiled gemm
+(``tensor_gemm``) puts the tokens in the MMA's 16-row A operand, stages every weight through shared memory
+and waits on its own dependency chains. This kernel streams the weights the pair gemv's way and lets one
+``mma.sync.m16n8k16`` do the multiply-adds of 16 columns x 16 k x 8 tokens:
+
+* **Weights are the A operand** (16 rows = 16 columns of W), **tokens the B operand** (n8: M <= 8 wastes no
+  MMA work at M = 8, and the MMA count does not grow with M).
+* **The k order inside an MMA is free** (it is summed over), so lane (g, t) = (lane // 4, lane % 4) holds
+  blocks ``2t`` and ``2t + 1`` of the warp's 8 blocks, of columns g and g + 8 of the strip: the 4 lanes
+  of a quad read 128 contiguous bytes of a column (two 16-byte loads each at k = 4, one at k = 2).
+  MMA s (0..7) of block b takes the block's elements 4s .. 4s+3: a0 = pair (4s, 4s+1) of column g,
+  a2 = pair (4s+2, 4s+3), a1 / a3 the same of column g + 8; the B fragment b0, b1 is the same four
+  elements of token g's activations: 8 contiguous bytes, loaded once per launch into 32 registers.
+* **Decode**: the pair gemv's group table with float16 (bfloat16) entries: at k = 4 one ``prmt`` and one
+  ``ld.shared`` per pair, at k = 2 one of each per quad (two pairs); one ``mul.rn.f16x2`` per pair
+  scales it by the block's absmax (the same roundings as the tiled gemm: codebook value, absmax and
+  their product in the MMA's type). ~1.6 instructions per weight at k = 4 whatever M is.
+* **Geometry** as the pair gemv's: a CTA holds ``S`` slices of ``KW = ceil(K / 256)`` warps (K <= 8192),
+  a persistent grid walks 16-column strips, loads run two iterations ahead in three register buffers,
+  and the KW warps' partial C tiles are summed in shared memory (one barrier per iteration).
+* ``pdl=True``: built for a programmatic dependent launch, as the pair gemv.
+
+Reference twin: ``reference.gemm`` (the same weight roundings). Tests: ``tests/test_mma_gemv.py``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+from numba import cuda
+
+from . import _arrays
+from .core import REGISTERS_PER_SM, device_weight, fit_threads, sm_count
+from .device import (CODEBOOK, PRMT_ROW, SHARED_PER_SM, TABLE_BYTES, TABLE_FLOATS, WARP, e4m4_decode, f32_to_bf16_bits,
+                     i32, jit_kernel, make_table_fill, u32)
+from .formats import ABSMAX_FORMATS, BLOCK, CODES_K, KbitCodes
+from .intrinsics import (bmul2, f16x2_as_u32, griddep_launch_dependents, griddep_wait, hmul2, ldg128, lds64,
+                         lds_u32, mma_bf16, mma_f16, prmt, shared_addr, u32_as_f32)
+from .launch import NUMBA_TYPES, OUT_TYPES, Plan, Spec, Step, type_name
+
+MAX_TOKENS = 8                    # the MMA's n8: rows of A a launch takes
+STRIP = 16                        # columns per warp per iteration: the MMA's m16
+KB_WARP = 8                       # blocks per warp (256 k): 2 per lane of a quad
+KB_LANE = 2
+MMAS_PER_BLOCK = BLOCK // 4       # MMA s takes elements 4s .. 4s+3 of a lane's block
+MAX_KW = 32                       # warps per slice (1024 threads): K <= 32 * 256 = 8192
+MAX_K = MAX_KW * KB_WARP * BLOCK
+SCALES = TABLE_FLOATS             # word offset of the E4M4 table (absmax byte -> its value as a packed pair)
+PART = CODEBOOK + 16              # float offset of the cross-warp partial C tiles
+TILE = STRIP * MAX_TOKENS         # floats of one warp's partial C tile
+MMA_TYPES = ("float16", "bfloat16")
+DEFAULTS = {"cta_warps": 16}      # warps per CTA the plan aims for (the table is filled once per CTA)
+
+
+@dataclass(frozen=True)
+class MmaGemvSpec(Spec):
+    """The tensor-core gemv's compile-time choices: the key of :func:`make_mma_gemv_kernel`."""
+    FAMILY = "mma_gemv"
+    k: int
+    absmax_format: str = "e4m4"
+    a_type: str = "float16"         # the MMA input type: float16 or bfloat16
+    out_dtype: str = "float16"
+    pdl: bool = False
+    max_registers: object = None
+
+    def normalise(self):
+        if self.k not in CODES_K:
+            raise ValueError(f"mma gemv reads the code layout, k in {CODES_K}; got k={self.k}")
+        if self.absmax_format not in ABSMAX_FORMATS:
+            raise ValueError(f"absmax_format must be one of {ABSMAX_FORMATS}, got {self.absmax_format!r}")
+        return dict(k=int(self.k), a_type=type_name(self.a_type, "a_type", MMA_TYPES),
+                    out_dtype=type_name(self.out_dtype, "out_dtype", OUT_TYPES), pdl=bool(self.pdl),
+                    max_registers=int(self.max_registers) if self.max_registers else None)
+
+
+@lru_cache(maxsize=None)
+def make_mma_gemv_kernel(spec):
+    """Kernel(A words, packed codes, absmax, codebook, out[M*N], N, n_kb, M) for a :class:`MmaGemvSpec`;
+    blockDim = 32 * KW * S, ``TABLE_BYTES + part_bytes(S, KW)`` bytes of dynamic shared memory. A: the
+    [M, K] activations as uint32 words of two float16 (bfloat16) values; n_kb = K / 32, even."""
+    k, absmax_format, out_dtype, PDL = spec.k, spec.absmax_format, spec.out_dtype, spec.pdl
+    bf16 = spec.a_type == "bfloat16"
+    fill_table, ENTRY, COPIES = make_table_fill(k, spec.a_type)
+    mma = mma_bf16 if bf16 else mma_f16
+    mul2 = bmul2 if bf16 else hmul2
+    e4m4 = absmax_format == "e4m4"
+    absmax_t = np.uint8 if e4m4 else np.float32
+    f16_out = np.dtype(out_dtype) == np.float16
+    BLOCK_WORDS = k                                # a block's code words
+    CODE_WORDS = KB_LANE * k                       # a lane's code words per column (its two blocks)
+    A_WORDS = BLOCK // 2                           # a block's activation words (two values each)
+
+    @cuda.jit(device=True, inline="always")
+    def pair_bits(v):
+        """float32 -> the value twice, packed in the MMA's type."""
+        if bf16:
+            h = f32_to_bf16_bits(v)
+            return h | (h << u32(16))
+        return f16x2_as_u32(np.float16(v), np.float16(v))
+
+    @cuda.jit(device=True, inline="always")
+    def load_strip(packed, absmax, n0, kb0, last2, n_kb, codes, am):
+        """Issue the loads of this lane's two blocks kb0, kb0 + 1 of columns n0 + g and n0 + g + 8 (g:
+        the lane's quad; n0 includes it) into codes[c, :] / am[c, :]. Unconditional: a column past N (or
+        a block pair past the last) reads the weight's last block pair instead (last2: its first block),
+        whose sums are never written or meet zero activations. 32-bit index math (see pair_gemv)."""
+        for c in range(2):
+            blk = min(u32(u32(n0 + u32(8 * c)) * n_kb + kb0), last2)
+            w = u32(blk * u32(BLOCK_WORDS))
+            for q in range(CODE_WORDS // 4):
+                codes[c, 4 * q], codes[c, 4 * q + 1], codes[c, 4 * q + 2], codes[c, 4 * q + 3] = \
+                    ldg128(packed, u32(w + u32(4 * q)))
+            am[c, 0] = absmax[blk]
+            am[c, 1] = absmax[u32(blk + u32(1))]
+
+    @cuda.jit(device=True, inline="always")
+    def decode_strip(smem, table, lane_off, codes, am, bx, acc):
+        """acc = this lane's C fragment (columns g, g + 8 x tokens 2t, 2t + 1) of the strip over its two
+        blocks: per MMA, four scaled pairs from the group table."""
+        for r in range(4):
+            acc[r] = np.float32(0.0)
+        for b in range(KB_LANE):
+            if e4m4:
+                s0 = lds_u32(smem, table + u32(4) * u32(u32(SCALES) + u32(am[0, b])))
+                s1 = lds_u32(smem, table + u32(4) * u32(u32(SCALES) + u32(am[1, b])))
+            else:
+                s0 = pair_bits(am[0, b])
+                s1 = pair_bits(am[1, b])
+            for s in range(MMAS_PER_BLOCK):
+                if k == 4:                         # pairs 2s, 2s + 1: word s // 2, bytes 2 (s % 2) and + 1
+                    wd = b * BLOCK_WORDS + s // 2
+                    sel0 = u32(PRMT_ROW | ((2 * (s % 2)) << 4))
+                    sel1 = u32(PRMT_ROW | ((2 * (s % 2) + 1) << 4))
+                    a0 = mul2(lds_u32(smem, table + prmt(codes[0, wd], lane_off, sel0)), s0)
+                    a2 = mul2(lds_u32(smem, table + prmt(codes[0, wd], lane_off, sel1)), s0)
+                    a1 = mul2(lds_u32(smem, table + prmt(codes[1, wd], lane_off, sel0)), s1)
+                    a3 = mul2(lds_u32(smem, table + prmt(codes[1, wd], lane_off, sel1)), s1)
+                else:                              # quad s: word s // 4, byte s % 4 (two pairs)
+                    wd = b * BLOCK_WORDS + s // 4
+                    sel = u32(PRMT_ROW | ((s % 4) << 4))
+                    x0, x2 = lds64(smem, table + prmt(codes[0, wd], lane_off, sel))
+                    x1, x3 = lds64(smem, table + prmt(codes[1, wd], lane_off, sel))
+                    a0 = mul2(x0, s0)
+                    a2 = mul2(x2, s0)
+                    a1 = mul2(x1, s1)
+                    a3 = mul2(x3, s1)
+                acc[0], acc[1], acc[2], acc[3] = mma(a0, a1, a2, a3, bx[b, s, 0], bx[b, s, 1],
+                                                     acc[0], acc[1], acc[2], acc[3])
+
+    @cuda.jit(device=True, inline="always")
+    def reduce_strip(smem, acc, g, t, tid, part, flip, slices, kw, n_first, out, N, M):
+        """Sum the strip's C tiles over the CTA's K-warps: each lane puts its valid values (tokens < M) in
+        its warp's tile of the shared buffer half ``flip``, then one thread per (slice, column, token)
+        adds the slice's KW tiles and writes column n_first + s * STRIP + column (a loop: a CTA of one
+        warp has fewer threads than 16 M outputs). The other threads go on to the next strip meanwhile
+        (sharing each sum among several threads with shuffles was slower: everyone waited for it)."""
+        for h in range(2):                         # c0, c1: column g; c2, c3: column g + 8
+            for e in range(2):
+                tok = u32(u32(2) * t + u32(e))
+                if tok < M:
+                    smem[u32(part + flip + u32(u32(g + u32(8 * h)) * u32(MAX_TOKENS) + tok))] = acc[2 * h + e]
+        cuda.syncthreads()
+        per_slice = u32(u32(STRIP) * M)
+        i = tid
+        while i < u32(slices * per_slice):
+            s_out = u32(i // per_slice)
+            v = u32(i - s_out * per_slice)
+            col = u32(v // M)
+            tok = u32(v - col * M)
+            p = u32(u32(PART) + flip + s_out * kw * u32(TILE) + col * u32(MAX_TOKENS) + tok)
+            p_end = u32(p + kw * u32(TILE))
+            total = np.float32(0.0)
+            while p < p_end:
+                total += smem[p]
+                p = u32(p + u32(TILE))
+            n = u32(n_first + s_out * u32(STRIP) + col)
+            if n < u32(N):
+                out[u32(tok * u32(N) + n)] = np.float16(total) if f16_out else total
+            i = u32(i + u32(cuda.blockDim.x))
+
+    def mma_gemv(A, packed, absmax, cb, out, N, n_kb, M):
+        smem = cuda.shared.array(0, np.float32)    # [group table][E4M4 table][codebook][partial C tiles]
+        tid = u32(cuda.threadIdx.x)
+        lane = tid % u32(WARP)
+        warp = tid // u32(WARP)
+        g = lane >> u32(2)
+        t = lane & u32(3)
+        nkb = u32(n_kb)
+        m = u32(M)
+        kw = u32((nkb + u32(KB_WARP - 1)) // u32(KB_WARP))     # K-warps per slice
+        slices = u32(u32(cuda.blockDim.x) // u32(u32(WARP) * kw))
+        sl = u32(warp // kw)
+        w = u32(warp - sl * kw)
+        kb0 = u32(w * u32(KB_WARP) + u32(KB_LANE) * t)          # this lane's first block
+        group_cols = u32(slices * u32(STRIP))
+        col0 = u32(sl * u32(STRIP) + g)                          # the lane's first column in a group
+        n_groups = u32((u32(N) + group_cols - u32(1)) // group_cols)
+        grp = u32(cuda.blockIdx.x)
+        grid = u32(cuda.gridDim.x)
+        last2 = u32(u32(N) * nkb - u32(2))
+
+        if PDL:                     # the next kernel may start now: it waits for this one in griddep_wait
+            griddep_launch_dependents()
+        # ---- 1. the first strips' weight loads, two iterations ahead (three buffers) --------------------
+        codes_a = cuda.local.array((2, CODE_WORDS), np.uint32)
+        codes_b = cuda.local.array((2, CODE_WORDS), np.uint32)
+        codes_c = cuda.local.array((2, CODE_WORDS), np.uint32)
+        am_a = cuda.local.array((2, KB_LANE), absmax_t)
+        am_b = cuda.local.array((2, KB_LANE), absmax_t)
+        am_c = cuda.local.array((2, KB_LANE), absmax_t)
+        load_strip(packed, absmax, u32(grp * group_cols + col0), kb0, last2, nkb, codes_a, am_a)
+        load_strip(packed, absmax, u32((grp + grid) * group_cols + col0), kb0, last2, nkb, codes_b, am_b)
+
+        # ---- 2. the group table (pairs or quads in the MMA's type) and the E4M4 table --------------------
+        fill_table(smem, cb, tid)
+        table = shared_addr(smem)
+        i = tid
+        while e4m4 and i < u32(256):
+            smem[u32(u32(SCALES) + i)] = u32_as_f32(pair_bits(e4m4_decode(np.uint8(i))))
+            i = u32(i + u32(cuda.blockDim.x))
+
+        if PDL:                     # the activations (and out) may be the previous kernel's: wait for it
+            griddep_wait()
+        # ---- 3. token g's activations of the lane's two blocks, as B fragments (zeros past M, K) ---------
+        bx = cuda.local.array((KB_LANE, MMAS_PER_BLOCK, 2), np.uint32)
+        live = g < m and kb0 < nkb
+        for b in range(KB_LANE):
+            base = u32(u32(g * nkb + kb0 + u32(b)) * u32(A_WORDS)) if live else u32(0)
+            for q in range(A_WORDS // 4):          # words 4q .. 4q+3: MMAs 2q and 2q + 1
+                w4 = ldg128(A, u32(base + u32(4 * q)))
+                for h in range(4):
+                    bx[b, 2 * q + h // 2, h % 2] = w4[h] if live else u32(0)
+        lane_off = u32((lane % u32(COPIES)) * u32(ENTRY))
+        cuda.syncthreads()
+
+        part = u32(u32(PART) + (sl * kw + w) * u32(TILE))   # this warp's partial tile (+ flip)
+        flip = u32(0)
+        FLIP = u32(slices * kw * u32(TILE))
+        acc = cuda.local.array(4, np.float32)
+        # ---- 4. the persistent loop, unrolled three times (pair_gemv says why) ---------------------------
+        ahead = u32(u32(2) * grid * group_cols)
+        while grp < n_groups:
+            load_strip(packed, absmax, u32(grp * group_cols + ahead + col0), kb0, last2, nkb, codes_c, am_c)
+            decode_strip(smem, table, lane_off, codes_a, am_a, bx, acc)
+            reduce_strip(smem, acc, g, t, tid, part, flip, slices, kw, u32(grp * group_cols), out, N, m)
+            flip = u32(FLIP - flip)
+            grp = u32(grp + grid)
+            if grp >= n_groups:
+                break
+            load_strip(packed, absmax, u32(grp * group_cols + ahead + col0), kb0, last2, nkb, codes_a, am_a)
+            decode_strip(smem, table, lane_off, codes_b, am_b, bx, acc)
+            reduce_strip(smem, acc, g, t, tid, part, flip, slices, kw, u32(grp * group_cols), out, N, m)
+            flip = u32(FLIP - flip)
+            grp = u32(grp + grid)
+            if grp >= n_groups:
+                break
+            load_strip(packed, absmax, u32(grp * group_cols + ahead + col0), kb0, last2, nkb, codes_b, am_b)
+            decode_strip(smem, table, lane_off, codes_c, am_c, bx, acc)
+            reduce_strip(smem, acc, g, t, tid, part, flip, slices, kw, u32(grp * group_cols), out, N, m)
+            flip = u32(FLIP - flip)
+            grp = u32(grp + grid)
+
+    return jit_kernel(mma_gemv, spec.max_registers)
+
+
+def part_bytes(slices, kw):
+    """Dynamic shared bytes after the group table: the E4M4 table, the codebook and the double-buffered
+    partial C tiles [2, slices, kw, STRIP x MAX_TOKENS] float32."""
+    return 4 * (PART - TABLE_FLOATS) + 2 * slices * kw * TILE * 4
+
+
+def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, cta_warps=None, pdl=False):
+    """Checked inputs bound into a :class:`launch.Plan`. ``kc``: KbitCodes (k = 2, 4; K a multiple of 64 up
+    to 8192; ``pair_gemv.to_codes`` makes one from a flat KbitWeight). A: float16 or
+    bfloat16 (``bf16=True``, int16 bits) [M, K] or [K], M = 1..8 (float32 A: use ``tensor_gemm`` or
+    ``pair_gemv``). ``cta_warps`` overrides ``DEFAULTS``; ``pdl``: see ``pair_gemv.plan``."""
+    stream = _arrays.as_stream(stream)
+    if not isinstance(kc, KbitCodes):
+        raise TypeError(f"mma gemv reads the code layout (KbitCodes), got {type(kc).__name__}: convert the weight "
+                        "once with pair_gemv.to_codes(qw)")
+    kc = device_weight(kc, KbitCodes, stream)
+    N, K = kc.shape
+    Ad, a_src, M, out = _arrays.gemv_io(A, kc.shape, out, out_dtype, bf16, stream, "mma gemv", MAX_TOKENS)
+    if a_src not in MMA_TYPES:
+        raise ValueError(f"mma gemv takes float16 or bfloat16 activations (the MMA's types), got {a_src}")
+    n_kb = K // BLOCK
+    kw = -(-n_kb // KB_WARP)
+    if n_kb % 2 or kw > MAX_KW:
+        raise ValueError(f"mma gemv handles K a multiple of 64 up to {MAX_K}, got K={K}")
+    _arrays.check_aligned(Ad, 16, "A")
+    args = (_arrays.flat_view(Ad, np.uint32), kc.packed, kc.absmax, kc.codebook, _arrays.flat_view(out),
+            i32(N), i32(n_kb), i32(M))
+    spec = MmaGemvSpec(kc.k, kc.absmax_format, a_src, out.dtype, pdl)
+    spec, kern, regs, max_threads = fit_threads(make_mma_gemv_kernel, spec, args, kw * WARP)
+    slices = max(1, min((cta_warps or DEFAULTS["cta_warps"]) // kw, max_threads // (kw * WARP)))
+    slices = min(slices, -(-N // STRIP))                   # no slice without a column
+    n_groups = -(-N // (slices * STRIP))
+    shared = TABLE_BYTES + part_bytes(slices, kw)
+    regs_alloc = max(8, -(-regs // 8) * 8)
+    per_sm = max(1, min(REGISTERS_PER_SM // (slices * kw * WARP * regs_alloc), SHARED_PER_SM // (shared + 1024)))
+    grid = min(n_groups, sm_count() * per_sm)
+    return Plan([Step(kern, grid, slices * kw * WARP, args, shared, pdl)], Ad, out, stream)
+
+
+def gemv(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False):
+    """C[M, N] = A[M, K] @ W^T for M = 1..8 on the tensor cores, W a KbitCodes (k = 2, 4; K a multiple of 64,
+    at most 8192). A: float16 (bfloat16 as int16 bits with ``bf16=True``) [M, K] or [K]; returns a device
+    array [M, N] (or [N]) of ``out_dtype`` (float16 or float32), or writes into ``out``."""
+    return plan(A, kc, out, stream, out_dtype, bf16).launch()
+
+
+def prepare(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, pdl=False):
+    """A :class:`launch.Prepared` (one driver launch per ``run()``); see ``pair_gemv.prepare``."""
+    return plan(A, kc, out, stream, out_dtype, bf16, pdl=pdl).prepare()
+
+
+def ptx_specs():
+    """Every k with float16 A and E4M4 absmax (with and without pdl), and each other choice with every k."""
+    variants = [dict(), dict(pdl=True), dict(a_type="bfloat16"), dict(absmax_format="fp32"),
+                dict(out_dtype="float32")]
+    return [MmaGemvSpec(k=k, **v) for k in CODES_K for v in variants]
+
+
+def argtypes(spec):
+    from numba import types as t
+    return (t.uint32[::1], t.uint32[::1], t.uint8[::1] if spec.absmax_format == "e4m4" else t.float32[::1],
+            t.float32[::1], NUMBA_TYPES[spec.out_dtype], t.int32, t.int32, t.int32)
+
+
+def kernel_specializations():
+    """(name, kernel, argument types) for the PTX checks: :func:`ptx_specs`."""
+    return [(spec.name, make_mma_gemv_kernel(spec), argtypes(spec)) for spec in ptx_specs()]
