@@ -8,7 +8,8 @@ read floor and cuBLAS fp16 in the same run):
 Prints, per shape, k, M and accumulation (fp32, f16_acc), the time of the working tree's kernel (A) and
 of the other file's (B), each at its own default plan, alternating A and B three times to expose drift.
 REV must be from commit 35dd0d8 on (plan() returning a launch.Plan); for older revisions, compare the whole
-package with benchmarks/device_ab_bench.sh.
+package with benchmarks/device_ab_bench.sh. ``--mma``: the same for the tensor-core gemv (``mma_gemv.py`` of REV
+as the B file; float16 A only, so one accumulation).
 """
 import importlib.util
 import sys
@@ -16,11 +17,14 @@ import sys
 import numpy as np
 from numba import cuda
 
-from kbit_numba import bench, pair_gemv
+from kbit_numba import bench, mma_gemv, pair_gemv
 from kbit_numba._timing import graph_time_us, rotation_count
 
-spec = importlib.util.spec_from_file_location("pair_gemv_b", sys.argv[1])
+mma = "--mma" in sys.argv
+sys.argv = [a for a in sys.argv if a != "--mma"]
+spec = importlib.util.spec_from_file_location("gemv_b", sys.argv[1])
 other = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = other               # (its dataclass Spec looks its module up there)
 spec.loader.exec_module(other)
 shapes = [tuple(int(v) for v in s.split("x")) for s in (sys.argv[2] if len(sys.argv) > 2 else
                                                          "4096x14336,2048x5120,2048x512").split(",")]
@@ -39,11 +43,12 @@ for K, N in shapes:
             out = cuda.device_array((M, N), np.float16)
             floor = bench.floor_us(nbytes + M * K * 2 + M * N * 2)
             cub = bench.cublas_row(K, N, M) or 0.0
-            for f16 in (False, True):
+            for f16 in (False,) if mma else (False, True):
                 ts = {}
                 for rep in range(3):
-                    for name, mod in (("A", pair_gemv), ("B", other)):
-                        launches = [mod.plan(A, kc, out, 0, f16_acc=f16).prepare().run for kc in kcs]
+                    for name, mod in (("A", mma_gemv if mma else pair_gemv), ("B", other)):
+                        options = {} if mma else {"f16_acc": f16}
+                        launches = [mod.plan(A, kc, out, 0, **options).prepare().run for kc in kcs]
                         t = graph_time_us(lambda i, s: launches[i % n](s), n * max(1, 64 // n))
                         ts.setdefault(name, []).append(t)
                 a, b = min(ts["A"]), min(ts["B"])

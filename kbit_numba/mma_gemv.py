@@ -156,7 +156,8 @@ def make_mma_gemv_kernel(spec):
         its warp's tile of the shared buffer half ``flip``, then one thread per (slice, column, token)
         adds the slice's KW tiles and writes column n_first + s * STRIP + column (a loop: a CTA of one
         warp has fewer threads than 16 M outputs). The other threads go on to the next strip meanwhile
-        (sharing each sum among several threads with shuffles was slower: everyone waited for it)."""
+        (sharing each sum among several threads with shuffles was slower: everyone waited for it). KW is up
+        to 32: a thread keeps four sums, so that its loads do not wait on each other's adds."""
         for h in range(2):                         # c0, c1: column g; c2, c3: column g + 8
             for e in range(2):
                 tok = u32(u32(2) * t + u32(e))
@@ -172,10 +173,20 @@ def make_mma_gemv_kernel(spec):
             tok = u32(v - col * M)
             p = u32(u32(PART) + flip + s_out * kw * u32(TILE) + col * u32(MAX_TOKENS) + tok)
             p_end = u32(p + kw * u32(TILE))
-            total = np.float32(0.0)
+            s0 = np.float32(0.0)                   # four sums, so that four loads are in flight at a time
+            s1 = np.float32(0.0)
+            s2 = np.float32(0.0)
+            s3 = np.float32(0.0)
+            while p + u32(3 * TILE) < p_end:
+                s0 += smem[p]
+                s1 += smem[u32(p + u32(TILE))]
+                s2 += smem[u32(p + u32(2 * TILE))]
+                s3 += smem[u32(p + u32(3 * TILE))]
+                p = u32(p + u32(4 * TILE))
             while p < p_end:
-                total += smem[p]
+                s0 += smem[p]
                 p = u32(p + u32(TILE))
+            total = (s0 + s1) + (s2 + s3)
             n = u32(n_first + s_out * u32(STRIP) + col)
             if n < u32(N):
                 out[u32(tok * u32(N) + n)] = np.float16(total) if f16_out else total
