@@ -41,8 +41,8 @@ TUNING_DIR = os.path.join(os.path.dirname(__file__), "tuning")
 DEFAULT_TABLE = {"device": "default", "rules": [[4, "gemv"], [256, "gemm"], [None, "dequant_matmul"]],
                  "shapes": {}}
 # The code layout, when a table has no codes_rules (H100, benchmarks/README.md): the pair gemv at M <= 2, the
-# tensor-core gemv to M = 8 (faster than the pair gemv at M = 4 and the gemm at M = 8 on every measured shape), the gemm to 64,
-# dequantize + cuBLAS from the tiled tables' crossover on. Where the tensor-core gemv does not apply
+# tensor-core gemv to M = 8 (faster than the pair gemv at M = 4 and the gemm at M = 8 on every measured
+# shape), the gemm to 64, dequantize + cuBLAS from the tiled tables' crossover on. Where the tensor-core gemv does not apply
 # (K > 8192, float32 A) the pair gemv runs to M = 4 if its CTA of all K's warps fits without a register cap
 # (PAIR_GEMV_MAX_ROW_WARPS), else the gemm.
 CODES_RULES = [[2, "pair_gemv"], [8, "mma_gemv"], [64, "gemm"], [None, "dequant_matmul"]]
