@@ -40,6 +40,7 @@ def sm_count():
 
 REGISTERS_PER_SM = 65536          # sm_90 (and sm_80): one CTA can use at most this many registers
 MAX_REGISTERS = 255               # the most registers a thread can have
+SHARED_PER_SM = 228 * 1024        # sm_90: shared memory per SM (1 KB of it reserved per CTA)
 
 
 def kernel_limits(kern, args):
@@ -67,6 +68,15 @@ def fit_threads(make, spec, args, threads):
         kern = make(spec)
         regs, max_threads = kernel_limits(kern, args)
     return spec, kern, regs, max_threads
+
+
+def persistent_grid(work, threads, regs, shared):
+    """CTAs of a persistent launch over ``work`` items: as many as are resident at once on all SMs (by
+    registers, allocated in units of 8 per thread, and by ``shared`` dynamic bytes plus the 1 KB the driver
+    reserves per CTA), at least one per SM and never more than the work."""
+    regs_alloc = max(8, -(-regs // 8) * 8)
+    per_sm = max(1, min(REGISTERS_PER_SM // (threads * regs_alloc), SHARED_PER_SM // (shared + 1024)))
+    return min(work, sm_count() * per_sm)
 
 
 def k_warps(K):

@@ -236,7 +236,6 @@ CODEBOOK = TABLE_FLOATS + ABSMAX_CODES   # float offset of the codebook (<= 16 v
 # prmt selector for code byte t of a word: result byte 0 <- the lane's copy offset (byte 4 of {b, a}),
 # byte 1 <- byte t of the code word, bytes 2, 3 <- byte 5 (zero: the offset is < 256).
 PRMT_ROW = 0x5504
-SHARED_PER_SM = 228 * 1024        # sm_90: shared memory per SM (1 KB of it reserved per CTA)
 
 
 @lru_cache(maxsize=None)

@@ -81,7 +81,7 @@ def gemm_reads(layout, K):
 def mma_reads(M, K, half=True):
     """Whether the tensor-core gemv takes M rows of ``half`` (float16/bfloat16) activations on a code-layout
     weight with K columns."""
-    return half and M <= mma_gemv.MAX_TOKENS and K % 64 == 0 and K <= mma_gemv.MAX_K
+    return half and mma_gemv.reads(M, K)
 
 
 def choose_rule(M, N, K, layout, table=None, backend=None, half=True):
@@ -92,7 +92,7 @@ def choose_rule(M, N, K, layout, table=None, backend=None, half=True):
     ``backend``: the cuBLAS route ('torch', 'cupy', or False for none); None asks ``matmul_backend()``.
     ``half``: the activations are float16 or bfloat16 (what the tensor-core gemv takes)."""
     table = table or load_table()
-    codes = layout == "codes"      # (the pair gemv, the gemm where K allows, dequantize + cuBLAS)
+    codes = layout == "codes"      # (pair gemv, tensor-core gemv and gemm where K allows, dequantize + cuBLAS)
     rules = (table.get("codes_rules", CODES_RULES) if codes
              else table.get("shapes", {}).get(f"{K}x{N}", table["rules"]))
     want, params = next((r[1], dict(r[2]) if len(r) > 2 else {}) for r in rules if r[0] is None or M <= r[0])
@@ -274,8 +274,8 @@ class KbitLinear:
     gemv at 4096x14336 on the H100), the tensor-core gemv to M = 8 (K <= 8192, float16/bfloat16 A), the
     tensor-core gemm above, and dequantize + cuBLAS for large M; its gemm is 2-25% slower than the tiled
     layout's at M = 8..16 (H100, benchmarks/README.md), so prefill-heavy use at k = 2, 4 may prefer
-    ``layout="tiled"``. The tiled layout (N a multiple of 128;
-    otherwise the flat layout, served by gemv and dequantize + cuBLAS) serves the scalar gemv and the gemm.
+    ``layout="tiled"``. The tiled layout (N a multiple of 128; otherwise the flat layout, served by gemv and
+    dequantize + cuBLAS) serves the scalar gemv and the gemm.
 
     ``layer(A)`` is ``linear(A, weight, workspace=...)``; ``layer.prepare(A, out)`` binds buffers once and
     returns an object whose ``run()`` replays the chosen launches with no argument checking (CUDA-graph

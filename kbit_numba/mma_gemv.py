@@ -16,7 +16,8 @@ and waits on its own dependency chains. This kernel streams the weights the pair
 * **Decode**: the pair gemv's group table with float16 (bfloat16) entries: at k = 4 one ``prmt`` and one
   ``ld.shared`` per pair, at k = 2 one of each per quad (two pairs); one ``mul.rn.f16x2`` per pair
   scales it by the block's absmax (the same roundings as the tiled gemm: codebook value, absmax and
-  their product in the MMA's type). ~1.6 instructions per weight at k = 4 whatever M is.
+  their product in the MMA's type): ~1.6 instructions per weight at k = 4 whatever M is (with the loads,
+  the reduction and the loop, 2.84 at M = 1 and 3.20 at M = 8 measured: benchmarks/README.md).
 * **Geometry** as the pair gemv's: a CTA holds ``S`` slices of ``KW = ceil(K / 256)`` warps (K <= 8192),
   a persistent grid walks 16-column strips, loads run two iterations ahead in three register buffers,
   and the KW warps' partial C tiles are summed in shared memory (one barrier per iteration).
@@ -33,8 +34,8 @@ import numpy as np
 from numba import cuda
 
 from . import _arrays
-from .core import REGISTERS_PER_SM, device_weight, fit_threads, sm_count
-from .device import (CODEBOOK, PRMT_ROW, SHARED_PER_SM, TABLE_BYTES, TABLE_FLOATS, WARP, e4m4_decode, f32_to_bf16_bits,
+from .core import device_weight, fit_threads, persistent_grid
+from .device import (CODEBOOK, PRMT_ROW, TABLE_BYTES, TABLE_FLOATS, WARP, e4m4_decode, f32_to_bf16_bits,
                      i32, jit_kernel, make_table_fill, u32)
 from .formats import ABSMAX_FORMATS, BLOCK, CODES_K, KbitCodes
 from .intrinsics import (bmul2, f16x2_as_u32, griddep_launch_dependents, griddep_wait, hmul2, ldg128, lds64,
@@ -48,6 +49,7 @@ KB_LANE = 2
 MMAS_PER_BLOCK = BLOCK // 4       # MMA s takes elements 4s .. 4s+3 of a lane's block
 MAX_KW = 32                       # warps per slice (1024 threads): K <= 32 * 256 = 8192
 MAX_K = MAX_KW * KB_WARP * BLOCK
+K_STEP = KB_LANE * BLOCK          # K a multiple of 64: a lane's two blocks are one 16-byte-aligned piece
 SCALES = TABLE_FLOATS             # word offset of the E4M4 table (absmax byte -> its value as a packed pair)
 PART = CODEBOOK + 16              # float offset of the cross-warp partial C tiles
 TILE = STRIP * MAX_TOKENS         # floats of one warp's partial C tile
@@ -277,6 +279,12 @@ def make_mma_gemv_kernel(spec):
     return jit_kernel(mma_gemv, spec.max_registers)
 
 
+def reads(M, K):
+    """Whether a launch takes M rows on a code-layout weight with K columns (the activations must also be
+    float16 or bfloat16)."""
+    return 1 <= M <= MAX_TOKENS and K % K_STEP == 0 and K <= MAX_K
+
+
 def part_bytes(slices, kw):
     """Dynamic shared bytes after the group table: the E4M4 table, the codebook and the double-buffered
     partial C tiles [2, slices, kw, STRIP x MAX_TOKENS] float32."""
@@ -297,10 +305,10 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, cta_war
     Ad, a_src, M, out = _arrays.gemv_io(A, kc.shape, out, out_dtype, bf16, stream, "mma gemv", MAX_TOKENS)
     if a_src not in MMA_TYPES:
         raise ValueError(f"mma gemv takes float16 or bfloat16 activations (the MMA's types), got {a_src}")
+    if not reads(1, K):
+        raise ValueError(f"mma gemv handles K a multiple of {K_STEP} up to {MAX_K}, got K={K}")
     n_kb = K // BLOCK
     kw = -(-n_kb // KB_WARP)
-    if n_kb % 2 or kw > MAX_KW:
-        raise ValueError(f"mma gemv handles K a multiple of 64 up to {MAX_K}, got K={K}")
     _arrays.check_aligned(Ad, 16, "A")
     args = (_arrays.flat_view(Ad, np.uint32), kc.packed, kc.absmax, kc.codebook, _arrays.flat_view(out),
             i32(N), i32(n_kb), i32(M))
@@ -310,9 +318,7 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, cta_war
     slices = min(slices, -(-N // STRIP))                   # no slice without a column
     n_groups = -(-N // (slices * STRIP))
     shared = TABLE_BYTES + part_bytes(slices, kw)
-    regs_alloc = max(8, -(-regs // 8) * 8)
-    per_sm = max(1, min(REGISTERS_PER_SM // (slices * kw * WARP * regs_alloc), SHARED_PER_SM // (shared + 1024)))
-    grid = min(n_groups, sm_count() * per_sm)
+    grid = persistent_grid(n_groups, slices * kw * WARP, regs, shared)
     return Plan([Step(kern, grid, slices * kw * WARP, args, shared, pdl)], Ad, out, stream)
 
 

@@ -40,8 +40,8 @@ from numba import cuda
 from numba.cuda.misc.special import literal_unroll
 
 from . import _arrays
-from .core import MAX_M, REGISTERS_PER_SM, device_weight, fit_threads, k_warps, sm_count
-from .device import (ABSMAX_CODES, CODEBOOK, PRMT_ROW, SHARED_PER_SM, TABLE_BYTES, TABLE_FLOATS, WARP, e4m4_decode,
+from .core import MAX_M, device_weight, fit_threads, k_warps, persistent_grid
+from .device import (ABSMAX_CODES, CODEBOOK, PRMT_ROW, TABLE_BYTES, TABLE_FLOATS, WARP, e4m4_decode,
                      i32, jit_kernel, make_table_fill, make_warp_reduce_scatter, make_word_unpacker, u32)
 from .formats import ABSMAX_FORMATS, BLOCK, CODES_K, KbitCodes, KbitWeight
 from .intrinsics import (SIMULATOR, f16_bits_to_f32, griddep_launch_dependents, griddep_wait, hfma2, ldg64, ldg128,
@@ -395,9 +395,7 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc
     slices = min(slices, -(-N // spec.cols))               # no slice without a column
     n_groups = -(-N // (slices * spec.cols))
     shared = TABLE_BYTES + part_bytes(M, spec.cols, slices, kw)
-    regs_alloc = max(8, -(-regs // 8) * 8)                 # registers are allocated in units of 8
-    per_sm = max(1, min(REGISTERS_PER_SM // (slices * kw * WARP * regs_alloc), SHARED_PER_SM // (shared + 1024)))
-    grid = min(n_groups, sm_count() * per_sm)
+    grid = persistent_grid(n_groups, slices * kw * WARP, regs, shared)
     return Plan([Step(kern, grid, slices * kw * WARP, args, shared, pdl)], Ad, out, stream)
 
 
