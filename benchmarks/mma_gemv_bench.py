@@ -48,7 +48,7 @@ for K, N in shapes:
             t = {}
             for name in cols:
                 make = plans[name]
-                if make is None or (name.startswith("mma") and K > 8192):
+                if make is None or (name.startswith("mma") and not mma_gemv.reads(M, K)):
                     continue
                 weights = tiled if name == "gemm(t)" else codes
                 runs = [make(w).prepare().run for w in weights]

@@ -40,7 +40,8 @@ warp (``_sim.exchange``) and compute the PTX fragment layout in NumPy; the ``cp.
 
 ``shared_addr``/``lds_f32`` let a kernel build a lookup address with 32-bit bit operations (e.g. one
 ``prmt`` that drops an index byte into the low byte of an aligned table's address) instead of Numba's
-64-bit generic array indexing. Their twins treat the address as a byte offset into the array (base 0).
+64-bit generic array indexing. Their twins treat the address as a byte offset into the array from ``SIM_SHARED_BASE`` (not 0, so that an
+offset used without its base fails under the simulator too).
 """
 from __future__ import annotations
 
@@ -176,12 +177,26 @@ def ptx_lds_f32(typingctx, arr, addr):
     return sig, codegen
 
 
+SIM_SHARED_BASE = 0x10000       # the twins' shared window starts here, not at 0, so that a kernel that forgets
+                                # to add shared_addr(...) to an offset fails on the simulator as on the GPU
+
+
+def _shared_index(addr):
+    """Word index into a shared array of a twin's shared byte address."""
+    off = int(addr) - SIM_SHARED_BASE
+    if off < 0:
+        raise IndexError(f"shared address {int(addr):#x} is below the array's shared_addr: an offset without "
+                         "its base?")
+    return off >> 2
+
+
 def py_shared_addr(arr):
-    return np.uint32(0)
+    return np.uint32(SIM_SHARED_BASE)
 
 
 def py_lds_f32(arr, addr):   # the word's bits as a float32, whatever the array's 4-byte type
-    return _words(arr)[int(addr) >> 2:(int(addr) >> 2) + 1].view(np.float32)[0]
+    i = _shared_index(addr)
+    return _words(arr)[i:i + 1].view(np.float32)[0]
 
 
 @intrinsic
@@ -197,7 +212,7 @@ def ptx_lds_u32(typingctx, arr, addr):
 
 
 def py_lds_u32(arr, addr):   # the word's bits, whatever the array's 4-byte type
-    return np.uint32(_words(arr)[int(addr) >> 2])
+    return np.uint32(_words(arr)[_shared_index(addr)])
 
 
 def _lds_vector(n):
@@ -229,12 +244,12 @@ def _words(arr):
 
 
 def py_lds128(arr, addr):
-    i = int(addr) >> 2
+    i = _shared_index(addr)
     return tuple(np.uint32(_words(arr)[i + j]) for j in range(4))
 
 
 def py_lds64(arr, addr):
-    i = int(addr) >> 2
+    i = _shared_index(addr)
     return np.uint32(_words(arr)[i]), np.uint32(_words(arr)[i + 1])
 
 
@@ -257,7 +272,7 @@ def ptx_sts128(typingctx, arr, addr, a, b, c, d):
 
 
 def py_sts128(arr, addr, a, b, c, d):
-    i = int(addr) >> 2
+    i = _shared_index(addr)
     for j, v in enumerate((a, b, c, d)):
         _words(arr)[i + j] = np.uint32(int(v) & 0xFFFFFFFF)
 
@@ -357,7 +372,7 @@ def py_griddep_launch_dependents():
 
 
 def py_cp_async16(dst, dst_addr, src, src_index, src_bytes):
-    d, i = int(dst_addr) >> 2, int(src_index)
+    d, i = _shared_index(dst_addr), int(src_index)
     for j in range(4):
         dst[d + j] = src[i + j] if int(src_bytes) else 0
 
@@ -368,7 +383,7 @@ def py_cp_async4(dst, dst_addr, src, src_index, src_bytes):
     word = np.zeros(4, np.uint8)
     n = int(src_bytes)
     word[:n] = raw[start:start + n]
-    _words(dst)[int(dst_addr) >> 2] = word.view(np.uint32)[0]
+    _words(dst)[_shared_index(dst_addr)] = word.view(np.uint32)[0]
 
 
 def py_cp_async_commit():
@@ -401,7 +416,7 @@ def py_ldmatrix_x4(arr, addr):
     from ._sim import exchange, lane_id
     addrs = exchange(int(addr))
     lane = lane_id()
-    return tuple(np.uint32(arr[(addrs[8 * i + lane // 4] + 4 * (lane % 4)) >> 2]) for i in range(4))
+    return tuple(np.uint32(arr[_shared_index(addrs[8 * i + lane // 4] + 4 * (lane % 4))]) for i in range(4))
 
 
 def _mma_intrinsic(dtype):

@@ -24,8 +24,11 @@ def test_twins_known_values():
     assert I.py_hmul2(I.py_f16x2_as_u32(1.5, -2.0), I.py_f16x2_as_u32(2.0, 0.5)) == I.py_f16x2_as_u32(3.0, -1.0)
     assert I.py_bmul2(0x40003FC0, 0x3F004000) == 0x3F804040     # bf16 pairs (1.5, 2) * (2, 0.5) = (3, 1)
     # shared lookups read bits (ld.shared.u32 / .f32), whatever the array's 4-byte type
-    assert I.py_lds_u32(np.array([0.0, 1.0], np.float32), 4) == 0x3F800000
-    assert I.py_lds_f32(np.array([0, 0x3F800000], np.uint32), 4) == 1.0
+    base = I.SIM_SHARED_BASE                       # the twins' shared window starts there
+    assert I.py_lds_u32(np.array([0.0, 1.0], np.float32), base + 4) == 0x3F800000
+    assert I.py_lds_f32(np.array([0, 0x3F800000], np.uint32), base + 4) == 1.0
+    with pytest.raises(IndexError, match="without its base"):       # an offset with no shared_addr added
+        I.py_lds_u32(np.array([0.0, 1.0], np.float32), 4)
     assert I.py_hfma2(I.py_f16x2_as_u32(1.5, -2.0), I.py_f16x2_as_u32(2.0, 0.5),
                       I.py_f16x2_as_u32(0.25, 4.0)) == I.py_f16x2_as_u32(3.25, 3.0)
     # one rounding: 1 + 2**-11 (a tie, a product exact in float64) rounds to even, 1.0
@@ -116,8 +119,9 @@ def test_ptx_matches_twins_float_and_shared():
         assert got[i, 0] == I.py_hmul2(h[i], h[i + 1]), i
         assert got[i, 1] == I.py_bmul2(bf[i], bf[i + 1]), i
         assert got[i, 2] == I.py_f32_as_u32(I.py_f16_bits_to_f32(h[i])), i
-        assert got[i, 3] == I.py_f32_as_u32(I.py_lds_f32(table.view(np.float32), addr[i])), i
-        assert got[i, 4] == I.py_lds_u32(table, addr[i]), i
+        at = I.SIM_SHARED_BASE + addr[i]
+        assert got[i, 3] == I.py_f32_as_u32(I.py_lds_f32(table.view(np.float32), at)), i
+        assert got[i, 4] == I.py_lds_u32(table, at), i
         assert got[i, 5] == I.py_hfma2(h[i], h[i + 1], h[(i + 2) % n]), i
 
 
