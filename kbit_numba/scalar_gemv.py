@@ -96,9 +96,12 @@ def make_gemv_kernel(spec):
 
     k: bits; M: rows of A (1..4); cols (NCOL here): columns per iteration; max_registers: a register
     cap per thread (more resident warps against fewer registers; see benchmarks/README.md).
-    grouped: the MoE variant. blockIdx.y is an expert e whose weights follow the previous experts' in
-    packed/absmax; its tokens are rows offsets[e] .. offsets[e+1]-1 of A and out (at most M of them;
-    CTAs of experts without tokens exit at once). Not grouped: offsets is unused, the M rows are 0..M-1."""
+    grouped: the MoE variant. Expert e's weights follow the previous experts' in packed/absmax; its tokens
+    are rows offsets[e] .. offsets[e+1]-1 of A and out (at most M of them). blockIdx.y is a slot: with
+    gridDim.y = E slots, slot e is expert e; with fewer (T < E tokens: a decode step, where most experts
+    have none) slot y is row y, and it runs row y's expert when y is that expert's first row. Either way no
+    CTA is launched for nothing but a handful, and CTAs without work exit at once. Not grouped: offsets is
+    unused, the M rows are 0..M-1."""
     k, M, NCOL, grouped = spec.k, spec.M, spec.cols, spec.grouped       # (checked by GemvSpec)
     layout, absmax_format, a_src, out_dtype = spec.layout, spec.absmax_format, spec.a_type, spec.out_dtype
     n_codes = 1 << k
@@ -133,6 +136,21 @@ def make_gemv_kernel(spec):
     def gemv_kernel(A, packed, absmax, cb, out, N, K, n_kb, offsets):
         if grouped:                                 # this CTA's expert and its token rows
             expert = cuda.blockIdx.y
+            n_experts = offsets.shape[0] - 1
+            if cuda.gridDim.y < n_experts:          # slot = row: the expert whose first row it is, if any
+                found = cuda.shared.array(1, np.int32)
+                if cuda.threadIdx.x == 0:
+                    found[0] = -1
+                cuda.syncthreads()
+                e = cuda.threadIdx.x                # (E <= a few hundred: one or a few loads a thread)
+                while e < n_experts:
+                    if offsets[e] == expert and offsets[e + 1] > expert:
+                        found[0] = e
+                    e += cuda.blockDim.x
+                cuda.syncthreads()
+                expert = found[0]
+                if expert < 0:                      # whole CTA: no barrier is skipped by a subset
+                    return
             row0 = offsets[expert]
             rows = offsets[expert + 1] - row0
             if rows <= 0:                           # whole CTA: no barrier is skipped by a subset
@@ -241,13 +259,15 @@ def make_gemv_kernel(spec):
     return jit_kernel(gemv_kernel, spec.max_registers)
 
 
-def _launch(spec, N, K, E=1):
+def _launch(spec, N, K, E=1, T=None):
     """(grid, block) of a launch: KW warps per CTA along K, a persistent grid over the column groups that
-    aims at CTA_WARPS_TARGET warps per SM (shared among E experts)."""
+    aims at CTA_WARPS_TARGET warps per SM, shared among the experts that can have tokens: at most
+    min(E, T) of them, one grid row (slot) each (see make_gemv_kernel)."""
     kw = k_warps(K)
     n_groups = -(-N // spec.cols)
-    grid = max(1, min(n_groups, -(-sm_count() * max(1, CTA_WARPS_TARGET // kw) // max(1, E))))
-    return (grid, E) if spec.grouped else grid, kw * WARP
+    slots = max(1, min(E, T)) if T is not None else E
+    grid = max(1, min(n_groups, -(-sm_count() * max(1, CTA_WARPS_TARGET // kw) // max(1, slots))))
+    return (grid, slots) if spec.grouped else grid, kw * WARP
 
 
 def plan(A, qw, out=None, stream=None, out_dtype=np.float16, bf16=False, cols=None, max_registers=None):
@@ -303,7 +323,7 @@ def plan_grouped(A, experts, expert_offsets, out=None, stream=None, out_dtype=np
     _arrays.check_aligned(Ad, 16, "A")
     spec = GemvSpec(experts.k, max(1, int(max_tokens)), DEFAULTS["cols"], experts.layout, experts.absmax_format,
                     a_src, out_dtype, grouped=True)
-    grid, block = _launch(spec, N, K, E)
+    grid, block = _launch(spec, N, K, E, T)
     steps = [] if not (E and T) else [Step(
         make_gemv_kernel(spec), grid, block,
         (_arrays.flat_view(Ad, np.uint32), experts.packed, experts.absmax, experts.codebook, _arrays.flat_view(out),

@@ -202,6 +202,17 @@ def test_grouped_gemv_tiled_and_device_offsets():
     np.testing.assert_allclose(got.copy_to_host(), ref.grouped_gemv(A, experts, offsets), rtol=1e-4, atol=1e-4)
 
 
+def test_grouped_gemv_fewer_tokens_than_experts():
+    """T < E (a decode step: most experts idle): one grid slot per row, each running the expert whose first row
+    it is; empty experts before, between and after the active ones, and an expert with two rows."""
+    rng = np.random.default_rng(10)
+    experts = _experts(rng, 7, 9, 96, 3)
+    offsets = np.array([0, 0, 2, 2, 3, 3, 4, 4], np.int32)       # T = 4 rows, 3 active experts of 7
+    A = rng.standard_normal((4, 96)).astype(np.float16)
+    got = kb.grouped_gemv(A, experts, cuda.to_device(offsets), out_dtype=np.float32).copy_to_host()
+    np.testing.assert_allclose(got, ref.grouped_gemv(A, experts, offsets), rtol=1e-4, atol=1e-4)
+
+
 def test_grouped_gemv_more_tokens_than_specialised_gives_nan_not_garbage():
     rng = np.random.default_rng(9)
     experts = _experts(rng, 2, 4, 32, 2)
