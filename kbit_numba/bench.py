@@ -655,7 +655,7 @@ def main(argv=None):
                         "M = %s (unless --m is given) and write the linear() table for this GPU (default: "
                         "kbit_numba/tuning/<gpu>.json)" % ",".join(map(str, TUNE_MS)))
     p.add_argument("--model", help="time a whole-model decode step instead of the kernel grid (needs torch): "
-                                    "one of llama3-8b (kbit_numba/bench_model.py)")
+                                    "llama3-8b or qwen3-30b-a3b (MoE) (kbit_numba/bench_model.py)")
     p.add_argument("--batch", default="1,4,16", help="with --model: batch sizes (tokens per step)")
     p.add_argument("--variants", help="with --model: weight formats to time (default: all of "
                                       "bench_model.VARIANTS), e.g. 'fp16,kbit k=4'")

@@ -5,11 +5,24 @@ One decode step runs every decoder layer of the model on a batch of B tokens (on
     h = rmsnorm(x);  x = x + W_o · attention(W_qkv · h)
     h = rmsnorm(x);  g, u = W_gate_up · h;  x = x + W_down · (silu(g) * u)
 
+or, for a mixture-of-experts model (``qwen3-30b-a3b``), the second line per token t routed to experts e_1..e_top::
+
+    h = rmsnorm(x);  x = x + sum_j p_j W_down[e_j] · silu_mul(W_gate_up[e_j] · h)
+
 * **Linear layers**: QKV fused into one matrix and gate/up into one (as vLLM and TensorRT-LLM run them),
   random weights, each layer's weights in its own buffers (format variants quantize one random matrix per
   projection and copy it into every layer: the same values, separate memory, so no layer reads another's
   weights from the L2). fp16 runs ``nn.Linear`` (cuBLAS); the kbit_numba variants run
   ``kbit_numba.torch.KbitLinear``, the drop-in a user would use.
+* **MoE experts** (the router's result taken as given: a fixed random top-k routing per layer, with softmax
+  weights): the B * top_k (token, expert) rows are gathered in expert order (``index_select``), run through the
+  layer's gate/up experts and down experts, and summed back per token with their weights (torch ops). kbit
+  variants hold every layer's experts as one ``KbitExperts`` per projection in the tiled layout and run
+  ``grouped_gemv`` (one launch, while no expert has more than 4 rows) or ``grouped_gemm`` (split-K, any rows);
+  fp16 runs one cuBLAS matmul per active expert (``torch.matmul``, as a plain PyTorch MoE does: a baseline
+  with one launch per expert, not a fused MoE kernel). The other formats have no grouped kernels: their rows
+  report that. All of a layer's experts are in memory (128 at qwen3-30b-a3b: ~58 GB in fp16); a step reads
+  only the active ones.
 * **Attention stand-in** (a fixed cost, named in the report): ``scaled_dot_product_attention`` of the new
   token's query over a fixed ``context``-token fp16 KV cache per layer (GQA); the new token's k and v are
   not appended, and no rotary embedding is applied.
@@ -33,6 +46,9 @@ import numpy as np
 # Shapes from the published configs (hidden_size, intermediate_size, heads, kv heads, head_dim, layers).
 MODELS = {
     "llama3-8b": dict(hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128, layers=32),
+    # MoE: every layer's MLP is `experts` experts of `expert_intermediate`, each token routed to `top_k`
+    "qwen3-30b-a3b": dict(hidden=2048, heads=32, kv_heads=4, head_dim=128, layers=48, experts=128,
+                          expert_intermediate=768, top_k=8),
 }
 CONTEXT = 1024                  # tokens in the attention stand-in's KV cache
 BATCHES = (1, 4, 16)
@@ -51,11 +67,40 @@ VARIANTS = {
 _QUANTIZE_KEYS = ("k", "bits", "group_size", "parts")      # the options that change the quantized bytes
 
 
+def is_moe(cfg):
+    return "experts" in cfg
+
+
 def projections(cfg):
-    """(name, N, K) of one decoder layer's linear layers, in the order the step runs them."""
-    H, I, hd = cfg["hidden"], cfg["intermediate"], cfg["head_dim"]
+    """(name, N, K) of one decoder layer's linear layers, in the order the step runs them (for a MoE model,
+    the shapes of one expert's gate_up and down: every expert has them)."""
+    H, hd = cfg["hidden"], cfg["head_dim"]
+    I = cfg["expert_intermediate"] if is_moe(cfg) else cfg["intermediate"]
     q, kv = cfg["heads"] * hd, cfg["kv_heads"] * hd
     return [("qkv", q + 2 * kv, H), ("o", H, q), ("gate_up", 2 * I, H), ("down", H, I)]
+
+
+def layer_params(cfg):
+    """Weights of one decoder layer's linear layers (all experts of a MoE layer; no router)."""
+    per = [N * K for _, N, K in projections(cfg)]
+    return per[0] + per[1] + (cfg["experts"] if is_moe(cfg) else 1) * (per[2] + per[3])
+
+
+def routing(cfg, B, rng):
+    """A router's result taken as given: each of B tokens picks top_k distinct experts with softmax weights.
+    Returns (src, inv, weights, offsets): row r of the expert-sorted batch is token src[r]; token b's j-th
+    choice is row inv[b * top_k + j]; weights [B, top_k] float32; offsets int32 [E + 1] (expert e's rows are
+    offsets[e] .. offsets[e + 1] - 1)."""
+    E, top = cfg["experts"], cfg["top_k"]
+    experts = np.stack([rng.choice(E, top, replace=False) for _ in range(B)])          # [B, top_k]
+    logits = rng.standard_normal((B, top))
+    weights = (np.exp(logits) / np.exp(logits).sum(1, keepdims=True)).astype(np.float32)
+    order = np.argsort(experts.reshape(-1), kind="stable")                             # pair -> sorted row
+    src = (order // top).astype(np.int64)
+    inv = np.empty(B * top, np.int64)
+    inv[order] = np.arange(B * top)
+    offsets = np.concatenate([[0], np.cumsum(np.bincount(experts.reshape(-1), minlength=E))]).astype(np.int32)
+    return src, inv, weights, offsets
 
 
 def check_names(model, variants):
@@ -128,8 +173,66 @@ def silu_mul_torch(gu):
     return (g * (1 / (1 + (-g).exp())) * u).to(gu.dtype)
 
 
+DISTINCT_EXPERTS = 8           # a kbit variant quantizes this many random experts and repeats them over E
+
+
+class ExpertsFP16:
+    """One layer's experts of one projection in float16 ([E, N, K]): one cuBLAS matmul per active expert."""
+
+    def __init__(self, W):
+        self.W = W
+
+    def weight_bytes(self):
+        return self.W.numel() * self.W.element_size()
+
+    def bind(self, A, out, offsets):
+        """A callable that runs the experts on A's rows (sorted by expert, ``offsets`` on the host) into out."""
+        import torch
+        spans = [(e, int(offsets[e]), int(offsets[e + 1])) for e in range(len(offsets) - 1)
+                 if offsets[e + 1] > offsets[e]]
+        W = self.W
+
+        def run():
+            for e, a, b in spans:
+                torch.matmul(A[a:b], W[e].t(), out=out[a:b])
+        return run
+
+
+class ExpertsKbit:
+    """One layer's experts of one projection as ``KbitExperts`` (tiled layout): ``grouped_gemv`` while no expert
+    has more than 4 rows, else ``grouped_gemm`` (needs CUDA tensors)."""
+
+    def __init__(self, experts):
+        self.experts = experts
+
+    def weight_bytes(self):
+        return sum(getattr(self.experts, f).nbytes for f in self.experts.ARRAYS)
+
+    def bind(self, A, out, offsets):
+        import torch
+        from numba import cuda
+
+        from . import scalar_gemv, tensor_gemm
+        d_offsets = cuda.to_device(offsets)
+        most = int(np.diff(offsets).max())
+        if most <= scalar_gemv.MAX_M:
+            plan = scalar_gemv.plan_grouped(A, self.experts, d_offsets, out=out, max_tokens=most)
+        else:
+            sums = tensor_gemm.new_workspace(*out.shape)
+            plan = tensor_gemm.plan_grouped(A, self.experts, d_offsets, out=out, workspace=sums,
+                                            m_tile=tensor_gemm.m_tile_for(most))
+        prepared = plan.prepare()
+
+        def run():
+            prepared.run(torch.cuda.current_stream())
+        run.kernel = "grouped_gemv" if most <= scalar_gemv.MAX_M else "grouped_gemm"
+        run.buffers = (d_offsets, plan)             # (kept alive with the callable)
+        return run
+
+
 class DecodeStep:
-    """One model's decode step for a batch of B tokens with the given per-layer linear modules."""
+    """One model's decode step for a batch of B tokens with the given per-layer linear modules (for a MoE
+    model the last two of a layer are expert sets, :class:`ExpertsFP16` or :class:`ExpertsKbit`)."""
 
     def __init__(self, cfg, linears, B, context=CONTEXT, device="cuda"):
         import torch
@@ -146,6 +249,40 @@ class DecodeStep:
         # the linear-only graph's inputs: one static tensor per projection input width
         self.static = {K: torch.randn(B, K, device=dev, dtype=f16, generator=g) * 0.1
                        for _, _, K in projections(cfg)}
+        if is_moe(cfg):
+            self._bind_experts(torch, dev, f16)
+
+    def _bind_experts(self, torch, dev, f16):
+        """Per layer a fixed routing, and the expert sets bound to static row buffers (shared by the layers):
+        rows [T = B * top_k, H] -> gate_up -> silu_mul -> down -> [T, H]."""
+        cfg, B = self.cfg, self.B
+        (_, N_gu, H), (_, _, I) = projections(cfg)[2:]
+        T = B * cfg["top_k"]
+        self.rows = torch.zeros(T, H, device=dev, dtype=f16)
+        self.gu = torch.zeros(T, N_gu, device=dev, dtype=f16)
+        self.act = torch.zeros(T, I, device=dev, dtype=f16)
+        self.down_rows = torch.zeros(T, H, device=dev, dtype=f16)
+        rng = np.random.default_rng(1)
+        self.routes, self.offsets, self.expert_runs = [], [], []
+        for _, _, gate_up, down in self.linears:
+            src, inv, weights, offsets = routing(cfg, B, rng)
+            self.offsets.append(offsets)
+            self.routes.append((torch.from_numpy(src).to(dev), torch.from_numpy(inv).to(dev),
+                                torch.from_numpy(weights).to(dev)))
+            self.expert_runs.append((gate_up.bind(self.rows, self.gu, offsets),
+                                     down.bind(self.act, self.down_rows, offsets)))
+
+    def moe(self, h, layer):
+        """sum over token b's experts e_j of p_j * down_e(silu_mul(gate_up_e(h[b])))."""
+        src, inv, weights = self.routes[layer]
+        gate_up, down = self.expert_runs[layer]
+        self.torch.index_select(h, 0, src, out=self.rows)
+        gate_up()
+        self.silu_mul(self.gu, out=self.act)
+        down()
+        top = self.cfg["top_k"]
+        y = self.down_rows[inv].view(self.B, top, -1).float() * weights[:, :, None]
+        return y.sum(1).to(h.dtype)
 
     def add_rmsnorm(self, res, y, w, eps=1e-6):
         if not res.is_cuda:
@@ -157,11 +294,13 @@ class DecodeStep:
             cuda.as_cuda_array(res), cuda.as_cuda_array(y), cuda.as_cuda_array(w), cuda.as_cuda_array(h), eps)
         return h
 
-    def silu_mul(self, gu):
+    def silu_mul(self, gu, out=None):
         if not gu.is_cuda:
-            return silu_mul_torch(gu)
+            y = silu_mul_torch(gu)
+            return y if out is None else out.copy_(y)
         from numba import cuda
-        out = self.torch.empty(gu.shape[0], gu.shape[1] // 2, device=gu.device, dtype=gu.dtype)
+        if out is None:
+            out = self.torch.empty(gu.shape[0], gu.shape[1] // 2, device=gu.device, dtype=gu.dtype)
         s = cuda.external_stream(self.torch.cuda.current_stream().cuda_stream)
         grid = (-(-out.shape[1] // SILU_THREADS), gu.shape[0])
         _kernels()["silu_mul"][grid, SILU_THREADS, s](cuda.as_cuda_array(gu), cuda.as_cuda_array(out))
@@ -178,15 +317,23 @@ class DecodeStep:
         """The residual stream after every layer (x is left as it was: each replay computes the same step)."""
         res = self.x.clone()
         y = self.torch.zeros_like(res)
-        for (qkv, o, gate_up, down), (n1, n2), kv in zip(self.linears, self.norms, self.kv):
+        moe = is_moe(self.cfg)
+        for layer, ((qkv, o, gate_up, down), (n1, n2), kv) in enumerate(zip(self.linears, self.norms, self.kv)):
             h = self.add_rmsnorm(res, y, n1)               # (layer 0: res += 0)
             h = self.add_rmsnorm(res, o(self._attention(qkv(h), kv)), n2)
-            y = down(self.silu_mul(gate_up(h)))
+            y = self.moe(h, layer) if moe else down(self.silu_mul(gate_up(h)))
         res.add_(y)
         return res
 
     def linears_only(self):
-        for layer in self.linears:
+        """Every linear layer of the step on static inputs (a MoE layer: its experts on the bound row buffers)."""
+        for i, layer in enumerate(self.linears):
+            if is_moe(self.cfg):
+                layer[0](self.static[layer[0].in_features])
+                layer[1](self.static[layer[1].in_features])
+                for run in self.expert_runs[i]:
+                    run()
+                continue
             for lin, (_, _, K) in zip(layer, projections(self.cfg)):
                 lin(self.static[K])
 
@@ -211,9 +358,32 @@ def graph_us(torch, fn, replays=20, warmup=3):
     return t
 
 
+def build_experts(cfg, variant, name, N, K, base, progress, device="cuda"):
+    """Per layer, the expert set of projection ``name`` ([N, K] each). fp16: random [E, N, K] per layer; kbit:
+    the ``DISTINCT_EXPERTS`` matrices of ``base[name]`` quantized, repacked to the tiled layout, repeated over
+    the E experts and copied into every layer's own buffers."""
+    import torch
+
+    from . import reference
+    from .bench import _device_copies
+    from .core import stack_experts
+    L, E = cfg["layers"], cfg["experts"]
+    if VARIANTS[variant] is None:
+        return [ExpertsFP16(torch.empty(E, N, K, device=device, dtype=torch.float16).normal_(0, 0.02))
+                for _ in range(L)]
+    fmt, opts = VARIANTS[variant]
+    if fmt != "kbit":
+        raise ValueError(f"{variant}: kbit_numba has grouped MoE kernels for the kbit format only")
+    progress(f"{variant}: quantizing {E} experts of {name} {N}x{K}")
+    distinct = [reference.repack_tiled(reference.quantize(w, k=opts["k"])) for w in base[name]]
+    stacked = stack_experts([distinct[e % len(distinct)] for e in range(E)])
+    return [ExpertsKbit(c) for c in _device_copies(stacked, L)]
+
+
 def build_linears(cfg, variant, base, progress, device="cuda"):
     """Per layer, the 4 projection modules of ``variant``; ``base``: projection name -> a random float32
-    [N, K] NumPy matrix (quantized once per variant, then copied into every layer's own buffers)."""
+    [N, K] NumPy matrix (quantized once per variant, then copied into every layer's own buffers; for a MoE
+    model's expert projections a list of ``DISTINCT_EXPERTS`` matrices: see :func:`build_experts`)."""
     import torch
     from torch import nn
 
@@ -222,6 +392,9 @@ def build_linears(cfg, variant, base, progress, device="cuda"):
     L = cfg["layers"]
     per_proj = []
     for name, N, K in projections(cfg):
+        if is_moe(cfg) and name in ("gate_up", "down"):
+            per_proj.append(build_experts(cfg, variant, name, N, K, base, progress, device))
+            continue
         if VARIANTS[variant] is None:
             mods = []
             for _ in range(L):
@@ -254,13 +427,22 @@ def run(model="llama3-8b", variants=None, batches=BATCHES, context=CONTEXT, prog
     variants = list(variants or VARIANTS)
     check_names(model, variants)
     cfg = MODELS[model]
-    params = cfg["layers"] * sum(N * K for _, N, K in projections(cfg))
+    params = cfg["layers"] * layer_params(cfg)
     rng = np.random.default_rng(0)
     base = {name: (rng.standard_normal((N, K), dtype=np.float32) * 0.02) for name, N, K in projections(cfg)}
+    if is_moe(cfg):
+        for name, N, K in projections(cfg)[2:]:
+            base[name] = [rng.standard_normal((N, K), dtype=np.float32) * 0.02 for _ in range(DISTINCT_EXPERTS)]
     rows = []
     for variant in variants:
         t0 = time.perf_counter()
-        linears = build_linears(cfg, variant, base, progress)
+        try:
+            linears = build_linears(cfg, variant, base, progress)
+        except ValueError as e:             # a format this model's layers have no kernel for: reported
+            rows += [dict(model=model, variant=variant, batch=B, context=context, error=str(e)[:300])
+                     for B in batches]
+            progress(f"{variant}: {e}")
+            continue
         nbytes = weight_bytes(linears)
         progress(f"{variant}: {nbytes / 2**30:.2f} GiB of weights, built in {time.perf_counter() - t0:.0f} s")
         step = None

@@ -57,6 +57,82 @@ def test_quantized_step_follows_the_fp16_step(variant):
     assert err <= bound, err
 
 
+TINY_MOE = (dict(hidden=64, heads=2, kv_heads=1, head_dim=32, layers=2, experts=4, expert_intermediate=32, top_k=2)
+            if SIM else dict(hidden=256, heads=4, kv_heads=2, head_dim=64, layers=2, experts=8,
+                             expert_intermediate=128, top_k=2))
+
+
+def test_qwen3_moe_shapes_and_routing():
+    cfg = bench_model.MODELS["qwen3-30b-a3b"]
+    assert bench_model.projections(cfg) == [("qkv", 4096 + 2 * 512, 2048), ("o", 2048, 4096),
+                                             ("gate_up", 2 * 768, 2048), ("down", 2048, 768)]
+    assert bench_model.layer_params(cfg) == 5120 * 2048 + 2048 * 4096 + 128 * 3 * 768 * 2048
+    src, inv, weights, offsets = bench_model.routing(cfg, 16, np.random.default_rng(0))
+    T = 16 * 8
+    assert offsets[0] == 0 and offsets[-1] == T and np.all(np.diff(offsets) >= 0)
+    expert_of_row = np.searchsorted(offsets, np.arange(T), side="right") - 1
+    for b in range(16):                    # token b's rows: 8 distinct experts, each row points back at b
+        rows = inv[8 * b:8 * b + 8]
+        assert np.all(src[rows] == b) and len(set(expert_of_row[rows])) == 8
+    np.testing.assert_allclose(weights.sum(1), 1, rtol=1e-6)
+
+
+def _moe_reference(step, layer, h, W_gu, W_d):
+    """sum_j p_j W_d[e_j] (silu(g) * u), (g, u) = W_gu[e_j] h, in float64 from the step's own routing."""
+    src, inv, weights = (t.cpu().numpy() for t in step.routes[layer])
+    offsets = step.offsets[layer]
+    top = step.cfg["top_k"]
+    expert_of_row = np.searchsorted(offsets, np.arange(len(src)), side="right") - 1
+    h = h.double().cpu().numpy()
+    y = np.zeros_like(h)
+    for b in range(h.shape[0]):
+        for j in range(top):
+            e = expert_of_row[inv[b * top + j]]
+            g, u = np.split(W_gu[e] @ h[b], 2)
+            y[b] += weights[b, j] * (W_d[e] @ (g / (1 + np.exp(-g)) * u))
+    return y
+
+
+@pytest.mark.parametrize("variant", ["fp16"] if SIM else ["fp16", "kbit k=4", "kbit k=2"])
+@pytest.mark.parametrize("B", [3] if SIM else [3, 16])
+def test_moe_layer_is_the_routed_sum_of_its_experts(variant, B):
+    """The MoE block of the step (gather by expert, gate_up experts, silu_mul, down experts, weighted sum) against
+    a float64 loop over the routing, with the variant's own (dequantized) expert weights. kbit runs grouped_gemv
+    at B = 3 (<= 4 rows per expert) and grouped_gemm at B = 16; on the simulator fp16 only."""
+    rng = np.random.default_rng(2)
+    base = {name: rng.standard_normal((N, K), dtype=np.float32) * 0.1 for name, N, K in bench_model.projections(TINY_MOE)}
+    for name, N, K in bench_model.projections(TINY_MOE)[2:]:      # the experts: 3 distinct matrices, repeated
+        base[name] = [rng.standard_normal((N, K), dtype=np.float32) * 0.1 for _ in range(3)]
+    linears = bench_model.build_linears(TINY_MOE, variant, base, lambda msg: None, DEVICE)
+    step = bench_model.DecodeStep(TINY_MOE, linears, B, context=8, device=DEVICE)
+    if variant == "fp16":
+        kernels = None
+        weights = [[lin.W.float().cpu().numpy() for lin in layer[2:]] for layer in linears]
+    else:
+        kernels = {run.kernel for runs in step.expert_runs for run in runs}
+        E = TINY_MOE["experts"]
+        weights = [[np.stack([ref.dequantize(lin.experts.expert(e)) for e in range(E)]) for lin in layer[2:]]
+                   for layer in linears]
+        assert kernels == {"grouped_gemv" if B <= 4 else "grouped_gemm"}
+    h = torch.randn(B, TINY_MOE["hidden"], device=DEVICE, dtype=torch.float16)
+    for layer in range(TINY_MOE["layers"]):
+        with torch.no_grad():
+            got = step.moe(h, layer).double().cpu().numpy()
+        want = _moe_reference(step, layer, h, *weights[layer])
+        err = np.abs(got - want).max() / np.abs(want).max()
+        assert err <= 0.02, err
+    with torch.no_grad():
+        out = step.step()
+        step.linears_only()
+    assert out.shape == (B, TINY_MOE["hidden"]) and torch.isfinite(out.float()).all()
+
+
+def test_moe_model_refuses_formats_without_grouped_kernels():
+    base = {name: [np.zeros((N, K), np.float32)] for name, N, K in bench_model.projections(TINY_MOE)}
+    with pytest.raises(ValueError, match="grouped MoE kernels for the kbit format only"):
+        bench_model.build_experts(TINY_MOE, "uniform 4-bit g128", "gate_up", 64, 64, base, print, DEVICE)
+
+
 def test_unknown_model_or_variant_lists_the_known_ones():
     with pytest.raises(ValueError, match="known models are llama3-8b"):
         bench_model.check_names("gpt5", [])
