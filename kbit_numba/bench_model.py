@@ -17,8 +17,9 @@ or, for a mixture-of-experts model (``qwen3-30b-a3b``), the second line per toke
 * **MoE experts** (the router's result taken as given: a fixed random top-k routing per layer, with softmax
   weights): the B * top_k (token, expert) rows are gathered in expert order (``index_select``), run through the
   layer's gate/up experts and down experts, and summed back per token with their weights (torch ops). kbit
-  variants hold every layer's experts as one ``KbitExperts`` per projection in the tiled layout and run
-  ``grouped_gemv`` (one launch, while no expert has more than 4 rows) or ``grouped_gemm`` (split-K, any rows);
+  variants hold every layer's experts as ``KbitExperts`` per projection (see :class:`ExpertsKbit`: the code
+  layout through the tensor-core ``mma_gemv.grouped_gemv`` while no expert has more than 8 rows, else the
+  tiled layout through ``grouped_gemm``; k = 3, 5 the tiled ``grouped_gemv`` up to 4 rows);
   fp16 runs one cuBLAS matmul per active expert (``torch.matmul``, as a plain PyTorch MoE does: a baseline
   with one launch per expert, not a fused MoE kernel). The other formats have no grouped kernels: their rows
   report that. All of a layer's experts are in memory (128 at qwen3-30b-a3b: ~58 GB in fp16); a step reads
@@ -199,33 +200,39 @@ class ExpertsFP16:
 
 
 class ExpertsKbit:
-    """One layer's experts of one projection as ``KbitExperts`` (tiled layout): ``grouped_gemv`` while no expert
-    has more than 4 rows, else ``grouped_gemm`` (needs CUDA tensors)."""
+    """One layer's experts of one projection as ``KbitExperts``: in the code layout (k = 2, 4) the tensor-core
+    ``mma_gemv.grouped_gemv`` while no expert has more than 8 rows; in the tiled layout ``grouped_gemv`` while
+    none has more than 4 (k = 3, 5), else ``grouped_gemm`` (needs CUDA tensors). ``codes``: the code-layout
+    copy, or None; the tiled one is kept for batches past those limits (it doubles the experts' memory)."""
 
-    def __init__(self, experts):
-        self.experts = experts
+    def __init__(self, experts, codes=None):
+        self.experts, self.codes = experts, codes
 
     def weight_bytes(self):
+        """Bytes of one copy (the one a decode step reads)."""
         return sum(getattr(self.experts, f).nbytes for f in self.experts.ARRAYS)
 
     def bind(self, A, out, offsets):
         import torch
         from numba import cuda
 
-        from . import scalar_gemv, tensor_gemm
+        from . import mma_gemv, scalar_gemv, tensor_gemm
         d_offsets = cuda.to_device(offsets)
         most = int(np.diff(offsets).max())
-        if most <= scalar_gemv.MAX_M:
-            plan = scalar_gemv.plan_grouped(A, self.experts, d_offsets, out=out, max_tokens=most)
+        if self.codes is not None and most <= mma_gemv.MAX_TOKENS:
+            plan, kernel = mma_gemv.plan_grouped(A, self.codes, d_offsets, out=out, max_tokens=most), "mma_gemv"
+        elif most <= scalar_gemv.MAX_M:
+            plan, kernel = scalar_gemv.plan_grouped(A, self.experts, d_offsets, out=out, max_tokens=most), "grouped_gemv"
         else:
             sums = tensor_gemm.new_workspace(*out.shape)
             plan = tensor_gemm.plan_grouped(A, self.experts, d_offsets, out=out, workspace=sums,
                                             m_tile=tensor_gemm.m_tile_for(most))
+            kernel = "grouped_gemm"
         prepared = plan.prepare()
 
         def run():
             prepared.run(torch.cuda.current_stream())
-        run.kernel = "grouped_gemv" if most <= scalar_gemv.MAX_M else "grouped_gemm"
+        run.kernel = kernel
         run.buffers = (d_offsets, plan)             # (kept alive with the callable)
         return run
 
@@ -367,6 +374,7 @@ def build_experts(cfg, variant, name, N, K, base, progress, device="cuda"):
     from . import reference
     from .bench import _device_copies
     from .core import stack_experts
+    from .formats import CODES_K
     L, E = cfg["layers"], cfg["experts"]
     if VARIANTS[variant] is None:
         return [ExpertsFP16(torch.empty(E, N, K, device=device, dtype=torch.float16).normal_(0, 0.02))
@@ -375,9 +383,15 @@ def build_experts(cfg, variant, name, N, K, base, progress, device="cuda"):
     if fmt != "kbit":
         raise ValueError(f"{variant}: kbit_numba has grouped MoE kernels for the kbit format only")
     progress(f"{variant}: quantizing {E} experts of {name} {N}x{K}")
-    distinct = [reference.repack_tiled(reference.quantize(w, k=opts["k"])) for w in base[name]]
-    stacked = stack_experts([distinct[e % len(distinct)] for e in range(E)])
-    return [ExpertsKbit(c) for c in _device_copies(stacked, L)]
+    flat = [reference.quantize(w, k=opts["k"]) for w in base[name]]
+    tiled = [reference.repack_tiled(w) for w in flat]
+    stacked = stack_experts([tiled[e % len(tiled)] for e in range(E)])
+    copies = _device_copies(stacked, L)
+    if opts["k"] not in CODES_K:
+        return [ExpertsKbit(c) for c in copies]
+    codes = [reference.to_codes(w) for w in flat]
+    stacked = stack_experts([codes[e % len(codes)] for e in range(E)])
+    return [ExpertsKbit(t, c) for t, c in zip(copies, _device_copies(stacked, L))]
 
 
 def build_linears(cfg, variant, base, progress, device="cuda"):

@@ -134,6 +134,29 @@ def tiled_block(n, kb_all, N):
 
 
 @cuda.jit(device=True, inline=True)
+def slot_expert(offsets):
+    """The expert a CTA of a grouped (MoE) launch runs, or -1: blockIdx.y is a slot. With gridDim.y = E slots,
+    slot e is expert e. With fewer (T < E rows: a decode step, where most experts have no row) slot y is row
+    y, and runs the expert whose first row it is; -1 if y is not a first row (the CTA then exits). Every
+    thread must call it (the fewer-slots case meets two barriers); offsets: int32 [E + 1], rising."""
+    expert = i32(cuda.blockIdx.y)
+    n_experts = i32(offsets.shape[0] - 1)
+    if i32(cuda.gridDim.y) < n_experts:
+        found = cuda.shared.array(1, np.int32)
+        if cuda.threadIdx.x == 0:
+            found[0] = -1
+        cuda.syncthreads()
+        e = i32(cuda.threadIdx.x)          # E <= a few hundred: one or a few loads a thread, in parallel
+        while e < n_experts:
+            if offsets[e] == expert and offsets[e + 1] > expert:
+                found[0] = e
+            e += i32(cuda.blockDim.x)
+        cuda.syncthreads()
+        expert = found[0]
+    return expert
+
+
+@cuda.jit(device=True, inline=True)
 def block_max(v, scratch):
     """Max of ``v`` over the CTA (every thread must call it; ``scratch`` is a float32 shared array of at
     least 32 slots). Every thread gets the result."""

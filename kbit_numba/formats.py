@@ -300,8 +300,8 @@ def _check_blocks(w):
 @dataclass(frozen=True)
 class KbitExperts(_HostDevice):
     """E kbit weights of one shape, k, layout, absmax format and codebook, stored back to back (the MoE
-    kernels' input): expert e's words are packed[e*words : (e+1)*words] (its own flat or tiled layout),
-    its absmax values absmax[e*blocks : (e+1)*blocks]. Build with ``core.stack_experts``."""
+    kernels' input): expert e's words are packed[e*words : (e+1)*words] (its own flat, tiled or code
+    layout), its absmax values absmax[e*blocks : (e+1)*blocks]. Build with ``core.stack_experts``."""
     packed: object
     absmax: object
     codebook: object
@@ -314,12 +314,14 @@ class KbitExperts(_HostDevice):
     dtypes = KbitWeight.dtypes
 
     def expert(self, e):
-        """Expert e as a KbitWeight (views, no copy)."""
+        """Expert e as a KbitWeight (KbitCodes for the code layout; views, no copy)."""
         N, K = self.expert_shape
         b = N * padded_k(K, self.layout) // BLOCK
         w = b * self.k
-        return KbitWeight(self.packed[e * w:(e + 1) * w], self.absmax[e * b:(e + 1) * b], self.codebook,
-                          self.k, self.expert_shape, self.layout, self.absmax_format)
+        packed, absmax = self.packed[e * w:(e + 1) * w], self.absmax[e * b:(e + 1) * b]
+        if self.layout == "codes":
+            return KbitCodes(packed, absmax, self.codebook, self.k, self.expert_shape, self.absmax_format)
+        return KbitWeight(packed, absmax, self.codebook, self.k, self.expert_shape, self.layout, self.absmax_format)
 
 
 # --------------------------------------------------------------------------------------------

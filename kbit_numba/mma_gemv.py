@@ -22,6 +22,10 @@ and waits on its own dependency chains. This kernel streams the weights the pair
   a persistent grid walks 16-column strips, loads run two iterations ahead in three register buffers,
   and the KW warps' partial C tiles are summed in shared memory (one barrier per iteration).
 * ``pdl=True``: built for a programmatic dependent launch, as the pair gemv.
+* ``grouped=True``: MoE experts (``grouped_gemv``): a grid row (slot) per expert, or per token row when there
+  are fewer rows than experts (a decode step: the slot runs the expert whose first row it is, as
+  ``scalar_gemv``'s grouped kernel); a CTA takes its expert's rows (up to 8) as its B fragments and walks that
+  expert's strips.
 
 Reference twin: ``reference.gemm`` (the same weight roundings). Tests: ``tests/test_mma_gemv.py``.
 """
@@ -34,9 +38,9 @@ import numpy as np
 from numba import cuda
 
 from . import _arrays
-from .core import device_weight, fit_threads, persistent_grid
+from .core import check_grouped, device_weight, fit_threads, max_tokens_per_expert, persistent_grid, unused_i32
 from .device import (CODEBOOK, PRMT_ROW, TABLE_BYTES, TABLE_FLOATS, WARP, e4m4_decode, f32_to_bf16_bits,
-                     i32, jit_kernel, make_table_fill, u32)
+                     i32, jit_kernel, make_table_fill, slot_expert, u32)
 from .formats import ABSMAX_FORMATS, BLOCK, CODES_K, KbitCodes
 from .intrinsics import (bmul2, f16x2_as_u32, griddep_launch_dependents, griddep_wait, hmul2, ldg128, lds64,
                          lds_u32, mma_bf16, mma_f16, prmt, shared_addr, u32_as_f32)
@@ -66,6 +70,7 @@ class MmaGemvSpec(Spec):
     a_type: str = "float16"         # the MMA input type: float16 or bfloat16
     out_dtype: str = "float16"
     pdl: bool = False
+    grouped: bool = False           # MoE experts: blockIdx.y is a slot (see the module docstring)
     max_registers: object = None
 
     def normalise(self):
@@ -73,17 +78,20 @@ class MmaGemvSpec(Spec):
             raise ValueError(f"mma gemv reads the code layout, k in {CODES_K}; got k={self.k}")
         if self.absmax_format not in ABSMAX_FORMATS:
             raise ValueError(f"absmax_format must be one of {ABSMAX_FORMATS}, got {self.absmax_format!r}")
+        if self.grouped and self.pdl:           # (the offsets would be read before the wait)
+            raise ValueError("the grouped mma gemv is not built for programmatic dependent launch")
         return dict(k=int(self.k), a_type=type_name(self.a_type, "a_type", MMA_TYPES),
                     out_dtype=type_name(self.out_dtype, "out_dtype", OUT_TYPES), pdl=bool(self.pdl),
-                    max_registers=int(self.max_registers) if self.max_registers else None)
+                    grouped=bool(self.grouped), max_registers=int(self.max_registers) if self.max_registers else None)
 
 
 @lru_cache(maxsize=None)
 def make_mma_gemv_kernel(spec):
-    """Kernel(A words, packed codes, absmax, codebook, out[M*N], N, n_kb, M) for a :class:`MmaGemvSpec`;
-    blockDim = 32 * KW * S, ``TABLE_BYTES + part_bytes(S, KW)`` bytes of dynamic shared memory. A: the
-    [M, K] activations as uint32 words of two float16 (bfloat16) values; n_kb = K / 32, even."""
-    k, absmax_format, out_dtype, PDL = spec.k, spec.absmax_format, spec.out_dtype, spec.pdl
+    """Kernel(A words, packed codes, absmax, codebook, out[M*N], N, n_kb, M, offsets) for a
+    :class:`MmaGemvSpec`; blockDim = 32 * KW * S, ``TABLE_BYTES + part_bytes(S, KW)`` bytes of dynamic shared
+    memory. A: the [M, K] activations as uint32 words of two float16 (bfloat16) values; n_kb = K / 32, even.
+    Grouped: A [T, K] and out [T, N] hold every expert's rows (offsets: int32 [E + 1]), M is unused."""
+    k, absmax_format, out_dtype, PDL, GROUPED = spec.k, spec.absmax_format, spec.out_dtype, spec.pdl, spec.grouped
     bf16 = spec.a_type == "bfloat16"
     fill_table, ENTRY, COPIES = make_table_fill(k, spec.a_type)
     mma = mma_bf16 if bf16 else mma_f16
@@ -104,13 +112,14 @@ def make_mma_gemv_kernel(spec):
         return f16x2_as_u32(np.float16(v), np.float16(v))
 
     @cuda.jit(device=True, inline="always")
-    def load_strip(packed, absmax, n0, kb0, last2, n_kb, codes, am):
+    def load_strip(packed, absmax, first, n0, kb0, last2, n_kb, codes, am):
         """Issue the loads of this lane's two blocks kb0, kb0 + 1 of columns n0 + g and n0 + g + 8 (g:
-        the lane's quad; n0 includes it) into codes[c, :] / am[c, :]. Unconditional: a column past N (or
-        a block pair past the last) reads the weight's last block pair instead (last2: its first block),
-        whose sums are never written or meet zero activations. 32-bit index math (see pair_gemv)."""
+        the lane's quad; n0 includes it) of the weight whose blocks start at ``first`` into codes[c, :] /
+        am[c, :]. Unconditional: a column past N (or a block pair past the last) reads the weight's last
+        block pair instead (last2: its first block), whose sums are never written or meet zero
+        activations. 32-bit index math (see pair_gemv)."""
         for c in range(2):
-            blk = min(u32(u32(n0 + u32(8 * c)) * n_kb + kb0), last2)
+            blk = min(u32(first + u32(n0 + u32(8 * c)) * n_kb + kb0), last2)
             w = u32(blk * u32(BLOCK_WORDS))
             for q in range(CODE_WORDS // 4):
                 codes[c, 4 * q], codes[c, 4 * q + 1], codes[c, 4 * q + 2], codes[c, 4 * q + 3] = \
@@ -153,10 +162,11 @@ def make_mma_gemv_kernel(spec):
                                                      acc[0], acc[1], acc[2], acc[3])
 
     @cuda.jit(device=True, inline="always")
-    def reduce_strip(smem, acc, g, t, tid, part, flip, slices, kw, n_first, out, N, M):
+    def reduce_strip(smem, acc, g, t, tid, part, flip, slices, kw, n_first, out, N, M, row0):
         """Sum the strip's C tiles over the CTA's K-warps: each lane puts its valid values (tokens < M) in
         its warp's tile of the shared buffer half ``flip``, then one thread per (slice, column, token)
-        adds the slice's KW tiles and writes column n_first + s * STRIP + column (a loop: a CTA of one
+        adds the slice's KW tiles and writes column n_first + s * STRIP + column of row row0 + token (a
+        loop: a CTA of one
         warp has fewer threads than 16 M outputs). The other threads go on to the next strip meanwhile
         (sharing each sum among several threads with shuffles was slower: everyone waited for it). KW is up
         to 32: a thread keeps four sums, so that its loads do not wait on each other's adds."""
@@ -191,18 +201,37 @@ def make_mma_gemv_kernel(spec):
             total = (s0 + s1) + (s2 + s3)
             n = u32(n_first + s_out * u32(STRIP) + col)
             if n < u32(N):
-                out[u32(tok * u32(N) + n)] = np.float16(total) if f16_out else total
+                out[u32(u32(row0 + tok) * u32(N) + n)] = np.float16(total) if f16_out else total
             i = u32(i + u32(cuda.blockDim.x))
 
-    def mma_gemv(A, packed, absmax, cb, out, N, n_kb, M):
+    def mma_gemv(A, packed, absmax, cb, out, N, n_kb, M, offsets):
         smem = cuda.shared.array(0, np.float32)    # [group table][E4M4 table][codebook][partial C tiles]
         tid = u32(cuda.threadIdx.x)
+        nkb = u32(n_kb)
+        if GROUPED:                 # this CTA's expert (its blocks start at `first`) and its rows
+            expert = slot_expert(offsets)
+            if expert < 0:          # whole CTA: no barrier is skipped by a subset
+                return
+            row0 = u32(offsets[expert])
+            rows = u32(offsets[expert + 1]) - row0
+            if rows == u32(0):
+                return
+            first = u32(u32(expert) * u32(N) * nkb)
+            if rows > u32(MAX_TOKENS) and cuda.blockIdx.x == 0:   # more rows than the MMA's n8: NaN, never
+                nan = u32_as_f32(u32(0x7FC00000))                 # silently wrong (the plan refuses them
+                i = tid                                           # when it can see the offsets)
+                while i < u32((rows - u32(MAX_TOKENS)) * u32(N)):
+                    out[u32(u32(row0 + u32(MAX_TOKENS)) * u32(N) + i)] = np.float16(nan) if f16_out else nan
+                    i = u32(i + u32(cuda.blockDim.x))
+            m = min(rows, u32(MAX_TOKENS))
+        else:
+            row0 = u32(0)
+            first = u32(0)
+            m = u32(M)
         lane = tid % u32(WARP)
         warp = tid // u32(WARP)
         g = lane >> u32(2)
         t = lane & u32(3)
-        nkb = u32(n_kb)
-        m = u32(M)
         kw = u32((nkb + u32(KB_WARP - 1)) // u32(KB_WARP))     # K-warps per slice
         slices = u32(u32(cuda.blockDim.x) // u32(u32(WARP) * kw))
         sl = u32(warp // kw)
@@ -213,7 +242,7 @@ def make_mma_gemv_kernel(spec):
         n_groups = u32((u32(N) + group_cols - u32(1)) // group_cols)
         grp = u32(cuda.blockIdx.x)
         grid = u32(cuda.gridDim.x)
-        last2 = u32(u32(N) * nkb - u32(2))
+        last2 = u32(first + u32(N) * nkb - u32(2))
 
         if PDL:                     # the next kernel may start now: it waits for this one in griddep_wait
             griddep_launch_dependents()
@@ -224,8 +253,8 @@ def make_mma_gemv_kernel(spec):
         am_a = cuda.local.array((2, KB_LANE), absmax_t)
         am_b = cuda.local.array((2, KB_LANE), absmax_t)
         am_c = cuda.local.array((2, KB_LANE), absmax_t)
-        load_strip(packed, absmax, u32(grp * group_cols + col0), kb0, last2, nkb, codes_a, am_a)
-        load_strip(packed, absmax, u32((grp + grid) * group_cols + col0), kb0, last2, nkb, codes_b, am_b)
+        load_strip(packed, absmax, first, u32(grp * group_cols + col0), kb0, last2, nkb, codes_a, am_a)
+        load_strip(packed, absmax, first, u32((grp + grid) * group_cols + col0), kb0, last2, nkb, codes_b, am_b)
 
         # ---- 2. the group table (pairs or quads in the MMA's type) and the E4M4 table --------------------
         fill_table(smem, cb, tid)
@@ -241,7 +270,7 @@ def make_mma_gemv_kernel(spec):
         bx = cuda.local.array((KB_LANE, MMAS_PER_BLOCK, 2), np.uint32)
         live = g < m and kb0 < nkb
         for b in range(KB_LANE):
-            base = u32(u32(g * nkb + kb0 + u32(b)) * u32(A_WORDS)) if live else u32(0)
+            base = u32(u32(u32(row0 + g) * nkb + kb0 + u32(b)) * u32(A_WORDS)) if live else u32(0)
             for q in range(A_WORDS // 4):          # words 4q .. 4q+3: MMAs 2q and 2q + 1
                 w4 = ldg128(A, u32(base + u32(4 * q)))
                 for h in range(4):
@@ -256,23 +285,23 @@ def make_mma_gemv_kernel(spec):
         # ---- 4. the persistent loop, unrolled three times (pair_gemv says why) ---------------------------
         ahead = u32(u32(2) * grid * group_cols)
         while grp < n_groups:
-            load_strip(packed, absmax, u32(grp * group_cols + ahead + col0), kb0, last2, nkb, codes_c, am_c)
+            load_strip(packed, absmax, first, u32(grp * group_cols + ahead + col0), kb0, last2, nkb, codes_c, am_c)
             decode_strip(smem, table, lane_off, codes_a, am_a, bx, acc)
-            reduce_strip(smem, acc, g, t, tid, part, flip, slices, kw, u32(grp * group_cols), out, N, m)
+            reduce_strip(smem, acc, g, t, tid, part, flip, slices, kw, u32(grp * group_cols), out, N, m, row0)
             flip = u32(FLIP - flip)
             grp = u32(grp + grid)
             if grp >= n_groups:
                 break
-            load_strip(packed, absmax, u32(grp * group_cols + ahead + col0), kb0, last2, nkb, codes_a, am_a)
+            load_strip(packed, absmax, first, u32(grp * group_cols + ahead + col0), kb0, last2, nkb, codes_a, am_a)
             decode_strip(smem, table, lane_off, codes_b, am_b, bx, acc)
-            reduce_strip(smem, acc, g, t, tid, part, flip, slices, kw, u32(grp * group_cols), out, N, m)
+            reduce_strip(smem, acc, g, t, tid, part, flip, slices, kw, u32(grp * group_cols), out, N, m, row0)
             flip = u32(FLIP - flip)
             grp = u32(grp + grid)
             if grp >= n_groups:
                 break
-            load_strip(packed, absmax, u32(grp * group_cols + ahead + col0), kb0, last2, nkb, codes_b, am_b)
+            load_strip(packed, absmax, first, u32(grp * group_cols + ahead + col0), kb0, last2, nkb, codes_b, am_b)
             decode_strip(smem, table, lane_off, codes_c, am_c, bx, acc)
-            reduce_strip(smem, acc, g, t, tid, part, flip, slices, kw, u32(grp * group_cols), out, N, m)
+            reduce_strip(smem, acc, g, t, tid, part, flip, slices, kw, u32(grp * group_cols), out, N, m, row0)
             flip = u32(FLIP - flip)
             grp = u32(grp + grid)
 
@@ -308,18 +337,73 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, cta_war
     if not reads(1, K):
         raise ValueError(f"mma gemv handles K a multiple of {K_STEP} up to {MAX_K}, got K={K}")
     n_kb = K // BLOCK
-    kw = -(-n_kb // KB_WARP)
     _arrays.check_aligned(Ad, 16, "A")
     args = (_arrays.flat_view(Ad, np.uint32), kc.packed, kc.absmax, kc.codebook, _arrays.flat_view(out),
-            i32(N), i32(n_kb), i32(M))
+            i32(N), i32(n_kb), i32(M), unused_i32())
     spec = MmaGemvSpec(kc.k, kc.absmax_format, a_src, out.dtype, pdl)
+    return Plan([_step(spec, args, N, K, cta_warps)], Ad, out, stream)
+
+
+def _step(spec, args, N, K, cta_warps=None, slots=None):
+    """The launch: S slices of KW = K / 256 warps (S from ``cta_warps``), a persistent grid over the column
+    groups of one weight, or (grouped) over each of ``slots`` experts' column groups."""
+    kw = -(-(K // BLOCK) // KB_WARP)
     spec, kern, regs, max_threads = fit_threads(make_mma_gemv_kernel, spec, args, kw * WARP)
     slices = max(1, min((cta_warps or DEFAULTS["cta_warps"]) // kw, max_threads // (kw * WARP)))
     slices = min(slices, -(-N // STRIP))                   # no slice without a column
     n_groups = -(-N // (slices * STRIP))
     shared = TABLE_BYTES + part_bytes(slices, kw)
-    grid = persistent_grid(n_groups, slices * kw * WARP, regs, shared)
-    return Plan([Step(kern, grid, slices * kw * WARP, args, shared, pdl)], Ad, out, stream)
+    if slots is None:
+        grid = persistent_grid(n_groups, slices * kw * WARP, regs, shared)
+    else:                                                  # the resident CTAs shared among the slots
+        resident = persistent_grid(n_groups * slots, slices * kw * WARP, regs, shared)
+        grid = (max(1, min(n_groups, -(-resident // slots))), slots)
+    return Step(kern, grid, slices * kw * WARP, args, shared, spec.pdl)
+
+
+def plan_grouped(A, experts, expert_offsets, out=None, stream=None, out_dtype=np.float16, bf16=False,
+                 max_tokens=None, cta_warps=None):
+    """Checked inputs of :func:`grouped_gemv` bound into a :class:`launch.Plan` (one launch, or none when there
+    are no rows or experts)."""
+    stream = _arrays.as_stream(stream)
+    Ad, a_src, T, offs, experts = check_grouped(A, experts, expert_offsets, bf16, stream)
+    if experts.layout != "codes":
+        raise ValueError("mma gemv reads code-layout experts: stack_experts of pair_gemv.to_codes(...) weights "
+                         f"(got the {experts.layout} layout)")
+    if a_src not in MMA_TYPES:
+        raise ValueError(f"mma gemv takes float16 or bfloat16 activations (the MMA's types), got {a_src}")
+    E = experts.n_experts
+    N, K = experts.expert_shape
+    if not reads(1, K):
+        raise ValueError(f"mma gemv handles K a multiple of {K_STEP} up to {MAX_K}, got K={K}")
+    if max_tokens is None and isinstance(expert_offsets, np.ndarray):
+        max_tokens = max_tokens_per_expert(expert_offsets, T)
+    if max_tokens is not None and max_tokens > MAX_TOKENS:
+        raise ValueError(f"the grouped mma gemv handles up to {MAX_TOKENS} tokens per expert, got {max_tokens}")
+    out_dtype = _arrays.output_dtype(out, out_dtype)
+    out = _arrays.output(out, "out", (T, N), out_dtype, stream)
+    _arrays.check_aligned(Ad, 16, "A")
+    if T * max(K, N) >= 2**32 or E * N * (K // BLOCK) >= 2**32:
+        raise ValueError("the grouped mma gemv uses 32-bit indices: T*K, T*N and E*N*K/32 must stay < 2**32")
+    if T == 0 or E == 0:
+        return Plan([], Ad, out, stream)
+    args = (_arrays.flat_view(Ad, np.uint32), experts.packed, experts.absmax, experts.codebook,
+            _arrays.flat_view(out), i32(N), i32(K // BLOCK), i32(0), offs)
+    spec = MmaGemvSpec(experts.k, experts.absmax_format, a_src, out.dtype, grouped=True)
+    return Plan([_step(spec, args, N, K, cta_warps, slots=min(E, T))], Ad, out, stream)
+
+
+def grouped_gemv(A, experts, expert_offsets, out=None, stream=None, out_dtype=np.float16, bf16=False,
+                 max_tokens=None):
+    """MoE experts on the tensor cores in one launch: out[t] = A[t] @ W_e^T for the rows t of each expert e.
+
+    A: [T, K] rows sorted by expert (float16, or bfloat16 bits with ``bf16=True``); expert_offsets: int32
+    [E + 1] (host or device; expert e's rows are offsets[e] .. offsets[e+1]-1, at most 8 each: more are
+    refused when the offsets are a NumPy array or ``max_tokens`` says so, and come out NaN otherwise);
+    experts: KbitExperts in the code layout (``stack_experts`` of ``pair_gemv.to_codes`` weights; k = 2, 4,
+    K a multiple of 64 up to 8192). Returns out [T, N]. With device offsets and ``out`` given it allocates
+    nothing, so it can be captured into a CUDA graph."""
+    return plan_grouped(A, experts, expert_offsets, out, stream, out_dtype, bf16, max_tokens).launch()
 
 
 def gemv(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False):
@@ -335,8 +419,8 @@ def prepare(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, pdl=
 
 
 def ptx_specs():
-    """Every k with float16 A and E4M4 absmax (with and without pdl), and each other choice with every k."""
-    variants = [dict(), dict(pdl=True), dict(a_type="bfloat16"), dict(absmax_format="fp32"),
+    """Every k with float16 A and E4M4 absmax (plain, pdl, grouped), and each other choice with every k."""
+    variants = [dict(), dict(pdl=True), dict(grouped=True), dict(a_type="bfloat16"), dict(absmax_format="fp32"),
                 dict(out_dtype="float32")]
     return [MmaGemvSpec(k=k, **v) for k in CODES_K for v in variants]
 
@@ -344,7 +428,7 @@ def ptx_specs():
 def argtypes(spec):
     from numba import types as t
     return (t.uint32[::1], t.uint32[::1], t.uint8[::1] if spec.absmax_format == "e4m4" else t.float32[::1],
-            t.float32[::1], NUMBA_TYPES[spec.out_dtype], t.int32, t.int32, t.int32)
+            t.float32[::1], NUMBA_TYPES[spec.out_dtype], t.int32, t.int32, t.int32, t.int32[::1])
 
 
 def kernel_specializations():

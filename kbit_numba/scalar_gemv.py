@@ -41,7 +41,8 @@ from numba.cuda.misc.special import literal_unroll
 from . import _arrays
 from .core import (MAX_M, check_grouped, device_weight, fit_threads, k_warps, max_tokens_per_expert, sm_count,
                    unused_i32)
-from .device import WARP, e4m4_decode, i32, jit_kernel, make_warp_reduce_scatter, make_word_unpacker, tiled_block, u32
+from .device import (WARP, e4m4_decode, i32, jit_kernel, make_warp_reduce_scatter, make_word_unpacker, slot_expert,
+                     tiled_block, u32)
 from .formats import ABSMAX_FORMATS, BLOCK, K_BITS, LAYOUTS, MAX_CODES, KbitWeight, check_k, padded_k
 from .intrinsics import BYTE_ONES, ldg64, ldg128, lds_f32, prmt, shared_addr, u32_as_f32
 from .launch import NUMBA_TYPES, OUT_TYPES, Plan, Spec, Step, type_name
@@ -135,22 +136,9 @@ def make_gemv_kernel(spec):
 
     def gemv_kernel(A, packed, absmax, cb, out, N, K, n_kb, offsets):
         if grouped:                                 # this CTA's expert and its token rows
-            expert = cuda.blockIdx.y
-            n_experts = offsets.shape[0] - 1
-            if cuda.gridDim.y < n_experts:          # slot = row: the expert whose first row it is, if any
-                found = cuda.shared.array(1, np.int32)
-                if cuda.threadIdx.x == 0:
-                    found[0] = -1
-                cuda.syncthreads()
-                e = cuda.threadIdx.x                # (E <= a few hundred: one or a few loads a thread)
-                while e < n_experts:
-                    if offsets[e] == expert and offsets[e + 1] > expert:
-                        found[0] = e
-                    e += cuda.blockDim.x
-                cuda.syncthreads()
-                expert = found[0]
-                if expert < 0:                      # whole CTA: no barrier is skipped by a subset
-                    return
+            expert = slot_expert(offsets)
+            if expert < 0:                          # whole CTA: no barrier is skipped by a subset
+                return
             row0 = offsets[expert]
             rows = offsets[expert + 1] - row0
             if rows <= 0:                           # whole CTA: no barrier is skipped by a subset
@@ -311,6 +299,8 @@ def plan_grouped(A, experts, expert_offsets, out=None, stream=None, out_dtype=np
     there are no tokens or experts)."""
     stream = _arrays.as_stream(stream)
     Ad, a_src, T, offs, experts = check_grouped(A, experts, expert_offsets, bf16, stream)
+    if experts.layout == "codes":
+        raise ValueError("grouped_gemv reads flat or tiled experts; code-layout experts: mma_gemv.grouped_gemv")
     E = experts.n_experts
     N, K = experts.expert_shape
     if max_tokens is None:

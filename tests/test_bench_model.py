@@ -93,12 +93,13 @@ def _moe_reference(step, layer, h, W_gu, W_d):
     return y
 
 
-@pytest.mark.parametrize("variant", ["fp16"] if SIM else ["fp16", "kbit k=4", "kbit k=2"])
-@pytest.mark.parametrize("B", [3] if SIM else [3, 16])
+@pytest.mark.parametrize("variant", ["fp16"] if SIM else ["fp16", "kbit k=4", "kbit k=2", "kbit k=3"])
+@pytest.mark.parametrize("B", [3] if SIM else [3, 40])
 def test_moe_layer_is_the_routed_sum_of_its_experts(variant, B):
     """The MoE block of the step (gather by expert, gate_up experts, silu_mul, down experts, weighted sum) against
-    a float64 loop over the routing, with the variant's own (dequantized) expert weights. kbit runs grouped_gemv
-    at B = 3 (<= 4 rows per expert) and grouped_gemm at B = 16; on the simulator fp16 only."""
+    a float64 loop over the routing, with the variant's own (dequantized) expert weights. kbit runs the grouped
+    mma gemv (k = 2, 4) or grouped_gemv (k = 3) at B = 3 and grouped_gemm at B = 40 (more than 8 rows per
+    expert); on the simulator fp16 only."""
     rng = np.random.default_rng(2)
     base = {name: rng.standard_normal((N, K), dtype=np.float32) * 0.1 for name, N, K in bench_model.projections(TINY_MOE)}
     for name, N, K in bench_model.projections(TINY_MOE)[2:]:      # the experts: 3 distinct matrices, repeated
@@ -113,7 +114,10 @@ def test_moe_layer_is_the_routed_sum_of_its_experts(variant, B):
         E = TINY_MOE["experts"]
         weights = [[np.stack([ref.dequantize(lin.experts.expert(e)) for e in range(E)]) for lin in layer[2:]]
                    for layer in linears]
-        assert kernels == {"grouped_gemv" if B <= 4 else "grouped_gemm"}
+        most = max(int(np.diff(offsets).max()) for offsets in step.offsets)
+        codes = variant in ("kbit k=4", "kbit k=2")
+        want = ("mma_gemv" if codes and most <= 8 else "grouped_gemv" if not codes and most <= 4 else "grouped_gemm")
+        assert kernels == {want} and (B == 3) == (want != "grouped_gemm"), (kernels, most)
     h = torch.randn(B, TINY_MOE["hidden"], device=DEVICE, dtype=torch.float16)
     for layer in range(TINY_MOE["layers"]):
         with torch.no_grad():

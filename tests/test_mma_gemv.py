@@ -4,6 +4,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from numba import cuda
 
+import kbit_numba as kb
 from kbit_numba import mma_gemv, pair_gemv, reference as ref
 from kbit_numba.formats import CODES_K
 from helpers import EXAMPLES, SIM, adversarial_weight, gpu_examples, gpu_split, random_weight, seeds, sizes, weight_kinds
@@ -51,6 +52,58 @@ def test_mma_gemv_vector_input_out_buffer_prepare_and_pdl():
     first.run()
     got = second.run().copy_to_host()
     check_gemm(got, first.out.copy_to_host(), sq, out_dtype=np.float16)
+
+
+@settings(max_examples=max(4, EXAMPLES // 2))
+@given(seeds, st.sampled_from(CODES_K), st.lists(st.integers(0, 8), min_size=1, max_size=5), st.integers(1, 40),
+       st.sampled_from([1, 5]), st.sampled_from([np.float16, np.float32]))
+def test_mma_gemv_grouped(seed, k, counts, N, kb2, out_dtype):
+    """MoE experts (0..8 rows each, empty experts included; T < E draws take one grid slot per row, T >= E one
+    per expert) against reference.gemm per expert."""
+    rng = np.random.default_rng(seed)
+    K = 64 * kb2
+    flats = [ref.quantize(random_weight(rng, N, K), k=k) for _ in counts]
+    experts = kb.stack_experts([ref.to_codes(w) for w in flats])
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    T = int(offsets[-1])
+    A = _activations(rng, max(T, 1), K, "float16")[:T]
+    got = mma_gemv.grouped_gemv(A, experts, cuda.to_device(offsets), out_dtype=out_dtype, max_tokens=8)
+    assert got.shape == (T, N)
+    got = got.copy_to_host()
+    for e, w in enumerate(flats):
+        if counts[e]:
+            rows = slice(offsets[e], offsets[e + 1])
+            check_gemm(got[rows], A[rows], w, out_dtype=out_dtype)
+
+
+def test_mma_gemv_grouped_fewer_rows_than_experts():
+    """T = 4 rows over E = 7 experts, 3 of them active (a decode step's shape): one grid slot per row."""
+    rng = np.random.default_rng(8)
+    flats = [ref.quantize(random_weight(rng, 24, 128), k=2) for _ in range(7)]
+    experts = kb.stack_experts([ref.to_codes(w) for w in flats])
+    offsets = np.array([0, 0, 2, 2, 3, 3, 4, 4], np.int32)
+    A = _activations(rng, 4, 128, "float16")
+    got = mma_gemv.grouped_gemv(A, experts, offsets, out_dtype=np.float32).copy_to_host()
+    for e, rows in ((1, slice(0, 2)), (3, slice(2, 3)), (5, slice(3, 4))):
+        check_gemm(got[rows], A[rows], flats[e])
+
+
+def test_mma_gemv_grouped_refuses_and_marks_extra_rows():
+    rng = np.random.default_rng(7)
+    flats = [ref.quantize(random_weight(rng, 20, 64), k=4) for _ in range(2)]
+    experts = kb.stack_experts([ref.to_codes(w) for w in flats])
+    A = _activations(rng, 10, 64, "float16")
+    offsets = np.array([0, 9, 10], np.int32)
+    with pytest.raises(ValueError, match="up to 8 tokens per expert"):       # host offsets: seen and refused
+        mma_gemv.grouped_gemv(A, experts, offsets)
+    got = mma_gemv.grouped_gemv(A, experts, cuda.to_device(offsets), out_dtype=np.float32).copy_to_host()
+    assert np.all(np.isnan(got[8]))                   # device offsets: the expert's 9th row (8) comes out NaN
+    check_gemm(got[:8], A[:8], flats[0])
+    check_gemm(got[9:], A[9:], flats[1])
+    with pytest.raises(ValueError, match="code-layout experts"):
+        mma_gemv.grouped_gemv(A, kb.stack_experts(flats), offsets)
+    with pytest.raises(ValueError, match="code-layout experts: mma_gemv.grouped_gemv"):
+        kb.grouped_gemv(A, experts, offsets)
 
 
 def test_mma_gemv_refuses():
