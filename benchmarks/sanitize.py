@@ -9,6 +9,7 @@ also as a PDL chain.
 import sys
 
 import numpy as np
+from numba import cuda
 
 import kbit_numba as kb
 
@@ -59,7 +60,6 @@ if "pair" in families:     # N = 37 (a partial column group), K = 1056 (two K-wa
                         pair_gemv.plan(rng.standard_normal((M, 1056)).astype(np.float16), kc, cols=cols,
                                        f16_acc=f16_acc).launch().copy_to_host()
 if "mma" in families:      # N = 37 (a partial strip), K = 1088 (5 K-warps, the last one with idle lanes)
-    from numba import cuda
 
     from kbit_numba import mma_gemv, pair_gemv
     for k in pair_gemv.CODES_K:
@@ -75,7 +75,6 @@ if "mma" in families:      # N = 37 (a partial strip), K = 1088 (5 K-warps, the 
     first.run()
     second.run().copy_to_host()
 if "pdl" in families:      # N = K = 1056: a partial column group, two K-warps; float32 and float16 block sums
-    from numba import cuda
 
     from kbit_numba import pair_gemv
     for f16_acc in (False, True):
@@ -94,6 +93,17 @@ if "grouped" in families:
                                 for _ in range(3)])
     kb.grouped_gemv(rng.standard_normal((5, 64)).astype(np.float16), experts,
                     np.array([0, 2, 2, 5], np.int32)).copy_to_host()
+    # T < E (slots per row), an empty expert first; then the tensor-core gemv on code-layout experts with a
+    # partial strip (N = 37), K = 1088 (the last K-warp with idle lanes), T < E and T >= E, and a 9-row expert
+    kb.grouped_gemv(rng.standard_normal((2, 64)).astype(np.float16), experts,
+                    cuda.to_device(np.array([0, 0, 1, 2], np.int32))).copy_to_host()
+    from kbit_numba import mma_gemv
+    cexperts = kb.stack_experts([kb.reference.to_codes(kb.reference.quantize(
+        rng.standard_normal((37, 1088)).astype(np.float32), k=k)) for k in (4, 4, 4, 4)])
+    for offsets in ([0, 0, 2, 2, 3], [0, 3, 3, 8, 12], [0, 9, 9, 10, 10]):
+        T = offsets[-1]
+        mma_gemv.grouped_gemv(rng.standard_normal((T, 1088)).astype(np.float16), cexperts,
+                              cuda.to_device(np.array(offsets, np.int32))).copy_to_host()
 if "formats" in families:  # uniform (every width, fp16/int8, 3-bit padding), SBVR, BitNet; M = 1..4
     for bits in (1, 2, 3, 4, 8):
         for G in (32, 128, None):

@@ -3,7 +3,7 @@ import os
 
 import numpy as np
 import pytest
-from hypothesis import strategies as st
+from hypothesis import Phase, strategies as st
 
 import kbit_numba
 
@@ -23,6 +23,12 @@ MAX_KB = 4 if SIM else 40        # K = 32 * kb
 # pads to a whole K tile of two blocks), two tiles on the GPU.
 MAX_TILES = 1 if SIM else 2
 MAX_KB_TILED = 3 if SIM else MAX_KB
+
+
+# The slowest properties on the simulator (a 128-column tile of simulated warps costs ~40-60 s an example) run
+# only their @example cases there, chosen to cover what the draws would (both absmax formats, a padded K, the
+# smallest and largest k); on the GPU they draw as every property does. (settings(**SIM_EXPLICIT_ONLY))
+SIM_EXPLICIT_ONLY = dict(phases=(Phase.explicit,)) if SIM else {}
 
 
 def gpu_split(names, values):

@@ -1,13 +1,13 @@
 """GPU quantize / dequantize / repack against the NumPy reference (simulator in CI, GPU otherwise)."""
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 from numba import cuda
 
 import kbit_numba as kb
 from kbit_numba import reference as ref
-from helpers import (EXAMPLES, MAX_KB, MAX_KB_TILED, MAX_N, MAX_TILES, adversarial_weight, ks, random_weight, seeds,
-                     sizes, weight_kinds)
+from helpers import (EXAMPLES, MAX_KB, MAX_KB_TILED, MAX_N, MAX_TILES, SIM_EXPLICIT_ONLY, adversarial_weight, ks,
+                     random_weight, seeds, sizes, weight_kinds)
 
 fmts = st.sampled_from(["e4m4", "fp32"])
 src_dtypes = st.sampled_from(["float32", "float16", "bfloat16"])
@@ -36,8 +36,10 @@ def test_quantize_flat_bit_exact(seed, k, N, kbn, fmt, src, kind):
     np.testing.assert_array_equal(kb.dequantize(got).copy_to_host(), ref.dequantize(want).astype(np.float16))
 
 
-@settings(max_examples=EXAMPLES)
+@settings(max_examples=EXAMPLES, **SIM_EXPLICIT_ONLY)
 @given(seeds, ks, st.integers(1, MAX_TILES), st.integers(1, MAX_KB_TILED), fmts)
+@example(seed=1, k=2, ntiles=1, kbn=3, fmt="e4m4")      # K = 96 pads to two K tiles: a zero padding block
+@example(seed=2, k=5, ntiles=1, kbn=2, fmt="fp32")
 def test_quantize_tiled_bit_exact(seed, k, ntiles, kbn, fmt):
     rng = np.random.default_rng(seed)
     W = random_weight(rng, 128 * ntiles, 32 * kbn)

@@ -1,13 +1,13 @@
 """Scalar GEMV (M = 1..4) against reference.gemv, on the simulator (CI) and the GPU."""
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 from numba import cuda
 
 import kbit_numba as kb
 from kbit_numba import reference as ref
-from helpers import (adversarial_weight, assert_within, EXAMPLES, gpu_examples, gpu_split, MAX_KB_TILED, MAX_TILES, SIM, ks,
-                     random_weight, seeds, sizes, weight_kinds)
+from helpers import (adversarial_weight, assert_within, EXAMPLES, gpu_examples, gpu_split, MAX_KB_TILED, MAX_TILES, SIM,
+                     SIM_EXPLICIT_ONLY, ks, random_weight, seeds, sizes, weight_kinds)
 
 MAX_N = 12 if SIM else 700
 KS = [2, 3, 4, 5]                 # (on the GPU the long properties run once per k: helpers.gpu_split)
@@ -51,9 +51,11 @@ def test_gemv_flat(k_split, seed, k, M, N, kbn, fmt, a_dtype, out_dtype, kind):
 
 
 @gpu_split("k_split", KS)
-@settings(max_examples=gpu_examples(EXAMPLES, len(KS)))
+@settings(max_examples=gpu_examples(EXAMPLES, len(KS)), **SIM_EXPLICIT_ONLY)
 @given(seeds, ks, st.integers(1, 4), st.integers(1, MAX_TILES), st.integers(1, MAX_KB_TILED if SIM else MAX_KB),
        st.sampled_from(["e4m4", "fp32"]))
+@example(seed=1, k=3, M=4, ntiles=1, kbn=3, fmt="e4m4")    # K = 96: a padded K tile
+@example(seed=2, k=5, M=1, ntiles=1, kbn=2, fmt="fp32")
 def test_gemv_tiled(k_split, seed, k, M, ntiles, kbn, fmt):
     k = k_split or k
     rng = np.random.default_rng(seed)
