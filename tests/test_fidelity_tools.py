@@ -27,6 +27,14 @@ def test_safetensors_reader(tmp_path):
     assert set(got) == set(arrays) and all(np.array_equal(got[k], v) for k, v in arrays.items())
 
 
+def test_float16_export_reads_back(tmp_path):
+    arrays = {"w": np.linspace(-3, 3, 12, dtype=np.float32).reshape(3, 4) / 7, "ids": np.arange(5, dtype=np.int64)}
+    F.write_safetensors_f16(str(tmp_path / "m.safetensors"), arrays)
+    got = F.read_safetensors(str(tmp_path / "m.safetensors"))
+    assert got["w"].dtype == np.float16 and np.array_equal(got["w"], arrays["w"].astype(np.float16))
+    assert np.array_equal(got["ids"], arrays["ids"])
+
+
 def test_tokenizer_rules():
     vocab = {w: i for i, w in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "un", "##aff", "##able", "cafe", ",",
                                          "!", "a", "##b"])}
