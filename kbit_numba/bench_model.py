@@ -16,7 +16,8 @@ or, for a mixture-of-experts model (``qwen3-30b-a3b``), the second line per toke
   ``kbit_numba.torch.KbitLinear``, the drop-in a user would use.
 * **MoE experts** (the router's result taken as given: a fixed random top-k routing per layer, with softmax
   weights): the B * top_k (token, expert) rows are gathered in expert order (``index_select``), run through the
-  layer's gate/up experts and down experts, and summed back per token with their weights (torch ops). kbit
+  layer's gate/up experts and down experts, and summed back per token with their weights (``moe_combine``, a
+  fused Numba kernel, as an engine's MoE sum; its torch twin on CPU tensors). kbit
   variants hold every layer's experts as ``KbitExperts`` per projection (see :class:`ExpertsKbit`: the code
   layout through the tensor-core ``mma_gemv.grouped_gemv`` while no expert has more than 8 rows, else the
   tiled layout through ``grouped_gemm``; k = 3, 5 the tiled ``grouped_gemv`` up to 4 rows);
@@ -27,7 +28,7 @@ or, for a mixture-of-experts model (``qwen3-30b-a3b``), the second line per toke
 * **Attention stand-in** (a fixed cost, named in the report): ``scaled_dot_product_attention`` of the new
   token's query over a fixed ``context``-token fp16 KV cache per layer (GQA); the new token's k and v are
   not appended, and no rotary embedding is applied.
-* **RMSNorm, SiLU, residual**: two small fused Numba kernels, as an inference engine runs them (vLLM's
+* **RMSNorm, SiLU, residual** (and the MoE sum): small fused Numba kernels, as an inference engine runs them (vLLM's
   ``fused_add_rms_norm`` and ``silu_and_mul``): ``add_rmsnorm`` (residual += y; h = rmsnorm(residual) * w)
   and ``silu_mul`` (silu(g) * u); their torch twins run on CPU tensors (the simulator) and test them on the
   GPU. Not in the step: embedding, final norm, lm_head, sampling.
@@ -158,7 +159,19 @@ def _kernels():
                 g = float32(gu[b, j])
                 out[b, j] = g / (float32(1) + math.exp(-g)) * float32(gu[b, I + j])
 
-        _KERNELS.update(add_rmsnorm=add_rmsnorm, silu_mul=silu_mul)
+        @cuda.jit
+        def moe_combine(rows, inv, weights, out):
+            """out[b, j] = sum_t weights[b, t] * rows[inv[b * top + t], j] (a float32 sum), top = weights.shape[1]:
+            each token's expert rows summed back with their router weights, one thread per output element."""
+            b, j = cuda.blockIdx.y, cuda.grid(1)
+            top = weights.shape[1]
+            if j < out.shape[1]:
+                acc = float32(0)
+                for t in range(top):
+                    acc += weights[b, t] * float32(rows[inv[b * top + t], j])
+                out[b, j] = acc
+
+        _KERNELS.update(add_rmsnorm=add_rmsnorm, silu_mul=silu_mul, moe_combine=moe_combine)
     return _KERNELS
 
 
@@ -167,6 +180,12 @@ def add_rmsnorm_torch(res, y, w, eps=1e-6):
     res.add_(y)
     r = res.float()
     return (r * (r.pow(2).mean(-1, keepdim=True) + eps).rsqrt() * w.float()).to(res.dtype)
+
+
+def moe_combine_torch(rows, inv, weights):
+    """The twin of ``moe_combine``."""
+    B, top = weights.shape
+    return (rows[inv].view(B, top, -1).float() * weights[:, :, None]).sum(1).to(rows.dtype)
 
 
 def silu_mul_torch(gu):
@@ -287,9 +306,18 @@ class DecodeStep:
         gate_up()
         self.silu_mul(self.gu, out=self.act)
         down()
-        top = self.cfg["top_k"]
-        y = self.down_rows[inv].view(self.B, top, -1).float() * weights[:, :, None]
-        return y.sum(1).to(h.dtype)
+        return self.moe_combine(self.down_rows, inv, weights)
+
+    def moe_combine(self, rows, inv, weights):
+        if not rows.is_cuda:
+            return moe_combine_torch(rows, inv, weights)
+        from numba import cuda
+        out = self.torch.empty(weights.shape[0], rows.shape[1], device=rows.device, dtype=rows.dtype)
+        s = cuda.external_stream(self.torch.cuda.current_stream().cuda_stream)
+        grid = (-(-out.shape[1] // SILU_THREADS), out.shape[0])
+        _kernels()["moe_combine"][grid, SILU_THREADS, s](cuda.as_cuda_array(rows), cuda.as_cuda_array(inv),
+                                                          cuda.as_cuda_array(weights), cuda.as_cuda_array(out))
+        return out
 
     def add_rmsnorm(self, res, y, w, eps=1e-6):
         if not res.is_cuda:

@@ -160,3 +160,8 @@ def test_fused_kernels_equal_their_torch_twins():
     torch.testing.assert_close(h, h2, rtol=2e-3, atol=2e-3)
     gu = torch.randn(3, 2 * 14336, device="cuda", dtype=torch.float16, generator=g) * 4
     torch.testing.assert_close(step.silu_mul(gu), bench_model.silu_mul_torch(gu), rtol=2e-3, atol=2e-3)
+    rows = torch.randn(3 * 8, 2048, device="cuda", dtype=torch.float16, generator=g)
+    inv = torch.randperm(3 * 8, device="cuda", generator=g)
+    weights = torch.rand(3, 8, device="cuda", generator=g)
+    torch.testing.assert_close(step.moe_combine(rows, inv, weights), bench_model.moe_combine_torch(rows, inv, weights),
+                               rtol=2e-3, atol=2e-3)
