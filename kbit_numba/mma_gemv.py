@@ -166,10 +166,9 @@ def make_mma_gemv_kernel(spec):
         """Sum the strip's C tiles over the CTA's K-warps: each lane puts its valid values (tokens < M) in
         its warp's tile of the shared buffer half ``flip``, then one thread per (slice, column, token)
         adds the slice's KW tiles and writes column n_first + s * STRIP + column of row row0 + token (a
-        loop: a CTA of one
-        warp has fewer threads than 16 M outputs). The other threads go on to the next strip meanwhile
-        (sharing each sum among several threads with shuffles was slower: everyone waited for it). KW is up
-        to 32: a thread keeps four sums, so that its loads do not wait on each other's adds."""
+        loop: a CTA of one warp has fewer threads than 16 M outputs). The other threads go on to the next
+        strip meanwhile (sharing each sum among several threads with shuffles was slower: everyone waited
+        for it). KW is up to 32: a thread keeps four sums, so that its loads do not wait on each other's adds."""
         for h in range(2):                         # c0, c1: column g; c2, c3: column g + 8
             for e in range(2):
                 tok = u32(u32(2) * t + u32(e))
