@@ -331,16 +331,21 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, cta_war
     kc = device_weight(kc, KbitCodes, stream)
     N, K = kc.shape
     Ad, a_src, M, out = _arrays.gemv_io(A, kc.shape, out, out_dtype, bf16, stream, "mma gemv", MAX_TOKENS)
-    if a_src not in MMA_TYPES:
-        raise ValueError(f"mma gemv takes float16 or bfloat16 activations (the MMA's types), got {a_src}")
-    if not reads(1, K):
-        raise ValueError(f"mma gemv handles K a multiple of {K_STEP} up to {MAX_K}, got K={K}")
+    _check_inputs(a_src, K)
     n_kb = K // BLOCK
     _arrays.check_aligned(Ad, 16, "A")
     args = (_arrays.flat_view(Ad, np.uint32), kc.packed, kc.absmax, kc.codebook, _arrays.flat_view(out),
             i32(N), i32(n_kb), i32(M), unused_i32())
     spec = MmaGemvSpec(kc.k, kc.absmax_format, a_src, out.dtype, pdl)
     return Plan([_step(spec, args, N, K, cta_warps)], Ad, out, stream)
+
+
+def _check_inputs(a_src, K):
+    """The activations' type and the weight's K that every launch needs (plain and grouped alike)."""
+    if a_src not in MMA_TYPES:
+        raise ValueError(f"mma gemv takes float16 or bfloat16 activations (the MMA's types), got {a_src}")
+    if not reads(1, K):
+        raise ValueError(f"mma gemv handles K a multiple of {K_STEP} up to {MAX_K}, got K={K}")
 
 
 def _step(spec, args, N, K, cta_warps=None, slots=None):
@@ -369,12 +374,9 @@ def plan_grouped(A, experts, expert_offsets, out=None, stream=None, out_dtype=np
     if experts.layout != "codes":
         raise ValueError("mma gemv reads code-layout experts: stack_experts of pair_gemv.to_codes(...) weights "
                          f"(got the {experts.layout} layout)")
-    if a_src not in MMA_TYPES:
-        raise ValueError(f"mma gemv takes float16 or bfloat16 activations (the MMA's types), got {a_src}")
     E = experts.n_experts
     N, K = experts.expert_shape
-    if not reads(1, K):
-        raise ValueError(f"mma gemv handles K a multiple of {K_STEP} up to {MAX_K}, got K={K}")
+    _check_inputs(a_src, K)
     if max_tokens is None and isinstance(expert_offsets, np.ndarray):
         max_tokens = max_tokens_per_expert(expert_offsets, T)
     if max_tokens is not None and max_tokens > MAX_TOKENS:
