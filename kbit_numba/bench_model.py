@@ -61,6 +61,7 @@ VARIANTS = {
     "kbit k=4": ("kbit", dict(k=4)), "kbit k=5": ("kbit", dict(k=5)),
     "kbit k=4 tiled": ("kbit", dict(k=4, layout="tiled")),
     "kbit k=2 pdl": ("kbit", dict(k=2, pdl=True)),
+    "kbit k=2 pdl f16_acc": ("kbit", dict(k=2, pdl=True, f16_acc=True)),
     "kbit k=4 pdl": ("kbit", dict(k=4, pdl=True)),
     "kbit k=4 pdl f16_acc": ("kbit", dict(k=4, pdl=True, f16_acc=True)),
     "uniform 4-bit g128": ("uniform", dict(bits=4, group_size=128)),
@@ -105,6 +106,12 @@ def routing(cfg, B, rng):
     return src, inv, weights, offsets
 
 
+def uses_pdl(variant):
+    """Whether ``variant``'s linears are programmatic dependent launches: then the step's fused kernels are too
+    (an engine that uses PDL uses it throughout; a kernel without it would break the chain of early starts)."""
+    return bool(VARIANTS[variant] and VARIANTS[variant][1].get("pdl"))
+
+
 def check_names(model, variants):
     if model not in MODELS:
         raise ValueError(f"unknown model {model!r}: known models are {', '.join(MODELS)}")
@@ -113,66 +120,123 @@ def check_names(model, variants):
         raise ValueError(f"unknown format variant(s) {unknown}: known variants are {', '.join(VARIANTS)}")
 
 
-# add_rmsnorm: one CTA per token row, 1024 threads, so that a 4096-wide row is 4 loads per thread (each
-# loop iteration waits for its load: few iterations keep the kernel from being latency bound at batch 1).
-# silu_mul: one thread per output element, 256 a CTA, a grid over (columns, rows).
-NORM_THREADS = 1024
+# add_rmsnorm: one CTA of NORM_THREADS per token row. At batch 1 it is load latency, not bandwidth, so a thread
+# issues all its 16-byte loads (its ceil(H / 8 / NORM_THREADS) chunks of res, y and w) before it uses one, and
+# keeps the row in registers as float16 pairs between the sum of squares and the scaling (loads and stores to
+# the same arrays interleaved would wait one by one: the compiler cannot move a load past a store that may
+# alias it). The sum is a warp shuffle tree plus one shared word per warp (one barrier). 256 threads of few
+# registers leave room beside a 512-thread gemv CTA on the same SM, which a programmatic launch needs.
+# silu_mul, moe_combine: one thread per output element, 256 a CTA, a grid over (columns, rows).
+NORM_THREADS = 256
+HALVES_PER_CHUNK = 8            # float16 values in one 16-byte load
 SILU_THREADS = 256
 _KERNELS = {}
 
 
-def _kernels():
-    """The two fused elementwise kernels (compiled once): one CTA per token row."""
-    if not _KERNELS:
-        from numba import cuda, float32
+def _kernel(name, width=0, pdl=False):
+    """A fused elementwise kernel, compiled once per (name, row width, pdl). ``pdl``: built for a programmatic
+    dependent launch (sm_90): it lets the next kernel start at once (that kernel's weight loads and tables
+    overlap this one) and waits for the kernel before it before reading anything."""
+    key = (name, width if name == "add_rmsnorm" else 0, pdl)
+    if key not in _KERNELS:
+        from numba import cuda, float32, uint32
 
-        @cuda.jit
-        def add_rmsnorm(res, y, w, h, eps):
-            """res[b] += y[b] (float16, in place); h[b] = res[b] / rms(res[b]) * w (float32 sum of squares)."""
-            b, t = cuda.blockIdx.x, cuda.threadIdx.x
-            H = res.shape[1]
-            part = cuda.shared.array(NORM_THREADS, float32)
-            acc = float32(0)
-            for j in range(t, H, NORM_THREADS):
-                v = float32(res[b, j]) + float32(y[b, j])
-                res[b, j] = v
-                v = float32(res[b, j])                 # (the float16 value the next layer reads)
-                acc += v * v
-            part[t] = acc
-            cuda.syncthreads()
-            step = NORM_THREADS // 2
-            while step > 0:                            # tree sum over the CTA
-                if t < step:
-                    part[t] += part[t + step]
-                cuda.syncthreads()
-                step //= 2
-            inv = float32(1) / math.sqrt(part[0] / float32(H) + float32(eps))
-            for j in range(t, H, NORM_THREADS):
-                h[b, j] = float32(res[b, j]) * inv * float32(w[j])
+        from .intrinsics import (f16_bits_to_f32, f16x2_as_u32, griddep_launch_dependents, griddep_wait, ldg128,
+                                 stg128)
+        PDL = pdl
 
-        @cuda.jit
-        def silu_mul(gu, out):
-            """out[b, j] = silu(gu[b, j]) * gu[b, I + j], I = out.shape[1]; b = blockIdx.y."""
-            b, j = cuda.blockIdx.y, cuda.grid(1)
-            I = out.shape[1]
-            if j < I:
-                g = float32(gu[b, j])
-                out[b, j] = g / (float32(1) + math.exp(-g)) * float32(gu[b, I + j])
+        if name == "add_rmsnorm":
+            H = width
+            CHUNKS = H // HALVES_PER_CHUNK                      # 16-byte chunks of a row
+            CPT = -(-CHUNKS // NORM_THREADS)                    # chunks a thread keeps
+            WORDS, WARPS, SLOTS = H // 2, NORM_THREADS // 32, 4 * CPT
 
-        @cuda.jit
-        def moe_combine(rows, inv, weights, out):
-            """out[b, j] = sum_t weights[b, t] * rows[inv[b * top + t], j] (a float32 sum), top = weights.shape[1]:
-            each token's expert rows summed back with their router weights, one thread per output element."""
-            b, j = cuda.blockIdx.y, cuda.grid(1)
-            top = weights.shape[1]
-            if j < out.shape[1]:
+            @cuda.jit
+            def kernel(res, y, w, h, eps):
+                """res[b] += y[b] (float16, in place); h[b] = res[b] / rms(res[b]) * w (float32 sum of squares).
+                The arrays are the rows' float16 pairs as flat uint32 words."""
+                t, b = cuda.threadIdx.x, cuda.blockIdx.x
+                ww = cuda.local.array(SLOTS, uint32)            # w words
+                rw = cuda.local.array(SLOTS, uint32)            # res words, then res + y
+                yw = cuda.local.array(SLOTS, uint32)            # y words
+                for i in range(CPT):                            # the norm weights are no kernel's output:
+                    c = t + i * NORM_THREADS                    # loaded before the wait
+                    if c < CHUNKS:
+                        ww[4 * i], ww[4 * i + 1], ww[4 * i + 2], ww[4 * i + 3] = ldg128(w, 4 * c)
+                if PDL:
+                    griddep_launch_dependents()
+                    griddep_wait()
+                for i in range(CPT):
+                    c = t + i * NORM_THREADS
+                    if c < CHUNKS:
+                        rw[4 * i], rw[4 * i + 1], rw[4 * i + 2], rw[4 * i + 3] = ldg128(res, b * WORDS + 4 * c)
+                        yw[4 * i], yw[4 * i + 1], yw[4 * i + 2], yw[4 * i + 3] = ldg128(y, b * WORDS + 4 * c)
                 acc = float32(0)
-                for t in range(top):
-                    acc += weights[b, t] * float32(rows[inv[b * top + t], j])
-                out[b, j] = acc
+                for i in range(CPT):
+                    c = t + i * NORM_THREADS
+                    if c < CHUNKS:
+                        for q in range(4):
+                            r, a = rw[4 * i + q], yw[4 * i + q]
+                            s = f16x2_as_u32(f16_bits_to_f32(r) + f16_bits_to_f32(a),          # (rounded to
+                                             f16_bits_to_f32(r >> 16) + f16_bits_to_f32(a >> 16))  # float16: what
+                            rw[4 * i + q] = s                                           # the next layer reads)
+                            lo, hi = f16_bits_to_f32(s), f16_bits_to_f32(s >> 16)
+                            acc += lo * lo + hi * hi
+                        stg128(res, b * WORDS + 4 * c, rw[4 * i], rw[4 * i + 1], rw[4 * i + 2], rw[4 * i + 3])
+                off = 16
+                while off > 0:                                  # the warp's sum
+                    acc += cuda.shfl_xor_sync(0xFFFFFFFF, acc, off)
+                    off //= 2
+                part = cuda.shared.array(WARPS, float32)
+                if t % 32 == 0:
+                    part[t // 32] = acc
+                cuda.syncthreads()
+                total = float32(0)
+                for i in range(WARPS):
+                    total += part[i]
+                inv = float32(1) / math.sqrt(total / float32(H) + float32(eps))
+                for i in range(CPT):
+                    c = t + i * NORM_THREADS
+                    if c < CHUNKS:
+                        o = cuda.local.array(4, uint32)
+                        for q in range(4):
+                            r, g = rw[4 * i + q], ww[4 * i + q]
+                            o[q] = f16x2_as_u32(f16_bits_to_f32(r) * inv * f16_bits_to_f32(g),
+                                                f16_bits_to_f32(r >> 16) * inv * f16_bits_to_f32(g >> 16))
+                        stg128(h, b * WORDS + 4 * c, o[0], o[1], o[2], o[3])
 
-        _KERNELS.update(add_rmsnorm=add_rmsnorm, silu_mul=silu_mul, moe_combine=moe_combine)
-    return _KERNELS
+        elif name == "silu_mul":
+            @cuda.jit
+            def kernel(gu, out):
+                """out[b, j] = silu(gu[b, j]) * gu[b, I + j], I = out.shape[1]; b = blockIdx.y."""
+                if PDL:
+                    griddep_launch_dependents()
+                    griddep_wait()
+                b, j = cuda.blockIdx.y, cuda.grid(1)
+                I = out.shape[1]
+                if j < I:
+                    g = float32(gu[b, j])
+                    out[b, j] = g / (float32(1) + math.exp(-g)) * float32(gu[b, I + j])
+
+        elif name == "moe_combine":
+            @cuda.jit
+            def kernel(rows, inv, weights, out):
+                """out[b, j] = sum_t weights[b, t] * rows[inv[b * top + t], j] (a float32 sum), top = weights.shape[1]:
+                each token's expert rows summed back with their router weights, one thread per output element."""
+                if PDL:
+                    griddep_launch_dependents()
+                    griddep_wait()
+                b, j = cuda.blockIdx.y, cuda.grid(1)
+                top = weights.shape[1]
+                if j < out.shape[1]:
+                    acc = float32(0)
+                    for t in range(top):
+                        acc += weights[b, t] * float32(rows[inv[b * top + t], j])
+                    out[b, j] = acc
+        else:
+            raise KeyError(name)
+        _KERNELS[key] = kernel
+    return _KERNELS[key]
 
 
 def add_rmsnorm_torch(res, y, w, eps=1e-6):
@@ -258,11 +322,12 @@ class ExpertsKbit:
 
 class DecodeStep:
     """One model's decode step for a batch of B tokens with the given per-layer linear modules (for a MoE
-    model the last two of a layer are expert sets, :class:`ExpertsFP16` or :class:`ExpertsKbit`)."""
+    model the last two of a layer are expert sets, :class:`ExpertsFP16` or :class:`ExpertsKbit`). ``pdl``: launch
+    the fused kernels as programmatic dependent launches (:func:`uses_pdl`)."""
 
-    def __init__(self, cfg, linears, B, context=CONTEXT, device="cuda"):
+    def __init__(self, cfg, linears, B, context=CONTEXT, device="cuda", pdl=False):
         import torch
-        self.torch, self.cfg, self.linears, self.B = torch, cfg, linears, B
+        self.torch, self.cfg, self.linears, self.B, self.pdl = torch, cfg, linears, B, bool(pdl)
         H, hd = cfg["hidden"], cfg["head_dim"]
         dev, f16 = device, torch.float16
         g = torch.Generator(device=dev).manual_seed(0)
@@ -308,37 +373,49 @@ class DecodeStep:
         down()
         return self.moe_combine(self.down_rows, inv, weights)
 
+    def _launch(self, name, grid, block, *args, width=0):
+        """Launch fused kernel ``name`` on torch's current stream (tensors passed as Numba device arrays); with
+        ``self.pdl`` as a programmatic dependent launch (``launch.PreparedLaunch``), as the pdl linears are."""
+        from numba import cuda
+
+        from .launch import PreparedLaunch
+        kernel = _kernel(name, width, self.pdl)
+        args = [cuda.as_cuda_array(a) if hasattr(a, "__cuda_array_interface__") else a for a in args]
+        stream = self.torch.cuda.current_stream().cuda_stream
+        if self.pdl:
+            PreparedLaunch(kernel, grid, block, args, stream, pdl=True)()
+        else:
+            kernel[grid, block, cuda.external_stream(stream)](*args)
+
     def moe_combine(self, rows, inv, weights):
         if not rows.is_cuda:
             return moe_combine_torch(rows, inv, weights)
-        from numba import cuda
         out = self.torch.empty(weights.shape[0], rows.shape[1], device=rows.device, dtype=rows.dtype)
-        s = cuda.external_stream(self.torch.cuda.current_stream().cuda_stream)
-        grid = (-(-out.shape[1] // SILU_THREADS), out.shape[0])
-        _kernels()["moe_combine"][grid, SILU_THREADS, s](cuda.as_cuda_array(rows), cuda.as_cuda_array(inv),
-                                                          cuda.as_cuda_array(weights), cuda.as_cuda_array(out))
+        self._launch("moe_combine", (-(-out.shape[1] // SILU_THREADS), out.shape[0]), SILU_THREADS,
+                     rows, inv, weights, out)
         return out
 
     def add_rmsnorm(self, res, y, w, eps=1e-6):
         if not res.is_cuda:
             return add_rmsnorm_torch(res, y, w, eps)
         from numba import cuda
+        H = res.shape[1]
+        if H % HALVES_PER_CHUNK or not all(t.is_contiguous() and t.dtype == self.torch.float16 and t.data_ptr() % 16 == 0
+                                           for t in (res, y, w)):
+            raise ValueError(f"add_rmsnorm takes contiguous, 16-byte aligned float16 rows of a multiple of "
+                             f"{HALVES_PER_CHUNK} values, got {tuple(res.shape)}")
         h = self.torch.empty_like(res)
-        s = cuda.external_stream(self.torch.cuda.current_stream().cuda_stream)
-        _kernels()["add_rmsnorm"][res.shape[0], NORM_THREADS, s](
-            cuda.as_cuda_array(res), cuda.as_cuda_array(y), cuda.as_cuda_array(w), cuda.as_cuda_array(h), eps)
+        words = [cuda.as_cuda_array(t.reshape(-1)).view(np.uint32) for t in (res, y, w, h)]
+        self._launch("add_rmsnorm", res.shape[0], NORM_THREADS, *words, float(eps), width=H)
         return h
 
     def silu_mul(self, gu, out=None):
         if not gu.is_cuda:
             y = silu_mul_torch(gu)
             return y if out is None else out.copy_(y)
-        from numba import cuda
         if out is None:
             out = self.torch.empty(gu.shape[0], gu.shape[1] // 2, device=gu.device, dtype=gu.dtype)
-        s = cuda.external_stream(self.torch.cuda.current_stream().cuda_stream)
-        grid = (-(-out.shape[1] // SILU_THREADS), gu.shape[0])
-        _kernels()["silu_mul"][grid, SILU_THREADS, s](cuda.as_cuda_array(gu), cuda.as_cuda_array(out))
+        self._launch("silu_mul", (-(-out.shape[1] // SILU_THREADS), gu.shape[0]), SILU_THREADS, gu, out)
         return out
 
     def _attention(self, qkv, kv):
@@ -490,7 +567,7 @@ def run(model="llama3-8b", variants=None, batches=BATCHES, context=CONTEXT, prog
         step = None
         for B in batches:
             del step                        # (the previous batch's KV caches)
-            step = DecodeStep(cfg, linears, B, context)
+            step = DecodeStep(cfg, linears, B, context, pdl=uses_pdl(variant))
             try:
                 with torch.no_grad():
                     t_step = graph_us(torch, step.step)

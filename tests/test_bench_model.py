@@ -44,8 +44,8 @@ def test_quantized_step_follows_the_fp16_step(variant):
     if not SIM:
         assert 0 < bench_model.weight_bytes(q) < bench_model.weight_bytes(f) / 3
     outs = []
-    for linears in (q, f):
-        step = bench_model.DecodeStep(TINY, linears, 2, context=8, device=DEVICE)
+    for linears, pdl in ((q, bench_model.uses_pdl(variant)), (f, False)):   # (pdl: the fused kernels too)
+        step = bench_model.DecodeStep(TINY, linears, 2, context=8, device=DEVICE, pdl=pdl)
         with torch.no_grad():
             outs.append(step.step().float().cpu().numpy())
             step.linears_only()
@@ -147,12 +147,14 @@ def test_unknown_model_or_variant_lists_the_known_ones():
 
 
 @pytest.mark.skipif(SIM, reason="the fused kernels take CUDA tensors")
-def test_fused_kernels_equal_their_torch_twins():
+@pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.parametrize("H", [4096, 1000])       # (1000: a row that is not a multiple of the CTA)
+def test_fused_kernels_equal_their_torch_twins(H, pdl):
     g = torch.Generator(device="cuda").manual_seed(1)
-    res = torch.randn(3, 4096, device="cuda", dtype=torch.float16, generator=g)
-    y = torch.randn(3, 4096, device="cuda", dtype=torch.float16, generator=g)
-    w = torch.rand(4096, device="cuda", dtype=torch.float16, generator=g) + 0.5
-    step = bench_model.DecodeStep(TINY, [], 3, context=8)
+    res = torch.randn(3, H, device="cuda", dtype=torch.float16, generator=g)
+    y = torch.randn(3, H, device="cuda", dtype=torch.float16, generator=g)
+    w = torch.rand(H, device="cuda", dtype=torch.float16, generator=g) + 0.5
+    step = bench_model.DecodeStep(TINY, [], 3, context=8, pdl=pdl)
     res2 = res.clone()
     h = step.add_rmsnorm(res, y, w)
     h2 = bench_model.add_rmsnorm_torch(res2, y, w)

@@ -1,0 +1,94 @@
+"""Where a llama3-8b decode step's time outside the linear layers goes, and a same-run A/B of the step's fused
+kernels (needs torch and a GPU):
+
+    python benchmarks/decode_step_parts.py [--batch 1,4] [--variants "fp16,kbit k=4 pdl f16_acc"] [--old OLD.py]
+
+* parts: CUDA graphs of the 32 layers' calls of one op alone (add_rmsnorm, the attention stand-in, silu_mul);
+* steps: the whole step per variant, alternating the step's configurations on the same linears (best of
+  ``--rounds``): ``fused`` (the committed fused kernels), ``fused pdl`` (as programmatic dependent launches,
+  for variants whose linears are), and ``old norm`` when ``--old`` names a previous ``bench_model.py``
+  (its ``add_rmsnorm`` kernel, launched as that version did).
+"""
+import argparse
+import importlib.util
+
+import torch
+
+from kbit_numba import bench_model as bm
+
+
+def old_norm_step(path):
+    spec = importlib.util.spec_from_file_location("old_bench_model", path)
+    old = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(old)
+
+    class OldNorm(bm.DecodeStep):
+        def add_rmsnorm(self, res, y, w, eps=1e-6):
+            from numba import cuda
+            h = torch.empty_like(res)
+            s = cuda.external_stream(torch.cuda.current_stream().cuda_stream)
+            old._kernels()["add_rmsnorm"][res.shape[0], old.NORM_THREADS, s](
+                cuda.as_cuda_array(res), cuda.as_cuda_array(y), cuda.as_cuda_array(w), cuda.as_cuda_array(h), eps)
+            return h
+    return OldNorm
+
+
+def parts(cfg, B, step):
+    H, L = cfg["hidden"], cfg["layers"]
+    dev = "cuda"
+    res = [torch.randn(B, H, device=dev, dtype=torch.float16) for _ in range(L)]
+    y = [torch.randn(B, H, device=dev, dtype=torch.float16) for _ in range(L)]
+    w = [torch.ones(H, device=dev, dtype=torch.float16) for _ in range(L)]
+    q, kv = cfg["heads"] * cfg["head_dim"], cfg["kv_heads"] * cfg["head_dim"]
+    qkv = [torch.randn(B, q + 2 * kv, device=dev, dtype=torch.float16) for _ in range(L)]
+    gu = [torch.randn(B, 2 * cfg["intermediate"], device=dev, dtype=torch.float16) for _ in range(L)]
+    ops = {
+        "add_rmsnorm x32": lambda: [step.add_rmsnorm(r, a, b) for r, a, b in zip(res, y, w)],
+        "attention x32": lambda: [step._attention(x, c) for x, c in zip(qkv, step.kv)],
+        "silu_mul x32": lambda: [step.silu_mul(g) for g in gu],
+    }
+    return {name: bm.graph_us(torch, fn) for name, fn in ops.items()}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", default="1")
+    ap.add_argument("--variants", default="fp16,kbit k=4 pdl f16_acc")
+    ap.add_argument("--old", default=None)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    cfg = bm.MODELS["llama3-8b"]
+    print(f"device: {torch.cuda.get_device_name()}")
+    configs = {"fused": (bm.DecodeStep, False)}
+    if args.old:
+        configs["old norm"] = (old_norm_step(args.old), False)
+    import numpy as np
+    rng = np.random.default_rng(0)
+    base = {name: rng.standard_normal((N, K), dtype=np.float32) * 0.02 for name, N, K in bm.projections(cfg)}
+    with torch.no_grad():
+        for B in map(int, args.batch.split(",")):
+            for name, (cls, _) in configs.items():
+                for op, us in parts(cfg, B, cls(cfg, [None] * cfg["layers"], B)).items():
+                    print(f"B={B} {name:<10} {op:<18} {us:8.1f} us  ({us / 32:.2f} us a call)", flush=True)
+        for variant in args.variants.split(","):
+            linears = bm.build_linears(cfg, variant, base, lambda m: None)
+            runs = dict(configs)
+            if bm.uses_pdl(variant):
+                runs["fused pdl"] = (bm.DecodeStep, True)
+            for B in map(int, args.batch.split(",")):
+                best = {}
+                for _ in range(args.rounds):
+                    for name, (cls, pdl) in runs.items():
+                        step = cls(cfg, linears, B, pdl=pdl)
+                        with torch.no_grad():
+                            t = bm.graph_us(torch, step.step)
+                        best[name] = min(best.get(name, 1e18), t)
+                        del step
+                line = "  ".join(f"{n}: {t:.0f} us" for n, t in best.items())
+                print(f"{variant:<24} B={B:<3} step  {line}", flush=True)
+            del linears
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
