@@ -1,12 +1,14 @@
 """Where a llama3-8b decode step's time outside the linear layers goes, and a same-run A/B of the step's fused
 kernels (needs torch and a GPU):
 
-    python benchmarks/decode_step_parts.py [--batch 1,4] [--variants "fp16,kbit k=4 pdl f16_acc"] [--old OLD.py]
+    python benchmarks/decode_step_parts.py [--model llama3-8b] [--batch 1,4] [--variants "fp16,kbit k=4 pdl f16_acc"]
+                                           [--old OLD.py] [--no-parts]
 
 * parts: CUDA graphs of the 32 layers' calls of one op alone (add_rmsnorm, the attention stand-in, silu_mul);
 * steps: the whole step per variant, alternating the step's configurations on the same linears (best of
   ``--rounds``): ``fused`` (the committed fused kernels), ``fused pdl`` (as programmatic dependent launches,
-  for variants whose linears are), and ``old norm`` when ``--old`` names a previous ``bench_model.py``
+  for variants whose linears are), ``fused pdl, experts plain`` (a MoE model's pdl variants with the grouped
+  expert kernels launched without PDL), and ``old norm`` when ``--old`` names a previous ``bench_model.py``
   (its ``add_rmsnorm`` kernel, launched as that version did).
 """
 import argparse
@@ -33,6 +35,21 @@ def old_norm_step(path):
     return OldNorm
 
 
+class ExpertsPlain(bm.DecodeStep):
+    """The step with the expert sets bound without PDL (the rest as given)."""
+
+    def _bind_experts(self, torch_, dev, f16):
+        sets = [e for layer in self.linears for e in layer[2:]]
+        saved = [e.pdl for e in sets]
+        for e in sets:
+            e.pdl = False
+        try:
+            super()._bind_experts(torch_, dev, f16)
+        finally:
+            for e, p in zip(sets, saved):
+                e.pdl = p
+
+
 def parts(cfg, B, step):
     H, L = cfg["hidden"], cfg["layers"]
     dev = "cuda"
@@ -52,12 +69,14 @@ def parts(cfg, B, step):
 
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama3-8b")
+    ap.add_argument("--no-parts", action="store_true")
     ap.add_argument("--batch", default="1")
     ap.add_argument("--variants", default="fp16,kbit k=4 pdl f16_acc")
     ap.add_argument("--old", default=None)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    cfg = bm.MODELS["llama3-8b"]
+    cfg = bm.MODELS[args.model]
     print(f"device: {torch.cuda.get_device_name()}")
     configs = {"fused": (bm.DecodeStep, False)}
     if args.old:
@@ -65,8 +84,11 @@ def main():
     import numpy as np
     rng = np.random.default_rng(0)
     base = {name: rng.standard_normal((N, K), dtype=np.float32) * 0.02 for name, N, K in bm.projections(cfg)}
+    if bm.is_moe(cfg):
+        for name, N, K in bm.projections(cfg)[2:]:
+            base[name] = [rng.standard_normal((N, K), dtype=np.float32) * 0.02 for _ in range(bm.DISTINCT_EXPERTS)]
     with torch.no_grad():
-        for B in map(int, args.batch.split(",")):
+        for B in ([] if args.no_parts or bm.is_moe(cfg) else map(int, args.batch.split(","))):
             for name, (cls, _) in configs.items():
                 for op, us in parts(cfg, B, cls(cfg, [None] * cfg["layers"], B)).items():
                     print(f"B={B} {name:<10} {op:<18} {us:8.1f} us  ({us / 32:.2f} us a call)", flush=True)
@@ -75,6 +97,8 @@ def main():
             runs = dict(configs)
             if bm.uses_pdl(variant):
                 runs["fused pdl"] = (bm.DecodeStep, True)
+                if bm.is_moe(cfg):
+                    runs["fused pdl, experts plain"] = (ExpertsPlain, True)
             for B in map(int, args.batch.split(",")):
                 best = {}
                 for _ in range(args.rounds):

@@ -104,6 +104,17 @@ if "grouped" in families:
         T = offsets[-1]
         mma_gemv.grouped_gemv(rng.standard_normal((T, 1088)).astype(np.float16), cexperts,
                               cuda.to_device(np.array(offsets, np.int32))).copy_to_host()
+    # the PDL build (tables before the wait, offsets after it), T < E and T >= E, after a PDL mma gemv
+    for offsets in ([0, 0, 2, 2, 3], [0, 3, 3, 8, 12]):
+        T = offsets[-1]
+        A = cuda.to_device(rng.standard_normal((T, 1088)).astype(np.float16))
+        first = mma_gemv.prepare(A, cexperts.expert(0), pdl=True) if T <= 8 else None
+        grouped = mma_gemv.plan_grouped(A, cexperts, cuda.to_device(np.array(offsets, np.int32)), max_tokens=8,
+                                        pdl=True).prepare()
+        if first:
+            first.run()
+        grouped.run()
+        grouped.out.copy_to_host()
 if "formats" in families:  # uniform (every width, fp16/int8, 3-bit padding), SBVR, BitNet; M = 1..4
     for bits in (1, 2, 3, 4, 8):
         for G in (32, 128, None):

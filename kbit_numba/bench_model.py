@@ -286,10 +286,11 @@ class ExpertsKbit:
     """One layer's experts of one projection as ``KbitExperts``: in the code layout (k = 2, 4) the tensor-core
     ``mma_gemv.grouped_gemv`` while no expert has more than 8 rows; in the tiled layout ``grouped_gemv`` while
     none has more than 4 (k = 3, 5), else ``grouped_gemm`` (needs CUDA tensors). ``codes``: the code-layout
-    copy, or None; the tiled one is kept for batches past those limits (it doubles the experts' memory)."""
+    copy, or None; the tiled one is kept for batches past those limits (it doubles the experts' memory).
+    ``pdl``: the tensor-core gemv as a programmatic dependent launch (the other kernels have no such build)."""
 
-    def __init__(self, experts, codes=None):
-        self.experts, self.codes = experts, codes
+    def __init__(self, experts, codes=None, pdl=False):
+        self.experts, self.codes, self.pdl = experts, codes, bool(pdl)
 
     def weight_bytes(self):
         """Bytes of one copy (the one a decode step reads)."""
@@ -303,7 +304,8 @@ class ExpertsKbit:
         d_offsets = cuda.to_device(offsets)
         most = int(np.diff(offsets).max())
         if self.codes is not None and most <= mma_gemv.MAX_TOKENS:
-            plan, kernel = mma_gemv.plan_grouped(A, self.codes, d_offsets, out=out, max_tokens=most), "mma_gemv"
+            plan = mma_gemv.plan_grouped(A, self.codes, d_offsets, out=out, max_tokens=most, pdl=self.pdl)
+            kernel = "mma_gemv"
         elif most <= scalar_gemv.MAX_M:
             plan, kernel = scalar_gemv.plan_grouped(A, self.experts, d_offsets, out=out, max_tokens=most), "grouped_gemv"
         else:
@@ -496,7 +498,7 @@ def build_experts(cfg, variant, name, N, K, base, progress, device="cuda"):
         return [ExpertsKbit(c) for c in copies]
     codes = [reference.to_codes(w) for w in flat]
     stacked = stack_experts([codes[e % len(codes)] for e in range(E)])
-    return [ExpertsKbit(t, c) for t, c in zip(copies, _device_copies(stacked, L))]
+    return [ExpertsKbit(t, c, opts.get("pdl")) for t, c in zip(copies, _device_copies(stacked, L))]
 
 
 def build_linears(cfg, variant, base, progress, device="cuda"):

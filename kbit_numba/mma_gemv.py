@@ -21,7 +21,8 @@ and waits on its own dependency chains. This kernel streams the weights the pair
 * **Geometry** as the pair gemv's: a CTA holds ``S`` slices of ``KW = ceil(K / 256)`` warps (K <= 8192),
   a persistent grid walks 16-column strips, loads run two iterations ahead in three register buffers,
   and the KW warps' partial C tiles are summed in shared memory (one barrier per iteration).
-* ``pdl=True``: built for a programmatic dependent launch, as the pair gemv.
+* ``pdl=True``: built for a programmatic dependent launch, as the pair gemv (grouped: only the tables before
+  the wait; the offsets, and so the weights a CTA loads, come from the kernel before it).
 * ``grouped=True``: MoE experts (``grouped_gemv``): a grid row (slot) per expert, or per token row when there
   are fewer rows than experts (a decode step: the slot runs the expert whose first row it is, as
   ``scalar_gemv``'s grouped kernel); a CTA takes its expert's rows (up to 8) as its B fragments and walks that
@@ -78,8 +79,6 @@ class MmaGemvSpec(Spec):
             raise ValueError(f"mma gemv reads the code layout, k in {CODES_K}; got k={self.k}")
         if self.absmax_format not in ABSMAX_FORMATS:
             raise ValueError(f"absmax_format must be one of {ABSMAX_FORMATS}, got {self.absmax_format!r}")
-        if self.grouped and self.pdl:           # (the offsets would be read before the wait)
-            raise ValueError("the grouped mma gemv is not built for programmatic dependent launch")
         return dict(k=int(self.k), a_type=type_name(self.a_type, "a_type", MMA_TYPES),
                     out_dtype=type_name(self.out_dtype, "out_dtype", OUT_TYPES), pdl=bool(self.pdl),
                     grouped=bool(self.grouped), max_registers=int(self.max_registers) if self.max_registers else None)
@@ -203,10 +202,24 @@ def make_mma_gemv_kernel(spec):
                 out[u32(u32(row0 + tok) * u32(N) + n)] = np.float16(total) if f16_out else total
             i = u32(i + u32(cuda.blockDim.x))
 
+    @cuda.jit(device=True, inline="always")
+    def fill_tables(smem, cb, tid):
+        """The group table (pairs or quads in the MMA's type) and the E4M4 table."""
+        fill_table(smem, cb, tid)
+        i = tid
+        while e4m4 and i < u32(256):
+            smem[u32(u32(SCALES) + i)] = u32_as_f32(pair_bits(e4m4_decode(np.uint8(i))))
+            i = u32(i + u32(cuda.blockDim.x))
+
     def mma_gemv(A, packed, absmax, cb, out, N, n_kb, M, offsets):
         smem = cuda.shared.array(0, np.float32)    # [group table][E4M4 table][codebook][partial C tiles]
         tid = u32(cuda.threadIdx.x)
         nkb = u32(n_kb)
+        if PDL:                     # the next kernel may start now: it waits for this one in griddep_wait
+            griddep_launch_dependents()
+        if GROUPED and PDL:         # the offsets are the router's output, and the weights to load follow from
+            fill_tables(smem, cb, tid)      # them: before the wait only the tables (the plain kernel loads first)
+            griddep_wait()
         if GROUPED:                 # this CTA's expert (its blocks start at `first`) and its rows
             expert = slot_expert(offsets)
             if expert < 0:          # whole CTA: no barrier is skipped by a subset
@@ -243,8 +256,6 @@ def make_mma_gemv_kernel(spec):
         grid = u32(cuda.gridDim.x)
         last2 = u32(first + u32(N) * nkb - u32(2))
 
-        if PDL:                     # the next kernel may start now: it waits for this one in griddep_wait
-            griddep_launch_dependents()
         # ---- 1. the first strips' weight loads, two iterations ahead (three buffers) --------------------
         codes_a = cuda.local.array((2, CODE_WORDS), np.uint32)
         codes_b = cuda.local.array((2, CODE_WORDS), np.uint32)
@@ -255,15 +266,11 @@ def make_mma_gemv_kernel(spec):
         load_strip(packed, absmax, first, u32(grp * group_cols + col0), kb0, last2, nkb, codes_a, am_a)
         load_strip(packed, absmax, first, u32((grp + grid) * group_cols + col0), kb0, last2, nkb, codes_b, am_b)
 
-        # ---- 2. the group table (pairs or quads in the MMA's type) and the E4M4 table --------------------
-        fill_table(smem, cb, tid)
+        # ---- 2. the group table and the E4M4 table (grouped PDL: filled above) -------------------------
+        if not (GROUPED and PDL):
+            fill_tables(smem, cb, tid)
         table = shared_addr(smem)
-        i = tid
-        while e4m4 and i < u32(256):
-            smem[u32(u32(SCALES) + i)] = u32_as_f32(pair_bits(e4m4_decode(np.uint8(i))))
-            i = u32(i + u32(cuda.blockDim.x))
-
-        if PDL:                     # the activations (and out) may be the previous kernel's: wait for it
+        if PDL and not GROUPED:     # the activations (and out) may be the previous kernel's: wait for it
             griddep_wait()
         # ---- 3. token g's activations of the lane's two blocks, as B fragments (zeros past M, K) ---------
         bx = cuda.local.array((KB_LANE, MMAS_PER_BLOCK, 2), np.uint32)
@@ -366,9 +373,11 @@ def _step(spec, args, N, K, cta_warps=None, slots=None):
 
 
 def plan_grouped(A, experts, expert_offsets, out=None, stream=None, out_dtype=np.float16, bf16=False,
-                 max_tokens=None, cta_warps=None):
+                 max_tokens=None, cta_warps=None, pdl=False):
     """Checked inputs of :func:`grouped_gemv` bound into a :class:`launch.Plan` (one launch, or none when there
-    are no rows or experts)."""
+    are no rows or experts). ``pdl``: a programmatic dependent launch (sm_90) whose CTAs fill their tables
+    before they wait for the kernel before it; the offsets, activations and weight loads come after the wait
+    (which expert a CTA runs, and so which weights it loads, is the router's output)."""
     stream = _arrays.as_stream(stream)
     Ad, a_src, T, offs, experts = check_grouped(A, experts, expert_offsets, bf16, stream)
     if experts.layout != "codes":
@@ -390,7 +399,7 @@ def plan_grouped(A, experts, expert_offsets, out=None, stream=None, out_dtype=np
         return Plan([], Ad, out, stream)
     args = (_arrays.flat_view(Ad, np.uint32), experts.packed, experts.absmax, experts.codebook,
             _arrays.flat_view(out), i32(N), i32(K // BLOCK), i32(0), offs)
-    spec = MmaGemvSpec(experts.k, experts.absmax_format, a_src, out.dtype, grouped=True)
+    spec = MmaGemvSpec(experts.k, experts.absmax_format, a_src, out.dtype, pdl, grouped=True)
     return Plan([_step(spec, args, N, K, cta_warps, slots=min(E, T))], Ad, out, stream)
 
 
@@ -420,8 +429,10 @@ def prepare(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, pdl=
 
 
 def ptx_specs():
-    """Every k with float16 A and E4M4 absmax (plain, pdl, grouped), and each other choice with every k."""
-    variants = [dict(), dict(pdl=True), dict(grouped=True), dict(a_type="bfloat16"), dict(absmax_format="fp32"),
+    """Every k with float16 A and E4M4 absmax (plain, pdl, grouped, grouped pdl), and each other choice with
+    every k."""
+    variants = [dict(), dict(pdl=True), dict(grouped=True), dict(grouped=True, pdl=True), dict(a_type="bfloat16"),
+                dict(absmax_format="fp32"),
                 dict(out_dtype="float32")]
     return [MmaGemvSpec(k=k, **v) for k in CODES_K for v in variants]
 

@@ -93,19 +93,19 @@ def _moe_reference(step, layer, h, W_gu, W_d):
     return y
 
 
-@pytest.mark.parametrize("variant", ["fp16"] if SIM else ["fp16", "kbit k=4", "kbit k=2", "kbit k=3"])
+@pytest.mark.parametrize("variant", ["fp16"] if SIM else ["fp16", "kbit k=4", "kbit k=2", "kbit k=3", "kbit k=4 pdl"])
 @pytest.mark.parametrize("B", [3] if SIM else [3, 40])
 def test_moe_layer_is_the_routed_sum_of_its_experts(variant, B):
     """The MoE block of the step (gather by expert, gate_up experts, silu_mul, down experts, weighted sum) against
     a float64 loop over the routing, with the variant's own (dequantized) expert weights. kbit runs the grouped
     mma gemv (k = 2, 4) or grouped_gemv (k = 3) at B = 3 and grouped_gemm at B = 40 (more than 8 rows per
-    expert); on the simulator fp16 only."""
+    expert); "kbit k=4 pdl" the PDL builds (grouped mma gemv and fused kernels); on the simulator fp16 only."""
     rng = np.random.default_rng(2)
     base = {name: rng.standard_normal((N, K), dtype=np.float32) * 0.1 for name, N, K in bench_model.projections(TINY_MOE)}
     for name, N, K in bench_model.projections(TINY_MOE)[2:]:      # the experts: 3 distinct matrices, repeated
         base[name] = [rng.standard_normal((N, K), dtype=np.float32) * 0.1 for _ in range(3)]
     linears = bench_model.build_linears(TINY_MOE, variant, base, lambda msg: None, DEVICE)
-    step = bench_model.DecodeStep(TINY_MOE, linears, B, context=8, device=DEVICE)
+    step = bench_model.DecodeStep(TINY_MOE, linears, B, context=8, device=DEVICE, pdl=bench_model.uses_pdl(variant))
     if variant == "fp16":
         kernels = None
         weights = [[lin.W.float().cpu().numpy() for lin in layer[2:]] for layer in linears]
@@ -115,7 +115,7 @@ def test_moe_layer_is_the_routed_sum_of_its_experts(variant, B):
         weights = [[np.stack([ref.dequantize(lin.experts.expert(e)) for e in range(E)]) for lin in layer[2:]]
                    for layer in linears]
         most = max(int(np.diff(offsets).max()) for offsets in step.offsets)
-        codes = variant in ("kbit k=4", "kbit k=2")
+        codes = variant in ("kbit k=4", "kbit k=2", "kbit k=4 pdl")
         want = ("mma_gemv" if codes and most <= 8 else "grouped_gemv" if not codes and most <= 4 else "grouped_gemm")
         assert kernels == {want} and (B == 3) == (want != "grouped_gemm"), (kernels, most)
     h = torch.randn(B, TINY_MOE["hidden"], device=DEVICE, dtype=torch.float16)

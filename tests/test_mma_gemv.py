@@ -88,6 +88,47 @@ def test_mma_gemv_grouped_fewer_rows_than_experts():
         check_gemm(got[rows], A[rows], flats[e])
 
 
+@pytest.mark.skipif(SIM, reason="a programmatic dependent launch needs the GPU (the simulator runs launches in order)")
+def test_mma_gemv_grouped_pdl_reads_routing_after_the_wait():
+    """A PDL grouped launch right after a kernel that lets it start at once, then sleeps, then writes the
+    routing (offsets) and the rows: the grouped kernel must see the new ones (it may fill its tables early,
+    but read offsets, activations and the weights they select only after ``griddep_wait``)."""
+    from kbit_numba.intrinsics import griddep_launch_dependents
+    from kbit_numba.launch import PreparedLaunch
+
+    @cuda.jit
+    def late_router(offs_src, offs, a_src, a):
+        griddep_launch_dependents()
+        for _ in range(200):                       # ~200 us: the dependent kernel is surely running by now
+            cuda.nanosleep(1000)
+        i = cuda.grid(1)
+        if i < offs.shape[0]:
+            offs[i] = offs_src[i]
+        if i < a.shape[0]:
+            a[i] = a_src[i]
+
+    rng = np.random.default_rng(9)
+    flats = [ref.quantize(random_weight(rng, 40, 128), k=4) for _ in range(4)]
+    experts = kb.stack_experts([ref.to_codes(w) for w in flats])
+    routed = np.array([0, 2, 2, 5, 5], np.int32)               # experts 0 and 2
+    A_new = _activations(rng, 5, 128, "float16")
+    stale = np.array([0, 0, 0, 0, 5], np.int32)                # every row to expert 3, and zero rows
+    offs, A = cuda.to_device(stale), cuda.to_device(np.zeros_like(A_new))
+    step = mma_gemv.plan_grouped(A, experts, offs, out_dtype=np.float32, max_tokens=8, pdl=True).prepare()
+    words = [cuda.to_device(x) for x in (routed, A_new.reshape(-1).view(np.uint32))]
+    a_words = A.reshape(-1).view(np.uint32)
+    stream = cuda.stream()
+    router = PreparedLaunch(late_router, 1, 512, (words[0], offs, words[1], a_words), stream)
+    for _ in range(2):
+        offs.copy_to_device(stale, stream=stream)
+        A.copy_to_device(np.zeros_like(A_new), stream=stream)
+        router()
+        got = step.run(stream).copy_to_host(stream=stream)
+        stream.synchronize()
+        check_gemm(got[0:2], A_new[0:2], flats[0])
+        check_gemm(got[2:5], A_new[2:5], flats[2])
+
+
 def test_mma_gemv_grouped_refuses_and_marks_extra_rows():
     rng = np.random.default_rng(7)
     flats = [ref.quantize(random_weight(rng, 20, 64), k=4) for _ in range(2)]
