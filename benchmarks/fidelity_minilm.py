@@ -18,7 +18,9 @@ written by ``--export-f16 DIR``: the weights rounded to float16 (45 MB), small e
 that cannot install the package; both paths of a ``--gpu`` run then start from the same rounded weights.
 
 ``--gpu`` also runs the kbit formats through ``kb.linear`` (the kernels, float16 activations) and reports
-how far their embeddings are from the reference path's. ``--accumulation K`` instead emulates the pair
+how far their embeddings are from the reference path's. ``--torch`` runs every format kbit_numba has a layer
+for the way a PyTorch user would: the 36 ``nn.Linear`` layers in a module, replaced by
+``kbit_numba.torch.quantize_model``, float16 activations (on a GPU; on the simulator only for tiny tests). ``--accumulation K`` instead emulates the pair
 gemv's float16-activation arithmetic for kbit K, with float32 and with float16 (``f16_acc``) block sums.
 
 Nothing but NumPy and kbit_numba is needed: the safetensors reader and the BERT tokenizer (lower-casing,
@@ -308,6 +310,46 @@ def gpu_linear(p, names, k):
     return linear
 
 
+def torch_options(name):
+    """``quantize_model``'s options for a format of this script (kbitK, uniformB_gG, sbvr, bitnet), or None for
+    the ones kbit_numba has no layer for (nf4_b64, kbitK_mse: another codebook)."""
+    if name.startswith("kbit") and name[4:].isdigit():
+        return dict(format="kbit", k=int(name[4:]))
+    if name.startswith("uniform"):
+        bits, g = name[len("uniform"):].split("_g")
+        return dict(format="uniform", bits=int(bits), group_size=int(g))
+    if name in ("sbvr", "bitnet"):
+        return dict(format=name)
+    return None
+
+
+def torch_linear(p, names, options):
+    """``linear(name, x)`` the way a PyTorch user gets it: the encoder's ``nn.Linear`` layers (float32 weights
+    and biases, on the GPU if there is one) in a module, replaced by ``kbit_numba.torch.quantize_model(module,
+    **options)``; float16 activations in, the layers' outputs back as float32."""
+    import torch
+    from torch import nn
+
+    from kbit_numba.torch import quantize_model
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    model = nn.ModuleDict()
+    for n in names:
+        N, K = p[n + ".weight"].shape
+        lin = nn.Linear(K, N, device=dev)
+        with torch.no_grad():
+            lin.weight.copy_(torch.from_numpy(p[n + ".weight"]))
+            lin.bias.copy_(torch.from_numpy(p[n + ".bias"]))
+        model[n.replace(".", "_")] = lin
+    summary = quantize_model(model, progress=False, **options)
+    assert len(summary["replaced"]) == len(names), summary
+
+    def linear(name, x):
+        with torch.no_grad():
+            X = torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(dev, torch.float16)
+            return model[name.replace(".", "_")](X).float().cpu().numpy()
+    return linear
+
+
 def pair_gemv_linear(p, names, k, f16_acc, rows):
     """``linear(name, x)`` as the pair gemv computes it on float16 activations (kbit k, E4M4): A and the
     codebook values rounded to float16; ``f16_acc=False``: each product and every sum in float32;
@@ -350,6 +392,8 @@ def main(argv=None):
     ap.add_argument("--formats", help="comma-separated subset of the formats (default: all)")
     ap.add_argument("--out", help="write the rows as JSON to this file")
     ap.add_argument("--gpu", action="store_true", help="also run the kbit formats through the kernels")
+    ap.add_argument("--torch", action="store_true",
+                    help="also run every kbit_numba format through kbit_numba.torch.quantize_model (needs torch; a GPU)")
     ap.add_argument("--model-dir", help="read model.safetensors and vocab.txt from this folder (default: the package)")
     ap.add_argument("--export-f16", metavar="DIR", help="instead: write the weights rounded to float16 and the "
                                                          "vocabulary to DIR (for --model-dir on another machine)")
@@ -428,10 +472,16 @@ def main(argv=None):
             Eg = embed(p, ids, mask, gpu_linear(p, names, int(name[4:])))
             row["gpu_vs_reference_min_cos"] = float(np.sum(Eg * E, axis=1).min())
             row["gpu_mean_cos"] = compare(Eg, E0)[0]
+        if args.torch and torch_options(name):
+            Et = embed(p, ids, mask, torch_linear(p, names, torch_options(name)))
+            row["torch_vs_reference_min_cos"] = float(np.sum(Et * E, axis=1).min())
+            row["torch_mean_cos"], row["torch_min_cos"], _ = compare(Et, E0)
         rows.append(row)
         print(f"{name:<14} {row['bits_per_weight']:6.2f} {row['weight_rel_err']:9.4f} {mean_cos:9.5f} {min_cos:9.5f} "
               f"{rho:9.5f}" + (f"   GPU vs reference min cos {row['gpu_vs_reference_min_cos']:.6f}"
-                               if "gpu_vs_reference_min_cos" in row else ""), flush=True)
+                               if "gpu_vs_reference_min_cos" in row else "")
+              + (f"   quantize_model: mean cos {row['torch_mean_cos']:.5f}, vs reference min cos "
+                 f"{row['torch_vs_reference_min_cos']:.6f}" if "torch_mean_cos" in row else ""), flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(model="all-MiniLM-L6-v2", sentences=len(sentences), rows=rows), f, indent=1)

@@ -108,3 +108,22 @@ def test_pair_gemv_emulation_within_the_kernels_bounds():
     err = np.abs(y16[rows] - want[rows])
     assert np.all(err <= (17 * 2.0 ** -11 + 1e-5) * scale[rows]) and err.max() > 0    # (it does round)
     np.testing.assert_allclose(y16[~rows], x.reshape(-1, 96)[~rows] @ ref.dequantize(qw).T, rtol=1e-5)
+
+
+def test_torch_path_replaces_the_linears_through_quantize_model():
+    """``--torch``: the layers go through ``kbit_numba.torch.quantize_model`` (on the simulator, CPU tensors) and
+    agree with the format's NumPy reference on float16 activations; formats without a kbit_numba layer say so."""
+    import pytest
+    pytest.importorskip("torch", reason="the --torch path needs torch")
+    from kbit_numba import reference as ref
+    rng = np.random.default_rng(3)
+    p = {"l.weight": rng.standard_normal((8, 64)).astype(np.float32), "l.bias": rng.standard_normal(8).astype(np.float32)}
+    x = rng.standard_normal((2, 3, 64)).astype(np.float32)
+    assert F.torch_options("kbit4") == dict(format="kbit", k=4)
+    assert F.torch_options("uniform4_g64") == dict(format="uniform", bits=4, group_size=64)
+    assert F.torch_options("nf4_b64") is None and F.torch_options("kbit4_mse") is None
+    got = F.torch_linear(p, ["l"], F.torch_options("kbit4"))("l", x)
+    xh = x.astype(np.float16).astype(np.float32)
+    want = xh @ ref.dequantize(ref.quantize(p["l.weight"], k=4)).T + p["l.bias"]
+    assert got.shape == (2, 3, 8)
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
