@@ -8,7 +8,8 @@ kernels (needs torch and a GPU):
 * steps: the whole step per variant, alternating the step's configurations on the same linears (best of
   ``--rounds``): ``fused`` (the committed fused kernels), ``fused pdl`` (as programmatic dependent launches,
   for variants whose linears are), ``fused pdl, experts plain`` (a MoE model's pdl variants with the grouped
-  expert kernels launched without PDL), and ``old norm`` when ``--old`` names a previous ``bench_model.py``
+  expert kernels launched without PDL), ``torch gather`` (MoE: the routed rows gathered by ``index_select``
+  instead of ``gather_rows``), and ``old norm`` when ``--old`` names a previous ``bench_model.py``
   (its ``add_rmsnorm`` kernel, launched as that version did).
 """
 import argparse
@@ -48,6 +49,13 @@ class ExpertsPlain(bm.DecodeStep):
         finally:
             for e, p in zip(sets, saved):
                 e.pdl = p
+
+
+class TorchGather(bm.DecodeStep):
+    """The step with the routed rows gathered by ``torch.index_select`` (as before ``gather_rows``)."""
+
+    def gather_rows(self, h, src, out):
+        return torch.index_select(h, 0, src, out=out)
 
 
 def parts(cfg, B, step):
@@ -95,10 +103,13 @@ def main():
         for variant in args.variants.split(","):
             linears = bm.build_linears(cfg, variant, base, lambda m: None)
             runs = dict(configs)
+            if bm.is_moe(cfg):
+                runs["torch gather"] = (TorchGather, False)
             if bm.uses_pdl(variant):
                 runs["fused pdl"] = (bm.DecodeStep, True)
                 if bm.is_moe(cfg):
                     runs["fused pdl, experts plain"] = (ExpertsPlain, True)
+                    runs["fused pdl, torch gather"] = (TorchGather, True)
             for B in map(int, args.batch.split(",")):
                 best = {}
                 for _ in range(args.rounds):

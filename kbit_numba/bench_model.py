@@ -15,8 +15,8 @@ or, for a mixture-of-experts model (``qwen3-30b-a3b``), the second line per toke
   weights from the L2). fp16 runs ``nn.Linear`` (cuBLAS); the kbit_numba variants run
   ``kbit_numba.torch.KbitLinear``, the drop-in a user would use.
 * **MoE experts** (the router's result taken as given: a fixed random top-k routing per layer, with softmax
-  weights): the B * top_k (token, expert) rows are gathered in expert order (``index_select``), run through the
-  layer's gate/up experts and down experts, and summed back per token with their weights (``moe_combine``, a
+  weights): the B * top_k (token, expert) rows are gathered in expert order (``gather_rows``, a Numba kernel;
+  ``index_select`` on CPU tensors), run through the layer's gate/up experts and down experts, and summed back per token with their weights (``moe_combine``, a
   fused Numba kernel, as an engine's MoE sum; its torch twin on CPU tensors). kbit
   variants hold every layer's experts as ``KbitExperts`` per projection (see :class:`ExpertsKbit`: the code
   layout through the tensor-core ``mma_gemv.grouped_gemv`` while no expert has more than 8 rows, else the
@@ -126,7 +126,7 @@ def check_names(model, variants):
 # the same arrays interleaved would wait one by one: the compiler cannot move a load past a store that may
 # alias it). The sum is a warp shuffle tree plus one shared word per warp (one barrier). 256 threads of few
 # registers leave room beside a 512-thread gemv CTA on the same SM, which a programmatic launch needs.
-# silu_mul, moe_combine: one thread per output element, 256 a CTA, a grid over (columns, rows).
+# silu_mul, gather_rows, moe_combine: one thread per output element, 256 a CTA, a grid over (columns, rows).
 NORM_THREADS = 256
 HALVES_PER_CHUNK = 8            # float16 values in one 16-byte load
 SILU_THREADS = 256
@@ -217,6 +217,17 @@ def _kernel(name, width=0, pdl=False):
                 if j < I:
                     g = float32(gu[b, j])
                     out[b, j] = g / (float32(1) + math.exp(-g)) * float32(gu[b, I + j])
+
+        elif name == "gather_rows":
+            @cuda.jit
+            def kernel(h, src, rows):
+                """rows[r, j] = h[src[r], j]: the routed rows in expert order (torch.index_select's job)."""
+                if PDL:
+                    griddep_launch_dependents()
+                    griddep_wait()
+                r, j = cuda.blockIdx.y, cuda.grid(1)
+                if j < rows.shape[1]:
+                    rows[r, j] = h[src[r], j]
 
         elif name == "moe_combine":
             @cuda.jit
@@ -369,7 +380,7 @@ class DecodeStep:
         """sum over token b's experts e_j of p_j * down_e(silu_mul(gate_up_e(h[b])))."""
         src, inv, weights = self.routes[layer]
         gate_up, down = self.expert_runs[layer]
-        self.torch.index_select(h, 0, src, out=self.rows)
+        self.gather_rows(h, src, self.rows)
         gate_up()
         self.silu_mul(self.gu, out=self.act)
         down()
@@ -388,6 +399,13 @@ class DecodeStep:
             PreparedLaunch(kernel, grid, block, args, stream, pdl=True)()
         else:
             kernel[grid, block, cuda.external_stream(stream)](*args)
+
+    def gather_rows(self, h, src, out):
+        """out[r] = h[src[r]] (a fused kernel, so that a pdl step keeps its early starts through it)."""
+        if not h.is_cuda:
+            return self.torch.index_select(h, 0, src, out=out)
+        self._launch("gather_rows", (-(-out.shape[1] // SILU_THREADS), out.shape[0]), SILU_THREADS, h, src, out)
+        return out
 
     def moe_combine(self, rows, inv, weights):
         if not rows.is_cuda:

@@ -167,3 +167,6 @@ def test_fused_kernels_equal_their_torch_twins(H, pdl):
     weights = torch.rand(3, 8, device="cuda", generator=g)
     torch.testing.assert_close(step.moe_combine(rows, inv, weights), bench_model.moe_combine_torch(rows, inv, weights),
                                rtol=2e-3, atol=2e-3)
+    src = torch.randint(0, 3, (3 * 8,), device="cuda", generator=g)
+    out = torch.empty(3 * 8, H, device="cuda", dtype=torch.float16)
+    assert torch.equal(step.gather_rows(res, src, out), res.index_select(0, src))
