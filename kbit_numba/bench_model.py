@@ -145,6 +145,13 @@ def _kernel(name, width=0, pdl=False):
                                  stg128)
         PDL = pdl
 
+        @cuda.jit(device=True, inline="always")
+        def pdl_start():
+            """The pdl build's prologue: let the next kernel start now, then wait for the one before."""
+            if PDL:
+                griddep_launch_dependents()
+                griddep_wait()
+
         if name == "add_rmsnorm":
             H = width
             CHUNKS = H // HALVES_PER_CHUNK                      # 16-byte chunks of a row
@@ -163,9 +170,7 @@ def _kernel(name, width=0, pdl=False):
                     c = t + i * NORM_THREADS                    # loaded before the wait
                     if c < CHUNKS:
                         ww[4 * i], ww[4 * i + 1], ww[4 * i + 2], ww[4 * i + 3] = ldg128(w, 4 * c)
-                if PDL:
-                    griddep_launch_dependents()
-                    griddep_wait()
+                pdl_start()
                 for i in range(CPT):
                     c = t + i * NORM_THREADS
                     if c < CHUNKS:
@@ -209,9 +214,7 @@ def _kernel(name, width=0, pdl=False):
             @cuda.jit
             def kernel(gu, out):
                 """out[b, j] = silu(gu[b, j]) * gu[b, I + j], I = out.shape[1]; b = blockIdx.y."""
-                if PDL:
-                    griddep_launch_dependents()
-                    griddep_wait()
+                pdl_start()
                 b, j = cuda.blockIdx.y, cuda.grid(1)
                 I = out.shape[1]
                 if j < I:
@@ -222,9 +225,7 @@ def _kernel(name, width=0, pdl=False):
             @cuda.jit
             def kernel(h, src, rows):
                 """rows[r, j] = h[src[r], j]: the routed rows in expert order (torch.index_select's job)."""
-                if PDL:
-                    griddep_launch_dependents()
-                    griddep_wait()
+                pdl_start()
                 r, j = cuda.blockIdx.y, cuda.grid(1)
                 if j < rows.shape[1]:
                     rows[r, j] = h[src[r], j]
@@ -234,9 +235,7 @@ def _kernel(name, width=0, pdl=False):
             def kernel(rows, inv, weights, out):
                 """out[b, j] = sum_t weights[b, t] * rows[inv[b * top + t], j] (a float32 sum), top = weights.shape[1]:
                 each token's expert rows summed back with their router weights, one thread per output element."""
-                if PDL:
-                    griddep_launch_dependents()
-                    griddep_wait()
+                pdl_start()
                 b, j = cuda.blockIdx.y, cuda.grid(1)
                 top = weights.shape[1]
                 if j < out.shape[1]:
@@ -400,19 +399,22 @@ class DecodeStep:
         else:
             kernel[grid, block, cuda.external_stream(stream)](*args)
 
+    def _elementwise(self, name, rows, cols, *args):
+        """``_launch`` with one thread per element of a [rows, cols] output: SILU_THREADS a CTA over the columns."""
+        self._launch(name, (-(-cols // SILU_THREADS), rows), SILU_THREADS, *args)
+
     def gather_rows(self, h, src, out):
         """out[r] = h[src[r]] (a fused kernel, so that a pdl step keeps its early starts through it)."""
         if not h.is_cuda:
             return self.torch.index_select(h, 0, src, out=out)
-        self._launch("gather_rows", (-(-out.shape[1] // SILU_THREADS), out.shape[0]), SILU_THREADS, h, src, out)
+        self._elementwise("gather_rows", *out.shape, h, src, out)
         return out
 
     def moe_combine(self, rows, inv, weights):
         if not rows.is_cuda:
             return moe_combine_torch(rows, inv, weights)
         out = self.torch.empty(weights.shape[0], rows.shape[1], device=rows.device, dtype=rows.dtype)
-        self._launch("moe_combine", (-(-out.shape[1] // SILU_THREADS), out.shape[0]), SILU_THREADS,
-                     rows, inv, weights, out)
+        self._elementwise("moe_combine", *out.shape, rows, inv, weights, out)
         return out
 
     def add_rmsnorm(self, res, y, w, eps=1e-6):
@@ -435,7 +437,7 @@ class DecodeStep:
             return y if out is None else out.copy_(y)
         if out is None:
             out = self.torch.empty(gu.shape[0], gu.shape[1] // 2, device=gu.device, dtype=gu.dtype)
-        self._launch("silu_mul", (-(-out.shape[1] // SILU_THREADS), gu.shape[0]), SILU_THREADS, gu, out)
+        self._elementwise("silu_mul", *out.shape, gu, out)
         return out
 
     def _attention(self, qkv, kv):
