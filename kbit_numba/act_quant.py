@@ -21,7 +21,7 @@ import numpy as np
 from numba import cuda
 
 from . import _arrays
-from .device import block_max, i32, make_loader, u32
+from .device import block_max, i32, jit_kernel, make_loader, u32
 from .formats import INT8_ABSMAX_FLOOR, INT8_MAX, LANES
 from .launch import NUMBA_TYPES, Spec, Step, launch_step, type_name
 
@@ -93,7 +93,7 @@ def make_int8_kernel(spec):
                         word |= q8(A, base, (c * epw + row) * LANES + t, K, s) << u32(8 * i)
             words[m * W + w] = word
 
-    return cuda.jit(kernel)
+    return jit_kernel(kernel)
 
 
 def int8_step(Ad, a_src, epw, stream=0, words=None, d=None):

@@ -141,6 +141,7 @@ def _kernel(name, width=0, pdl=False):
     if key not in _KERNELS:
         from numba import cuda, float32, uint32
 
+        from .device import jit_kernel
         from .intrinsics import (f16_bits_to_f32, f16x2_as_u32, griddep_launch_dependents, griddep_wait, ldg128,
                                  stg128)
         PDL = pdl
@@ -158,7 +159,7 @@ def _kernel(name, width=0, pdl=False):
             CPT = -(-CHUNKS // NORM_THREADS)                    # chunks a thread keeps
             WORDS, WARPS, SLOTS = H // 2, NORM_THREADS // 32, 4 * CPT
 
-            @cuda.jit
+            @jit_kernel
             def kernel(res, y, w, h, eps):
                 """res[b] += y[b] (float16, in place); h[b] = res[b] / rms(res[b]) * w (float32 sum of squares).
                 The arrays are the rows' float16 pairs as flat uint32 words."""
@@ -211,7 +212,7 @@ def _kernel(name, width=0, pdl=False):
                         stg128(h, b * WORDS + 4 * c, o[0], o[1], o[2], o[3])
 
         elif name == "silu_mul":
-            @cuda.jit
+            @jit_kernel
             def kernel(gu, out):
                 """out[b, j] = silu(gu[b, j]) * gu[b, I + j], I = out.shape[1]; b = blockIdx.y."""
                 pdl_start()
@@ -222,7 +223,7 @@ def _kernel(name, width=0, pdl=False):
                     out[b, j] = g / (float32(1) + math.exp(-g)) * float32(gu[b, I + j])
 
         elif name == "gather_rows":
-            @cuda.jit
+            @jit_kernel
             def kernel(h, src, rows):
                 """rows[r, j] = h[src[r], j]: the routed rows in expert order (torch.index_select's job)."""
                 pdl_start()
@@ -231,7 +232,7 @@ def _kernel(name, width=0, pdl=False):
                     rows[r, j] = h[src[r], j]
 
         elif name == "moe_combine":
-            @cuda.jit
+            @jit_kernel
             def kernel(rows, inv, weights, out):
                 """out[b, j] = sum_t weights[b, t] * rows[inv[b * top + t], j] (a float32 sum), top = weights.shape[1]:
                 each token's expert rows summed back with their router weights, one thread per output element."""

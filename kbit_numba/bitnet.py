@@ -32,7 +32,7 @@ from numba import cuda
 from . import _arrays
 from .act_quant import int8_step, quantize_int8, words_per_row
 from .core import MAX_M, RowsSpec, device_weight, sm_count
-from .device import FULL_MASK, WARP, i32, make_cta_sum, u32
+from .device import FULL_MASK, WARP, i32, jit_kernel, make_cta_sum, u32
 from .formats import BITNET_BLOCK_K, BITNET_BLOCK_N, BitnetWeight
 from .intrinsics import BYTE_ONES, LOP3_AND_OR, dp4a, ldg128, lop3
 from .launch import NUMBA_TYPES, OUT_TYPES, Plan, Step
@@ -94,7 +94,7 @@ def make_bitnet_gemv(spec):
                 v = np.float32(acc[m]) * d[m] * ws
                 out[m * N + n] = np.float16(v) if f16_out else v
 
-    return cuda.jit(kernel)
+    return jit_kernel(kernel)
 
 
 def quantize(W, parts=1):

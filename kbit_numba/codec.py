@@ -20,7 +20,8 @@ from numba import cuda
 from . import _arrays
 from .core import device_weight
 from .launch import ELEMENT_TYPES, NUMBA_TYPES, OUT_TYPES, Plan, Spec, Step, type_name
-from .device import F32_MAX, FULL_MASK, WARP, e4m4_decode, e4m4_encode, i32, make_loader, tiled_block, u32, warp_max
+from .device import (F32_MAX, FULL_MASK, WARP, e4m4_decode, e4m4_encode, i32, jit_kernel, make_loader, tiled_block, u32,
+                     warp_max)
 from .formats import (ABSMAX_FORMATS, BLOCK, CODES_K, K_BITS, LAYOUTS, MAX_CODES, TILE_N, KbitCodes, KbitWeight,
                       check_codebook, check_k, padded_k)
 from .intrinsics import f16x2_as_u32, f32_as_u32, stg128
@@ -132,7 +133,7 @@ def make_quantize_kernel(spec):
             if lane == 0:
                 absmax[slot] = e4m4_encode(amax) if e4m4 else amax
 
-    return cuda.jit(quantize_kernel)
+    return jit_kernel(quantize_kernel)
 
 
 @lru_cache(maxsize=None)
@@ -189,7 +190,7 @@ def make_dequantize_kernel(spec):
                 stg128(out, g * 8 + 4, f32_as_u32(vals[4]), f32_as_u32(vals[5]),
                        f32_as_u32(vals[6]), f32_as_u32(vals[7]))
 
-    return cuda.jit(dequantize_kernel)
+    return jit_kernel(dequantize_kernel)
 
 
 @lru_cache(maxsize=None)
@@ -215,7 +216,7 @@ def make_repack_kernel(spec):
             if bit == 0:
                 tabsmax[slot] = fabsmax[src] if inside else zero
 
-    return cuda.jit(repack_kernel)
+    return jit_kernel(repack_kernel)
 
 
 # ------------------------------------------------------------------------------------------------

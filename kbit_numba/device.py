@@ -12,6 +12,7 @@ from functools import lru_cache
 import numpy as np
 from numba import cuda
 
+from . import _cache
 from .formats import E4M4_BIAS, TILE_N
 from .intrinsics import SIMULATOR, f16_bits_to_f32, f16x2_as_u32, f32_as_u32, shared_addr, sts128, u32_as_f32
 
@@ -28,10 +29,10 @@ _E4M4_EXP_OFFSET = u32(127 - E4M4_BIAS)               # E4M4 exponent -> float32
 
 def jit_kernel(fn, max_registers=None):
     """``cuda.jit`` a kernel, with a register cap where one is asked for (the simulator rejects the
-    keyword, and has no registers to cap)."""
-    if max_registers and not SIMULATOR:
-        return cuda.jit(fn, max_registers=max_registers)
-    return cuda.jit(fn)
+    keyword, and has no registers to cap), and the on-disk kernel cache (``_cache``) on the GPU."""
+    if SIMULATOR:
+        return cuda.jit(fn)
+    return _cache.attach(cuda.jit(fn, max_registers=max_registers) if max_registers else cuda.jit(fn))
 
 
 @lru_cache(maxsize=None)

@@ -319,7 +319,7 @@ def make_to_codes_kernel(k):
     """Kernel(planes, codes, n_blocks): one thread per block, bit planes -> k-bit fields (element order)."""
     PER_WORD = BLOCK // k
 
-    @cuda.jit
+    @jit_kernel
     def to_codes_kernel(planes, codes, n_blocks):
         blk = cuda.grid(1)
         if blk >= n_blocks:

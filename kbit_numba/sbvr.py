@@ -33,7 +33,7 @@ from numba import cuda
 
 from . import _arrays
 from .core import MAX_M, RowsSpec, device_weight, sm_count
-from .device import FULL_MASK, WARP, i32, make_cta_sum, make_loader, u32, warp_max
+from .device import FULL_MASK, WARP, i32, jit_kernel, make_cta_sum, make_loader, u32, warp_max
 from .formats import BLOCK, INT8_MAX, SBVR_ACT_PLANES, SBVR_GROUP, SBVR_PLANES, SbvrWeight
 from .intrinsics import f16_bits_to_f32, ldg128
 from .launch import NUMBA_TYPES, OUT_TYPES, Plan, Spec, Step, launch_step, type_name
@@ -112,7 +112,7 @@ def make_sbvr_gemv(spec):
             for m in range(M):
                 out[m * N + n] = np.float16(acc[m]) if f16_out else acc[m]
 
-    return cuda.jit(kernel)
+    return jit_kernel(kernel)
 
 
 @dataclass(frozen=True)
@@ -159,7 +159,7 @@ def make_act_kernel(spec):
                 if live and lane == p:
                     planes[((m * (K // BLOCK)) + g * CHUNKS + c) * SBVR_ACT_PLANES + p] = word
 
-    return cuda.jit(kernel)
+    return jit_kernel(kernel)
 
 
 def act_shapes(M, K):

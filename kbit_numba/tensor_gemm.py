@@ -52,7 +52,7 @@ from numba import cuda
 
 from . import _arrays
 from .core import check_grouped, device_weight, max_tokens_per_expert, sm_count, unused_i32
-from .device import WARP, e4m4_decode, f32_to_bf16_bits, i32, u32
+from .device import WARP, e4m4_decode, f32_to_bf16_bits, i32, jit_kernel, u32
 from .formats import ABSMAX_FORMATS, BLOCK, CODES_K, K_BITS, TILE_K, TILE_N, KbitCodes, KbitWeight, check_k, padded_k
 from .launch import NUMBA_TYPES, OUT_TYPES, Plan, Spec, Step, type_name
 from .intrinsics import (LOP3_AND_OR, bmul2, cp_async4, cp_async16, cp_async_commit, cp_async_wait,
@@ -503,7 +503,7 @@ def make_gemm_kernel(spec):
                                 else:
                                     out[i + i32(e)] = acc[mt, j, 2 * h + e]
 
-    return cuda.jit(gemm_kernel)
+    return jit_kernel(gemm_kernel)
 
 
 @lru_cache(maxsize=None)
@@ -518,7 +518,7 @@ def make_finish_kernel(out_dtype):
             out[i] = np.float16(v) if f16_out else v
             ws[i] = np.float32(0.0)
 
-    return cuda.jit(finish_kernel)
+    return jit_kernel(finish_kernel)
 
 
 @lru_cache(maxsize=None)
@@ -527,7 +527,7 @@ def _to_half_kernel():
         i = cuda.grid(1)
         if i < n:
             dst[i] = np.float16(src[i])
-    return cuda.jit(to_half)
+    return jit_kernel(to_half)
 
 
 
@@ -697,7 +697,7 @@ def _tile_offsets_kernel(BM):
             for e in range(offsets.shape[0] - 1):
                 acc += (offsets[e + 1] - offsets[e] + i32(BM - 1)) // i32(BM)
                 tiles[e + 1] = acc
-    return cuda.jit(tile_offsets)
+    return jit_kernel(tile_offsets)
 
 
 def plan_grouped(A, experts, expert_offsets, out=None, stream=None, out_dtype=np.float16, bf16=False,

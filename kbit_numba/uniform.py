@@ -331,7 +331,7 @@ def make_quantize_kernels(spec):
                 word |= u32(q) << u32(bits * j)
         packed[idx] = word
 
-    return cuda.jit(scale_zero_kernel), cuda.jit(pack_kernel)
+    return jit_kernel(scale_zero_kernel), jit_kernel(pack_kernel)
 
 
 def quantize(W, bits=4, group_size=128, stream=None):

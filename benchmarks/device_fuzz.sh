@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The GPU fuzz profile (issue 14): every hypothesis property with KBIT_FUZZ examples, over the machine's cores.
+# Usage (repo root on the device): [KBIT_FUZZ=N] [FUZZ_TIMEOUT=s] [LOG=name] bash benchmarks/device_fuzz.sh
+# Kernels compiled by earlier runs on the same machine come from the on-disk cache (README: "Compiled kernels").
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null && export PYTHONPATH=/tmp/site:$PWD || exit
+export PYTHONUNBUFFERED=1 KBIT_FUZZ=${KBIT_FUZZ:-100}
+log=${OUT:-/tmp}/${LOG:-fuzz}.log
+(cd tests && /usr/bin/time -f "fuzz wall %e s" timeout ${FUZZ_TIMEOUT:-580} python -m pytest -v -rfE -n $(nproc) --dist worksteal \
+   -p no:cacheprovider -m fuzz --durations=0 . > $log 2>&1)
+echo "KBIT_FUZZ=$KBIT_FUZZ: $(grep -E '(passed|failed).* in ' $log | tail -1); $(grep 'fuzz wall' $log)"
+echo "summed property time $(grep -E '^[0-9.]+s call' $log | awk '{s += $1} END {print s}') s; kernels in the cache: $(find ${KBIT_NUMBA_CACHE_DIR:-$HOME/.cache/kbit_numba} -name '*.nbk' | wc -l)"
+grep -E "^FAILED|^ERROR|\] (FAILED|ERROR) |Falsifying|reproduce_failure" $log | head -20
+grep -A12 "Falsifying example" $log | head -60
+grep -E '^[0-9.]+s call' $log | head -8
