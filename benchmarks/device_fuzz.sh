@@ -4,11 +4,13 @@
 # Kernels compiled by earlier runs on the same machine come from the on-disk cache (README: "Compiled kernels").
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null && export PYTHONPATH=/tmp/site:$PWD || exit
 export PYTHONUNBUFFERED=1 KBIT_FUZZ=${KBIT_FUZZ:-100}
+# (BLAS threads are left at NumPy's default: one thread per worker was ~4x slower, tests/README.md)
 log=${OUT:-/tmp}/${LOG:-fuzz}.log
+export KBIT_FAILURE_LOG=${OUT:-/tmp}/${LOG:-fuzz}_failures.log   # failures as they happen (tests/conftest.py)
 (cd tests && /usr/bin/time -f "fuzz wall %e s" timeout ${FUZZ_TIMEOUT:-580} python -m pytest -v -rfE -n $(nproc) --dist worksteal \
    -p no:cacheprovider -m fuzz --durations=0 . > $log 2>&1)
 echo "KBIT_FUZZ=$KBIT_FUZZ: $(grep -E '(passed|failed).* in ' $log | tail -1); $(grep 'fuzz wall' $log)"
 echo "summed property time $(grep -E '^[0-9.]+s call' $log | awk '{s += $1} END {print s}') s; kernels in the cache: $(find ${KBIT_NUMBA_CACHE_DIR:-$HOME/.cache/kbit_numba} -name '*.nbk' | wc -l)"
 grep -E "^FAILED|^ERROR|\] (FAILED|ERROR) |Falsifying|reproduce_failure" $log | head -20
-grep -A12 "Falsifying example" $log | head -60
+[ -s $KBIT_FAILURE_LOG ] && grep -A12 "Falsifying example" $KBIT_FAILURE_LOG | head -60
 grep -E '^[0-9.]+s call' $log | head -8

@@ -70,6 +70,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.fuzz)
 
 
+def pytest_runtest_logreport(report):
+    """``KBIT_FAILURE_LOG=path``: each failing test's report (for a property, its falsifying example) is appended
+    to ``path`` the moment it fails, so that a run stopped at a time limit still shows why (pytest prints
+    tracebacks only at the end; under xdist this runs in the controller)."""
+    path = os.environ.get("KBIT_FAILURE_LOG")
+    if path and report.failed:
+        with open(path, "a") as f:
+            f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
+
+
 def pytest_collection_finish(session):
     """Under the simulator, start the PTX children now if test_ptx.py was collected: they compile on the
     cores the simulator (one Python thread at a time) leaves idle, instead of after it."""
