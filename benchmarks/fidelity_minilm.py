@@ -23,6 +23,10 @@ for the way a PyTorch user would: the 36 ``nn.Linear`` layers in a module, repla
 ``kbit_numba.torch.quantize_model``, float16 activations (on a GPU; on the simulator only for tiny tests). ``--accumulation K`` instead emulates the pair
 gemv's float16-activation arithmetic for kbit K, with float32 and with float16 (``f16_acc``) block sums.
 
+``kbitK_gptq`` (with ``_mse``: a searched block scale; ``_act``: columns in activation order; ``_seq``: sequential
+calibration) are an experiment in calibrated quantization into the same kbit bytes (GPTQ-style error feedback),
+cross-calibrated on the two halves of the sentences: ``kbit_gptq``, ``gptq_two_fold``.
+
 Nothing but NumPy and kbit_numba is needed: the safetensors reader and the BERT tokenizer (lower-casing,
 accent stripping, punctuation split, greedy longest-match WordPiece) are written below.
 """
@@ -249,6 +253,87 @@ def kbit_mse(W, k, grid=np.linspace(0.6, 1.0, 41)):
     return best.reshape(W.shape), len(B) * (4 * k + 1)
 
 
+def _block_scales(blocks, cb, grid):
+    """E4M4 scales [n] of blocks [n, 32]: absmax x the factor of ``grid`` with the least squared rounding error."""
+    from kbit_numba import formats
+    amax = np.abs(blocks).max(1)
+    best, scale = np.full(len(blocks), np.inf), np.zeros(len(blocks))
+    for f in grid:
+        s_f = formats.e4m4_decode(formats.e4m4_encode(amax * f)).astype(np.float64)
+        y = blocks / np.maximum(s_f, 1e-12)[:, None]
+        e = ((cb[np.abs(y[..., None] - cb).argmin(-1)] - y) ** 2 * s_f[:, None] ** 2).sum(1)
+        scale = np.where(e < best, s_f, scale)
+        best = np.minimum(best, e)
+    return scale
+
+
+def kbit_gptq(W, k, H, damp=0.1, grid=(1.0,), act_order=False):
+    """An experiment, not the package's quantizer: GPTQ-style error feedback into kbit bytes. Columns (k) are
+    quantized one at a time; each one's rounding error, weighted by the inverse Hessian of the layer's calibration
+    inputs (H = X^T X), is pushed onto the columns not yet quantized, so that the layer's outputs on inputs like
+    the calibration ones move least. An element takes the codebook value nearest to it over its block's E4M4
+    scale. In column order a block's scale is set from its values when its first column is reached (after the
+    feedback so far); with ``act_order`` the columns go in decreasing order of H's diagonal (the inputs with the
+    most energy first) and every block's scale is set from the original weights up front. The bytes are the kbit
+    format (any decoder reads them). Returns (dequantized W, bytes)."""
+    from kbit_numba import formats
+    cb = formats.codebook(k).astype(np.float64)
+    W = W.astype(np.float64).copy()
+    N, K = W.shape
+    H = H.astype(np.float64).copy()
+    dead = np.diag(H) == 0                        # inputs never seen: their weights do not matter
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+    H += damp * np.mean(np.diag(H)) * np.eye(K)
+    order = np.argsort(-np.diag(H), kind="stable") if act_order else np.arange(K)
+    if act_order:
+        static = _block_scales(W.reshape(-1, 32), cb, grid).reshape(N, K // 32)
+    W, H = W[:, order], H[np.ix_(order, order)]
+    U = np.linalg.cholesky(np.linalg.inv(H)).T    # upper Cholesky factor of H^-1
+    Q = np.zeros_like(W)
+    for j in range(K):
+        if act_order:
+            scale = static[:, order[j] // 32]
+        elif j % 32 == 0:
+            scale = _block_scales(W[:, j:j + 32], cb, grid)
+        x = W[:, j] / np.maximum(scale, 1e-12)
+        Q[:, j] = cb[np.abs(x[:, None] - cb).argmin(1)] * scale
+        err = (W[:, j] - Q[:, j]) / U[j, j]
+        W[:, j + 1:] -= np.outer(err, U[j, j + 1:])
+    out = np.empty_like(Q)
+    out[:, order] = Q
+    return out.astype(np.float32), N * K // 32 * (4 * k + 1)
+
+
+def gptq_two_fold(p, ids, mask, names, k, damp=0.1, grid=(1.0,), act_order=False, sequential=False):
+    """kbit k with GPTQ, cross-calibrated: the sentences are split in two halves (even, odd); each half is
+    embedded with weights whose Hessians came from the other half only (each linear's inputs over the real
+    tokens). The inputs are the float32 model's, or with ``sequential`` those of the model whose earlier linears
+    are already quantized (GPTQ's order: each layer corrects for the error before it). Returns (embeddings in
+    the sentences' order, dequantized weights of the first fold, bytes)."""
+    E = np.zeros((len(ids), p["embeddings.word_embeddings.weight"].shape[1]), np.float32)
+    first = None
+    for calib, evaluate in ((slice(0, None, 2), slice(1, None, 2)), (slice(1, None, 2), slice(0, None, 2))):
+        weights, nbytes = {}, 0
+        keep = mask[calib].reshape(-1) > 0
+        H = {}
+
+        def record(name, x):
+            X = x.reshape(-1, x.shape[-1])[keep].astype(np.float64)
+            H[name] = X.T @ X
+            if sequential:                  # quantize it now: the linears after it see its output
+                weights[name], _ = kbit_gptq(p[name + ".weight"], k, H[name], damp, grid, act_order)
+            return linear_with(p, weights)(name, x)
+        embed(p, ids[calib], mask[calib], record)
+        for n in names:
+            if n not in weights:
+                weights[n], _ = kbit_gptq(p[n + ".weight"], k, H[n], damp, grid, act_order)
+            nbytes += p[n + ".weight"].size // 32 * (4 * k + 1)
+        E[evaluate] = embed(p, ids[evaluate], mask[evaluate], linear_with(p, weights))
+        first = first or (weights, nbytes)
+    return E, first[0], first[1]
+
+
 def make_formats():
     """{name: quantize(W) -> (dequantized W, bytes)} through the NumPy references."""
     from kbit_numba import reference as ref
@@ -402,6 +487,9 @@ def main(argv=None):
                          "and with float16 (f16_acc) block sums, against the float32 reference path")
     ap.add_argument("--sensitivity", metavar="FORMAT",
                     help="instead: mean cosine with FORMAT applied to one linear kind, then one layer, at a time")
+    ap.add_argument("--gptq-damp", type=float, default=0.1, metavar="D",
+                    help="kbitK_gptq: D x the mean of the Hessian's diagonal is added to its diagonal (default 0.1, "
+                         "the best of 0.01, 0.05, 0.1, 0.2, 1 for kbit4 on MiniLM)")
     args = ap.parse_args(argv)
 
     d = args.model_dir or model_dir()
@@ -451,20 +539,29 @@ def main(argv=None):
             E = embed(p, ids, mask, linear_with(p, weights))
             print(f"{args.sensitivity} on {label:<22} only: mean cos {compare(E, E0)[0]:.5f}", flush=True)
         return 0
-    chosen = args.formats.split(",") if args.formats else list(formats)
+    gptq = ["kbit3_gptq", "kbit4_gptq", "kbit4_mse_gptq_act", "kbit5_gptq"]     # (see gptq_two_fold)
+    chosen = args.formats.split(",") if args.formats else list(formats) + gptq
     rows = []
     print(f"{'format':<14} {'bits/w':>6} {'W rel err':>9} {'mean cos':>9} {'min cos':>9} {'spearman':>9}")
     for name in chosen:
         t0 = time.time()
-        weights, nbytes, num, den = {}, 0, 0.0, 0.0
+        num, den = 0.0, 0.0
+        if "_gptq" in name:                 # kbitK[_mse]_gptq[_act][_seq]: cross-calibrated, see gptq_two_fold
+            E, weights, nbytes = gptq_two_fold(p, ids, mask, names, int(name[4]), args.gptq_damp,
+                                              tuple(np.linspace(0.6, 1.0, 9)) if "_mse" in name else (1.0,),
+                                              "_act" in name, "_seq" in name)
+        else:
+            weights, nbytes = {}, 0
+            for n in names:
+                Wq, b = formats[name](p[n + ".weight"])
+                weights[n] = Wq.astype(np.float32)
+                nbytes += b
         for n in names:
-            W = p[n + ".weight"]
-            Wq, b = formats[name](W)
-            weights[n] = Wq.astype(np.float32)
-            nbytes += b
-            num += float(np.sum((W.astype(np.float64) - Wq) ** 2))
-            den += float(np.sum(W.astype(np.float64) ** 2))
-        E = embed(p, ids, mask, linear_with(p, weights))
+            W = p[n + ".weight"].astype(np.float64)
+            num += float(np.sum((W - weights[n]) ** 2))
+            den += float(np.sum(W ** 2))
+        if "_gptq" not in name:
+            E = embed(p, ids, mask, linear_with(p, weights))
         mean_cos, min_cos, rho = compare(E, E0)
         row = dict(format=name, bits_per_weight=8 * nbytes / n_weights, weight_rel_err=math.sqrt(num / den),
                    mean_cos=mean_cos, min_cos=min_cos, spearman=rho, seconds=time.time() - t0)
@@ -472,7 +569,7 @@ def main(argv=None):
             Eg = embed(p, ids, mask, gpu_linear(p, names, int(name[4:])))
             row["gpu_vs_reference_min_cos"] = float(np.sum(Eg * E, axis=1).min())
             row["gpu_mean_cos"] = compare(Eg, E0)[0]
-        if args.torch and torch_options(name):
+        if args.torch and "_gptq" not in name and torch_options(name):
             Et = embed(p, ids, mask, torch_linear(p, names, torch_options(name)))
             row["torch_vs_reference_min_cos"] = float(np.sum(Et * E, axis=1).min())
             row["torch_mean_cos"], row["torch_min_cos"], _ = compare(Et, E0)
