@@ -24,8 +24,8 @@ for the way a PyTorch user would: the 36 ``nn.Linear`` layers in a module, repla
 gemv's float16-activation arithmetic for kbit K, with float32 and with float16 (``f16_acc``) block sums.
 
 ``kbitK_gptq`` (with ``_mse``: a searched block scale; ``_act``: columns in activation order; ``_seq``: sequential
-calibration) are an experiment in calibrated quantization into the same kbit bytes (GPTQ-style error feedback),
-cross-calibrated on the two halves of the sentences: ``kbit_gptq``, ``gptq_two_fold``.
+calibration) quantize through ``kbit_numba.calibrate.quantize_gptq`` (GPTQ-style error feedback into the same kbit
+bytes), cross-calibrated on the two halves of the sentences (``gptq_two_fold``).
 
 Nothing but NumPy and kbit_numba is needed: the safetensors reader and the BERT tokenizer (lower-casing,
 accent stripping, punctuation split, greedy longest-match WordPiece) are written below.
@@ -253,59 +253,16 @@ def kbit_mse(W, k, grid=np.linspace(0.6, 1.0, 41)):
     return best.reshape(W.shape), len(B) * (4 * k + 1)
 
 
-def _block_scales(blocks, cb, grid):
-    """E4M4 scales [n] of blocks [n, 32]: absmax x the factor of ``grid`` with the least squared rounding error."""
-    from kbit_numba import formats
-    amax = np.abs(blocks).max(1)
-    best, scale = np.full(len(blocks), np.inf), np.zeros(len(blocks))
-    for f in grid:
-        s_f = formats.e4m4_decode(formats.e4m4_encode(amax * f)).astype(np.float64)
-        y = blocks / np.maximum(s_f, 1e-12)[:, None]
-        e = ((cb[np.abs(y[..., None] - cb).argmin(-1)] - y) ** 2 * s_f[:, None] ** 2).sum(1)
-        scale = np.where(e < best, s_f, scale)
-        best = np.minimum(best, e)
-    return scale
+def kbit_gptq(W, k, H, damp=0.1, scale_search=False, act_order=False):
+    """kbit k through ``kbit_numba.calibrate.quantize_gptq`` (GPTQ-style error feedback through the inverse of
+    the layer's input Hessian H; the kbit bytes). Returns (dequantized W, bytes)."""
+    from kbit_numba import reference as ref
+    from kbit_numba.calibrate import quantize_gptq
+    qw = quantize_gptq(W, H, k=k, damp=damp, act_order=act_order, scale_search=scale_search)
+    return ref.dequantize(qw), qw.nbytes
 
 
-def kbit_gptq(W, k, H, damp=0.1, grid=(1.0,), act_order=False):
-    """An experiment, not the package's quantizer: GPTQ-style error feedback into kbit bytes. Columns (k) are
-    quantized one at a time; each one's rounding error, weighted by the inverse Hessian of the layer's calibration
-    inputs (H = X^T X), is pushed onto the columns not yet quantized, so that the layer's outputs on inputs like
-    the calibration ones move least. An element takes the codebook value nearest to it over its block's E4M4
-    scale. In column order a block's scale is set from its values when its first column is reached (after the
-    feedback so far); with ``act_order`` the columns go in decreasing order of H's diagonal (the inputs with the
-    most energy first) and every block's scale is set from the original weights up front. The bytes are the kbit
-    format (any decoder reads them). Returns (dequantized W, bytes)."""
-    from kbit_numba import formats
-    cb = formats.codebook(k).astype(np.float64)
-    W = W.astype(np.float64).copy()
-    N, K = W.shape
-    H = H.astype(np.float64).copy()
-    dead = np.diag(H) == 0                        # inputs never seen: their weights do not matter
-    H[dead, dead] = 1.0
-    W[:, dead] = 0.0
-    H += damp * np.mean(np.diag(H)) * np.eye(K)
-    order = np.argsort(-np.diag(H), kind="stable") if act_order else np.arange(K)
-    if act_order:
-        static = _block_scales(W.reshape(-1, 32), cb, grid).reshape(N, K // 32)
-    W, H = W[:, order], H[np.ix_(order, order)]
-    U = np.linalg.cholesky(np.linalg.inv(H)).T    # upper Cholesky factor of H^-1
-    Q = np.zeros_like(W)
-    for j in range(K):
-        if act_order:
-            scale = static[:, order[j] // 32]
-        elif j % 32 == 0:
-            scale = _block_scales(W[:, j:j + 32], cb, grid)
-        x = W[:, j] / np.maximum(scale, 1e-12)
-        Q[:, j] = cb[np.abs(x[:, None] - cb).argmin(1)] * scale
-        err = (W[:, j] - Q[:, j]) / U[j, j]
-        W[:, j + 1:] -= np.outer(err, U[j, j + 1:])
-    out = np.empty_like(Q)
-    out[:, order] = Q
-    return out.astype(np.float32), N * K // 32 * (4 * k + 1)
-
-
-def gptq_two_fold(p, ids, mask, names, k, damp=0.1, grid=(1.0,), act_order=False, sequential=False):
+def gptq_two_fold(p, ids, mask, names, k, damp=0.1, scale_search=False, act_order=False, sequential=False):
     """kbit k with GPTQ, cross-calibrated: the sentences are split in two halves (even, odd); each half is
     embedded with weights whose Hessians came from the other half only (each linear's inputs over the real
     tokens). The inputs are the float32 model's, or with ``sequential`` those of the model whose earlier linears
@@ -322,12 +279,12 @@ def gptq_two_fold(p, ids, mask, names, k, damp=0.1, grid=(1.0,), act_order=False
             X = x.reshape(-1, x.shape[-1])[keep].astype(np.float64)
             H[name] = X.T @ X
             if sequential:                  # quantize it now: the linears after it see its output
-                weights[name], _ = kbit_gptq(p[name + ".weight"], k, H[name], damp, grid, act_order)
+                weights[name], _ = kbit_gptq(p[name + ".weight"], k, H[name], damp, scale_search, act_order)
             return linear_with(p, weights)(name, x)
         embed(p, ids[calib], mask[calib], record)
         for n in names:
             if n not in weights:
-                weights[n], _ = kbit_gptq(p[n + ".weight"], k, H[n], damp, grid, act_order)
+                weights[n], _ = kbit_gptq(p[n + ".weight"], k, H[n], damp, scale_search, act_order)
             nbytes += p[n + ".weight"].size // 32 * (4 * k + 1)
         E[evaluate] = embed(p, ids[evaluate], mask[evaluate], linear_with(p, weights))
         first = first or (weights, nbytes)
@@ -548,8 +505,7 @@ def main(argv=None):
         num, den = 0.0, 0.0
         if "_gptq" in name:                 # kbitK[_mse]_gptq[_act][_seq]: cross-calibrated, see gptq_two_fold
             E, weights, nbytes = gptq_two_fold(p, ids, mask, names, int(name[4]), args.gptq_damp,
-                                              tuple(np.linspace(0.6, 1.0, 9)) if "_mse" in name else (1.0,),
-                                              "_act" in name, "_seq" in name)
+                                              "_mse" in name, "_act" in name, "_seq" in name)
         else:
             weights, nbytes = {}, 0
             for n in names:

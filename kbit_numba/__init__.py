@@ -5,7 +5,8 @@ host (weights on the device, MoE experts, launch geometry) in ``core``; kernels 
 (``codec``, ``scalar_gemv``, ``pair_gemv``, ``mma_gemv``, ``tensor_gemm``; the other seed formats in ``uniform``,
 ``sbvr``, ``bitnet``), each with a ``Spec`` of its compile-time choices and a public ``plan(...)``
 returning a ``launch.Plan`` (``plan.launch()``, ``plan.prepare().run()``); ``dispatch.linear`` picks a
-family per shape and M. PTX helpers in ``intrinsics``; shared device helpers in ``device``.
+family per shape and M. PTX helpers in ``intrinsics``; shared device helpers in ``device``; calibrated
+(GPTQ-style) quantization into kbit bytes in ``calibrate``; the on-disk kernel cache in ``_cache``.
 Under Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) the package installs warp primitives so
 that the same kernels run on the CPU.
 """
@@ -24,7 +25,7 @@ from .launch import Plan, Prepared  # noqa: E402
 from .codec import dequantize, quantize, repack_tiled  # noqa: E402
 from .tensor_gemm import gemm, grouped_gemm  # noqa: E402
 from .dispatch import KbitLinear, Workspace, dequant_matmul, linear  # noqa: E402
-from . import bitnet, mma_gemv, pair_gemv, sbvr, scalar_gemv, tensor_gemm, uniform  # noqa: E402
+from . import bitnet, calibrate, mma_gemv, pair_gemv, sbvr, scalar_gemv, tensor_gemm, uniform  # noqa: E402
 from .scalar_gemv import gemv, grouped_gemv  # noqa: E402
 from .scalar_gemv import prepare as prepare_gemv  # noqa: E402
 
@@ -35,5 +36,6 @@ __version__ = "0.1.0"
 __all__ = ["BLOCK", "K_BITS", "KbitWeight", "KbitCodes", "codebook", "e4m4_encode", "e4m4_decode", "reference",
            "quantize", "dequantize", "repack_tiled", "gemv", "prepare_gemv", "Plan", "Prepared",
            "grouped_gemv", "stack_experts", "KbitExperts", "gemm", "grouped_gemm", "linear", "KbitLinear",
-           "Workspace", "dequant_matmul", "scalar_gemv", "pair_gemv", "mma_gemv", "tensor_gemm", "uniform", "sbvr", "bitnet",
+           "Workspace", "dequant_matmul", "calibrate", "scalar_gemv", "pair_gemv", "mma_gemv", "tensor_gemm", "uniform",
+           "sbvr", "bitnet",
            "SIMULATOR"]

@@ -1,0 +1,84 @@
+"""Calibrated quantization into the kbit format (host, NumPy): GPTQ-style error feedback.
+
+``reference.quantize`` (and the GPU ``quantize``) round every weight to its nearest codebook value over its
+block's true absmax: bitsandbytes' bytes, no data needed. :func:`quantize_gptq` writes the same format (bit
+planes + E4M4 absmax, flat layout; every kbit kernel reads it unchanged) but chooses the values with a layer's
+calibration inputs X in mind, so that the layer's outputs X @ W^T move least:
+
+* columns (k) are quantized one at a time, and each one's rounding error, weighted by the inverse of the
+  Hessian H = X^T X (plus ``damp`` x its mean diagonal), is pushed onto the columns not yet quantized (GPTQ,
+  Frantar et al. 2022);
+* ``act_order``: columns in decreasing order of H's diagonal (the inputs with the most energy first), with every
+  block's scale fixed from the original weights up front; otherwise in order, each block's scale set when its
+  first column is reached;
+* ``scale_search``: a block's scale is its absmax times the factor in 0.6 .. 1.0 with the least squared
+  rounding error of the block, instead of the absmax itself.
+
+Measured on all-MiniLM-L6-v2 (``benchmarks/fidelity_minilm.py``, each half of 200 sentences calibrated on the
+other half): k = 4 mean embedding cosine 0.9751 (round-to-nearest) -> 0.9913 (both options on). Test:
+``tests/test_calibrate.py``.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .formats import BLOCK, KbitWeight, check_codebook, check_k, e4m4_decode, e4m4_encode
+from .reference import finite_weights, pack_bitplanes
+
+SCALE_FACTORS = tuple(np.linspace(0.6, 1.0, 9))   # ``scale_search``'s candidates, times the block's absmax
+
+
+def _scales(blocks, cb, factors):
+    """E4M4 bytes and their float64 values for blocks [n, 32]: absmax x the factor with the least squared error."""
+    amax = np.abs(blocks).max(1)
+    best, byte = np.full(len(blocks), np.inf), np.zeros(len(blocks), np.uint8)
+    for f in factors:
+        b_f = e4m4_encode(amax * f)
+        s_f = e4m4_decode(b_f).astype(np.float64)
+        y = blocks / np.maximum(s_f, 1e-30)[:, None]
+        err = ((cb[np.abs(y[..., None] - cb).argmin(-1)] - y) ** 2 * s_f[:, None] ** 2).sum(1)
+        byte = np.where(err < best, b_f, byte)
+        best = np.minimum(best, err)
+    return byte, e4m4_decode(byte).astype(np.float64)
+
+
+def quantize_gptq(W, hessian, k=4, damp=0.1, act_order=True, scale_search=True, codebook=None):
+    """W[N, K] (K a multiple of 32), hessian[K, K] = X^T X over the layer's calibration inputs X[rows, K] ->
+    :class:`KbitWeight` (flat layout, E4M4 absmax, NumPy arrays; ``KbitWeight.to_device()`` for the kernels).
+    See the module docstring for ``damp``, ``act_order`` and ``scale_search``."""
+    k = check_k(k)
+    cb = check_codebook(codebook, k).astype(np.float64)
+    W = finite_weights(W).astype(np.float64)
+    if W.ndim != 2 or W.shape[1] % BLOCK or W.shape[1] == 0:
+        raise ValueError(f"W must be 2-D with K a positive multiple of {BLOCK}, got shape {W.shape}")
+    N, K = W.shape
+    H = np.array(hessian, dtype=np.float64)
+    if H.shape != (K, K) or not np.all(np.isfinite(H)):
+        raise ValueError(f"hessian must be a finite [K, K] = [{K}, {K}] matrix, got shape {H.shape}")
+    if damp <= 0:
+        raise ValueError(f"damp must be > 0, got {damp}")
+    factors = SCALE_FACTORS if scale_search else (1.0,)
+    dead = np.diag(H) == 0                          # inputs never seen: their weights cannot matter
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+    H += damp * np.mean(np.diag(H)) * np.eye(K)
+    order = np.argsort(-np.diag(H), kind="stable") if act_order else np.arange(K)
+    absmax = np.zeros((N, K // BLOCK), np.uint8)
+    scale = np.zeros((N, K // BLOCK))
+    if act_order:
+        b, s = _scales(W.reshape(-1, BLOCK), cb, factors)
+        absmax[:], scale[:] = b.reshape(N, -1), s.reshape(N, -1)
+    W, H = W[:, order], H[np.ix_(order, order)]
+    U = np.linalg.cholesky(np.linalg.inv(H)).T      # upper Cholesky factor of H^-1: the feedback weights
+    idx = np.zeros((N, K), np.uint8)
+    for j in range(K):
+        col, blk = order[j], order[j] // BLOCK
+        if not act_order and j % BLOCK == 0:         # column order: the block's scale from its values now
+            absmax[:, blk], scale[:, blk] = _scales(W[:, j:j + BLOCK], cb, factors)
+        s = scale[:, blk]
+        i = np.abs((W[:, j] / np.maximum(s, 1e-30))[:, None] - cb).argmin(1)
+        idx[:, col] = i
+        err = (W[:, j] - cb[i] * s) / U[j, j]
+        W[:, j + 1:] -= np.outer(err, U[j, j + 1:])
+    packed = pack_bitplanes(idx.reshape(N, K // BLOCK, BLOCK), k).reshape(-1)
+    return KbitWeight(packed, absmax.reshape(-1), cb.astype(np.float32), k, (N, K), "flat", "e4m4")

@@ -1,0 +1,77 @@
+"""``calibrate.quantize_gptq`` (NumPy, host): kbit bytes chosen with a layer's calibration inputs in mind."""
+import numpy as np
+import pytest
+
+import kbit_numba as kb
+from kbit_numba import reference as ref
+from kbit_numba.calibrate import quantize_gptq
+from helpers import PTX_ONLY
+
+pytestmark = pytest.mark.skipif(PTX_ONLY, reason="not a PTX check")
+
+
+def _inputs(rng, rows, K):
+    """Correlated inputs (as a layer's are): X = Z (I + 0.9 G / sqrt(K))."""
+    return rng.standard_normal((rows, K)) @ (np.eye(K) + 0.9 * rng.standard_normal((K, K)) / np.sqrt(K))
+
+
+def _rtn_over_scale(W, k):
+    """Nearest codebook value over the decoded E4M4 scale of each block's absmax."""
+    cb = kb.codebook(k).astype(np.float64)
+    B = W.reshape(-1, 32).astype(np.float64)
+    s = kb.e4m4_decode(kb.e4m4_encode(np.abs(B).max(1))).astype(np.float64)
+    y = B / s[:, None]
+    return (cb[np.abs(y[..., None] - cb).argmin(-1)] * s[:, None]).reshape(W.shape)
+
+
+@pytest.mark.parametrize("k", [2, 3, 4, 5])
+def test_gptq_bytes_are_kbit_and_lower_the_output_error(k):
+    rng = np.random.default_rng(k)
+    N, K = 40, 160
+    W = kb.reference.as_float32(rng.standard_normal((N, K)))
+    X = _inputs(rng, 600, K)
+    out_err = lambda Wq: np.linalg.norm((W - Wq) @ X.T)
+    rtn = ref.dequantize(ref.quantize(W, k=k))
+    for act_order in (False, True):
+        for scale_search in (False, True):
+            qw = quantize_gptq(W, X.T @ X, k=k, act_order=act_order, scale_search=scale_search)
+            assert (qw.k, qw.shape, qw.layout, qw.absmax_format) == (k, (N, K), "flat", "e4m4")
+            assert qw.packed.dtype == np.uint32 and qw.absmax.dtype == np.uint8
+            assert qw.nbytes == ref.quantize(W, k=k).nbytes
+            Wq = ref.dequantize(qw)                 # the format's own decoder reads the bytes
+            assert out_err(Wq) < 0.9 * out_err(rtn), (act_order, scale_search)
+
+
+def test_gptq_without_correlations_is_round_to_nearest():
+    """A diagonal Hessian feeds no error forward: in column order without the scale search every weight is its
+    nearest codebook value over its block's scale."""
+    rng = np.random.default_rng(7)
+    W = rng.standard_normal((16, 96)).astype(np.float32)
+    qw = quantize_gptq(W, np.diag(rng.uniform(0.5, 2.0, 96)), k=4, act_order=False, scale_search=False)
+    np.testing.assert_allclose(ref.dequantize(qw), _rtn_over_scale(W, 4), rtol=1e-6)
+
+
+def test_gptq_refuses_bad_input():
+    W = np.ones((4, 64), np.float32)
+    with pytest.raises(ValueError, match="K a positive multiple"):
+        quantize_gptq(np.ones((4, 40)), np.eye(40))
+    with pytest.raises(ValueError, match="hessian"):
+        quantize_gptq(W, np.eye(32))
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        quantize_gptq(np.full((4, 64), np.nan), np.eye(64))
+    with pytest.raises(ValueError, match="damp"):
+        quantize_gptq(W, np.eye(64), damp=0)
+    with pytest.raises(ValueError):
+        quantize_gptq(W, np.eye(64), k=6)
+
+
+def test_the_gemv_kernel_reads_gptq_bytes():
+    """The bytes go through the GPU path unchanged (the simulator in CI): the scalar gemv equals the reference
+    gemv on them."""
+    rng = np.random.default_rng(11)
+    W = rng.standard_normal((12, 64)).astype(np.float32)
+    X = _inputs(rng, 200, 64)
+    qw = quantize_gptq(W, X.T @ X, k=3)
+    A = rng.standard_normal((1, 64)).astype(np.float16)
+    got = kb.gemv(A, qw.to_device(), out_dtype=np.float32).copy_to_host()
+    np.testing.assert_allclose(got.reshape(1, -1), ref.gemv(A, qw), rtol=1e-4, atol=1e-4)
