@@ -110,6 +110,9 @@ ROWS = [
     ("bitnet.quantize", "N not a multiple of 16 or K not a multiple of 32", ValueError, "BitNet needs",
      lambda: kb.bitnet.quantize(W[:8])),
     ("sbvr.encode", "K not a multiple of 128", ValueError, "K % 128", lambda: kb.sbvr.encode(W, lines=4)),
+    ("calibrate.quantize_gptq", "a `hessian` that is not a finite K x K matrix", ValueError, "hessian",
+     lambda: kb.calibrate.quantize_gptq(W, np.eye(K + 32))),
+    ("calibrate.quantize_gptq", "`damp` <= 0", ValueError, "damp", lambda: kb.calibrate.quantize_gptq(W, np.eye(K), damp=0)),
 ]
 
 
