@@ -62,6 +62,10 @@ def test_describe_tells_apart_same_named_functions_and_refuses_addresses():
     assert _cache.describe(make(True)) == _cache.describe(make(True))
     with pytest.raises(_cache.Unstable):
         _cache.describe(object())
+    a = np.arange(3000)
+    b = a.copy()
+    b[1500] = 7                                   # repr(a) == repr(b): NumPy elides the middle
+    assert _cache.describe(a) != _cache.describe(b) and _cache.describe(a) == _cache.describe(a.copy())
 
 
 def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
