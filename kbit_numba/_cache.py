@@ -106,7 +106,7 @@ def kernel_key(py_func, targetoptions):
     None when the closure has no stable description."""
     try:
         closure = describe(py_func)
-    except Unstable:
+    except (Unstable, ValueError):            # (ValueError: a closure cell not yet filled)
         return None
     options = sorted((k, repr(v)) for k, v in targetoptions.items())
     return f"{closure}|{options}"
