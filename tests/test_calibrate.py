@@ -1,11 +1,12 @@
 """``calibrate.quantize_gptq`` (NumPy, host): kbit bytes chosen with a layer's calibration inputs in mind."""
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import kbit_numba as kb
 from kbit_numba import reference as ref
 from kbit_numba.calibrate import quantize_gptq
-from helpers import PTX_ONLY
+from helpers import EXAMPLES, PTX_ONLY, ks, seeds
 
 pytestmark = pytest.mark.skipif(PTX_ONLY, reason="not a PTX check")
 
@@ -49,6 +50,19 @@ def test_gptq_without_correlations_is_round_to_nearest():
     W = rng.standard_normal((16, 96)).astype(np.float32)
     qw = quantize_gptq(W, np.diag(rng.uniform(0.5, 2.0, 96)), k=4, act_order=False, scale_search=False)
     np.testing.assert_allclose(ref.dequantize(qw), _rtn_over_scale(W, 4), rtol=1e-6)
+
+
+@settings(max_examples=EXAMPLES)
+@given(seeds, ks, st.integers(1, 20), st.integers(1, 6))
+def test_gptq_property_diagonal_hessian_is_round_to_nearest(seed, k, N, kb_):
+    """Any shape and k: with a diagonal Hessian (no feedback), column order and no scale search, the bytes decode
+    to the nearest codebook value over each block's E4M4 scale, and every byte array has the format's size."""
+    rng = np.random.default_rng(seed)
+    K = 32 * kb_
+    W = rng.standard_normal((N, K)).astype(np.float32) * np.exp(rng.uniform(-4, 2, (N, 1))).astype(np.float32)
+    qw = quantize_gptq(W, np.diag(rng.uniform(0.1, 10.0, K)), k=k, act_order=False, scale_search=False)
+    assert qw.packed.size == N * kb_ * k and qw.absmax.size == N * kb_
+    np.testing.assert_allclose(ref.dequantize(qw), _rtn_over_scale(W, k), rtol=1e-6, atol=0)
 
 
 def test_gptq_refuses_bad_input():
