@@ -271,23 +271,24 @@ def gptq_two_fold(p, ids, mask, names, k, damp=0.1, scale_search=False, act_orde
     E = np.zeros((len(ids), p["embeddings.word_embeddings.weight"].shape[1]), np.float32)
     first = None
     for calib, evaluate in ((slice(0, None, 2), slice(1, None, 2)), (slice(1, None, 2), slice(0, None, 2))):
-        weights, nbytes = {}, 0
+        weights, sizes, H = {}, {}, {}
         keep = mask[calib].reshape(-1) > 0
-        H = {}
+
+        def quantize(name):
+            weights[name], sizes[name] = kbit_gptq(p[name + ".weight"], k, H[name], damp, scale_search, act_order)
 
         def record(name, x):
             X = x.reshape(-1, x.shape[-1])[keep].astype(np.float64)
             H[name] = X.T @ X
             if sequential:                  # quantize it now: the linears after it see its output
-                weights[name], _ = kbit_gptq(p[name + ".weight"], k, H[name], damp, scale_search, act_order)
+                quantize(name)
             return linear_with(p, weights)(name, x)
         embed(p, ids[calib], mask[calib], record)
         for n in names:
             if n not in weights:
-                weights[n], _ = kbit_gptq(p[n + ".weight"], k, H[n], damp, scale_search, act_order)
-            nbytes += p[n + ".weight"].size // 32 * (4 * k + 1)
+                quantize(n)
         E[evaluate] = embed(p, ids[evaluate], mask[evaluate], linear_with(p, weights))
-        first = first or (weights, nbytes)
+        first = first or (weights, sum(sizes.values()))
     return E, first[0], first[1]
 
 

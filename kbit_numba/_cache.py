@@ -140,9 +140,7 @@ class KernelCache:
         self._paths[sig] = path
         try:
             payload = pickle.loads(path.read_bytes())
-        except FileNotFoundError:
-            return None
-        except Exception:                    # unreadable (e.g. another Python's pickle): compile again
+        except Exception:                    # not there, or unreadable (e.g. another Python's pickle): compile
             return None
         return _Kernel._rebuild(**payload)
 

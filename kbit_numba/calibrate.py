@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from .formats import BLOCK, KbitWeight, check_codebook, check_k, e4m4_decode, e4m4_encode
-from .reference import finite_weights, pack_bitplanes
+from .reference import finite_weights, nearest_index, pack_bitplanes
 
 SCALE_FACTORS = tuple(np.linspace(0.6, 1.0, 9))   # ``scale_search``'s candidates, times the block's absmax
 
@@ -36,7 +36,7 @@ def _scales(blocks, cb, factors):
         b_f = e4m4_encode(amax * f)
         s_f = e4m4_decode(b_f).astype(np.float64)
         y = blocks / np.maximum(s_f, 1e-30)[:, None]
-        err = ((cb[np.abs(y[..., None] - cb).argmin(-1)] - y) ** 2 * s_f[:, None] ** 2).sum(1)
+        err = ((cb[nearest_index(y, cb)] - y) ** 2 * s_f[:, None] ** 2).sum(1)
         byte = np.where(err < best, b_f, byte)
         best = np.minimum(best, err)
     return byte, e4m4_decode(byte).astype(np.float64)
@@ -76,7 +76,7 @@ def quantize_gptq(W, hessian, k=4, damp=0.1, act_order=True, scale_search=True, 
         if not act_order and j % BLOCK == 0:         # column order: the block's scale from its values now
             absmax[:, blk], scale[:, blk] = _scales(W[:, j:j + BLOCK], cb, factors)
         s = scale[:, blk]
-        i = np.abs((W[:, j] / np.maximum(s, 1e-30))[:, None] - cb).argmin(1)
+        i = nearest_index(W[:, j] / np.maximum(s, 1e-30), cb)
         idx[:, col] = i
         err = (W[:, j] - cb[i] * s) / U[j, j]
         W[:, j + 1:] -= np.outer(err, U[j, j + 1:])
