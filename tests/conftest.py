@@ -63,11 +63,38 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """``-m fuzz`` selects every hypothesis property."""
+    """``-m fuzz`` selects every hypothesis property. With ``KBIT_FUZZ=N`` each kernel family
+    (``helpers.FUZZ_FAMILIES``) runs N examples, shared equally among its collected properties and, for a property
+    split into several tests (``helpers.gpu_split``), among those."""
+    import math
     import pytest
+    props = {}
     for item in items:
         if hasattr(getattr(item, "obj", None), "hypothesis"):
             item.add_marker(pytest.mark.fuzz)
+            props.setdefault(_property_name(item), []).append(item)
+    fuzz = int(os.environ.get("KBIT_FUZZ", "0") or 0)
+    if not fuzz:
+        return
+    from helpers import FUZZ_FAMILIES
+    family = {p: f for f, ps in FUZZ_FAMILIES.items() for p in ps}
+    unknown = sorted(set(props) - set(family))
+    if unknown:
+        raise pytest.UsageError(f"properties in no helpers.FUZZ_FAMILIES family: {unknown}")
+    in_family = {}
+    for p in props:
+        in_family[family[p]] = in_family.get(family[p], 0) + 1
+    for p, its in props.items():
+        if family[p].endswith("(host)"):        # (NumPy-only properties keep their examples: no kernel to fuzz)
+            continue
+        fn = its[0].obj
+        n = math.ceil(fuzz / in_family[family[p]] / len(its))
+        fn._hypothesis_internal_use_settings = settings(fn._hypothesis_internal_use_settings, max_examples=n)
+
+
+def _property_name(item):
+    """``file.py::function`` of a test item (its parameters dropped)."""
+    return f"{os.path.basename(str(item.fspath))}::{item.originalname}"
 
 
 def pytest_runtest_logreport(report):
@@ -78,6 +105,27 @@ def pytest_runtest_logreport(report):
     if path and report.failed:
         with open(path, "a") as f:
             f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
+
+
+def _count_examples(path):
+    """``KBIT_FUZZ_COUNTS=path``: every hypothesis example this process runs is appended to ``path.<pid>`` as it
+    ends (hypothesis' observability callback): one JSON line of its property, status (passed/failed) and seconds,
+    so a run stopped at a time limit still counts. ``benchmarks/fuzz_counts.py`` sums them per kernel family."""
+    import json
+    from hypothesis.internal.observability import add_observability_callback
+
+    out = open(f"{path}.{os.getpid()}", "a", buffering=1)
+
+    def seen(obs, thread_id):
+        if obs.type == "test_case" and obs.status in ("passed", "failed"):
+            out.write(json.dumps({"property": obs.property, "status": obs.status,
+                                  "seconds": round(sum(obs.timing.values()), 4)}) + "\n")
+
+    add_observability_callback(seen, all_threads=True)
+
+
+if os.environ.get("KBIT_FUZZ_COUNTS"):
+    _count_examples(os.environ["KBIT_FUZZ_COUNTS"])
 
 
 def pytest_collection_finish(session):

@@ -12,11 +12,35 @@ PTX_ONLY = os.environ.get("KBIT_NUMBA_PTX_ONLY") == "1"
 # The simulator runs one Python thread per CUDA thread: keep its problems to a few blocks.
 # On the GPU every new specialisation costs seconds of compilation: examples stay modest there too.
 EXAMPLES = 6 if SIM else 12
-# The fuzz run (tests/README.md): KBIT_FUZZ=N sets N examples per property (the properties that draw more
-# or fewer than EXAMPLES scale with it), and on the GPU lets the shape strategies reach large sizes.
+# The fuzz run (tests/README.md): KBIT_FUZZ=N runs N examples per kernel family (FUZZ_FAMILIES; conftest.py shares
+# them among the family's properties), and on the GPU lets the shape strategies reach large sizes.
 FUZZ = int(os.environ.get("KBIT_FUZZ", "0") or 0)
-if FUZZ:
-    EXAMPLES = FUZZ
+# Kernel families and the hypothesis properties (file::function) that exercise them: KBIT_FUZZ=N runs N examples
+# per family (conftest.py); every property is in one (test_structure.py checks).
+FUZZ_FAMILIES = {
+    "quantize/dequantize/repack": [
+        "test_codec.py::test_quantize_flat_bit_exact", "test_codec.py::test_quantize_tiled_bit_exact",
+        "test_codec.py::test_dequantize_error_bound", "test_codec.py::test_dequantize_code_layout",
+        "test_pair_gemv.py::test_codes_round_trip", "test_formats.py::test_tiled_round_trip",
+        "test_formats.py::test_bitplanes_round_trip", "test_formats.py::test_reference_error_bound",
+        "test_formats.py::test_e4m4_relative_error_normal_range",
+        "test_formats.py::test_e4m4_absolute_error_subnormal_range"],
+    "gemv (scalar, pair, tensor-core)": [
+        "test_gemv.py::test_gemv_flat", "test_gemv.py::test_gemv_tiled", "test_pair_gemv.py::test_pair_gemv",
+        "test_pair_gemv.py::test_pair_gemv_f16_acc", "test_pair_gemv.py::test_warp_reduce_scatter",
+        "test_mma_gemv.py::test_mma_gemv"],
+    "gemm": ["test_gemm.py::test_gemm", "test_gemm.py::test_gemm_other_activation_types",
+             "test_gemm.py::test_gemm_code_layout"],
+    "grouped_gemv": ["test_gemv.py::test_grouped_gemv", "test_mma_gemv.py::test_mma_gemv_grouped"],
+    "grouped_gemm": ["test_gemm.py::test_grouped_gemm"],
+    "linear / KbitLinear": ["test_linear.py::test_kbit_linear_any_shape"],
+    "uniform": ["test_uniform.py::test_uniform_gemv", "test_uniform.py::test_gpu_quantizer_equals_reference",
+                "test_uniform.py::test_pack_roundtrip_and_quantizer_error"],
+    "int8 activation quantizer": ["test_uniform.py::test_int8_activation_quantizer"],
+    "sbvr": ["test_sbvr.py::test_sbvr_gemv", "test_sbvr.py::test_activation_planes_equal_reference"],
+    "bitnet": ["test_bitnet.py::test_bitnet_gemv"],
+    "calibrate (host)": ["test_calibrate.py::test_gptq_property_diagonal_hessian_is_round_to_nearest"],
+}
 MAX_N = 8 if SIM else 300
 MAX_KB = 4 if SIM else 40        # K = 32 * kb
 # Tiled layouts have 128 columns a tile: on the simulator one tile and up to three blocks (an odd K still
@@ -64,6 +88,15 @@ def sizes(default_max, fuzz_max):
     return st.one_of(*[small] * 7, st.integers(1, fuzz_max))
 
 
+def variant(*values):
+    """One of ``values`` (a kernel-variant choice: a type, a tuning, M). In a GPU fuzz run the first is drawn 7 times
+    in 8, so that most examples reuse a compiled specialisation and the run's time goes to examples, not to
+    compiling (each new variant costs seconds); the others are still drawn."""
+    if not FUZZ or SIM:
+        return st.sampled_from(values)
+    return st.one_of(*[st.just(values[0])] * 7, st.sampled_from(values))
+
+
 # Weights that stress the format: blocks of zeros, one huge element per block (the rest round to the
 # codebook's zero), block maxima at and past the E4M4 range's ends (31 saturates; 2**-14 is its smallest
 # step), and float16-subnormal magnitudes.
@@ -92,6 +125,45 @@ def adversarial_weight(rng, N, K, kind, dtype=np.float32):
     return W.astype(dtype)
 
 
+# Large weights are drawn as rows of a pool (kbit_weight): the NumPy reference quantizer takes ~0.3 us an
+# element, so a 20000 x 16384 draw would spend ~100 s in it; a pool of POOL_ROWS distinct rows costs K/32 blocks
+# of reference work each, and every output column is still checked exactly against its own row's reference.
+POOL_ABOVE = 1 << 16          # elements; smaller weights are drawn whole
+POOL_ROWS = 16
+
+
+def weight_rows(rng, N, K, kind="normal", dtype=np.float32):
+    """(pool [P, K], rows [N]): the weight ``pool[rows]``, one of ``WEIGHT_KINDS``. Up to POOL_ABOVE elements the
+    pool is the weight itself (rows = arange(N)); past it, POOL_ROWS adversarial rows drawn at random per row."""
+    if N * K <= POOL_ABOVE or N <= POOL_ROWS:
+        return adversarial_weight(rng, N, K, kind, dtype), np.arange(N)
+    return adversarial_weight(rng, POOL_ROWS, K, kind, dtype), rng.integers(0, POOL_ROWS, size=N)
+
+
+def take_rows(qw, rows):
+    """The flat KbitWeight whose row n is ``qw``'s row ``rows[n]`` (flat blocks are stored row after row)."""
+    import dataclasses
+    n = qw.shape[0]
+    return dataclasses.replace(qw, packed=np.ascontiguousarray(qw.packed.reshape(n, -1)[rows]).ravel(),
+                               absmax=np.ascontiguousarray(qw.absmax.reshape(n, -1)[rows]).ravel(),
+                               shape=(len(rows), qw.shape[1]))
+
+
+def kbit_weight(rng, N, K, kind="normal", k=4, fmt="e4m4"):
+    """(qw, pool, rows): a flat reference-quantized KbitWeight [N, K] whose row n is the quantized ``pool``'s row
+    ``rows[n]`` (weight_rows). Check a kernel against the reference over ``pool`` and pick the columns ``rows``:
+    exact per column, at the cost of POOL_ROWS rows."""
+    from kbit_numba import reference as ref
+    W, rows = weight_rows(rng, N, K, kind)
+    pool = ref.quantize(W, k=k, absmax_format=fmt)
+    return (pool if len(rows) == W.shape[0] else take_rows(pool, rows)), pool, rows
+
+
+def pick(rows, *arrays):
+    """Each [M, P] array's columns ``rows`` (a reference computed over a pool, spread to the N outputs)."""
+    return tuple(a[..., rows] for a in arrays) if len(arrays) > 1 else arrays[0][..., rows]
+
+
 F16_OVERFLOW = 65520.0     # float32 values from here on round to float16 infinity
 
 
@@ -113,3 +185,37 @@ def assert_within(got, want, tol, out_dtype=np.float32):
     err = np.abs(got - want)
     if err.size:
         assert np.all(err <= tol), f"max error {err.max()} (tolerance there {tol.flat[err.argmax()]})"
+
+
+# Where an entry writes: a fresh output, a preallocated output that is a view at an offset into a larger device
+# array (16-byte aligned: kernels may store 16 bytes at a time), and/or a non-default stream.
+OUT_MODES = ("new", "view", "stream", "view_stream")
+out_modes = st.sampled_from(OUT_MODES)
+GUARD = 8                   # elements either side of an output view; they must be left as SENTINEL
+SENTINEL = 1234.0           # (exact in float16 and float32)
+
+
+class Out:
+    """``Out(mode, shape, dtype)``: ``**o.kwargs`` for an entry's ``out`` and ``stream``; ``o.host(result)`` waits
+    on the stream, checks that the entry returned the view it was given and wrote nothing outside it, and
+    returns the result on the host."""
+
+    def __init__(self, mode, shape, dtype):
+        from numba import cuda
+        self.stream = cuda.stream() if "stream" in mode else None
+        self.buf = self.view = None
+        self.kwargs = {"stream": self.stream}
+        size = int(np.prod(shape))
+        if "view" in mode and size:                     # (an empty output stays the entry's own)
+            self.buf = cuda.to_device(np.full(size + 2 * GUARD, SENTINEL, dtype))
+            self.view = self.buf[GUARD:GUARD + size].reshape(shape)
+            self.kwargs["out"] = self.view
+
+    def host(self, result):
+        if self.stream is not None:
+            self.stream.synchronize()
+        if self.view is not None:
+            assert result is self.view, "the entry did not return the out view it was given"
+            buf = self.buf.copy_to_host()
+            assert np.all(buf[:GUARD] == SENTINEL) and np.all(buf[-GUARD:] == SENTINEL), "wrote outside out"
+        return result.copy_to_host()

@@ -5,7 +5,7 @@ from hypothesis import given, settings, strategies as st
 
 from kbit_numba import bitnet, reference as ref
 from kbit_numba.formats import BITNET_ORDER
-from helpers import EXAMPLES, SIM, assert_within, seeds
+from helpers import EXAMPLES, SIM, assert_within, gpu_examples, gpu_split, Out, out_modes, seeds
 
 MAX_NB = 3 if SIM else 40          # N = 16 * nb
 MAX_KB = 6 if SIM else 200         # K = 32 * kb
@@ -22,21 +22,24 @@ def test_slot_order():
     assert list(BITNET_ORDER) == [0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15]
 
 
-@settings(max_examples=EXAMPLES * 2)
+@gpu_split("parts_split", [1, 2, 4])
+@settings(max_examples=gpu_examples(EXAMPLES * 2, 3))
 @given(seeds, st.integers(1, 4), st.integers(1, MAX_NB), st.integers(1, MAX_KB), st.sampled_from([1, 2, 4]),
-       st.sampled_from(["float16", "float32"]), st.sampled_from([np.float16, np.float32]))
-def test_bitnet_gemv(seed, M, nb, kbn, parts, a_dtype, out_dtype):
+       st.sampled_from(["float16", "float32"]), st.sampled_from([np.float16, np.float32]), out_modes)
+def test_bitnet_gemv(parts_split, seed, M, nb, kbn, parts, a_dtype, out_dtype, out_mode):
+    parts = parts_split or parts
     rng = np.random.default_rng(seed)
     N, K = 16 * nb * parts, 32 * kbn
     W = rng.standard_normal((N, K)) * np.repeat(np.exp(rng.uniform(-3, 0, parts)), N // parts)[:, None]
     bw = ref.bitnet_quantize(W, parts)
     assert np.array_equal(ref.bitnet_pack(ref.bitnet_unpack(bw.packed, bw.shape)), bw.packed)
     A = (rng.standard_normal((M, K)) * 3).astype(a_dtype)
-    got = bitnet.gemv(A, bw, out_dtype=out_dtype)
+    o = Out(out_mode, (M, N), out_dtype)
+    got = bitnet.gemv(A, bw, out_dtype=out_dtype, **o.kwargs)
     assert got.shape == (M, N) and got.dtype == np.dtype(out_dtype)
     want = ref.bitnet_gemv(A, bw)
     # exact integer dot on both sides: the two float32 products round at most twice
-    assert_within(got.copy_to_host(), want, 3e-7 * np.abs(want) + 1e-30, out_dtype)
+    assert_within(o.host(got), want, 3e-7 * np.abs(want) + 1e-30, out_dtype)
 
 
 def test_bitnet_quantizer_is_absmean_ternary():

@@ -6,34 +6,39 @@ from numba import cuda
 
 import kbit_numba as kb
 from kbit_numba import reference as ref
-from helpers import (EXAMPLES, MAX_KB, MAX_KB_TILED, MAX_N, MAX_TILES, SIM_EXPLICIT_ONLY, adversarial_weight, ks,
-                     random_weight, seeds, sizes, weight_kinds)
+from helpers import (EXAMPLES, MAX_KB, MAX_KB_TILED, MAX_N, MAX_TILES, Out, out_modes, SIM_EXPLICIT_ONLY, ks,
+                     random_weight, seeds, sizes, take_rows, weight_kinds, weight_rows)
 
 fmts = st.sampled_from(["e4m4", "fp32"])
 src_dtypes = st.sampled_from(["float32", "float16", "bfloat16"])
 
 
-def _weight(rng, N, K, src, kind="normal"):
-    W = adversarial_weight(rng, N, K, kind)
+def _src(W, src):
     if src == "bfloat16":
         return ref.float32_to_bf16_bits(W), True
     return W.astype(src), False
 
 
 @settings(max_examples=EXAMPLES)
-@given(seeds, ks, sizes(MAX_N, 20000), sizes(MAX_KB, 512), fmts, src_dtypes, weight_kinds)
-def test_quantize_flat_bit_exact(seed, k, N, kbn, fmt, src, kind):
+@given(seeds, ks, sizes(MAX_N, 20000), sizes(MAX_KB, 512), fmts, src_dtypes, weight_kinds, out_modes)
+def test_quantize_flat_bit_exact(seed, k, N, kbn, fmt, src, kind, out_mode):
+    """The GPU quantizer's bytes are the reference's, and dequantize gives its values (rounded once to the output
+    type), into a fresh array or a preallocated view, on the default or another stream. (A large draw's rows repeat
+    a pool's: helpers.weight_rows; the reference runs over the pool.)"""
     rng = np.random.default_rng(seed)
-    W, bf16 = _weight(rng, N, 32 * kbn, src, kind)
+    pool, rows = weight_rows(rng, N, 32 * kbn, kind)
+    W, bf16 = _src(pool[rows], src)
     got = kb.quantize(W, k=k, absmax_format=fmt, bf16=bf16)
     assert got.on_device and got.layout == "flat"
-    want = ref.quantize(W, k=k, absmax_format=fmt, bf16=bf16)
+    want = take_rows(ref.quantize(_src(pool, src)[0], k=k, absmax_format=fmt, bf16=bf16), rows)
     host = got.to_numpy()
     np.testing.assert_array_equal(host.packed, want.packed)
     np.testing.assert_array_equal(host.absmax, want.absmax)
     # dequantised values: the reference's, rounded once to the output dtype
-    np.testing.assert_array_equal(kb.dequantize(got, dtype=np.float32).copy_to_host(), ref.dequantize(want))
-    np.testing.assert_array_equal(kb.dequantize(got).copy_to_host(), ref.dequantize(want).astype(np.float16))
+    values = ref.dequantize(want)
+    o = Out(out_mode, W.shape, np.float32)
+    np.testing.assert_array_equal(o.host(kb.dequantize(got, dtype=np.float32, **o.kwargs)), values)
+    np.testing.assert_array_equal(kb.dequantize(got).copy_to_host(), values.astype(np.float16))
 
 
 @settings(max_examples=EXAMPLES, **SIM_EXPLICIT_ONLY)

@@ -6,20 +6,23 @@ from numba import cuda
 
 import kbit_numba as kb
 from kbit_numba import reference as ref
-from helpers import (adversarial_weight, assert_within, EXAMPLES, gpu_examples, gpu_split, MAX_KB_TILED, MAX_TILES, SIM,
-                     SIM_EXPLICIT_ONLY, ks, random_weight, seeds, sizes, weight_kinds)
+from helpers import (assert_within, EXAMPLES, gpu_examples, gpu_split, kbit_weight, MAX_KB_TILED, MAX_TILES, Out,
+                     out_modes, pick, SIM, SIM_EXPLICIT_ONLY, ks, random_weight, seeds, sizes, variant, weight_kinds)
 
 MAX_N = 12 if SIM else 700
 KS = [2, 3, 4, 5]                 # (on the GPU the long properties run once per k: helpers.gpu_split)
 MAX_KB = 5 if SIM else 70          # K = 32 * kb: odd multiples of 32, and past 1024 (several warps) on the GPU
 
 
-def check_close(got, A, qw, bf16=False, out_dtype=np.float32):
+def check_close(got, A, qw, bf16=False, out_dtype=np.float32, rows=None):
     """Tolerance of float32 accumulation: 1e-5 of sum_j |a_j w_j| (K <= 2240 terms, relative eps 6e-8
-    each, with margin), plus one float16 rounding of the result when the output is float16."""
+    each, with margin), plus one float16 rounding of the result when the output is float16. ``rows``: ``qw``
+    is a pool and output column n belongs to its row rows[n] (helpers.kbit_weight)."""
     want = ref.gemv(A, qw, bf16=bf16)
     Af = ref.as_float32(A, bf16).reshape(want.shape[0], -1).astype(np.float64)
     scale = np.abs(Af) @ np.abs(ref.dequantize(qw).astype(np.float64)).T
+    if rows is not None:
+        want, scale = pick(rows, want, scale)
     tol = 1e-5 * scale + 1e-30
     assert_within(got, want, tol, out_dtype)
 
@@ -35,19 +38,20 @@ def _activations(rng, M, K, a_dtype, one_d=False):
 
 @gpu_split("k_split", KS)
 @settings(max_examples=gpu_examples(EXAMPLES * 2, len(KS)))
-@given(seeds, ks, st.integers(1, 4), sizes(MAX_N, 20000), sizes(MAX_KB, 512),
-       st.sampled_from(["e4m4", "fp32"]), st.sampled_from(["float16", "float32", "bfloat16"]),
-       st.sampled_from([np.float16, np.float32]), weight_kinds)
-def test_gemv_flat(k_split, seed, k, M, N, kbn, fmt, a_dtype, out_dtype, kind):
+@given(seeds, ks, variant(1, 2, 3, 4), sizes(MAX_N, 20000), sizes(MAX_KB, 512),
+       variant("e4m4", "fp32"), variant("float16", "float32", "bfloat16"),
+       variant(np.float16, np.float32), weight_kinds, out_modes)
+def test_gemv_flat(k_split, seed, k, M, N, kbn, fmt, a_dtype, out_dtype, kind, out_mode):
     k = k_split or k
     rng = np.random.default_rng(seed)
     K = 32 * kbn
-    qw = ref.quantize(adversarial_weight(rng, N, K, kind), k=k, absmax_format=fmt)
+    qw, pool, rows = kbit_weight(rng, N, K, kind, k, fmt)
     A = _activations(rng, M, K, a_dtype)
     bf16 = a_dtype == "bfloat16"
-    out = kb.gemv(A, qw, out_dtype=out_dtype, bf16=bf16)
+    o = Out(out_mode, (M, N), out_dtype)
+    out = kb.gemv(A, qw, out_dtype=out_dtype, bf16=bf16, **o.kwargs)
     assert out.shape == (M, N) and out.dtype == np.dtype(out_dtype)
-    check_close(out.copy_to_host(), A, qw, bf16, out_dtype)
+    check_close(o.host(out), A, pool, bf16, out_dtype, rows)
 
 
 @gpu_split("k_split", KS)
@@ -65,6 +69,23 @@ def test_gemv_tiled(k_split, seed, k, M, ntiles, kbn, fmt):
     A = _activations(rng, M, K, "float16")
     got = kb.gemv(A, tiled, out_dtype=np.float32).copy_to_host()
     check_close(got, A, flat)
+
+
+def test_pooled_weight_is_its_rows(monkeypatch):
+    """The fuzz run's large draws (helpers.kbit_weight): the gathered bytes are exactly the reference's for the
+    gathered rows, and a gemv checked against the pool passes, and fails with a wrong row map."""
+    import helpers
+    monkeypatch.setattr(helpers, "POOL_ABOVE", 0)
+    W, rows = helpers.weight_rows(np.random.default_rng(0), 40, 64, "one_huge")
+    assert W.shape == (helpers.POOL_ROWS, 64) and len(rows) == 40 and len(set(rows.tolist())) > 1
+    qw, pool, rows = helpers.kbit_weight(np.random.default_rng(0), 40, 64, "one_huge", k=3)
+    whole = ref.quantize(W[rows], k=3)
+    assert np.array_equal(qw.packed, whole.packed) and np.array_equal(qw.absmax, whole.absmax)
+    A = _activations(np.random.default_rng(1), 2, 64, "float16")
+    got = kb.gemv(A, qw, out_dtype=np.float32).copy_to_host()
+    check_close(got, A, pool, rows=rows)
+    with pytest.raises(AssertionError):
+        check_close(got, A, pool, rows=np.roll(rows, 1))
 
 
 def test_gemv_vector_input_and_out_buffer():
@@ -170,11 +191,15 @@ def _experts(rng, E, N, K, k, layout="flat"):
     return kb.stack_experts(ws)
 
 
-@settings(max_examples=max(4, EXAMPLES // 2))     # each (k, max tokens, dtype) is a new compilation
-@given(seeds, ks, st.lists(st.integers(0, 4), min_size=1, max_size=4), st.integers(1, 10),
-       st.integers(1, MAX_KB // 2 + 1), st.sampled_from([np.float16, np.float32]))
-def test_grouped_gemv(seed, k, counts, N, kbn, out_dtype):
-    """Tokens routed to experts (0..4 each, empty experts included) in one launch."""
+@gpu_split("k_split", KS)
+# (each (k, max tokens, dtype) is a new compilation)
+@settings(max_examples=gpu_examples(max(4, EXAMPLES // 2), len(KS)))
+@given(seeds, ks, st.lists(st.integers(0, 4), min_size=1, max_size=4 if SIM else 16), sizes(10, 4096),
+       st.integers(1, MAX_KB // 2 + 1), variant(np.float16, np.float32), out_modes)
+def test_grouped_gemv(k_split, seed, k, counts, N, kbn, out_dtype, out_mode):
+    """Tokens routed to experts (0..4 each, empty experts included) in one launch, into a fresh output or a
+    view, on the default stream or another."""
+    k = k_split or k
     rng = np.random.default_rng(seed)
     K = 32 * kbn
     experts = _experts(rng, len(counts), N, K, k)
@@ -182,7 +207,8 @@ def test_grouped_gemv(seed, k, counts, N, kbn, out_dtype):
     A = rng.standard_normal((max(1, offsets[-1]), K)).astype(np.float16)[:offsets[-1]]
     if offsets[-1] == 0:
         A = np.zeros((0, K), np.float16)
-    got = kb.grouped_gemv(A, experts, offsets, out_dtype=out_dtype).copy_to_host()
+    o = Out(out_mode, (int(offsets[-1]), N), out_dtype)
+    got = o.host(kb.grouped_gemv(A, experts, offsets, out_dtype=out_dtype, **o.kwargs))
     assert got.shape == (offsets[-1], N)
     if offsets[-1]:
         want = ref.grouped_gemv(A, experts, offsets)

@@ -1,13 +1,17 @@
 """linear(): the kernel choice (table rules, fallbacks) and correctness for every M, on the simulator and GPU."""
 import numpy as np
 import pytest
+from hypothesis import given, settings
 from numba import cuda
 
 import kbit_numba as kb
 from kbit_numba import dispatch as L
 from kbit_numba import reference as ref
-from helpers import SIM, random_weight
+from kbit_numba.formats import CODES_K
+from helpers import (EXAMPLES, gpu_examples, gpu_split, kbit_weight, ks, Out, out_modes, random_weight, seeds, SIM, sizes,
+                     variant)
 from test_gemm import check_close
+from test_gemv import _activations
 
 TABLE = {"device": "test", "rules": [[4, "gemv"], [64, "gemm"], [None, "dequant_matmul"]],
          "shapes": {"256x128": [[2, "gemv"], [None, "gemm"]]}}
@@ -58,6 +62,32 @@ def test_linear_any_m(M):
     out = layer(A, out_dtype=np.float32)
     assert out.shape == (M, 128)
     check_close(out.copy_to_host(), A, flat)
+
+
+LAYOUTS = ("auto", "tiled", "codes", "keep_flat")
+
+
+@gpu_split("k_split", [2, 3, 4, 5])
+@settings(max_examples=gpu_examples(EXAMPLES, 4))
+@given(seeds, ks, sizes(6 if SIM else 64, 512), sizes(12 if SIM else 700, 20000), sizes(4 if SIM else 70, 512),
+       variant("e4m4", "fp32"), variant(*LAYOUTS), variant("float16", "float32", "bfloat16"),
+       variant(np.float16, np.float32), out_modes)
+def test_kbit_linear_any_shape(k_split, seed, k, M, N, kbn, fmt, layout, a_dtype, out_dtype, out_mode):
+    """KbitLinear as a user builds and calls it, whatever kernel the table picks for the drawn M and shape (the
+    gemvs, the tensor-core gemv and gemm, dequantize + cuBLAS): every layout choice, activation and output type,
+    into a fresh output or a preallocated view, on the default stream or another."""
+    k = k_split or k
+    rng = np.random.default_rng(seed)
+    K = 32 * kbn
+    layout = "auto" if layout == "codes" and k not in CODES_K else layout
+    qw, pool, rows = kbit_weight(rng, N, K, "normal", k, fmt)
+    layer = kb.KbitLinear(qw, **({"keep_flat": True} if layout == "keep_flat" else {"layout": layout}))
+    A = _activations(rng, M, K, a_dtype)
+    bf16 = a_dtype == "bfloat16"
+    o = Out(out_mode, (M, N), out_dtype)
+    out = layer(A, out_dtype=out_dtype, bf16=bf16, **o.kwargs)
+    assert out.shape == (M, N) and out.dtype == np.dtype(out_dtype)
+    check_close(o.host(out), A, pool, bf16, out_dtype, rows)
 
 
 @pytest.mark.parametrize("M", [1, 6, 17] if SIM else [1, 2, 4, 5, 16, 33, 64, 200, 600])

@@ -7,7 +7,8 @@ from numba import cuda
 import kbit_numba as kb
 from kbit_numba import mma_gemv, pair_gemv, reference as ref
 from kbit_numba.formats import CODES_K
-from helpers import EXAMPLES, SIM, adversarial_weight, gpu_examples, gpu_split, random_weight, seeds, sizes, weight_kinds
+from helpers import (EXAMPLES, SIM, gpu_examples, gpu_split, kbit_weight, Out, out_modes, random_weight, seeds, sizes,
+                     weight_kinds, variant)
 from test_gemm import check_gemm
 from test_gemv import _activations
 
@@ -20,18 +21,19 @@ SPLIT = [(k, a) for k in CODES_K for a in ("float16", "bfloat16")]
 
 @gpu_split("k_split, a_split", SPLIT)
 @settings(max_examples=gpu_examples(EXAMPLES * 2, len(SPLIT)))
-@given(seeds, st.sampled_from(CODES_K), st.integers(1, 8), sizes(MAX_N, 20000), KB2, st.sampled_from(["e4m4", "fp32"]),
-       st.sampled_from(["float16", "bfloat16"]), st.sampled_from([np.float16, np.float32]), weight_kinds)
-def test_mma_gemv(k_split, a_split, seed, k, M, N, kb2, fmt, a_dtype, out_dtype, kind):
+@given(seeds, st.sampled_from(CODES_K), variant(*range(1, 9)), sizes(MAX_N, 20000), KB2, variant("e4m4", "fp32"),
+       st.sampled_from(["float16", "bfloat16"]), variant(np.float16, np.float32), weight_kinds, out_modes)
+def test_mma_gemv(k_split, a_split, seed, k, M, N, kb2, fmt, a_dtype, out_dtype, kind, out_mode):
     k, a_dtype = k_split or k, a_split or a_dtype
     rng = np.random.default_rng(seed)
     K = 64 * kb2
-    qw = ref.quantize(adversarial_weight(rng, N, K, kind), k=k, absmax_format=fmt)
+    qw, pool, rows = kbit_weight(rng, N, K, kind, k, fmt)
     A = _activations(rng, M, K, a_dtype)
     bf16 = a_dtype == "bfloat16"
-    out = mma_gemv.plan(A, pair_gemv.to_codes(qw), out_dtype=out_dtype, bf16=bf16).launch()
+    o = Out(out_mode, (M, N), out_dtype)
+    out = mma_gemv.plan(A, pair_gemv.to_codes(qw), out_dtype=out_dtype, bf16=bf16, **o.kwargs).launch()
     assert out.shape == (M, N) and out.dtype == np.dtype(out_dtype)
-    check_gemm(out.copy_to_host(), A, qw, bf16, out_dtype)
+    check_gemm(o.host(out), A, pool, bf16, out_dtype, rows)
 
 
 def test_mma_gemv_vector_input_out_buffer_prepare_and_pdl():
@@ -54,12 +56,14 @@ def test_mma_gemv_vector_input_out_buffer_prepare_and_pdl():
     check_gemm(got, first.out.copy_to_host(), sq, out_dtype=np.float16)
 
 
-@settings(max_examples=max(4, EXAMPLES // 2))
+@gpu_split("k_split", CODES_K)
+@settings(max_examples=gpu_examples(max(4, EXAMPLES // 2), len(CODES_K)))
 @given(seeds, st.sampled_from(CODES_K), st.lists(st.integers(0, 8), min_size=1, max_size=5), st.integers(1, 40),
-       st.sampled_from([1, 5]), st.sampled_from([np.float16, np.float32]))
-def test_mma_gemv_grouped(seed, k, counts, N, kb2, out_dtype):
+       variant(1, 5), variant(np.float16, np.float32), out_modes)
+def test_mma_gemv_grouped(k_split, seed, k, counts, N, kb2, out_dtype, out_mode):
     """MoE experts (0..8 rows each, empty experts included; T < E draws take one grid slot per row, T >= E one
     per expert) against reference.gemm per expert."""
+    k = k_split or k
     rng = np.random.default_rng(seed)
     K = 64 * kb2
     flats = [ref.quantize(random_weight(rng, N, K), k=k) for _ in counts]
@@ -67,9 +71,10 @@ def test_mma_gemv_grouped(seed, k, counts, N, kb2, out_dtype):
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
     T = int(offsets[-1])
     A = _activations(rng, max(T, 1), K, "float16")[:T]
-    got = mma_gemv.grouped_gemv(A, experts, cuda.to_device(offsets), out_dtype=out_dtype, max_tokens=8)
+    o = Out(out_mode, (T, N), out_dtype)
+    got = mma_gemv.grouped_gemv(A, experts, cuda.to_device(offsets), out_dtype=out_dtype, max_tokens=8, **o.kwargs)
     assert got.shape == (T, N)
-    got = got.copy_to_host()
+    got = o.host(got)
     for e, w in enumerate(flats):
         if counts[e]:
             rows = slice(offsets[e], offsets[e + 1])

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from kbit_numba import reference as ref, sbvr
-from helpers import EXAMPLES, SIM, assert_within, seeds
+from helpers import EXAMPLES, SIM, assert_within, gpu_examples, gpu_split, Out, out_modes, seeds
 
 MAX_N = 40 if SIM else 300
 MAX_G = 2 if SIM else 40           # K = 128 * g
@@ -32,22 +32,25 @@ def test_activation_planes_equal_reference(seed, M, g, a_dtype):
     assert np.array_equal(planes.copy_to_host(), pp) and np.array_equal(d.copy_to_host(), dd)
 
 
-@settings(max_examples=EXAMPLES * 2)
+@gpu_split("lines_split", [16, 1000])
+@settings(max_examples=gpu_examples(EXAMPLES * 2, 2))
 @given(seeds, st.integers(1, 4), st.integers(1, MAX_N), st.integers(1, MAX_G), st.sampled_from([16, 1000]),
-       st.sampled_from([np.float16, np.float32]))
-def test_sbvr_gemv(seed, M, N, g, lines, out_dtype):
+       st.sampled_from([np.float16, np.float32]), out_modes)
+def test_sbvr_gemv(lines_split, seed, M, N, g, lines, out_dtype, out_mode):
+    lines = lines_split or lines
     rng = np.random.default_rng(seed)
     K = 128 * g
     sw = ref.sbvr_encode(rng.standard_normal((N, K)) * np.exp(rng.uniform(-3, 1, (N, 1))), lines=lines,
                          iters=2, kmeans_iters=2)
     A = rng.standard_normal((M, K)).astype(np.float16)
-    got = sbvr.gemv(A, sw, out_dtype=out_dtype)
+    o = Out(out_mode, (M, N), out_dtype)
+    got = sbvr.gemv(A, sw, out_dtype=out_dtype, **o.kwargs)
     assert got.shape == (M, N) and got.dtype == np.dtype(out_dtype)
     want = ref.sbvr_gemv(A, sw)
     q, d, _ = ref.sbvr_quantize_activations(A)
     Aq = np.abs(q.astype(np.float64).reshape(M, -1, 128) * d[..., None]).reshape(M, K)
     tol = 1e-5 * (Aq @ np.abs(ref.sbvr_dequantize(sw)).astype(np.float64).T) + 1e-30
-    assert_within(got.copy_to_host(), want, tol, out_dtype)
+    assert_within(o.host(got), want, tol, out_dtype)
 
 
 def test_rejects():

@@ -163,3 +163,22 @@ def test_tune_table_writes_the_winning_parameters():
     assert table["shapes"]["64x128"] == [[1, "gemv", {"cols": 4, "max_registers": None}], [None, "gemm"]]
     kern, params = dispatch.choose_rule(1, 128, 64, "flat", table, backend=False)
     assert (kern, params) == ("gemv", {"cols": 4, "max_registers": None})
+
+
+def test_every_property_is_in_a_fuzz_family():
+    """KBIT_FUZZ=N runs N examples per kernel family (conftest.py): each hypothesis property (a function decorated
+    with ``@given``) is listed in exactly one ``helpers.FUZZ_FAMILIES`` family, and each listed one exists."""
+    import ast
+    import glob
+    import os
+    from helpers import FUZZ_FAMILIES
+    here = os.path.dirname(os.path.abspath(__file__))
+    found = set()
+    for path in glob.glob(os.path.join(here, "test_*.py")):
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.FunctionDef) and any(
+                    isinstance(d, ast.Call) and getattr(d.func, "id", None) == "given" for d in node.decorator_list):
+                found.add(f"{os.path.basename(path)}::{node.name}")
+    listed = [p for ps in FUZZ_FAMILIES.values() for p in ps]
+    assert len(listed) == len(set(listed))
+    assert found == set(listed)

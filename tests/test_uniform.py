@@ -1,12 +1,15 @@
 """GemLite-style uniform n-bit: packing, the GPU quantizer and both GEMV paths against the reference."""
+import dataclasses
+
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 from numba import cuda
 
 from kbit_numba import act_quant, reference as ref, uniform
 from kbit_numba.formats import UNIFORM_BITS
-from helpers import EXAMPLES, SIM, adversarial_weight, assert_within, seeds, weight_kinds
+from helpers import (EXAMPLES, SIM, adversarial_weight, assert_within, gpu_examples, gpu_split, Out, out_modes, seeds,
+                     sizes, variant, weight_kinds, weight_rows)
 
 MAX_N = 5 if SIM else 300
 MAX_KB = 10 if SIM else 140        # K = 32 * kb: 3-bit chunks of 320 padded, several K-warps on the GPU
@@ -38,22 +41,37 @@ def test_pack_roundtrip_and_quantizer_error(seed, bits, N, kbn, gsel):
     assert np.all(err <= bound), f"max error / step {np.max(err / step)}"
 
 
-@settings(max_examples=EXAMPLES * 2)
-@given(seeds, bits_st, st.integers(1, 4), st.integers(1, MAX_N), st.integers(1, MAX_KB), st.integers(0, 3),
-       st.booleans(), st.sampled_from(["float16", "float32", "bfloat16"]), st.sampled_from([np.float16, np.float32]))
-def test_uniform_gemv(seed, bits, M, N, kbn, gsel, int8, a_dtype, out_dtype):
+@gpu_split("bits_split", UNIFORM_BITS)
+@settings(max_examples=gpu_examples(EXAMPLES * 2, len(UNIFORM_BITS)))
+@given(seeds, bits_st, variant(1, 2, 3, 4), sizes(MAX_N, 20000), sizes(MAX_KB, 512), variant(0, 1, 2, 3),
+       variant(False, True), variant("float16", "float32", "bfloat16"), variant(np.float16, np.float32),
+       weight_kinds, out_modes)
+def test_uniform_gemv(bits_split, seed, bits, M, N, kbn, gsel, int8, a_dtype, out_dtype, kind, out_mode):
+    bits = bits_split or bits
     rng = np.random.default_rng(seed)
     K, G = _case(seed, bits, kbn, gsel)
-    uw = ref.uniform_quantize(rng.standard_normal((N, K)) * np.exp(rng.uniform(-3, 1, (N, 1))), bits, G)
+    W, rows = weight_rows(rng, N, K, kind)       # (a large draw: rows of a pool, checked over the pool)
+    pool = ref.uniform_quantize(W, bits, G)
+    uw = dataclasses.replace(pool, packed=pool.packed[rows], shape=(N, K),
+                             scale_zero=pool.scale_zero[rows] if G else pool.scale_zero)
     A = rng.standard_normal((M, K)).astype(np.float32)
     bf16 = a_dtype == "bfloat16"
     A = ref.float32_to_bf16_bits(A) if bf16 else A.astype(a_dtype)
-    got = uniform.gemv(A, uw, out_dtype=out_dtype, int8=int8, bf16=bf16)
+    o = Out(out_mode, (M, N), out_dtype)
+    got = uniform.gemv(A, uw, out_dtype=out_dtype, int8=int8, bf16=bf16, **o.kwargs)
     assert got.shape == (M, N) and got.dtype == np.dtype(out_dtype)
-    want = ref.uniform_gemv(A, uw, int8=int8, bf16=bf16)
+    want = ref.uniform_gemv(A, pool, int8=int8, bf16=bf16)[:, rows]
     Af = np.abs(ref.as_float32(A, bf16)).astype(np.float64)
-    tol = 2e-5 * (Af @ np.abs(ref.uniform_dequantize(uw)).astype(np.float64).T) + 1e-30
-    assert_within(got.copy_to_host(), want, tol, out_dtype)
+    tol = 2e-5 * (Af @ np.abs(ref.uniform_dequantize(pool)).astype(np.float64).T)[:, rows] + 1e-30
+    if int8 and bits == 8:
+        # the dp4a path shifts 8-bit q and the zero by 128 (signed bytes): the float32 zero - 128 keeps the zero
+        # to 2**-17 absolute, so a group whose w = (q - zero) * scale is far below its scale (a near-zero zero
+        # point, the subnormal draws) has an error up to 2**-17 |scale| sum |a| beyond float32 accumulation
+        scales = np.abs(ref.uniform_dequantize(dataclasses.replace(
+            pool, packed=np.zeros_like(pool.packed), scale_zero=np.stack(
+                [pool.scale_zero[..., 0], np.full_like(pool.scale_zero[..., 0], -1)], axis=-1))))
+        tol = tol + 2.0 ** -16 * (Af @ scales.astype(np.float64).T)[:, rows]
+    assert_within(o.host(got), want, tol, out_dtype)
 
 
 @pytest.mark.skipif(SIM, reason="the simulator has no register limit (and K = 14336 is slow there)")
@@ -83,15 +101,28 @@ def test_gpu_quantizer_equals_reference(seed, bits, N, kbn, gsel, w_dtype, kind)
     assert np.array_equal(got.scale_zero.view(np.uint16), want.scale_zero.view(np.uint16))
 
 
-@pytest.mark.parametrize("epw", [0, 4, 10, 32])
-def test_int8_activation_layouts(epw):
-    rng = np.random.default_rng(epw)
-    K = 320 if epw in (0, 10) else 256
-    A = (rng.standard_normal((3, K)) * [[1], [1e-3], [0]]).astype(np.float16)     # incl. an all-zero row
-    words, d = act_quant.quantize_int8(A, epw)
-    q, dd = ref.int8_per_token(A)
+@gpu_split("epw_split", act_quant.EPW_CHOICES)
+@settings(max_examples=gpu_examples(EXAMPLES * 2, len(act_quant.EPW_CHOICES)))
+@given(seeds, st.sampled_from(act_quant.EPW_CHOICES), st.integers(1, 4 if SIM else 64), sizes(10, 512),
+       st.sampled_from(["float16", "float32", "bfloat16"]), st.sampled_from([1.0, 1e-3, 1e-6, 3e4]), st.booleans())
+@example(seed=0, epw=10, M=3, kbn=10, a_dtype="float16", scale=1.0, stream=False)    # K = 320: 3-bit chunks
+def test_int8_activation_quantizer(epw_split, seed, epw, M, kbn, a_dtype, scale, stream):
+    """The per-token int8 activation quantizer (uniform gemv's int8 path) is byte-equal to the reference in each
+    word order: rows of every magnitude, an all-zero row, float16/float32/bfloat16 input, another stream."""
+    epw = epw if epw_split is None else epw_split
+    rng = np.random.default_rng(seed)
+    K = 32 * kbn
+    A = rng.standard_normal((M, K)) * scale * np.exp(rng.uniform(-3, 1, (M, 1)))
+    A[rng.random(M) < 0.2] = 0                                                     # all-zero rows
+    bf16 = a_dtype == "bfloat16"
+    A = ref.float32_to_bf16_bits(A.astype(np.float32)) if bf16 else A.astype(a_dtype)
+    s = cuda.stream() if stream else None
+    words, d = act_quant.quantize_int8(A, epw, stream=s, bf16=bf16)
+    if s is not None:
+        s.synchronize()
+    q, dd = ref.int8_per_token(A, bf16)
     want = q.view(np.uint32) if epw == 0 else ref.uniform_int8_words(q, 32 // epw)
-    assert np.array_equal(words.copy_to_host(), want.reshape(3, -1))
+    assert np.array_equal(words.copy_to_host(), want.reshape(M, -1))
     assert np.array_equal(d.copy_to_host(), dd)
 
 
