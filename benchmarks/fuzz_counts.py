@@ -16,8 +16,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from helpers import FUZZ_FAMILIES as FAMILIES  # noqa: E402
 
 
+SLOW = 3.0     # seconds: an example slower than this compiled a kernel specialisation (the examples' median is ~20 ms)
+
+
 def load(prefix):
-    props = collections.defaultdict(lambda: {"passed": 0, "failed": 0, "seconds": 0.0})
+    props = collections.defaultdict(lambda: {"passed": 0, "failed": 0, "seconds": 0.0, "slow": 0, "slow_seconds": 0.0})
     for path in glob.glob(prefix + ".*"):
         with open(path) as f:
             for line in f:
@@ -25,6 +28,9 @@ def load(prefix):
                 prop = props[row["property"].split("/")[-1].split("[")[0]]      # (a split test's parameters dropped)
                 prop[row["status"]] += 1
                 prop["seconds"] += row["seconds"]
+                if row["seconds"] > SLOW:
+                    prop["slow"] += 1
+                    prop["slow_seconds"] += row["seconds"]
     return props
 
 
@@ -49,6 +55,11 @@ def main():
     for name in sorted(set(props) - known):
         print(f"(not in a family) {name}: {props[name]['passed'] + props[name]['failed']}")
     print(f"total examples: {total}; families under {args.need}: {', '.join(short) or 'none'}")
+    n_slow = sum(p["slow"] for p in props.values())
+    t_slow = sum(p["slow_seconds"] for p in props.values())
+    t_all = sum(p["seconds"] for p in props.values())
+    print(f"examples over {SLOW:g} s (each compiled a new kernel specialisation): {n_slow}, {t_slow:.0f} s of the "
+          f"{t_all:.0f} s summed; the other {total - n_slow} examples took {t_all - t_slow:.0f} s")
 
 
 if __name__ == "__main__":
