@@ -23,7 +23,8 @@ for the way a PyTorch user would: the 36 ``nn.Linear`` layers in a module, repla
 ``kbit_numba.torch.quantize_model``, float16 activations (on a GPU; on the simulator only for tiny tests). ``--accumulation K`` instead emulates the pair
 gemv's float16-activation arithmetic for kbit K, with float32 and with float16 (``f16_acc``) block sums.
 
-``kbitK_gptq`` (with ``_mse``: a searched block scale; ``_act``: columns in activation order; ``_seq``: sequential
+``kbitK_gptq`` (with ``_mse``: a searched block scale; ``_cb``: the layer's fitted codebook, ``calibrate.fit_codebook``;
+``_act``: columns in activation order; ``_seq``: sequential
 calibration) quantize through ``kbit_numba.calibrate.quantize_gptq`` (GPTQ-style error feedback into the same kbit
 bytes), cross-calibrated on the two halves of the sentences (``gptq_two_fold``).
 
@@ -253,16 +254,18 @@ def kbit_mse(W, k, grid=np.linspace(0.6, 1.0, 41)):
     return best.reshape(W.shape), len(B) * (4 * k + 1)
 
 
-def kbit_gptq(W, k, H, damp=0.1, scale_search=False, act_order=False):
+def kbit_gptq(W, k, H, damp=0.1, scale_search=False, act_order=False, fit=False):
     """kbit k through ``kbit_numba.calibrate.quantize_gptq`` (GPTQ-style error feedback through the inverse of
-    the layer's input Hessian H; the kbit bytes). Returns (dequantized W, bytes)."""
+    the layer's input Hessian H; the kbit bytes); ``fit``: with the layer's own codebook
+    (``calibrate.fit_codebook``). Returns (dequantized W, bytes)."""
     from kbit_numba import reference as ref
-    from kbit_numba.calibrate import quantize_gptq
-    qw = quantize_gptq(W, H, k=k, damp=damp, act_order=act_order, scale_search=scale_search)
+    from kbit_numba.calibrate import fit_codebook, quantize_gptq
+    cb = fit_codebook(W, k, H) if fit else None
+    qw = quantize_gptq(W, H, k=k, damp=damp, act_order=act_order, scale_search=scale_search, codebook=cb)
     return ref.dequantize(qw), qw.nbytes
 
 
-def gptq_two_fold(p, ids, mask, names, k, damp=0.1, scale_search=False, act_order=False, sequential=False):
+def gptq_two_fold(p, ids, mask, names, k, damp=0.1, scale_search=False, act_order=False, sequential=False, fit=False):
     """kbit k with GPTQ, cross-calibrated: the sentences are split in two halves (even, odd); each half is
     embedded with weights whose Hessians came from the other half only (each linear's inputs over the real
     tokens). The inputs are the float32 model's, or with ``sequential`` those of the model whose earlier linears
@@ -275,7 +278,8 @@ def gptq_two_fold(p, ids, mask, names, k, damp=0.1, scale_search=False, act_orde
         keep = mask[calib].reshape(-1) > 0
 
         def quantize(name):
-            weights[name], sizes[name] = kbit_gptq(p[name + ".weight"], k, H[name], damp, scale_search, act_order)
+            weights[name], sizes[name] = kbit_gptq(p[name + ".weight"], k, H[name], damp, scale_search, act_order,
+                                                   fit)
 
         def record(name, x):
             X = x.reshape(-1, x.shape[-1])[keep].astype(np.float64)
@@ -504,9 +508,9 @@ def main(argv=None):
     for name in chosen:
         t0 = time.time()
         num, den = 0.0, 0.0
-        if "_gptq" in name:                 # kbitK[_mse]_gptq[_act][_seq]: cross-calibrated, see gptq_two_fold
+        if "_gptq" in name:                 # kbitK[_mse][_cb]_gptq[_act][_seq]: cross-calibrated, see gptq_two_fold
             E, weights, nbytes = gptq_two_fold(p, ids, mask, names, int(name[4]), args.gptq_damp,
-                                              "_mse" in name, "_act" in name, "_seq" in name)
+                                              "_mse" in name, "_act" in name, "_seq" in name, "_cb" in name)
         else:
             weights, nbytes = {}, 0
             for n in names:
