@@ -59,6 +59,25 @@ def _kernel_module():
     return _get_kernel_context()
 
 
+def named_barrier(barrier, threads):
+    """``bar.sync barrier, threads``: the first ``threads`` simulated threads of the block to arrive at
+    barrier ``barrier`` meet at a ``threading.Barrier`` of that many parties (one per block and id, reused
+    round after round, as the hardware's). Threads that never arrive make the others fail after a timeout."""
+    t = threading.current_thread()
+    mod = _kernel_module()
+    key = (tuple(t.blockIdx), int(barrier))
+    with _registry_lock:
+        table = mod.__dict__.setdefault("_kbit_barriers", {})
+        bar = table.get(key)
+        if bar is None or bar.parties != int(threads):
+            bar = table[key] = threading.Barrier(int(threads), timeout=_TIMEOUT_S)
+    try:
+        bar.wait()
+    except threading.BrokenBarrierError:
+        raise RuntimeError(f"simulated named barrier {int(barrier)}: {int(threads)} threads did not all "
+                           "arrive") from None
+
+
 def lane_id():
     return threading.current_thread().thread_id % WARP
 

@@ -31,6 +31,7 @@ nothing, by the chain of layers in ``tests/test_pair_gemv.py``).
 | cp_async_commit() / cp_async_wait(n) | cp.async.commit_group / wait_group n | double buffering |
 | griddep_wait() | griddepcontrol.wait                    | PDL: wait for the previous kernel's results    |
 | griddep_launch_dependents() | griddepcontrol.launch_dependents | PDL: let the next kernel start early  |
+| bar_sync(id, n) | bar.sync id, n                       | a barrier of n threads (whole warps), not the CTA's |
 | ldmatrix_x4(a, p) | ldmatrix.sync.aligned.m8n8.x4.b16 | the A fragment of mma.m16n8k16 from shared  |
 | mma_f16(a0..a3, b0, b1, c0..c3) | mma.sync.aligned.m16n8k16 f32.f16.f16.f32 | tensor cores |
 | mma_bf16(...) | the same with .bf16 inputs           |                                                |
@@ -361,6 +362,28 @@ def ptx_griddep_launch_dependents(typingctx):
     programmatically, to start (griddepcontrol.launch_dependents); it starts once every CTA has said so or
     exited. It only schedules the next kernel early: that kernel's griddep_wait still waits for this one."""
     return types.void(), _no_operands("griddepcontrol.launch_dependents;", memory=True)
+
+
+@intrinsic
+def ptx_bar_sync(typingctx, barrier, threads):
+    """Named barrier ``barrier`` (0..15) of ``threads`` threads, a multiple of 32 (bar.sync a, b): the
+    calling warps wait until ``threads`` threads have arrived, and their shared-memory writes before it are
+    seen by each other after it. Groups of warps that share nothing wait on separate barriers instead of on
+    the whole CTA's (``cuda.syncthreads`` is ``bar.sync 0``)."""
+    sig = types.void(barrier, threads)
+
+    def codegen(context, builder, sig, args):
+        fty = ir.FunctionType(ir.VoidType(), [_i32, _i32])
+        asm = ir.InlineAsm(fty, "bar.sync $0, $1;", "r,r,~{memory}", side_effect=True)
+        builder.call(asm, _asm_args(builder, context, args, sig.args))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def py_bar_sync(barrier, threads):
+    from . import _sim                # ``threads`` simulated threads meet at a barrier of that many parties
+    _sim.named_barrier(barrier, threads)
 
 
 def py_griddep_wait():           # the simulator runs launches one after another: nothing to wait for
@@ -721,13 +744,13 @@ def py_f16x2_as_u32(lo, hi):
 # The names kernels use
 # ---------------------------------------------------------------------------------------------
 NAMES = ("ldg128", "ldg64", "stg128", "shared_addr", "lds_f32", "lds_u32", "lds128", "lds64", "sts128", "cp_async16",
-         "cp_async4", "cp_async_commit", "cp_async_wait", "griddep_wait", "griddep_launch_dependents",
+         "cp_async4", "cp_async_commit", "cp_async_wait", "griddep_wait", "griddep_launch_dependents", "bar_sync",
          "ldmatrix_x4", "mma_f16", "mma_bf16", "hmul2", "hfma2", "bmul2", "dp4a", "lop3", "prmt", "rotr", "u32_as_f32",
          "f32_as_u32", "f16x2_as_u32", "f16_bits_to_f32")
 PAIRS = {name: (globals()["ptx_" + name], globals()["py_" + name]) for name in NAMES}
 
 _pick = 1 if SIMULATOR else 0
 (ldg128, ldg64, stg128, shared_addr, lds_f32, lds_u32, lds128, lds64, sts128, cp_async16, cp_async4,
- cp_async_commit, cp_async_wait, griddep_wait, griddep_launch_dependents, ldmatrix_x4, mma_f16, mma_bf16, hmul2,
+ cp_async_commit, cp_async_wait, griddep_wait, griddep_launch_dependents, bar_sync, ldmatrix_x4, mma_f16, mma_bf16, hmul2,
  hfma2, bmul2, dp4a, lop3, prmt, rotr, u32_as_f32, f32_as_u32, f16x2_as_u32,
  f16_bits_to_f32) = (PAIRS[n][_pick] for n in NAMES)

@@ -22,7 +22,7 @@ offline and looks weights up several at a time:
   The table must be shared by many warps, so a CTA holds ``S`` *slices* of ``KW = ceil(K / 1024)`` warps;
   slice s takes columns ``s*cols .. s*cols+cols-1`` of each group of S*cols columns. Lane sums are reduced by a
   warp reduce-scatter, then over the KW warps in shared memory (double-buffered, one barrier per
-  iteration).
+  iteration: the slice's own named barrier, so slices do not wait for each other).
 * **Programmatic dependent launch** (``pdl=True``, sm_90; ``launch.py``): a CTA lets the next kernel start
   at once, and issues its first weight loads and fills its tables *before* ``griddep_wait``; only the
   activation loads and the output writes come after it. In a chain of layers the next kernel's prologue
@@ -44,11 +44,12 @@ from .core import MAX_M, device_weight, fit_threads, k_warps, persistent_grid
 from .device import (ABSMAX_CODES, CODEBOOK, PRMT_ROW, TABLE_BYTES, TABLE_FLOATS, WARP, e4m4_decode,
                      i32, jit_kernel, make_table_fill, make_warp_reduce_scatter, make_word_unpacker, u32)
 from .formats import ABSMAX_FORMATS, BLOCK, CODES_K, KbitCodes, KbitWeight
-from .intrinsics import (SIMULATOR, f16_bits_to_f32, griddep_launch_dependents, griddep_wait, hfma2, ldg64, ldg128,
+from .intrinsics import (SIMULATOR, bar_sync, f16_bits_to_f32, griddep_launch_dependents, griddep_wait, hfma2, ldg64, ldg128,
                          lds64, lds128, lds_u32, prmt, shared_addr, u32_as_f32)
 from .launch import NUMBA_TYPES, OUT_TYPES, Plan, Spec, Step, launch_step, type_name
 
 MAX_KW = 32                       # K-warps per slice: K <= 32 * 32 * 32 = 32768
+MAX_SLICES = 16                   # a slice's named barrier is one of the CTA's 16 (bar.sync 0..15)
 PART = CODEBOOK + 16              # float offset of the cross-warp partial sums
 COL_CHOICES = (1, 2, 4, 8)        # columns per warp per iteration a kernel can be built for
 # The defaults table, from the H100 sweep (benchmarks/runs/2026-11-23_h100_pair_gemv_sweep.txt):
@@ -187,21 +188,21 @@ def make_pair_gemv_kernel(spec):
                 acc[c * M + m] = s[m] * scale
 
     @cuda.jit(device=True, inline="always")
-    def reduce_columns(smem, acc, lane, tid, part, flip, slices, kw, n_first, out, N):
-        """Sum acc over the CTA's K-warps: a warp reduce-scatter, one partial per (warp, value) into the
+    def reduce_columns(smem, acc, lane, part, flip, sl, kw, slice_tid, n_first, out, N):
+        """Sum acc over the slice's K-warps: a warp reduce-scatter, one partial per (warp, value) into the
         shared buffer half ``flip`` (double-buffered: one barrier per iteration), then one thread per
-        (slice, column, row) adds the slice's KW partials and writes column n_first + s * NCOL + c."""
+        (column, row) of the slice adds its KW partials and writes column n_first + sl * NCOL + c.
+        The slices share no partials, so each waits on its own named barrier (``bar_sync(sl, ...)``, KW
+        warps) rather than on all the CTA's warps: a slow slice no longer holds the others."""
         r, v_idx, owner = reduce_scatter(acc, lane)
         if owner:
             smem[u32(part + flip + u32(v_idx))] = r
-        cuda.syncthreads()
-        if tid < u32(slices * u32(CM)):                # one thread per (slice, column, row): sum the K-warps
-            s_out = u32(tid // u32(CM))
-            v = u32(tid - s_out * u32(CM))
-            col = u32(v // u32(M))
-            row = u32(v - col * u32(M))
-            n = u32(n_first + s_out * u32(NCOL) + col)
-            p = u32(u32(PART) + flip + s_out * kw * u32(V) + v)
+        bar_sync(sl, u32(kw * u32(WARP)))
+        if slice_tid < u32(CM):                        # one thread per (column, row): sum the K-warps
+            col = u32(slice_tid // u32(M))
+            row = u32(slice_tid - col * u32(M))
+            n = u32(n_first + sl * u32(NCOL) + col)
+            p = u32(u32(PART) + flip + sl * kw * u32(V) + slice_tid)
             p_end = u32(p + kw * u32(V))
             total = np.float32(0.0)
             while p < p_end:
@@ -219,8 +220,9 @@ def make_pair_gemv_kernel(spec):
         nkb = u32(n_kb)
         kw = u32((nkb + u32(WARP - 1)) // u32(WARP))     # K-warps per slice
         slices = u32(u32(cuda.blockDim.x) // u32(u32(WARP) * kw))
-        sl = u32(warp // kw)
+        sl = u32(warp // kw)                             # this warp's slice (and named barrier)
         w = u32(warp - sl * kw)
+        slice_tid = u32(tid - sl * kw * u32(WARP))
         kb = u32(w * u32(WARP) + lane)
         active = kb < nkb
         group_cols = u32(slices * u32(NCOL))
@@ -283,21 +285,21 @@ def make_pair_gemv_kernel(spec):
         while g < n_groups:
             load_columns(packed, absmax, u32(g * group_cols + ahead + col0), kb, last4, nkb, codes_c, absmax_c)
             decode_columns(smem, table, lane_off, codes_a, absmax_a, a, ah, acc)
-            reduce_columns(smem, acc, lane, tid, part, flip, slices, kw, u32(g * group_cols), out, N)
+            reduce_columns(smem, acc, lane, part, flip, sl, kw, slice_tid, u32(g * group_cols), out, N)
             flip = u32(FLIP - flip)
             g = u32(g + grid)
             if g >= n_groups:
                 break
             load_columns(packed, absmax, u32(g * group_cols + ahead + col0), kb, last4, nkb, codes_a, absmax_a)
             decode_columns(smem, table, lane_off, codes_b, absmax_b, a, ah, acc)
-            reduce_columns(smem, acc, lane, tid, part, flip, slices, kw, u32(g * group_cols), out, N)
+            reduce_columns(smem, acc, lane, part, flip, sl, kw, slice_tid, u32(g * group_cols), out, N)
             flip = u32(FLIP - flip)
             g = u32(g + grid)
             if g >= n_groups:
                 break
             load_columns(packed, absmax, u32(g * group_cols + ahead + col0), kb, last4, nkb, codes_b, absmax_b)
             decode_columns(smem, table, lane_off, codes_c, absmax_c, a, ah, acc)
-            reduce_columns(smem, acc, lane, tid, part, flip, slices, kw, u32(g * group_cols), out, N)
+            reduce_columns(smem, acc, lane, part, flip, sl, kw, slice_tid, u32(g * group_cols), out, N)
             flip = u32(FLIP - flip)
             g = u32(g + grid)
 
@@ -392,7 +394,7 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc
         raise ValueError(f"pair gemv with M={M}, cols={spec.cols} fits {max_threads} threads per CTA: K <= "
                          f"{max_threads * BLOCK}, got K={K} (use fewer cols)")
     slices = max(1, min((cta_warps or DEFAULTS["cta_warps"]) // kw, max_threads // (kw * WARP)))
-    slices = min(slices, -(-N // spec.cols))               # no slice without a column
+    slices = min(slices, -(-N // spec.cols), MAX_SLICES)    # no slice without a column; a barrier each
     n_groups = -(-N // (slices * spec.cols))
     shared = TABLE_BYTES + part_bytes(M, spec.cols, slices, kw)
     grid = persistent_grid(n_groups, slices * kw * WARP, regs, shared)

@@ -174,6 +174,45 @@ def test_shared_vector_loads():
                                   np.concatenate([src[8:12], src[2:4], stored, copied4]).astype(np.uint32))
 
 
+# ---- named barriers: two groups of warps, each on its own barrier ----------------------------------
+GROUP_WARPS = 2
+ROUNDS = 3
+
+
+@cuda.jit
+def _named_barrier_kernel(out):
+    """Four warps in two groups of GROUP_WARPS; in each round the group's first warp stalls (a long
+    dependent chain), then writes; the other warp reads what it wrote only after the group's barrier."""
+    sh = cuda.shared.array(128, np.uint32)
+    t = cuda.threadIdx.x
+    warp, lane = t // 32, t % 32
+    group = warp // GROUP_WARPS
+    total = np.uint32(0)
+    for r in range(ROUNDS):
+        if warp % GROUP_WARPS == 0:                 # the writer: slow on purpose
+            x = np.uint32(t + r)
+            for _ in range(2000):
+                x = x * np.uint32(1664525) + np.uint32(1013904223)
+            sh[t] = np.uint32((group + 1) * 1000 + r * 100 + lane) + (x & np.uint32(0))
+        I.bar_sync(np.uint32(group), np.uint32(GROUP_WARPS * 32))
+        if warp % GROUP_WARPS == 1:
+            total += sh[(t - 32) % 128]             # the writer's slot of the same lane
+        I.bar_sync(np.uint32(group), np.uint32(GROUP_WARPS * 32))   # (before the next round's write)
+    out[t] = total
+
+
+@pytest.mark.skipif(PTX_ONLY, reason="runs a kernel")
+def test_named_barriers():
+    """bar_sync(id, n): a group's readers see its writer's stores (PTX on the GPU, the twin here)."""
+    out = cuda.device_array(128, np.uint32)
+    _named_barrier_kernel[1, 128](out)
+    got = out.copy_to_host()
+    t = np.arange(128)
+    group, lane = t // 64, t % 32
+    want = np.where(t // 32 % 2 == 1, sum((group + 1) * 1000 + r * 100 + lane for r in range(ROUNDS)), 0)
+    np.testing.assert_array_equal(got, want.astype(np.uint32))
+
+
 # ---- tensor-core path: cp.async -> ldmatrix -> mma, against NumPy (PTX on the GPU, twins here) -------
 ROW = 12        # staged row of 16 halves padded to 24 (48 bytes: 16-byte aligned ldmatrix rows)
 SH_WORDS = 16 * ROW     # (a shared array shape must be a constant name, not an expression)

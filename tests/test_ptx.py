@@ -51,6 +51,7 @@ def _requirements(name):
     if name.startswith("pair_gemv"):
         k = int(name.split("k=")[1].split()[0])
         must += ["shfl.sync.bfly.b32", "prmt.b32", "cvta.to.shared", "bar.sync"]
+        must += ["bar.sync %r"]                              # each slice's named barrier (ids in registers)
         must += ["st.shared.v4.u32"]                         # the table fill, 16 bytes a store
         if "f16_acc=True" in name:                           # f16x2 pairs (quads: two), one fma per pair
             must += ["fma.rn.f16x2", {4: "ld.shared.u32", 2: "ld.shared.v2.u32"}[k],
@@ -135,7 +136,7 @@ else:
         def test_intrinsics_ptx():
             from numba import types as t
 
-            from test_intrinsics import _alu_kernel, _mem_kernel
+            from test_intrinsics import _alu_kernel, _mem_kernel, _named_barrier_kernel
             u32 = t.uint32[::1]
             ptx, _ = cuda.compile_ptx(_alu_kernel.py_func, (t.int32[::1], u32, u32, t.uint32[:, ::1]), cc=CC)
             for s in ("dp4a.s32.s32", "lop3.b32", "prmt.b32", "shf.r.wrap.b32"):
@@ -145,6 +146,8 @@ else:
             ptx, _ = cuda.compile_ptx(_mem_kernel.py_func, (u32, u32), cc=CC)
             for s in ("ld.global.nc.v4.u32", "ld.global.nc.v2.u32", "st.global.v4.u32"):
                 assert s in ptx, s
+            ptx, _ = cuda.compile_ptx(_named_barrier_kernel.py_func, (u32,), cc=CC)
+            assert "bar.sync %r" in ptx                        # bar_sync: id and count in registers
 
     # On a GPU machine these checks repeat CI's exactly (the same specialisations compiled for the same sm_90,
     # a third of the GPU suite's compile time): they run there with KBIT_PTX=1, and always in CI's children
