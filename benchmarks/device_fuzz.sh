@@ -5,6 +5,8 @@
 # Kernels compiled by earlier runs on the same machine come from the on-disk cache (README: "Compiled kernels").
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null && export PYTHONPATH=/tmp/site:$PWD || exit
 export PYTHONUNBUFFERED=1 KBIT_FUZZ=${KBIT_FUZZ:-2000}
+# the run's kernel variants (tests/helpers.variants): KBIT_FUZZ_SEED=s draws the same ones again
+export KBIT_FUZZ_SEED=${KBIT_FUZZ_SEED:-$RANDOM}; echo "KBIT_FUZZ_SEED=$KBIT_FUZZ_SEED"
 # (BLAS threads are left at NumPy's default: one thread per worker was ~4x slower, tests/README.md)
 log=${OUT:-/tmp}/${LOG:-fuzz}.log
 export KBIT_FAILURE_LOG=${OUT:-/tmp}/${LOG:-fuzz}_failures.log   # failures as they happen (tests/conftest.py)

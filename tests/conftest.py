@@ -57,6 +57,21 @@ if PTX_ONLY and not cuda.is_available():
 import kbit_numba  # noqa: E402,F401  (installs the simulator's warp primitives)
 
 
+def pytest_runtest_setup(item):
+    """A GPU fuzz run: tell ``helpers.variants`` which part (kernel variant) of its property this test is."""
+    if os.environ.get("KBIT_FUZZ"):
+        import helpers
+        indices = getattr(getattr(item, "callspec", None), "indices", {})
+        helpers.FUZZ_PART[0] = next((i for name, i in indices.items() if name.endswith("_split")), 0)
+
+
+def pytest_report_header(config):
+    if os.environ.get("KBIT_FUZZ"):
+        from helpers import FUZZ_PARTS, FUZZ_SEED
+        return (f"KBIT_FUZZ={os.environ['KBIT_FUZZ']}: kernel variants of KBIT_FUZZ_SEED={FUZZ_SEED} (the defaults and "
+                f"{FUZZ_PARTS - 1} one-offs a property, a test each; helpers.variants)")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "fuzz: a hypothesis property (every one is marked; KBIT_FUZZ=N sets its "
                                        "examples: tests/README.md)")

@@ -11,7 +11,7 @@ SIM = kbit_numba.SIMULATOR
 PTX_ONLY = os.environ.get("KBIT_NUMBA_PTX_ONLY") == "1"
 # The simulator runs one Python thread per CUDA thread: keep its problems to a few blocks.
 # On the GPU every new specialisation costs seconds of compilation: examples stay modest there too.
-EXAMPLES = 6 if SIM else 12
+EXAMPLES = 10 if SIM else 12
 # The fuzz run (tests/README.md): KBIT_FUZZ=N runs N examples per kernel family (FUZZ_FAMILIES; conftest.py shares
 # them among the family's properties), and on the GPU lets the shape strategies reach large sizes.
 FUZZ = int(os.environ.get("KBIT_FUZZ", "0") or 0)
@@ -58,9 +58,13 @@ SIM_EXPLICIT_ONLY = dict(phases=(Phase.explicit,)) if SIM else {}
 def gpu_split(names, values):
     """On the GPU, one test per value of ``names`` (a parameter the property would otherwise draw), each with
     ``gpu_examples`` draws: every draw there may compile a kernel specialisation (seconds), and pytest-xdist
-    runs the split tests on separate cores. On the simulator one test draws it (the values are ``None``)."""
-    if SIM:
-        values = [None if "," not in names else (None,) * len(names.split(","))]
+    runs the split tests on separate cores. On the simulator one test draws it (the values are ``None``); in a GPU
+    fuzz run FUZZ_PARTS tests draw it, one per kernel variant (:func:`variants`)."""
+    n = len(names.split(","))
+    if SIM or FUZZ:
+        none = None if n == 1 else (None,) * n
+        parts = 1 if SIM else FUZZ_PARTS
+        return pytest.mark.parametrize(names, [none] * parts, ids=[f"part{i}" for i in range(parts)])
     return pytest.mark.parametrize(names, values)
 
 
@@ -88,13 +92,37 @@ def sizes(default_max, fuzz_max):
     return st.one_of(*[small] * 7, st.integers(1, fuzz_max))
 
 
-def variant(*values):
-    """One of ``values`` (a kernel-variant choice: a type, a tuning, M). In a GPU fuzz run the first is drawn 7 times
-    in 8, so that most examples reuse a compiled specialisation and the run's time goes to examples, not to
-    compiling (each new variant costs seconds); the others are still drawn."""
+# A GPU fuzz run's kernel variants. Every drawn combination of a kernel's compile-time choices (k, M, types,
+# tuning) is a specialisation to compile: 20-170 s each with 16 compiles at once, against ~20 ms for an example
+# that reuses one (tests/README.md). So in a fuzz run a property draws FUZZ_PARTS combinations: the defaults (the
+# first value of each choice) and FUZZ_PARTS - 1 that change one choice each, picked per property by the run's
+# seed (KBIT_FUZZ_SEED, printed in the header: another seed, other variants); each in a test of its own
+# (``gpu_split`` makes FUZZ_PARTS tests; conftest.py tells ``variants`` which one runs), so that every test
+# compiles one kernel and xdist spreads them. Every value of every choice is drawn over runs; shapes and data in
+# every run. Outside a fuzz run every combination is drawn.
+FUZZ_PARTS = int(os.environ.get("KBIT_FUZZ_VARIANTS", "3")) + 1
+FUZZ_SEED = os.environ.get("KBIT_FUZZ_SEED") or os.environ.get("PYTEST_XDIST_TESTRUNUID", "")[:8] or "0"
+FUZZ_PART = [0]                   # the running test's part (set by conftest.py before each test)
+
+
+def one_off_variants(choices, n, seed):
+    """The defaults (first values) of ``choices`` and ``n`` combinations, picked by ``seed``, that change one
+    choice each."""
+    import random
+    default = tuple(c[0] for c in choices)
+    one_offs = [default[:i] + (v,) + default[i + 1:] for i, c in enumerate(choices) for v in c[1:]]
+    return [default] + random.Random(f"{seed}:{choices!r}").sample(one_offs, min(n, len(one_offs)))
+
+
+def variants(*choices):
+    """A tuple: one value of each of ``choices`` (sequences; the first value of each is the kernel's default).
+    Every combination may be drawn, except in a GPU fuzz run: there the running part's combination of
+    :func:`one_off_variants` (see FUZZ_PARTS above)."""
+    choices = tuple(tuple(c) for c in choices)
     if not FUZZ or SIM:
-        return st.sampled_from(values)
-    return st.one_of(*[st.just(values[0])] * 7, st.sampled_from(values))
+        return st.tuples(*(st.sampled_from(c) for c in choices))
+    table = one_off_variants(choices, FUZZ_PARTS - 1, FUZZ_SEED)
+    return st.builds(lambda: table[FUZZ_PART[0] % len(table)])
 
 
 # Weights that stress the format: blocks of zeros, one huge element per block (the rest round to the

@@ -7,8 +7,8 @@ from numba import cuda
 import kbit_numba as kb
 from kbit_numba import tensor_gemm as G
 from kbit_numba import reference as ref
-from helpers import (assert_within, EXAMPLES, gpu_examples, gpu_split, kbit_weight, ks, Out, out_modes, pick,
-                     random_weight, seeds, SIM, SIM_EXPLICIT_ONLY, sizes, variant, weight_kinds)
+from helpers import (assert_within, EXAMPLES, gpu_examples, gpu_split, kbit_weight, Out, out_modes, pick,
+                     random_weight, seeds, SIM, SIM_EXPLICIT_ONLY, sizes, variants, weight_kinds)
 
 # The simulator runs 128 Python threads per CTA and meets them at every ldmatrix/mma: keep it to a few
 # CTAs (the split-K test covers every m-tile size there). The GPU goes past 16 and 32 rows (every m-tile
@@ -62,9 +62,10 @@ def _weights(rng, k, n_tiles, K, fmt="e4m4"):
 
 @gpu_split("k_split", [2, 3, 4, 5])
 @settings(max_examples=EXAMPLES if SIM else gpu_examples(EXAMPLES * 2, 4))
-@given(seeds, ks, st.integers(1, MAX_M), sizes(MAX_NT, 156), sizes(MAX_KB, 512), variant("e4m4", "fp32"),
-       variant(np.float16, np.float32), variant(None, 1, 2), weight_kinds, out_modes)
-def test_gemm(k_split, seed, k, M, n_tiles, kbn, fmt, out_dtype, split, kind, out_mode):
+@given(seeds, variants((4, 2, 3, 5), ("e4m4", "fp32"), (np.float16, np.float32), (None, 1, 2)), st.integers(1, MAX_M),
+       sizes(MAX_NT, 156), sizes(MAX_KB, 512), weight_kinds, out_modes)
+def test_gemm(k_split, seed, v, M, n_tiles, kbn, kind, out_mode):
+    k, fmt, out_dtype, split = v               # (M picks one of three row tilings: not a variant of its own)
     k = k_split or k
     rng = np.random.default_rng(seed)
     K, N = 32 * kbn, 128 * n_tiles
@@ -76,10 +77,13 @@ def test_gemm(k_split, seed, k, M, n_tiles, kbn, fmt, out_dtype, split, kind, ou
     check_gemm(o.host(out), A, pool, out_dtype=out_dtype, rows=rows)
 
 
-@settings(max_examples=EXAMPLES // 2 if SIM else EXAMPLES)
-@given(seeds, ks, st.integers(1, MAX_M), st.integers(1, MAX_KB), st.sampled_from(["float32", "bfloat16"]))
-def test_gemm_other_activation_types(seed, k, M, kbn, a_dtype):
+@gpu_split("a_split", ["float32", "bfloat16"])
+@settings(max_examples=EXAMPLES if SIM else gpu_examples(EXAMPLES, 2))
+@given(seeds, variants((4, 2, 3, 5), ("float32", "bfloat16")), st.integers(1, MAX_M), st.integers(1, MAX_KB))
+def test_gemm_other_activation_types(a_split, seed, v, M, kbn):
     """float32 A (converted to fp16 first) and bfloat16 A (bf16 MMAs)."""
+    k, a_dtype = v
+    a_dtype = a_split or a_dtype
     rng = np.random.default_rng(seed)
     K = 32 * kbn
     flat, tiled = _weights(rng, k, 1, K)
@@ -141,12 +145,13 @@ def test_gemm_several_column_and_row_tiles():
 MAX_N_CODES = 140 if SIM else 600
 
 
+@gpu_split("k_split", [2, 4])
 @settings(max_examples=EXAMPLES if SIM else gpu_examples(EXAMPLES * 2, 2))
-@given(seeds, st.sampled_from([2, 4]), st.integers(1, MAX_M), st.integers(1, MAX_N_CODES),
-       st.integers(1, MAX_KB // 2 + 1), variant("e4m4", "fp32"),
-       variant("float16", "float32", "bfloat16"), variant(np.float16, np.float32),
-       variant(None, 1, 2))
-def test_gemm_code_layout(seed, k, M, N, k64, fmt, a_type, out_dtype, split):
+@given(seeds, variants((4, 2), ("e4m4", "fp32"), ("float16", "float32", "bfloat16"), (np.float16, np.float32), (None, 1, 2)),
+       st.integers(1, MAX_M), st.integers(1, MAX_N_CODES), st.integers(1, MAX_KB // 2 + 1))
+def test_gemm_code_layout(k_split, seed, v, M, N, k64):
+    k, fmt, a_type, out_dtype, split = v
+    k = k_split or k
     rng = np.random.default_rng(seed)
     K = 64 * k64
     flat = ref.quantize(random_weight(rng, N, K), k=k, absmax_format=fmt)
@@ -221,18 +226,18 @@ def _tiled_experts(rng, E, K, k, N=128):
 
 
 @gpu_split("k_split", [2, 3, 4, 5])
-@settings(max_examples=gpu_examples(max(4, EXAMPLES // 2), 4), **SIM_EXPLICIT_ONLY)
-@given(seeds, ks, st.lists(st.integers(0, 70), min_size=1, max_size=8), st.integers(1, MAX_NT),
-       st.integers(1, 4 if SIM else MAX_KB), variant(None, 1, 2), st.booleans(),
-       variant(np.float16, np.float32), out_modes)
-@example(seed=0, k=4, counts=[5, 0, 18], n_tiles=1, kbn=4, split=1, on_device=False, out_dtype=np.float32,
+@settings(max_examples=gpu_examples(EXAMPLES if SIM else max(4, EXAMPLES // 2), 4), **SIM_EXPLICIT_ONLY)
+@given(seeds, variants((4, 2, 3, 5), (None, 1, 2), (np.float16, np.float32)),
+       st.lists(st.integers(0, 70), min_size=1, max_size=8), st.integers(1, MAX_NT), st.integers(1, 4 if SIM else MAX_KB),
+       st.booleans(), out_modes)
+@example(seed=0, v=(4, 1, np.float32), counts=[5, 0, 18], n_tiles=1, kbn=4, on_device=False,   # v: k, split, out
          out_mode="new")
-@example(seed=1, k=3, counts=[0, 3, 1, 0], n_tiles=1, kbn=3, split=2, on_device=True, out_dtype=np.float16,
-         out_mode="view_stream")
-def test_grouped_gemm(k_split, seed, k, counts, n_tiles, kbn, split, on_device, out_dtype, out_mode):
+@example(seed=1, v=(3, 2, np.float16), counts=[0, 3, 1, 0], n_tiles=1, kbn=3, on_device=True, out_mode="view_stream")
+def test_grouped_gemm(k_split, seed, v, counts, n_tiles, kbn, on_device, out_mode):
     """Experts with 0..70 tokens (several row tiles for some, empty experts) in one launch; the offsets on the
     host or the device; split-K or not; a fresh output or a view, another stream. (The simulator runs the
     two examples: 128 simulated threads a CTA.)"""
+    k, split, out_dtype = v
     k = k_split or k
     rng = np.random.default_rng(seed)
     K, N = 32 * kbn, 128 * n_tiles

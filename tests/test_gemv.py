@@ -7,7 +7,7 @@ from numba import cuda
 import kbit_numba as kb
 from kbit_numba import reference as ref
 from helpers import (assert_within, EXAMPLES, gpu_examples, gpu_split, kbit_weight, MAX_KB_TILED, MAX_TILES, Out,
-                     out_modes, pick, SIM, SIM_EXPLICIT_ONLY, ks, random_weight, seeds, sizes, variant, weight_kinds)
+                     out_modes, pick, SIM, SIM_EXPLICIT_ONLY, random_weight, seeds, sizes, variants, weight_kinds)
 
 MAX_N = 12 if SIM else 700
 KS = [2, 3, 4, 5]                 # (on the GPU the long properties run once per k: helpers.gpu_split)
@@ -38,10 +38,10 @@ def _activations(rng, M, K, a_dtype, one_d=False):
 
 @gpu_split("k_split", KS)
 @settings(max_examples=gpu_examples(EXAMPLES * 2, len(KS)))
-@given(seeds, ks, variant(1, 2, 3, 4), sizes(MAX_N, 20000), sizes(MAX_KB, 512),
-       variant("e4m4", "fp32"), variant("float16", "float32", "bfloat16"),
-       variant(np.float16, np.float32), weight_kinds, out_modes)
-def test_gemv_flat(k_split, seed, k, M, N, kbn, fmt, a_dtype, out_dtype, kind, out_mode):
+@given(seeds, variants((4, 2, 3, 5), (1, 2, 3, 4), ("e4m4", "fp32"), ("float16", "float32", "bfloat16"),
+                (np.float16, np.float32)), sizes(MAX_N, 20000), sizes(MAX_KB, 512), weight_kinds, out_modes)
+def test_gemv_flat(k_split, seed, v, N, kbn, kind, out_mode):
+    k, M, fmt, a_dtype, out_dtype = v
     k = k_split or k
     rng = np.random.default_rng(seed)
     K = 32 * kbn
@@ -56,11 +56,12 @@ def test_gemv_flat(k_split, seed, k, M, N, kbn, fmt, a_dtype, out_dtype, kind, o
 
 @gpu_split("k_split", KS)
 @settings(max_examples=gpu_examples(EXAMPLES, len(KS)), **SIM_EXPLICIT_ONLY)
-@given(seeds, ks, st.integers(1, 4), st.integers(1, MAX_TILES), st.integers(1, MAX_KB_TILED if SIM else MAX_KB),
-       st.sampled_from(["e4m4", "fp32"]))
-@example(seed=1, k=3, M=4, ntiles=1, kbn=3, fmt="e4m4")    # K = 96: a padded K tile
-@example(seed=2, k=5, M=1, ntiles=1, kbn=2, fmt="fp32")
-def test_gemv_tiled(k_split, seed, k, M, ntiles, kbn, fmt):
+@given(seeds, variants((4, 2, 3, 5), (1, 2, 3, 4), ("e4m4", "fp32")), st.integers(1, MAX_TILES),
+       st.integers(1, MAX_KB_TILED if SIM else MAX_KB))
+@example(seed=1, v=(3, 4, "e4m4"), ntiles=1, kbn=3)    # (k, M, absmax format); K = 96: a padded K tile
+@example(seed=2, v=(5, 1, "fp32"), ntiles=1, kbn=2)
+def test_gemv_tiled(k_split, seed, v, ntiles, kbn):
+    k, M, fmt = v
     k = k_split or k
     rng = np.random.default_rng(seed)
     K = 32 * kbn
@@ -193,12 +194,14 @@ def _experts(rng, E, N, K, k, layout="flat"):
 
 @gpu_split("k_split", KS)
 # (each (k, max tokens, dtype) is a new compilation)
-@settings(max_examples=gpu_examples(max(4, EXAMPLES // 2), len(KS)))
-@given(seeds, ks, st.lists(st.integers(0, 4), min_size=1, max_size=4 if SIM else 16), sizes(10, 4096),
-       st.integers(1, MAX_KB // 2 + 1), variant(np.float16, np.float32), out_modes)
-def test_grouped_gemv(k_split, seed, k, counts, N, kbn, out_dtype, out_mode):
+@settings(max_examples=gpu_examples(EXAMPLES if SIM else max(4, EXAMPLES // 2), len(KS)))
+@given(seeds, variants((4, 2, 3, 5), (np.float16, np.float32)),
+       st.lists(st.integers(0, 4), min_size=1, max_size=4 if SIM else 16), sizes(10, 4096),
+       st.integers(1, MAX_KB // 2 + 1), out_modes)
+def test_grouped_gemv(k_split, seed, v, counts, N, kbn, out_mode):
     """Tokens routed to experts (0..4 each, empty experts included) in one launch, into a fresh output or a
     view, on the default stream or another."""
+    k, out_dtype = v
     k = k_split or k
     rng = np.random.default_rng(seed)
     K = 32 * kbn

@@ -8,8 +8,8 @@ import kbit_numba as kb
 from kbit_numba import dispatch as L
 from kbit_numba import reference as ref
 from kbit_numba.formats import CODES_K
-from helpers import (EXAMPLES, gpu_examples, gpu_split, kbit_weight, ks, Out, out_modes, random_weight, seeds, SIM, sizes,
-                     variant)
+from helpers import (EXAMPLES, FUZZ, gpu_examples, gpu_split, kbit_weight, Out, out_modes, random_weight, seeds, SIM,
+                     sizes, variants)
 from test_gemm import check_close
 from test_gemv import _activations
 
@@ -65,18 +65,22 @@ def test_linear_any_m(M):
 
 
 LAYOUTS = ("auto", "tiled", "codes", "keep_flat")
+# M picks the kernel and, for the gemvs, its specialisation: a GPU fuzz run draws it as a variant (helpers.variants)
+# from every route of the dispatch table and both sides of each bound; other runs draw any M (sizes below).
+FUZZ_M = (1, 2, 3, 5, 8, 9, 17, 64, 200, 512) if FUZZ and not SIM else (None,)
 
 
 @gpu_split("k_split", [2, 3, 4, 5])
 @settings(max_examples=gpu_examples(EXAMPLES, 4))
-@given(seeds, ks, sizes(6 if SIM else 64, 512), sizes(12 if SIM else 700, 20000), sizes(4 if SIM else 70, 512),
-       variant("e4m4", "fp32"), variant(*LAYOUTS), variant("float16", "float32", "bfloat16"),
-       variant(np.float16, np.float32), out_modes)
-def test_kbit_linear_any_shape(k_split, seed, k, M, N, kbn, fmt, layout, a_dtype, out_dtype, out_mode):
+@given(seeds, variants(FUZZ_M, (4, 2, 3, 5), ("e4m4", "fp32"), LAYOUTS, ("float16", "float32", "bfloat16"),
+                (np.float16, np.float32)),
+       sizes(6 if SIM else 64, 512), sizes(12 if SIM else 700, 20000), sizes(4 if SIM else 70, 512), out_modes)
+def test_kbit_linear_any_shape(k_split, seed, v, M, N, kbn, out_mode):
     """KbitLinear as a user builds and calls it, whatever kernel the table picks for the drawn M and shape (the
     gemvs, the tensor-core gemv and gemm, dequantize + cuBLAS): every layout choice, activation and output type,
     into a fresh output or a preallocated view, on the default stream or another."""
-    k = k_split or k
+    fuzz_m, k, fmt, layout, a_dtype, out_dtype = v
+    M, k = fuzz_m or M, k_split or k
     rng = np.random.default_rng(seed)
     K = 32 * kbn
     layout = "auto" if layout == "codes" and k not in CODES_K else layout

@@ -8,7 +8,7 @@ import kbit_numba as kb
 from kbit_numba import mma_gemv, pair_gemv, reference as ref
 from kbit_numba.formats import CODES_K
 from helpers import (EXAMPLES, SIM, gpu_examples, gpu_split, kbit_weight, Out, out_modes, random_weight, seeds, sizes,
-                     weight_kinds, variant)
+                     weight_kinds, variants)
 from test_gemm import check_gemm
 from test_gemv import _activations
 
@@ -21,9 +21,10 @@ SPLIT = [(k, a) for k in CODES_K for a in ("float16", "bfloat16")]
 
 @gpu_split("k_split, a_split", SPLIT)
 @settings(max_examples=gpu_examples(EXAMPLES * 2, len(SPLIT)))
-@given(seeds, st.sampled_from(CODES_K), variant(*range(1, 9)), sizes(MAX_N, 20000), KB2, variant("e4m4", "fp32"),
-       st.sampled_from(["float16", "bfloat16"]), variant(np.float16, np.float32), weight_kinds, out_modes)
-def test_mma_gemv(k_split, a_split, seed, k, M, N, kb2, fmt, a_dtype, out_dtype, kind, out_mode):
+@given(seeds, variants((4, 2), range(1, 9), ("e4m4", "fp32"), ("float16", "bfloat16"), (np.float16, np.float32)),
+       sizes(MAX_N, 20000), KB2, weight_kinds, out_modes)
+def test_mma_gemv(k_split, a_split, seed, v, N, kb2, kind, out_mode):
+    k, M, fmt, a_dtype, out_dtype = v
     k, a_dtype = k_split or k, a_split or a_dtype
     rng = np.random.default_rng(seed)
     K = 64 * kb2
@@ -57,12 +58,13 @@ def test_mma_gemv_vector_input_out_buffer_prepare_and_pdl():
 
 
 @gpu_split("k_split", CODES_K)
-@settings(max_examples=gpu_examples(max(4, EXAMPLES // 2), len(CODES_K)))
-@given(seeds, st.sampled_from(CODES_K), st.lists(st.integers(0, 8), min_size=1, max_size=5), st.integers(1, 40),
-       variant(1, 5), variant(np.float16, np.float32), out_modes)
-def test_mma_gemv_grouped(k_split, seed, k, counts, N, kb2, out_dtype, out_mode):
+@settings(max_examples=gpu_examples(EXAMPLES if SIM else max(4, EXAMPLES // 2), len(CODES_K)))
+@given(seeds, variants((4, 2), (np.float16, np.float32)), st.lists(st.integers(0, 8), min_size=1, max_size=5),
+       st.integers(1, 40), st.sampled_from([1, 5]), out_modes)
+def test_mma_gemv_grouped(k_split, seed, v, counts, N, kb2, out_mode):
     """MoE experts (0..8 rows each, empty experts included; T < E draws take one grid slot per row, T >= E one
     per expert) against reference.gemm per expert."""
+    k, out_dtype = v
     k = k_split or k
     rng = np.random.default_rng(seed)
     K = 64 * kb2

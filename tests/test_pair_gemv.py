@@ -7,10 +7,9 @@ from numba import cuda
 from kbit_numba import device, pair_gemv, reference as ref
 from kbit_numba.formats import CODES_K, KbitCodes
 from helpers import (EXAMPLES, SIM, assert_within, gpu_examples, gpu_split, kbit_weight, Out, out_modes, pick,
-                     random_weight, seeds, sizes, weight_kinds, variant)
+                     random_weight, seeds, sizes, weight_kinds, variants)
 from test_gemv import _activations, check_close
 
-codes_ks = st.sampled_from(CODES_K)
 MAX_N = 12 if SIM else 700
 # K = 32 * kb: past 1024 (two K-warps) on the simulator too, up to several warps on the GPU
 KBS = st.sampled_from([1, 3, 33]) if SIM else sizes(140, 512)      # (the fuzz run: K up to 16384)
@@ -50,10 +49,10 @@ SPLIT3 = [(k, fmt, a) for k, fmt in SPLIT for a in ("float16", "float32", "bfloa
 
 @gpu_split("k_split, fmt_split, a_split", SPLIT3)
 @settings(max_examples=gpu_examples(EXAMPLES * 2, len(SPLIT3)))
-@given(seeds, codes_ks, variant(1, 2, 3, 4), sizes(MAX_N, 20000), KBS, st.sampled_from(["e4m4", "fp32"]),
-       st.sampled_from(["float16", "float32", "bfloat16"]), variant(np.float16, np.float32),
-       variant(4, 1, 2, 8), weight_kinds, out_modes)
-def test_pair_gemv(k_split, fmt_split, a_split, seed, k, M, N, kbn, fmt, a_dtype, out_dtype, cols, kind, out_mode):
+@given(seeds, variants((4, 2), (1, 2, 3, 4), ("e4m4", "fp32"), ("float16", "float32", "bfloat16"), (np.float16, np.float32),
+                (4, 1, 2, 8)), sizes(MAX_N, 20000), KBS, weight_kinds, out_modes)
+def test_pair_gemv(k_split, fmt_split, a_split, seed, v, N, kbn, kind, out_mode):
+    k, M, fmt, a_dtype, out_dtype, cols = v
     k, fmt, a_dtype = k_split or k, fmt_split or fmt, a_split or a_dtype
     rng = np.random.default_rng(seed)
     K = 32 * kbn
@@ -97,11 +96,11 @@ def check_close_f16_acc(got, A, qw, out_dtype, rows=None):
 
 @gpu_split("k_split, fmt_split", SPLIT)     # (cols' other values: test_pair_gemv)
 @settings(max_examples=gpu_examples(EXAMPLES, len(SPLIT)))
-@given(seeds, codes_ks, variant(1, 2, 3, 4), sizes(MAX_N, 20000), KBS, st.sampled_from(["e4m4", "fp32"]),
-       variant(np.float16, np.float32), variant(4, 2),
+@given(seeds, variants((4, 2), (1, 2, 3, 4), ("e4m4", "fp32"), (np.float16, np.float32), (4, 2)), sizes(MAX_N, 20000), KBS,
        st.sampled_from([1.0, 1e-3, 300.0]))
-def test_pair_gemv_f16_acc(k_split, fmt_split, seed, k, M, N, kbn, fmt, out_dtype, cols, a_scale):
+def test_pair_gemv_f16_acc(k_split, fmt_split, seed, v, N, kbn, a_scale):
     """The float16-accumulating variant within its stated bound, small and large activations too."""
+    k, M, fmt, out_dtype, cols = v
     k, fmt = k_split or k, fmt_split or fmt
     rng = np.random.default_rng(seed)
     K = 32 * kbn

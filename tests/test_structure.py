@@ -182,3 +182,33 @@ def test_every_property_is_in_a_fuzz_family():
     listed = [p for ps in FUZZ_FAMILIES.values() for p in ps]
     assert len(listed) == len(set(listed))
     assert found == set(listed)
+
+
+def test_fuzz_variants_are_the_defaults_and_one_offs():
+    """A GPU fuzz run's kernel variants (helpers.variants): the defaults, then n distinct combinations that each
+    change one choice, the same for the same seed, and all one-offs over enough seeds."""
+    from helpers import one_off_variants
+    choices = ((4, 2), (1, 2, 3, 4), ("e4m4", "fp32"))
+    got = one_off_variants(choices, 3, "s1")
+    assert got[0] == (4, 1, "e4m4") and len(set(got)) == 4
+    for v in got[1:]:
+        assert sum(a != b for a, b in zip(v, got[0])) == 1
+    assert got == one_off_variants(choices, 3, "s1")
+    seen = {v for seed in range(50) for v in one_off_variants(choices, 3, seed)[1:]}
+    assert len(seen) == 1 + 3 + 1                       # every one-off: k = 2, M = 2..4, fp32 absmax
+    assert one_off_variants(choices, 99, "s")[1:] and len(one_off_variants(choices, 99, "s")) == 6
+
+
+def test_fuzz_part_draws_its_variant(monkeypatch):
+    """In a GPU fuzz run each part (test) of a property draws exactly its combination of one_off_variants."""
+    from hypothesis import find
+    import helpers
+    monkeypatch.setattr(helpers, "FUZZ", 100)
+    monkeypatch.setattr(helpers, "SIM", False)
+    choices = ((4, 2), (1, 2, 3, 4), ("e4m4", "fp32"))
+    table = helpers.one_off_variants(choices, helpers.FUZZ_PARTS - 1, helpers.FUZZ_SEED)
+    monkeypatch.setattr(helpers, "FUZZ_PART", [0])
+    strategy = helpers.variants(*choices)
+    for part in range(helpers.FUZZ_PARTS):
+        helpers.FUZZ_PART[0] = part
+        assert find(strategy, lambda v: True) == table[part]

@@ -9,7 +9,7 @@ from numba import cuda
 from kbit_numba import act_quant, reference as ref, uniform
 from kbit_numba.formats import UNIFORM_BITS
 from helpers import (EXAMPLES, SIM, adversarial_weight, assert_within, gpu_examples, gpu_split, Out, out_modes, seeds,
-                     sizes, variant, weight_kinds, weight_rows)
+                     sizes, variants, weight_kinds, weight_rows)
 
 MAX_N = 5 if SIM else 300
 MAX_KB = 10 if SIM else 140        # K = 32 * kb: 3-bit chunks of 320 padded, several K-warps on the GPU
@@ -43,10 +43,11 @@ def test_pack_roundtrip_and_quantizer_error(seed, bits, N, kbn, gsel):
 
 @gpu_split("bits_split", UNIFORM_BITS)
 @settings(max_examples=gpu_examples(EXAMPLES * 2, len(UNIFORM_BITS)))
-@given(seeds, bits_st, variant(1, 2, 3, 4), sizes(MAX_N, 20000), sizes(MAX_KB, 512), variant(0, 1, 2, 3),
-       variant(False, True), variant("float16", "float32", "bfloat16"), variant(np.float16, np.float32),
-       weight_kinds, out_modes)
-def test_uniform_gemv(bits_split, seed, bits, M, N, kbn, gsel, int8, a_dtype, out_dtype, kind, out_mode):
+@given(seeds, variants(sorted(UNIFORM_BITS, key=lambda b: b != 4), (1, 2, 3, 4), (0, 1, 2, 3), (False, True),
+                ("float16", "float32", "bfloat16"), (np.float16, np.float32)),
+       sizes(MAX_N, 20000), sizes(MAX_KB, 512), weight_kinds, out_modes)
+def test_uniform_gemv(bits_split, seed, v, N, kbn, kind, out_mode):
+    bits, M, gsel, int8, a_dtype, out_dtype = v   # (gsel: the group size, one of those dividing K)
     bits = bits_split or bits
     rng = np.random.default_rng(seed)
     K, G = _case(seed, bits, kbn, gsel)
