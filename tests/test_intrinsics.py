@@ -180,9 +180,10 @@ ROUNDS = 3
 
 
 @cuda.jit
-def _named_barrier_kernel(out):
+def _named_barrier_kernel(out, zero):
     """Four warps in two groups of GROUP_WARPS; in each round the group's first warp stalls (a long
-    dependent chain), then writes; the other warp reads what it wrote only after the group's barrier."""
+    dependent chain, kept by ``zero[0]``, 0 at run time, which the compiler cannot fold), then writes; the other
+    warp reads what it wrote only after the group's barrier."""
     sh = cuda.shared.array(128, np.uint32)
     t = cuda.threadIdx.x
     warp, lane = t // 32, t % 32
@@ -192,8 +193,8 @@ def _named_barrier_kernel(out):
         if warp % GROUP_WARPS == 0:                 # the writer: slow on purpose
             x = np.uint32(t + r)
             for _ in range(2000):
-                x = x * np.uint32(1664525) + np.uint32(1013904223)
-            sh[t] = np.uint32((group + 1) * 1000 + r * 100 + lane) + (x & np.uint32(0))
+                x = (x * np.uint32(5) + np.uint32(1)) & np.uint32(0xFFFF)
+            sh[t] = np.uint32((group + 1) * 1000 + r * 100 + lane) + (x & zero[0])
         I.bar_sync(np.uint32(group), np.uint32(GROUP_WARPS * 32))
         if warp % GROUP_WARPS == 1:
             total += sh[(t - 32) % 128]             # the writer's slot of the same lane
@@ -205,7 +206,7 @@ def _named_barrier_kernel(out):
 def test_named_barriers():
     """bar_sync(id, n): a group's readers see its writer's stores (PTX on the GPU, the twin here)."""
     out = cuda.device_array(128, np.uint32)
-    _named_barrier_kernel[1, 128](out)
+    _named_barrier_kernel[1, 128](out, cuda.to_device(np.zeros(1, np.uint32)))
     got = out.copy_to_host()
     t = np.arange(128)
     group, lane = t // 64, t % 32

@@ -146,7 +146,7 @@ else:
             ptx, _ = cuda.compile_ptx(_mem_kernel.py_func, (u32, u32), cc=CC)
             for s in ("ld.global.nc.v4.u32", "ld.global.nc.v2.u32", "st.global.v4.u32"):
                 assert s in ptx, s
-            ptx, _ = cuda.compile_ptx(_named_barrier_kernel.py_func, (u32,), cc=CC)
+            ptx, _ = cuda.compile_ptx(_named_barrier_kernel.py_func, (u32, u32), cc=CC)
             assert "bar.sync %r" in ptx                        # bar_sync: id and count in registers
 
     # On a GPU machine these checks repeat CI's exactly (the same specialisations compiled for the same sm_90,
