@@ -26,7 +26,9 @@ gemv's float16-activation arithmetic for kbit K, with float32 and with float16 (
 ``kbitK_gptq`` (with ``_mse``: a searched block scale; ``_cb``: the layer's fitted codebook, ``calibrate.fit_codebook``;
 ``_act``: columns in activation order; ``_seq``: sequential
 calibration) quantize through ``kbit_numba.calibrate.quantize_gptq`` (GPTQ-style error feedback into the same kbit
-bytes), cross-calibrated on the two halves of the sentences (``gptq_two_fold``).
+bytes), cross-calibrated on the two halves of the sentences (``gptq_two_fold``); ``--calibration two-fold+text`` adds
+the 264 sentences of ``data/calibration_sentences.txt``, written for calibration, to each half (``text``: those
+alone).
 
 Nothing but NumPy and kbit_numba is needed: the safetensors reader and the BERT tokenizer (lower-casing,
 accent stripping, punctuation split, greedy longest-match WordPiece) are written below.
@@ -46,6 +48,9 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SENTENCES = os.path.join(HERE, "data", "fidelity_sentences.txt")
+# Sentences written for GPTQ's calibration in the same everyday style, none too close to an evaluation sentence
+# (word-set Jaccard < 0.6 with every one): ``--calibration``
+CALIBRATION = os.path.join(HERE, "data", "calibration_sentences.txt")
 HEADS = 12
 MAX_TOKENS = 128
 LINEARS = ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
@@ -265,34 +270,49 @@ def kbit_gptq(W, k, H, damp=0.1, scale_search=False, act_order=False, fit=False)
     return ref.dequantize(qw), qw.nbytes
 
 
-def gptq_two_fold(p, ids, mask, names, k, damp=0.1, scale_search=False, act_order=False, sequential=False, fit=False):
+def gptq_weights(p, ids, mask, names, k, damp=0.1, scale_search=False, act_order=False, sequential=False, fit=False):
+    """Every linear quantized by kbit_gptq with its Hessian over the real tokens of the sentences (ids, mask): the
+    float32 model's inputs, or with ``sequential`` those of the model whose earlier linears are already quantized
+    (GPTQ's order: each layer corrects for the error before it). Returns ({name: dequantized W}, bytes)."""
+    weights, sizes, H = {}, {}, {}
+    keep = mask.reshape(-1) > 0
+
+    def quantize(name):
+        weights[name], sizes[name] = kbit_gptq(p[name + ".weight"], k, H[name], damp, scale_search, act_order, fit)
+
+    def record(name, x):
+        X = x.reshape(-1, x.shape[-1])[keep].astype(np.float64)
+        H[name] = X.T @ X
+        if sequential:                  # quantize it now: the linears after it see its output
+            quantize(name)
+        return linear_with(p, weights)(name, x)
+    embed(p, ids, mask, record)
+    for n in names:
+        if n not in weights:
+            quantize(n)
+    return weights, sum(sizes.values())
+
+
+def stack_tokens(a, b):
+    """Two (ids, mask) batches as one, padded to the longer length."""
+    L = max(a[0].shape[1], b[0].shape[1])
+    pad = lambda x: np.pad(x, ((0, 0), (0, L - x.shape[1])))
+    return np.concatenate([pad(a[0]), pad(b[0])]), np.concatenate([pad(a[1]), pad(b[1])])
+
+
+def gptq_two_fold(p, ids, mask, names, k, damp=0.1, scale_search=False, act_order=False, sequential=False, fit=False,
+                  extra=None):
     """kbit k with GPTQ, cross-calibrated: the sentences are split in two halves (even, odd); each half is
-    embedded with weights whose Hessians came from the other half only (each linear's inputs over the real
-    tokens). The inputs are the float32 model's, or with ``sequential`` those of the model whose earlier linears
-    are already quantized (GPTQ's order: each layer corrects for the error before it). Returns (embeddings in
-    the sentences' order, dequantized weights of the first fold, bytes)."""
+    embedded with weights whose Hessians came from the other half only (:func:`gptq_weights`), and from ``extra``
+    (ids, mask) if given: sentences written for calibration (CALIBRATION). Returns (embeddings in the sentences'
+    order, dequantized weights of the first fold, bytes)."""
     E = np.zeros((len(ids), p["embeddings.word_embeddings.weight"].shape[1]), np.float32)
     first = None
     for calib, evaluate in ((slice(0, None, 2), slice(1, None, 2)), (slice(1, None, 2), slice(0, None, 2))):
-        weights, sizes, H = {}, {}, {}
-        keep = mask[calib].reshape(-1) > 0
-
-        def quantize(name):
-            weights[name], sizes[name] = kbit_gptq(p[name + ".weight"], k, H[name], damp, scale_search, act_order,
-                                                   fit)
-
-        def record(name, x):
-            X = x.reshape(-1, x.shape[-1])[keep].astype(np.float64)
-            H[name] = X.T @ X
-            if sequential:                  # quantize it now: the linears after it see its output
-                quantize(name)
-            return linear_with(p, weights)(name, x)
-        embed(p, ids[calib], mask[calib], record)
-        for n in names:
-            if n not in weights:
-                quantize(n)
+        text = (ids[calib], mask[calib]) if extra is None else stack_tokens((ids[calib], mask[calib]), extra)
+        weights, nbytes = gptq_weights(p, *text, names, k, damp, scale_search, act_order, sequential, fit)
         E[evaluate] = embed(p, ids[evaluate], mask[evaluate], linear_with(p, weights))
-        first = first or (weights, sum(sizes.values()))
+        first = first or (weights, nbytes)
     return E, first[0], first[1]
 
 
@@ -449,6 +469,10 @@ def main(argv=None):
                          "and with float16 (f16_acc) block sums, against the float32 reference path")
     ap.add_argument("--sensitivity", metavar="FORMAT",
                     help="instead: mean cosine with FORMAT applied to one linear kind, then one layer, at a time")
+    ap.add_argument("--calibration", choices=("two-fold", "two-fold+text", "text"), default="two-fold",
+                    help="kbitK_gptq's calibration sentences: the other half of the evaluation sentences (two-fold, the "
+                         "default), that and data/calibration_sentences.txt (two-fold+text), or that file alone, all "
+                         "200 evaluated with the same weights (text)")
     ap.add_argument("--gptq-damp", type=float, default=0.1, metavar="D",
                     help="kbitK_gptq: D x the mean of the Hessian's diagonal is added to its diagonal (default 0.1, "
                          "the best of 0.01, 0.05, 0.1, 0.2, 1 for kbit4 on MiniLM)")
@@ -502,15 +526,26 @@ def main(argv=None):
             print(f"{args.sensitivity} on {label:<22} only: mean cos {compare(E, E0)[0]:.5f}", flush=True)
         return 0
     gptq = ["kbit3_gptq", "kbit4_gptq", "kbit4_mse_gptq_act", "kbit5_gptq"]     # (see gptq_two_fold)
+    calibration = None
+    if args.calibration != "two-fold":
+        text = [s.strip() for s in open(CALIBRATION, encoding="utf-8") if s.strip()]
+        calibration = tokenize(text, vocab)
+        print(f"calibration: {len(text)} sentences of {os.path.basename(CALIBRATION)}, {int(calibration[1].sum())} "
+              f"tokens" + (" (and the other half of the evaluation sentences)" if "two-fold" in args.calibration
+                           else ""), flush=True)
     chosen = args.formats.split(",") if args.formats else list(formats) + gptq
     rows = []
     print(f"{'format':<14} {'bits/w':>6} {'W rel err':>9} {'mean cos':>9} {'min cos':>9} {'spearman':>9}")
     for name in chosen:
         t0 = time.time()
         num, den = 0.0, 0.0
-        if "_gptq" in name:                 # kbitK[_mse][_cb]_gptq[_act][_seq]: cross-calibrated, see gptq_two_fold
-            E, weights, nbytes = gptq_two_fold(p, ids, mask, names, int(name[4]), args.gptq_damp,
-                                              "_mse" in name, "_act" in name, "_seq" in name, "_cb" in name)
+        options = ("_mse" in name, "_act" in name, "_seq" in name, "_cb" in name)
+        if "_gptq" in name and args.calibration == "text":
+            weights, nbytes = gptq_weights(p, *calibration, names, int(name[4]), args.gptq_damp, *options)
+            E = embed(p, ids, mask, linear_with(p, weights))
+        elif "_gptq" in name:               # kbitK[_mse][_cb]_gptq[_act][_seq]: cross-calibrated, see gptq_two_fold
+            E, weights, nbytes = gptq_two_fold(p, ids, mask, names, int(name[4]), args.gptq_damp, *options,
+                                               extra=calibration)
         else:
             weights, nbytes = {}, 0
             for n in names:

@@ -143,3 +143,28 @@ def test_gptq_two_fold_runs_every_variant_on_a_tiny_bert():
         assert E.shape == (6, p["embeddings.word_embeddings.weight"].shape[1])
         assert np.allclose(np.linalg.norm(E, axis=1), 1, atol=1e-5)
         assert set(weights) == set(names) and nbytes == sum(p[n + ".weight"].size for n in names) // 32 * 17
+
+
+def test_calibration_text_is_added_to_each_fold_and_kept_apart_from_the_evaluation():
+    """``--calibration two-fold+text``: gptq_two_fold calibrates each half on the other half and the extra sentences
+    (padded to one length by stack_tokens), which changes the weights; and the calibration file shares no sentence,
+    nor one close to it (word-set Jaccard >= 0.6), with the evaluation sentences."""
+    import re
+    rng = np.random.default_rng(5)
+    p = _tiny_bert(rng, H=96, I=192)
+    names = [f"encoder.layer.{i}.{n}" for i in range(sum(1 for k in p if k.endswith("query.weight")))
+             for n in F.LINEARS]
+    ids = rng.integers(4, 20, size=(6, 5))
+    mask = np.ones(ids.shape, np.float32)
+    extra = (rng.integers(4, 20, size=(3, 7)), np.ones((3, 7), np.float32))
+    both = F.stack_tokens((ids, mask), extra)
+    assert both[0].shape == (9, 7) and both[1][:6, 5:].sum() == 0 and np.array_equal(both[0][6:], extra[0])
+    _, plain, _ = F.gptq_two_fold(p, ids, mask, names, 4)
+    E, more, _ = F.gptq_two_fold(p, ids, mask, names, 4, extra=extra)
+    assert np.allclose(np.linalg.norm(E, axis=1), 1, atol=1e-5)
+    assert any(not np.array_equal(plain[n], more[n]) for n in names)
+    words = lambda s: set(re.findall(r"[a-z']+", s.lower()))
+    evaluation = [words(s) for s in open(F.SENTENCES, encoding="utf-8") if s.strip()]
+    calibration = [words(s) for s in open(F.CALIBRATION, encoding="utf-8") if s.strip()]
+    assert len(calibration) >= 250
+    assert max(len(c & e) / len(c | e) for c in calibration for e in evaluation) < 0.6
