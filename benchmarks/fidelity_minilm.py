@@ -577,7 +577,8 @@ def main(argv=None):
                  f"{row['torch_vs_reference_min_cos']:.6f}" if "torch_mean_cos" in row else ""), flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(model="all-MiniLM-L6-v2", sentences=len(sentences), rows=rows), f, indent=1)
+            json.dump(dict(model="all-MiniLM-L6-v2", sentences=len(sentences), calibration=args.calibration,
+                           rows=rows), f, indent=1)
     return 0
 
 
