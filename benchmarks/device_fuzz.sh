@@ -11,6 +11,7 @@ export KBIT_FUZZ_SEED=${KBIT_FUZZ_SEED:-$RANDOM}; echo "KBIT_FUZZ_SEED=$KBIT_FUZ
 log=${OUT:-/tmp}/${LOG:-fuzz}.log
 export KBIT_FAILURE_LOG=${OUT:-/tmp}/${LOG:-fuzz}_failures.log   # failures as they happen (tests/conftest.py)
 export KBIT_FUZZ_COUNTS=/tmp/${LOG:-fuzz}_counts; rm -f $KBIT_FUZZ_COUNTS.*   # examples per property (conftest.py)
+export KBIT_COMPILE_LOG=/tmp/${LOG:-fuzz}_compiles; rm -f $KBIT_COMPILE_LOG.*  # kernel compiles per test (conftest.py)
 (cd tests && /usr/bin/time -f "fuzz wall %e s" timeout ${FUZZ_TIMEOUT:-580} python -m pytest -v -rfE -n $(nproc) --dist worksteal \
    -p no:cacheprovider -m fuzz --durations=0 . > $log 2>&1)
 echo "KBIT_FUZZ=$KBIT_FUZZ: $(grep -E '(passed|failed).* in ' $log | tail -1); $(grep 'fuzz wall' $log)"
@@ -19,3 +20,4 @@ cat $KBIT_FUZZ_COUNTS.* > ${OUT:-/tmp}/${LOG:-fuzz}_examples.jsonl; python bench
 grep -E "^FAILED|^ERROR|\] (FAILED|ERROR) |Falsifying|reproduce_failure" $log | head -20
 [ -s $KBIT_FAILURE_LOG ] && grep -A12 "Falsifying example" $KBIT_FAILURE_LOG | head -60
 grep -E '^[0-9.]+s call' $log | head -8
+python benchmarks/compile_log.py $KBIT_COMPILE_LOG 8 | head -24

@@ -43,6 +43,9 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     phases=tuple(p for p in Phase if p != Phase.shrink) if _GPU else tuple(Phase))
 settings.load_profile("default")
+if _GPU:     # the run's kernel variants (helpers.variants): one seed for every xdist worker (they inherit it)
+    import random
+    os.environ.setdefault("KBIT_FUZZ_SEED", str(random.randrange(1 << 16)))
 
 from numba import cuda  # noqa: E402
 
@@ -58,18 +61,22 @@ import kbit_numba  # noqa: E402,F401  (installs the simulator's warp primitives)
 
 
 def pytest_runtest_setup(item):
-    """A GPU fuzz run: tell ``helpers.variants`` which part (kernel variant) of its property this test is."""
-    if os.environ.get("KBIT_FUZZ"):
+    """On the GPU: tell ``helpers.variants`` which test (kernel variant) of its property this is (the index of its
+    ``gpu_split`` parameter)."""
+    if _GPU:
         import helpers
         indices = getattr(getattr(item, "callspec", None), "indices", {})
-        helpers.FUZZ_PART[0] = next((i for name, i in indices.items() if name.endswith("_split")), 0)
+        helpers.VARIANT_PART[0] = next((i for name, i in indices.items() if name.endswith("_split")), 0)
 
 
 def pytest_report_header(config):
+    if not _GPU:
+        return None
+    from helpers import FUZZ_PARTS, FUZZ_SEED
     if os.environ.get("KBIT_FUZZ"):
-        from helpers import FUZZ_PARTS, FUZZ_SEED
         return (f"KBIT_FUZZ={os.environ['KBIT_FUZZ']}: kernel variants of KBIT_FUZZ_SEED={FUZZ_SEED} (the defaults and "
                 f"{FUZZ_PARTS - 1} one-offs a property, a test each; helpers.variants)")
+    return f"kernel variants of KBIT_FUZZ_SEED={FUZZ_SEED} (one a test; helpers.variants)"
 
 
 def pytest_configure(config):
@@ -159,3 +166,34 @@ def pytest_sessionfinish(session, exitstatus):
     for proc, _ in getattr(mod, "_CHILDREN", []):
         if proc.poll() is None:
             proc.kill()
+
+
+def _log_compiles(path):
+    """``KBIT_COMPILE_LOG=path`` (a GPU run): every kernel specialisation this process compiles (not found in memory
+    or in the on-disk cache) is appended to ``path.<pid>`` as one tab-separated line: seconds, the running test,
+    the kernel, a hash of its cache key (the same specialisation compiled by two workers has the same one). ``benchmarks/compile_log.py`` sums them per test: where a cold suite's time goes."""
+    import hashlib
+    import time
+    from numba.core import sigutils
+    from kbit_numba import _cache
+    from numba.cuda.dispatcher import CUDADispatcher
+
+    out = open(f"{path}.{os.getpid()}", "a", buffering=1)
+    compile_ = CUDADispatcher.compile
+
+    def compile(self, sig):
+        known = self.specialized or sigutils.normalize_signature(sig)[0] in self.overloads
+        t0 = time.perf_counter()
+        kernel = compile_(self, sig)
+        if not known and not self._cache_hits.get(sig):
+            test = os.environ.get("PYTEST_CURRENT_TEST", "-").rsplit(" ", 1)[0]
+            key = _cache.kernel_key(self.py_func, self.targetoptions)      # (the same kernel in two workers:
+            key = hashlib.sha256(f"{key}|{sig}".encode()).hexdigest()[:12] if key else "-"   # the same key)
+            out.write(f"{time.perf_counter() - t0:.2f}\t{test}\t{self.py_func.__qualname__}\t{key}\n")
+        return kernel
+
+    CUDADispatcher.compile = compile
+
+
+if os.environ.get("KBIT_COMPILE_LOG") and _GPU:
+    _log_compiles(os.environ["KBIT_COMPILE_LOG"])

@@ -92,17 +92,20 @@ def sizes(default_max, fuzz_max):
     return st.one_of(*[small] * 7, st.integers(1, fuzz_max))
 
 
-# A GPU fuzz run's kernel variants. Every drawn combination of a kernel's compile-time choices (k, M, types,
-# tuning) is a specialisation to compile: 20-170 s each with 16 compiles at once, against ~20 ms for an example
-# that reuses one (tests/README.md). So in a fuzz run a property draws FUZZ_PARTS combinations: the defaults (the
-# first value of each choice) and FUZZ_PARTS - 1 that change one choice each, picked per property by the run's
-# seed (KBIT_FUZZ_SEED, printed in the header: another seed, other variants); each in a test of its own
-# (``gpu_split`` makes FUZZ_PARTS tests; conftest.py tells ``variants`` which one runs), so that every test
-# compiles one kernel and xdist spreads them. Every value of every choice is drawn over runs; shapes and data in
-# every run. Outside a fuzz run every combination is drawn.
+# Kernel variants on the GPU. Every drawn combination of a kernel's compile-time choices (k, M, types, tuning) is a
+# specialisation to compile: 7-15 s each with 16 compiles at once, 93% of a cold GPU suite's time
+# (benchmarks/compile_log.py), against ~20 ms for an example that reuses one. So on the GPU each test of a property
+# (``gpu_split`` makes several) draws ONE combination, ``VARIANT_PART`` of a table picked by the run's seed
+# (``KBIT_FUZZ_SEED``, printed in the header: the same seed draws the same variants again):
+# * the suite: the defaults (the first value of each choice) for the first test, random combinations for the others;
+# * a fuzz run (KBIT_FUZZ): FUZZ_PARTS tests a property, the defaults and FUZZ_PARTS - 1 combinations that change
+#   one choice each.
+# Every value of every choice is drawn over runs; shapes and data in every run. The simulator (CI), which compiles
+# nothing, draws every combination, and CI's PTX check compiles every specialisation.
 FUZZ_PARTS = int(os.environ.get("KBIT_FUZZ_VARIANTS", "3")) + 1
 FUZZ_SEED = os.environ.get("KBIT_FUZZ_SEED") or os.environ.get("PYTEST_XDIST_TESTRUNUID", "")[:8] or "0"
-FUZZ_PART = [0]                   # the running test's part (set by conftest.py before each test)
+VARIANT_PART = [0]                # the running test's index among its property's tests (set by conftest.py)
+SUITE_VARIANTS = 16               # table size for the suite (more than any property's tests)
 
 
 def one_off_variants(choices, n, seed):
@@ -114,15 +117,30 @@ def one_off_variants(choices, n, seed):
     return [default] + random.Random(f"{seed}:{choices!r}").sample(one_offs, min(n, len(one_offs)))
 
 
+def random_variants(choices, n, seed):
+    """The defaults of ``choices`` and ``n`` combinations drawn at random (each choice uniformly), picked by ``seed``."""
+    import random
+    rnd = random.Random(f"{seed}:{choices!r}")
+    return [tuple(c[0] for c in choices)] + [tuple(rnd.choice(c) for c in choices) for _ in range(n)]
+
+
 def variants(*choices):
-    """A tuple: one value of each of ``choices`` (sequences; the first value of each is the kernel's default).
-    Every combination may be drawn, except in a GPU fuzz run: there the running part's combination of
-    :func:`one_off_variants` (see FUZZ_PARTS above)."""
+    """A tuple: one value of each of ``choices`` (sequences; the first value of each is the kernel's default). On the
+    simulator every combination may be drawn; on the GPU the running test's combination (see above)."""
     choices = tuple(tuple(c) for c in choices)
-    if not FUZZ or SIM:
+    if SIM:
         return st.tuples(*(st.sampled_from(c) for c in choices))
-    table = one_off_variants(choices, FUZZ_PARTS - 1, FUZZ_SEED)
-    return st.builds(lambda: table[FUZZ_PART[0] % len(table)])
+    table = (one_off_variants(choices, FUZZ_PARTS - 1, FUZZ_SEED) if FUZZ
+             else random_variants(choices, SUITE_VARIANTS - 1, FUZZ_SEED))
+    return st.builds(lambda: table[VARIANT_PART[0] % len(table)])
+
+
+def sim_example(**kwargs):
+    """``hypothesis.example`` on the simulator only: there a slow property runs just its explicit cases
+    (SIM_EXPLICIT_ONLY), chosen to cover what draws would; on the GPU the draws do, and an explicit case would
+    compile kernel variants of its own in every test of the property."""
+    from hypothesis import example
+    return example(**kwargs) if SIM else (lambda f: f)
 
 
 # Weights that stress the format: blocks of zeros, one huge element per block (the rest round to the

@@ -1,14 +1,14 @@
 """Tensor-core GEMM (any M, tiled weights) against reference.gemv, on the simulator (CI) and the GPU."""
 import numpy as np
 import pytest
-from hypothesis import example, given, settings, strategies as st
+from hypothesis import given, settings, strategies as st
 from numba import cuda
 
 import kbit_numba as kb
 from kbit_numba import tensor_gemm as G
 from kbit_numba import reference as ref
 from helpers import (assert_within, EXAMPLES, gpu_examples, gpu_split, kbit_weight, Out, out_modes, pick,
-                     random_weight, seeds, SIM, SIM_EXPLICIT_ONLY, sizes, variants, weight_kinds)
+                     random_weight, seeds, SIM, SIM_EXPLICIT_ONLY, sim_example, sizes, variants, weight_kinds)
 
 # The simulator runs 128 Python threads per CTA and meets them at every ldmatrix/mma: keep it to a few
 # CTAs (the split-K test covers every m-tile size there). The GPU goes past 16 and 32 rows (every m-tile
@@ -16,6 +16,23 @@ from helpers import (assert_within, EXAMPLES, gpu_examples, gpu_split, kbit_weig
 MAX_M = 24 if SIM else 200
 MAX_NT = 1 if SIM else 3              # column tiles of 128
 MAX_KB = 3 if SIM else 70             # K = 32 * kb (odd multiples of 32: a half-empty last K tile)
+# The row tiling is a kernel choice the plan derives from M (tensor_gemm.m_tile_for): the properties draw it as a
+# variant (helpers.variants) and place M inside its range, so that a GPU test compiles the tiling it drew, not
+# every one its M values reach. (The simulator's MAX_M reaches two.)
+ROW_TILES = tuple(mt for mt in G.M_TILES if G.MMA_M * mt // 2 < MAX_M)
+
+
+def row_range(m_tile, top=MAX_M):
+    """(lo, hi): the row counts M <= top with m_tile_for(M) == m_tile."""
+    i = G.M_TILES.index(m_tile)
+    lo = 1 if i == 0 else G.MMA_M * G.M_TILES[i - 1] + 1
+    return lo, (top if i == len(G.M_TILES) - 1 else min(top, G.MMA_M * m_tile))
+
+
+def rows_for(m_tile, m, top=MAX_M):
+    """A row count in ``m_tile``'s range (row_range), from any drawn m >= 1."""
+    lo, hi = row_range(m_tile, top)
+    return lo + (m - 1) % (hi - lo + 1)
 
 
 def check_close(got, A, qw_flat, bf16=False, out_dtype=np.float32, rows=None):
@@ -62,11 +79,11 @@ def _weights(rng, k, n_tiles, K, fmt="e4m4"):
 
 @gpu_split("k_split", [2, 3, 4, 5])
 @settings(max_examples=EXAMPLES if SIM else gpu_examples(EXAMPLES * 2, 4))
-@given(seeds, variants((4, 2, 3, 5), ("e4m4", "fp32"), (np.float16, np.float32), (None, 1, 2)), st.integers(1, MAX_M),
-       sizes(MAX_NT, 156), sizes(MAX_KB, 512), weight_kinds, out_modes)
+@given(seeds, variants((4, 2, 3, 5), ("e4m4", "fp32"), (np.float16, np.float32), (None, 1, 2), ROW_TILES),
+       st.integers(1, MAX_M), sizes(MAX_NT, 156), sizes(MAX_KB, 512), weight_kinds, out_modes)
 def test_gemm(k_split, seed, v, M, n_tiles, kbn, kind, out_mode):
-    k, fmt, out_dtype, split = v               # (M picks one of three row tilings: not a variant of its own)
-    k = k_split or k
+    k, fmt, out_dtype, split, m_tile = v
+    k, M = k_split or k, rows_for(m_tile, M)
     rng = np.random.default_rng(seed)
     K, N = 32 * kbn, 128 * n_tiles
     flat, pool, rows = kbit_weight(rng, N, K, kind, k, fmt)
@@ -79,11 +96,11 @@ def test_gemm(k_split, seed, v, M, n_tiles, kbn, kind, out_mode):
 
 @gpu_split("a_split", ["float32", "bfloat16"])
 @settings(max_examples=EXAMPLES if SIM else gpu_examples(EXAMPLES, 2))
-@given(seeds, variants((4, 2, 3, 5), ("float32", "bfloat16")), st.integers(1, MAX_M), st.integers(1, MAX_KB))
+@given(seeds, variants((4, 2, 3, 5), ("float32", "bfloat16"), ROW_TILES), st.integers(1, MAX_M), st.integers(1, MAX_KB))
 def test_gemm_other_activation_types(a_split, seed, v, M, kbn):
     """float32 A (converted to fp16 first) and bfloat16 A (bf16 MMAs)."""
-    k, a_dtype = v
-    a_dtype = a_split or a_dtype
+    k, a_dtype, m_tile = v
+    a_dtype, M = a_split or a_dtype, rows_for(m_tile, M)
     rng = np.random.default_rng(seed)
     K = 32 * kbn
     flat, tiled = _weights(rng, k, 1, K)
@@ -147,11 +164,11 @@ MAX_N_CODES = 140 if SIM else 600
 
 @gpu_split("k_split", [2, 4])
 @settings(max_examples=EXAMPLES if SIM else gpu_examples(EXAMPLES * 2, 2))
-@given(seeds, variants((4, 2), ("e4m4", "fp32"), ("float16", "float32", "bfloat16"), (np.float16, np.float32), (None, 1, 2)),
-       st.integers(1, MAX_M), st.integers(1, MAX_N_CODES), st.integers(1, MAX_KB // 2 + 1))
+@given(seeds, variants((4, 2), ("e4m4", "fp32"), ("float16", "float32", "bfloat16"), (np.float16, np.float32), (None, 1, 2),
+                ROW_TILES), st.integers(1, MAX_M), st.integers(1, MAX_N_CODES), st.integers(1, MAX_KB // 2 + 1))
 def test_gemm_code_layout(k_split, seed, v, M, N, k64):
-    k, fmt, a_type, out_dtype, split = v
-    k = k_split or k
+    k, fmt, a_type, out_dtype, split, m_tile = v
+    k, M = k_split or k, rows_for(m_tile, M)
     rng = np.random.default_rng(seed)
     K = 64 * k64
     flat = ref.quantize(random_weight(rng, N, K), k=k, absmax_format=fmt)
@@ -225,20 +242,37 @@ def _tiled_experts(rng, E, K, k, N=128):
     return kb.stack_experts([ref.repack_tiled(qw) for qw, _, _ in drawn]), [(p, r) for _, p, r in drawn]
 
 
+def test_rows_for_lands_in_the_drawn_row_tiling():
+    """The properties' row counts (rows_for) are ones for which the plan picks the drawn tiling."""
+    for top in (MAX_M, 24, 70, 200):
+        for mt in (mt for mt in G.M_TILES if row_range(mt, top)[0] <= top):
+            got = {rows_for(mt, m, top) for m in range(1, 300)}
+            assert {G.m_tile_for(M) for M in got} == {mt} and max(got) <= top
+            assert got == set(range(row_range(mt, top)[0], row_range(mt, top)[1] + 1))
+
+
+GROUPED_MAX_TOKENS = 70
+
+
 @gpu_split("k_split", [2, 3, 4, 5])
 @settings(max_examples=gpu_examples(EXAMPLES if SIM else max(4, EXAMPLES // 2), 4), **SIM_EXPLICIT_ONLY)
-@given(seeds, variants((4, 2, 3, 5), (None, 1, 2), (np.float16, np.float32)),
-       st.lists(st.integers(0, 70), min_size=1, max_size=8), st.integers(1, MAX_NT), st.integers(1, 4 if SIM else MAX_KB),
-       st.booleans(), out_modes)
-@example(seed=0, v=(4, 1, np.float32), counts=[5, 0, 18], n_tiles=1, kbn=4, on_device=False,   # v: k, split, out
-         out_mode="new")
-@example(seed=1, v=(3, 2, np.float16), counts=[0, 3, 1, 0], n_tiles=1, kbn=3, on_device=True, out_mode="view_stream")
+@given(seeds, variants((4, 2, 3, 5), (None, 1, 2), (np.float16, np.float32), G.M_TILES),
+       st.lists(st.integers(0, GROUPED_MAX_TOKENS), min_size=1, max_size=8), st.integers(1, MAX_NT),
+       st.integers(1, 4 if SIM else MAX_KB), st.booleans(), out_modes)
+@sim_example(seed=0, v=(4, 1, np.float32, 2), counts=[5, 0, 18], n_tiles=1, kbn=4, on_device=False,  # v: k, split,
+             out_mode="new")                                                                        # out, m_tile
+@sim_example(seed=1, v=(3, 2, np.float16, 1), counts=[0, 3, 1, 0], n_tiles=1, kbn=3, on_device=True,
+             out_mode="view_stream")
 def test_grouped_gemm(k_split, seed, v, counts, n_tiles, kbn, on_device, out_mode):
     """Experts with 0..70 tokens (several row tiles for some, empty experts) in one launch; the offsets on the
     host or the device; split-K or not; a fresh output or a view, another stream. (The simulator runs the
-    two examples: 128 simulated threads a CTA.)"""
-    k, split, out_dtype = v
+    two examples: 128 simulated threads a CTA.) The largest expert's count, from which the plan picks the row
+    tiling, is placed in the drawn tiling's range (row_range)."""
+    k, split, out_dtype, m_tile = v
     k = k_split or k
+    if max(counts) > 0:
+        top, (lo, hi) = counts.index(max(counts)), row_range(m_tile, GROUPED_MAX_TOKENS)
+        counts = [lo + c % (hi - lo + 1) if i == top else min(c, hi) for i, c in enumerate(counts)]
     rng = np.random.default_rng(seed)
     K, N = 32 * kbn, 128 * n_tiles
     experts, refs = _tiled_experts(rng, len(counts), K, k, N)

@@ -8,7 +8,7 @@ import kbit_numba as kb
 from kbit_numba import dispatch as L
 from kbit_numba import reference as ref
 from kbit_numba.formats import CODES_K
-from helpers import (EXAMPLES, FUZZ, gpu_examples, gpu_split, kbit_weight, Out, out_modes, random_weight, seeds, SIM,
+from helpers import (EXAMPLES, gpu_examples, gpu_split, kbit_weight, Out, out_modes, random_weight, seeds, SIM,
                      sizes, variants)
 from test_gemm import check_close
 from test_gemv import _activations
@@ -65,9 +65,9 @@ def test_linear_any_m(M):
 
 
 LAYOUTS = ("auto", "tiled", "codes", "keep_flat")
-# M picks the kernel and, for the gemvs, its specialisation: a GPU fuzz run draws it as a variant (helpers.variants)
-# from every route of the dispatch table and both sides of each bound; other runs draw any M (sizes below).
-FUZZ_M = (1, 2, 3, 5, 8, 9, 17, 64, 200, 512) if FUZZ and not SIM else (None,)
+# M picks the kernel and, for the gemvs, its specialisation: on the GPU it is drawn as a variant (helpers.variants)
+# from every route of the dispatch table and both sides of each bound; the simulator draws any M (sizes below).
+FUZZ_M = (1, 2, 3, 5, 8, 9, 17, 64, 200, 512) if not SIM else (None,)
 
 
 @gpu_split("k_split", [2, 3, 4, 5])

@@ -202,16 +202,31 @@ def test_fuzz_variants_are_the_defaults_and_one_offs():
     assert len(one_off_variants(choices, 99, "s")) == 6      # more asked than exist: the defaults and all 5
 
 
-def test_fuzz_part_draws_its_variant(monkeypatch):
-    """In a GPU fuzz run each part (test) of a property draws exactly its combination of one_off_variants."""
+@pytest.mark.parametrize("fuzz", [100, 0])
+def test_each_gpu_test_draws_its_variant(monkeypatch, fuzz):
+    """On the GPU each test (part) of a property draws exactly its combination: of one_off_variants in a fuzz run,
+    of random_variants (the defaults first) in the suite."""
     from hypothesis import find
     import helpers
-    monkeypatch.setattr(helpers, "FUZZ", 100)
+    monkeypatch.setattr(helpers, "FUZZ", fuzz)
     monkeypatch.setattr(helpers, "SIM", False)
     choices = VARIANT_CHOICES
-    table = helpers.one_off_variants(choices, helpers.FUZZ_PARTS - 1, helpers.FUZZ_SEED)
-    monkeypatch.setattr(helpers, "FUZZ_PART", [0])
+    table = (helpers.one_off_variants(choices, helpers.FUZZ_PARTS - 1, helpers.FUZZ_SEED) if fuzz
+             else helpers.random_variants(choices, helpers.SUITE_VARIANTS - 1, helpers.FUZZ_SEED))
+    monkeypatch.setattr(helpers, "VARIANT_PART", [0])
     strategy = helpers.variants(*choices)
-    for part in range(helpers.FUZZ_PARTS):
-        helpers.FUZZ_PART[0] = part
+    for part in range(len(table)):
+        helpers.VARIANT_PART[0] = part
         assert find(strategy, lambda v: True) == table[part]
+    assert table[0] == (4, 1, "e4m4")
+
+
+def test_suite_variants_cover_every_value():
+    """The suite's random combinations: the defaults first, the same for the same seed, every value of every choice
+    over a few seeds, and only values of the choices."""
+    from helpers import random_variants
+    choices = VARIANT_CHOICES
+    got = random_variants(choices, 15, "s1")
+    assert got[0] == (4, 1, "e4m4") and len(got) == 16 and got == random_variants(choices, 15, "s1")
+    seen = [set(v[i] for seed in range(5) for v in random_variants(choices, 15, seed)) for i in range(3)]
+    assert seen == [set(c) for c in choices]

@@ -115,6 +115,7 @@ def test_int8_activation_quantizer(epw_split, seed, epw, M, kbn, a_dtype, scale,
     K = 32 * kbn
     A = rng.standard_normal((M, K)) * scale * np.exp(rng.uniform(-3, 1, (M, 1)))
     A[rng.random(M) < 0.2] = 0                                                     # all-zero rows
+    A = np.clip(A, -6e4, 6e4)                      # finite in float16 too (scale 3e4 draws reach ~3e5)
     bf16 = a_dtype == "bfloat16"
     A = ref.float32_to_bf16_bits(A.astype(np.float32)) if bf16 else A.astype(a_dtype)
     s = cuda.stream() if stream else None
