@@ -11,6 +11,7 @@ nothing, by the chain of layers in ``tests/test_pair_gemv.py``).
 |--------------|---------------------------------------|------------------------------------------------|
 | ldg128(a, i) | ld.global.nc.v4.u32                   | one 16-byte read-only load of a[i..i+3]        |
 | ldg64(a, i)  | ld.global.nc.v2.u32                   | one 8-byte read-only load of a[i..i+1]         |
+| ldg128_stream / ldg64_stream | ld.global.nc.L1::no_allocate | the same for weights read once (STREAM_HINT) |
 | stg128(...)  | st.global.v4.u32                      | one 16-byte store (coalesced 512 B per warp)   |
 | dp4a(a,b,c)  | dp4a.s32.s32                          | 4 int8 products + add in one instruction       |
 | lop3(a,b,c,L)| lop3.b32 (L a literal truth table)    | any 3-input bitwise function in one instruction|
@@ -54,6 +55,7 @@ from numba.core.errors import RequireLiteralValue
 from numba.cuda.extending import intrinsic
 
 SIMULATOR = bool(config.ENABLE_CUDASIM)
+STREAM_HINT = ".L1::no_allocate"    # the cache qualifiers of ldg128_stream / ldg64_stream
 LOP3_AND_OR = 0xEA               # lop3 truth table of (a & b) | c: mask a field and merge it into c
 BYTE_ONES = 0x01010101           # bit 0 of every byte: a one-bit-per-byte mask; dp4a with it sums 4 bytes
 
@@ -80,36 +82,35 @@ def _asm_args(builder, context, args, argtys):
 # ---------------------------------------------------------------------------------------------
 # Memory
 # ---------------------------------------------------------------------------------------------
-@intrinsic
-def ptx_ldg128(typingctx, arr, index):
-    """(u32, u32, u32, u32) = arr[index .. index+3], one ld.global.nc.v4.u32 (index % 4 == 0)."""
-    _check_u32_array(arr, "ldg128")
-    sig = types.UniTuple(types.uint32, 4)(arr, index)
+def make_ldg(words, hint=""):
+    """A read-only global load of ``words`` (2 or 4) consecutive u32, ``ld.global.nc<hint>.v<words>.u32``, as an
+    intrinsic (arr, index) -> tuple (index % words == 0). ``hint``: PTX cache qualifiers, e.g. ``.L1::no_allocate``
+    for weights that are read once."""
+    regs = ", ".join(f"${i}" for i in range(words))
+    text = f"ld.global.nc{hint}.v{words}.u32 {{{regs}}}, [${words}];"
 
-    def codegen(context, builder, sig, args):
-        ptr = _element_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-        fty = ir.FunctionType(ir.LiteralStructType([_i32] * 4), [ptr.type])
-        asm = ir.InlineAsm(fty, "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l")
-        res = builder.call(asm, [ptr])
-        return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, i) for i in range(4)])
+    @intrinsic
+    def ldg(typingctx, arr, index):
+        _check_u32_array(arr, "ldg")
+        sig = types.UniTuple(types.uint32, words)(arr, index)
 
-    return sig, codegen
+        def codegen(context, builder, sig, args):
+            ptr = _element_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            fty = ir.FunctionType(ir.LiteralStructType([_i32] * words), [ptr.type])
+            asm = ir.InlineAsm(fty, text, ",".join(["=r"] * words + ["l"]))
+            res = builder.call(asm, [ptr])
+            return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, i) for i in range(words)])
+
+        return sig, codegen
+    return ldg
 
 
-@intrinsic
-def ptx_ldg64(typingctx, arr, index):
-    """(u32, u32) = arr[index .. index+1], one ld.global.nc.v2.u32 (index % 2 == 0)."""
-    _check_u32_array(arr, "ldg64")
-    sig = types.UniTuple(types.uint32, 2)(arr, index)
-
-    def codegen(context, builder, sig, args):
-        ptr = _element_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-        fty = ir.FunctionType(ir.LiteralStructType([_i32] * 2), [ptr.type])
-        asm = ir.InlineAsm(fty, "ld.global.nc.v2.u32 {$0, $1}, [$2];", "=r,=r,l")
-        res = builder.call(asm, [ptr])
-        return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, i) for i in range(2)])
-
-    return sig, codegen
+# (u32 x 4) = arr[index .. index+3], one ld.global.nc.v4.u32 (index % 4 == 0); ldg64: two words
+ptx_ldg128 = make_ldg(4)
+ptx_ldg64 = make_ldg(2)
+# the same for weights streamed once: not kept in L1 (kept for what is read again: activations, tables)
+ptx_ldg128_stream = make_ldg(4, STREAM_HINT)
+ptx_ldg64_stream = make_ldg(2, STREAM_HINT)
 
 
 @intrinsic
@@ -138,6 +139,9 @@ def py_ldg128(arr, index):
 def py_ldg64(arr, index):
     i = int(index)
     return np.uint32(arr[i]), np.uint32(arr[i + 1])
+
+
+py_ldg128_stream, py_ldg64_stream = py_ldg128, py_ldg64     # (a cache hint changes no value)
 
 
 def py_stg128(arr, index, a, b, c, d):
@@ -743,14 +747,14 @@ def py_f16x2_as_u32(lo, hi):
 # ---------------------------------------------------------------------------------------------
 # The names kernels use
 # ---------------------------------------------------------------------------------------------
-NAMES = ("ldg128", "ldg64", "stg128", "shared_addr", "lds_f32", "lds_u32", "lds128", "lds64", "sts128", "cp_async16",
+NAMES = ("ldg128", "ldg64", "ldg128_stream", "ldg64_stream", "stg128", "shared_addr", "lds_f32", "lds_u32", "lds128", "lds64", "sts128", "cp_async16",
          "cp_async4", "cp_async_commit", "cp_async_wait", "griddep_wait", "griddep_launch_dependents", "bar_sync",
          "ldmatrix_x4", "mma_f16", "mma_bf16", "hmul2", "hfma2", "bmul2", "dp4a", "lop3", "prmt", "rotr", "u32_as_f32",
          "f32_as_u32", "f16x2_as_u32", "f16_bits_to_f32")
 PAIRS = {name: (globals()["ptx_" + name], globals()["py_" + name]) for name in NAMES}
 
 _pick = 1 if SIMULATOR else 0
-(ldg128, ldg64, stg128, shared_addr, lds_f32, lds_u32, lds128, lds64, sts128, cp_async16, cp_async4,
+(ldg128, ldg64, ldg128_stream, ldg64_stream, stg128, shared_addr, lds_f32, lds_u32, lds128, lds64, sts128, cp_async16, cp_async4,
  cp_async_commit, cp_async_wait, griddep_wait, griddep_launch_dependents, bar_sync, ldmatrix_x4, mma_f16, mma_bf16,
  hmul2, hfma2, bmul2, dp4a, lop3, prmt, rotr, u32_as_f32, f32_as_u32, f16x2_as_u32,
  f16_bits_to_f32) = (PAIRS[n][_pick] for n in NAMES)

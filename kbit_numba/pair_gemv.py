@@ -44,8 +44,8 @@ from .core import MAX_M, device_weight, fit_threads, k_warps, persistent_grid
 from .device import (ABSMAX_CODES, CODEBOOK, PRMT_ROW, TABLE_BYTES, TABLE_FLOATS, WARP, e4m4_decode,
                      i32, jit_kernel, make_table_fill, make_warp_reduce_scatter, make_word_unpacker, u32)
 from .formats import ABSMAX_FORMATS, BLOCK, CODES_K, KbitCodes, KbitWeight
-from .intrinsics import (SIMULATOR, bar_sync, f16_bits_to_f32, griddep_launch_dependents, griddep_wait, hfma2, ldg64,
-                         ldg128, lds64, lds128, lds_u32, prmt, shared_addr, u32_as_f32)
+from .intrinsics import (SIMULATOR, bar_sync, f16_bits_to_f32, griddep_launch_dependents, griddep_wait, hfma2, ldg64_stream,
+                         ldg128, ldg128_stream, lds64, lds128, lds_u32, prmt, shared_addr, u32_as_f32)
 from .launch import NUMBA_TYPES, OUT_TYPES, Plan, Spec, Step, launch_step, type_name
 
 MAX_KW = 32                       # K-warps per slice: K <= 32 * 32 * 32 = 32768
@@ -118,7 +118,8 @@ def make_pair_gemv_kernel(spec):
     @cuda.jit(device=True, inline="always")
     def load_columns(packed, absmax, n0, kb, last4, n_kb, codes, code_absmax):
         """Issue the loads of columns n0 .. n0+NCOL-1 of this lane's block (k words in one 16- or 8-byte
-        load, and the absmax) into codes / code_absmax.
+        load, and the absmax) into codes / code_absmax. The code words are read once: their loads skip L1
+        (``ldg128_stream``: ``.L1::no_allocate``, 1-6% faster on the H100; benchmarks/README.md, eighth step).
         The loads are unconditional: a column past N (or a lane past the last block) reads the last
         block instead (last4 = 4 x its index), whose sums are never written (or meet zero activations).
         That is one min per column instead of a compare and a predicate, and fewer registers (a
@@ -131,9 +132,9 @@ def make_pair_gemv_kernel(spec):
         for c in range(NCOL):
             i4 = min(w4, last4)
             if k == 4:
-                codes[c, 0], codes[c, 1], codes[c, 2], codes[c, 3] = ldg128(packed, i4)
+                codes[c, 0], codes[c, 1], codes[c, 2], codes[c, 3] = ldg128_stream(packed, i4)
             else:
-                codes[c, 0], codes[c, 1] = ldg64(packed, u32(i4 >> u32(1)))
+                codes[c, 0], codes[c, 1] = ldg64_stream(packed, u32(i4 >> u32(1)))
             code_absmax[c] = absmax[u32(i4 >> u32(2))]
             w4 = u32(w4 + u32(n_kb * u32(4)))
 

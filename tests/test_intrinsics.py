@@ -52,12 +52,16 @@ def _alu_kernel(a, b, c, out):
 
 
 @cuda.jit
-def _mem_kernel(src, dst):
+def _mem_kernel(src, dst, dst_stream):
+    """The plain loads into dst, the streaming ones (cache qualifiers: the same values) into dst_stream."""
     i = cuda.grid(1) * 4
     if i < src.size:
         w0, w1, w2, w3 = I.ldg128(src, i)
         v0, v1 = I.ldg64(src, i + 2)
         I.stg128(dst, i, w3 ^ v1, w2 ^ v0, w1, w0)
+        w0, w1, w2, w3 = I.ldg128_stream(src, i)
+        v0, v1 = I.ldg64_stream(src, i + 2)
+        I.stg128(dst_stream, i, w3 ^ v1, w2 ^ v0, w1, w0)
 
 
 @pytest.mark.skipif(SIM or PTX_ONLY, reason="the PTX versions run on a GPU only (the simulator runs the twins)")
@@ -128,11 +132,12 @@ def test_ptx_matches_twins_float_and_shared():
 def test_vector_loads_and_stores():
     """Runs the active versions: PTX on the GPU, twins on the simulator."""
     src = np.arange(64, dtype=np.uint32) * np.uint32(2654435761)
-    dst = cuda.device_array(64, np.uint32)
-    _mem_kernel[1, 16](cuda.to_device(src), dst)
+    dst, dst_stream = cuda.device_array(64, np.uint32), cuda.device_array(64, np.uint32)
+    _mem_kernel[1, 16](cuda.to_device(src), dst, dst_stream)
     s = src.reshape(-1, 4)
     want = np.stack([s[:, 3] ^ s[:, 3], s[:, 2] ^ s[:, 2], s[:, 1], s[:, 0]], axis=1).reshape(-1)
     np.testing.assert_array_equal(dst.copy_to_host(), want)
+    np.testing.assert_array_equal(dst_stream.copy_to_host(), want)
 
 
 @cuda.jit

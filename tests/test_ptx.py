@@ -15,8 +15,10 @@ import pytest
 from numba import cuda
 
 from helpers import SIM
+from kbit_numba import intrinsics as I
 
 CC = (9, 0)
+STREAM = f"ld.global.nc{I.STREAM_HINT}."    # the pair gemv's weight loads (intrinsics.make_ldg)
 
 
 def _specializations():
@@ -53,11 +55,11 @@ def _requirements(name):
         must += ["shfl.sync.bfly.b32", "prmt.b32", "cvta.to.shared", "bar.sync"]
         must += ["bar.sync %r"]                              # each slice's named barrier (ids in registers)
         must += ["st.shared.v4.u32"]                         # the table fill, 16 bytes a store
+        must += [STREAM + {4: "v4.u32", 2: "v2.u32"}[k]]    # the weights: read once, not kept in L1
         if "f16_acc=True" in name:                           # f16x2 pairs (quads: two), one fma per pair
-            must += ["fma.rn.f16x2", {4: "ld.shared.u32", 2: "ld.shared.v2.u32"}[k],
-                     {4: "ld.global.nc.v4.u32", 2: "ld.global.nc.v2.u32"}[k]]
+            must += ["fma.rn.f16x2", {4: "ld.shared.u32", 2: "ld.shared.v2.u32"}[k]]
         else:
-            must += {4: ["ld.global.nc.v4.u32", "ld.shared.v2.u32"], 2: ["ld.global.nc.v2.u32", "ld.shared.v4.u32"]}[k]
+            must += {4: ["ld.shared.v2.u32"], 2: ["ld.shared.v4.u32"]}[k]
         never += ["ld.shared.f64", "cvt.rn.f32.f64"]
         if "pdl=True" in name:                               # programmatic dependent launch
             must += ["griddepcontrol.launch_dependents", "griddepcontrol.wait"]
@@ -143,8 +145,9 @@ else:
                 assert s in ptx, s
             for lut in (234, 150, 27):                         # 0xEA, 0x96, 0x1B reached the instruction
                 assert f", {lut};" in ptx
-            ptx, _ = cuda.compile_ptx(_mem_kernel.py_func, (u32, u32), cc=CC)
-            for s in ("ld.global.nc.v4.u32", "ld.global.nc.v2.u32", "st.global.v4.u32"):
+            ptx, _ = cuda.compile_ptx(_mem_kernel.py_func, (u32, u32, u32), cc=CC)
+            for s in ("ld.global.nc.v4.u32", "ld.global.nc.v2.u32", "st.global.v4.u32",
+                      f"ld.global.nc{I.STREAM_HINT}.v4.u32", f"ld.global.nc{I.STREAM_HINT}.v2.u32"):
                 assert s in ptx, s
             ptx, _ = cuda.compile_ptx(_named_barrier_kernel.py_func, (u32, u32), cc=CC)
             assert "bar.sync %r" in ptx                        # bar_sync: id and count in registers
