@@ -89,7 +89,8 @@ def choose_rule(M, N, K, layout, table=None, backend=None, half=True):
     ``layout``. A table rule is ``[max_m, kernel]`` or ``[max_m, kernel, {parameter: value}]``: the
     parameters (e.g. ``{"cols": 2}`` for gemv, ``{"split": 4, "m_tile": 2}`` for gemm) go to that
     kernel's ``plan`` and override its ``DEFAULTS`` table; a fallback kernel runs with its defaults.
-    ``backend``: the cuBLAS route ('torch', 'cupy', or False for none); None asks ``matmul_backend()``.
+    ``backend``: the cuBLAS route ('torch', 'cupy', 'host' on the simulator, or False for none); None asks
+    ``matmul_backend()``.
     ``half``: the activations are float16 or bfloat16 (what the tensor-core gemv takes)."""
     table = table or load_table()
     codes = layout == "codes"      # (pair gemv, tensor-core gemv and gemm where K allows, dequantize + cuBLAS)
@@ -120,10 +121,11 @@ def choose(M, N, K, layout, table=None, backend=None, half=True):
 # ---- dequantize + cuBLAS ---------------------------------------------------------------------------
 @lru_cache(maxsize=None)
 def matmul_backend():
-    """'torch' or 'cupy' (whichever imports, torch first) for the cuBLAS call, or None (always under the
-    simulator: its device arrays are host memory, which cuBLAS cannot read)."""
+    """'torch' or 'cupy' (whichever imports, torch first) for the cuBLAS call, or None. Under the simulator
+    'host': its device arrays are host memory, which cuBLAS cannot read, so NumPy does the matmul the way cuBLAS
+    does (float32 sums, one rounding to the output type) and CI runs the rest of the dequantize + matmul plan."""
     if SIMULATOR:
-        return None
+        return "host"
     for name in ("torch", "cupy"):
         try:
             __import__(name)
@@ -166,6 +168,9 @@ def _cublas_matmul(Ad, Wd, out, stream):
                 torch.matmul(a, w.t(), out=o)
             else:
                 o.copy_(torch.matmul(a, w.t()))
+    elif backend == "host":             # the simulator's arrays wrap NumPy arrays (._ary)
+        a, w, o = (x._ary for x in (Ad, Wd, out))
+        o[...] = (a.astype(np.float32) @ w.astype(np.float32).T).astype(o.dtype)
     elif backend == "cupy":
         import cupy
         a, w, o = (cupy.asarray(x) for x in (Ad, Wd, out))
