@@ -158,6 +158,10 @@ class Workspace:
 def _cublas_matmul(Ad, Wd, out, stream):
     """out = Ad @ Wd^T with torch or CuPy on ``stream`` (all device arrays, same float dtype)."""
     backend = matmul_backend()
+    if backend == "host":             # the simulator (synchronous: every stream is in order); its arrays wrap
+        a, w, o = (x._ary for x in (Ad, Wd, out))     # NumPy arrays (._ary)
+        o[...] = (a.astype(np.float32) @ w.astype(np.float32).T).astype(o.dtype)
+        return
     handle = stream_handle(stream)
     if backend == "torch":
         import torch
@@ -168,9 +172,6 @@ def _cublas_matmul(Ad, Wd, out, stream):
                 torch.matmul(a, w.t(), out=o)
             else:
                 o.copy_(torch.matmul(a, w.t()))
-    elif backend == "host":             # the simulator's arrays wrap NumPy arrays (._ary)
-        a, w, o = (x._ary for x in (Ad, Wd, out))
-        o[...] = (a.astype(np.float32) @ w.astype(np.float32).T).astype(o.dtype)
     elif backend == "cupy":
         import cupy
         a, w, o = (cupy.asarray(x) for x in (Ad, Wd, out))
