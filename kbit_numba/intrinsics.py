@@ -11,7 +11,7 @@ nothing, by the chain of layers in ``tests/test_pair_gemv.py``).
 |--------------|---------------------------------------|------------------------------------------------|
 | ldg128(a, i) | ld.global.nc.v4.u32                   | one 16-byte read-only load of a[i..i+3]        |
 | ldg64(a, i)  | ld.global.nc.v2.u32                   | one 8-byte read-only load of a[i..i+1]         |
-| ldg128_stream / ldg64_stream | ld.global.nc.L1::no_allocate | the same for weights read once (STREAM_HINT) |
+| ldg128_stream, ldg64_stream | ld.global.nc.L1::no_allocate...  | the same for weights read once (STREAM_HINT)  |
 | stg128(...)  | st.global.v4.u32                      | one 16-byte store (coalesced 512 B per warp)   |
 | dp4a(a,b,c)  | dp4a.s32.s32                          | 4 int8 products + add in one instruction       |
 | lop3(a,b,c,L)| lop3.b32 (L a literal truth table)    | any 3-input bitwise function in one instruction|
@@ -91,7 +91,7 @@ def make_ldg(words, hint=""):
 
     @intrinsic
     def ldg(typingctx, arr, index):
-        _check_u32_array(arr, "ldg")
+        _check_u32_array(arr, f"ldg{32 * words}")
         sig = types.UniTuple(types.uint32, words)(arr, index)
 
         def codegen(context, builder, sig, args):
@@ -747,14 +747,14 @@ def py_f16x2_as_u32(lo, hi):
 # ---------------------------------------------------------------------------------------------
 # The names kernels use
 # ---------------------------------------------------------------------------------------------
-NAMES = ("ldg128", "ldg64", "ldg128_stream", "ldg64_stream", "stg128", "shared_addr", "lds_f32", "lds_u32", "lds128", "lds64", "sts128", "cp_async16",
-         "cp_async4", "cp_async_commit", "cp_async_wait", "griddep_wait", "griddep_launch_dependents", "bar_sync",
-         "ldmatrix_x4", "mma_f16", "mma_bf16", "hmul2", "hfma2", "bmul2", "dp4a", "lop3", "prmt", "rotr", "u32_as_f32",
-         "f32_as_u32", "f16x2_as_u32", "f16_bits_to_f32")
+NAMES = ("ldg128", "ldg64", "ldg128_stream", "ldg64_stream", "stg128", "shared_addr", "lds_f32", "lds_u32", "lds128",
+         "lds64", "sts128", "cp_async16", "cp_async4", "cp_async_commit", "cp_async_wait", "griddep_wait",
+         "griddep_launch_dependents", "bar_sync", "ldmatrix_x4", "mma_f16", "mma_bf16", "hmul2", "hfma2", "bmul2",
+         "dp4a", "lop3", "prmt", "rotr", "u32_as_f32", "f32_as_u32", "f16x2_as_u32", "f16_bits_to_f32")
 PAIRS = {name: (globals()["ptx_" + name], globals()["py_" + name]) for name in NAMES}
 
 _pick = 1 if SIMULATOR else 0
-(ldg128, ldg64, ldg128_stream, ldg64_stream, stg128, shared_addr, lds_f32, lds_u32, lds128, lds64, sts128, cp_async16, cp_async4,
- cp_async_commit, cp_async_wait, griddep_wait, griddep_launch_dependents, bar_sync, ldmatrix_x4, mma_f16, mma_bf16,
- hmul2, hfma2, bmul2, dp4a, lop3, prmt, rotr, u32_as_f32, f32_as_u32, f16x2_as_u32,
+(ldg128, ldg64, ldg128_stream, ldg64_stream, stg128, shared_addr, lds_f32, lds_u32, lds128, lds64, sts128, cp_async16,
+ cp_async4, cp_async_commit, cp_async_wait, griddep_wait, griddep_launch_dependents, bar_sync, ldmatrix_x4, mma_f16,
+ mma_bf16, hmul2, hfma2, bmul2, dp4a, lop3, prmt, rotr, u32_as_f32, f32_as_u32, f16x2_as_u32,
  f16_bits_to_f32) = (PAIRS[n][_pick] for n in NAMES)
