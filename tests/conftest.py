@@ -171,7 +171,8 @@ def pytest_sessionfinish(session, exitstatus):
 def _log_compiles(path):
     """``KBIT_COMPILE_LOG=path`` (a GPU run): every kernel specialisation this process compiles (not found in memory
     or in the on-disk cache) is appended to ``path.<pid>`` as one tab-separated line: seconds, the running test,
-    the kernel, a hash of its cache key (the same specialisation compiled by two workers has the same one). ``benchmarks/compile_log.py`` sums them per test: where a cold suite's time goes."""
+    the kernel, a hash of its cache key (the same specialisation compiled by two workers has the same one).
+    ``benchmarks/compile_log.py`` sums them per test: where a cold suite's time goes."""
     import hashlib
     import time
     from numba.core import sigutils
