@@ -400,8 +400,8 @@ def py_griddep_launch_dependents():
 
 def py_cp_async16(dst, dst_addr, src, src_index, src_bytes):
     d, i = _shared_index(dst_addr), int(src_index)
-    for j in range(4):
-        dst[d + j] = src[i + j] if int(src_bytes) else 0
+    for j in range(4):                  # the words' bits, whatever the shared array's 4-byte type
+        _words(dst)[d + j] = src[i + j] if int(src_bytes) else 0
 
 
 def py_cp_async4(dst, dst_addr, src, src_index, src_bytes):

@@ -27,6 +27,9 @@ def test_twins_known_values():
     base = I.SIM_SHARED_BASE                       # the twins' shared window starts there
     assert I.py_lds_u32(np.array([0.0, 1.0], np.float32), base + 4) == 0x3F800000
     assert I.py_lds_f32(np.array([0, 0x3F800000], np.uint32), base + 4) == 1.0
+    staged = np.zeros(8, np.float32)                # cp.async copies bits into any 4-byte shared array
+    I.py_cp_async16(staged, base + 16, np.array([9, 0x3F800000, 7, 5, 3], np.uint32), 1, 16)
+    assert staged.view(np.uint32)[4:8].tolist() == [0x3F800000, 7, 5, 3] and staged[4] == 1.0
     with pytest.raises(IndexError, match="without its base"):       # an offset with no shared_addr added
         I.py_lds_u32(np.array([0.0, 1.0], np.float32), 4)
     assert I.py_hfma2(I.py_f16x2_as_u32(1.5, -2.0), I.py_f16x2_as_u32(2.0, 0.5),
