@@ -1,10 +1,11 @@
 """Sweep the pair gemv's launch knobs on the GPU (CUDA-graph timed, L2-cold, the read floor and cuBLAS fp16
 in the same run):
 
-    python benchmarks/sweep_pair_gemv.py [K x N list] [k] [M list] [f16]
+    python benchmarks/sweep_pair_gemv.py [K x N list] [k] [M list] [f16|fp32] [knob sets]
 
-Knobs: cols (columns per warp per iteration) and cta_warps (warps per CTA aimed at). Prints one row per
-point; the default plan is the first of each shape/M. ``f16``: every point with ``f16_acc=True``.
+Knobs: cols (columns per warp per iteration), cta_warps (warps per CTA aimed at) and stages (of the weight
+ring). Prints one row per point; the default plan is the first of each shape/M. ``f16``: every point with
+``f16_acc=True``. Knob sets (default: ``KNOBS``): e.g. ``"stages=2;stages=4;cols=2,stages=5"``.
 """
 import sys
 
@@ -21,6 +22,9 @@ shapes = [tuple(int(v) for v in s.split("x")) for s in (sys.argv[1] if len(sys.a
                                                          "2048x5120,5120x2048,2048x512,4096x14336").split(",")]
 k = int(sys.argv[2]) if len(sys.argv) > 2 else 4
 ms = [int(v) for v in (sys.argv[3] if len(sys.argv) > 3 else "1,4").split(",")]
+if len(sys.argv) > 5:
+    KNOBS = [dict()] + [{kv.split("=")[0]: int(kv.split("=")[1]) for kv in knob.split(",")}
+                        for knob in sys.argv[5].split(";")]
 if len(sys.argv) > 4 and sys.argv[4] == "f16":
     KNOBS = [dict(kn, f16_acc=True) for kn in KNOBS]
 rng = np.random.default_rng(1)
