@@ -3,10 +3,11 @@ in the same run):
 
     python benchmarks/sweep_pair_gemv.py [K x N list] [k] [M list] [f16|fp32] [knob sets]
 
-Knobs: cols (columns per warp per iteration), cta_warps (warps per CTA aimed at) and stages (of the weight
-ring). Prints one row per point; the default plan is the first of each shape/M. ``f16``: every point with
-``f16_acc=True``. Knob sets (default: ``KNOBS``): e.g. ``"stages=2;stages=4;cols=2,stages=5"``.
+Knobs: cols (columns per warp per iteration) and cta_warps (warps per CTA aimed at). Prints one row per point; the default plan is the first of each shape/M. ``f16``: every point with
+``f16_acc=True``. Knob sets (default: ``KNOBS``): e.g. ``"cols=2;cta_warps=20;cols=2,cta_warps=8"``. ``REPS=3`` in the
+environment times the knob sets in turns three times (drift shows as a spread) and prints the best of each.
 """
+import os
 import sys
 
 import numpy as np
@@ -27,6 +28,7 @@ if len(sys.argv) > 5:
                         for knob in sys.argv[5].split(";")]
 if len(sys.argv) > 4 and sys.argv[4] == "f16":
     KNOBS = [dict(kn, f16_acc=True) for kn in KNOBS]
+REPS = int(os.environ.get("REPS", "1"))
 rng = np.random.default_rng(1)
 print(f"{'K x N':>11} {'M':>2} {'knobs':<28} {'us':>7} {'floor':>6} {'%floor':>6} {'cuBLAS':>7} {'speedup':>7}")
 for K, N in shapes:
@@ -38,8 +40,13 @@ for K, N in shapes:
         out = cuda.device_array((M, N), np.float16)
         floor = bench.floor_us(nbytes + M * K * 2 + M * N * 2)
         cub = bench.cublas_row(K, N, M)
-        for knobs in KNOBS:
-            launches = [pair_gemv.plan(A, kc, out, 0, **knobs).prepare().run for kc in kcs]
-            t = graph_time_us(lambda i, s: launches[i % n](s), n * max(1, 64 // n))
+        times = {}
+        for rep in range(REPS):                 # the knob sets in turns, REPS times: the best of each is printed
+            for j, knobs in enumerate(KNOBS):
+                launches = [pair_gemv.plan(A, kc, out, 0, **knobs).prepare().run for kc in kcs]
+                times.setdefault(j, []).append(graph_time_us(lambda i, s: launches[i % n](s), n * max(1, 64 // n)))
+        for j, knobs in enumerate(KNOBS):
+            t = min(times[j])
             print(f"{K:>5}x{N:<5} {M:>2} {str(knobs):<28} {t:7.2f} {floor:6.2f} {100 * floor / t:6.1f} "
-                  f"{cub or 0:7.2f} {(cub or 0) / t:6.2f}x", flush=True)
+                  f"{cub or 0:7.2f} {(cub or 0) / t:6.2f}x" + (f"   ({' '.join(f'{x:.2f}' for x in times[j])})"
+                                                             if REPS > 1 else ""), flush=True)
