@@ -40,7 +40,7 @@ from numba import cuda
 from numba.cuda.misc.special import literal_unroll
 
 from . import _arrays
-from .core import MAX_M, device_weight, fit_threads, k_warps, persistent_grid
+from .core import MAX_M, device_weight, fit_threads, k_warps, persistent_grid, sm_count
 from .device import (ABSMAX_CODES, CODEBOOK, PRMT_ROW, TABLE_BYTES, TABLE_FLOATS, WARP, e4m4_decode,
                      i32, jit_kernel, make_table_fill, make_warp_reduce_scatter, make_word_unpacker, u32)
 from .formats import ABSMAX_FORMATS, BLOCK, CODES_K, KbitCodes, KbitWeight
@@ -370,6 +370,23 @@ def default_cols(M, N, K):
     return DEFAULTS["small_cols"] if M == 1 and N * K < DEFAULTS["small_weight"] else DEFAULTS["cols"]
 
 
+def whole_rounds(slices, most, N, spec, kw, regs):
+    """The slice count from ``slices`` up to ``most`` whose persistent launch has the least work on its busiest SM,
+    counted in columns: CTAs an SM x slices x rounds (a round: every CTA takes one group of ``slices * cols``
+    columns). A shape whose groups fill the grid's last round only in part pays for the whole round: 2048x5120 at
+    M = 1 has 320 groups of 16 columns for 132 CTAs (three rounds for 2.4), and 10 slices make it 256 groups in two
+    rounds, 3% faster (benchmarks/README.md, wave quantization). Only larger CTAs than the default are tried (fewer
+    warps per SM hide less latency); ties keep the smallest."""
+    best = None
+    for s in range(slices, max(slices, most) + 1):
+        groups = -(-N // (s * spec.cols))
+        grid = persistent_grid(groups, s * kw * WARP, regs, TABLE_BYTES + part_bytes(spec.M, spec.cols, s, kw))
+        cost = -(-grid // sm_count()) * s * -(-groups // grid)
+        if best is None or cost < best[0]:
+            best = (cost, s)
+    return best[1]
+
+
 def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc=False, cols=None, cta_warps=None,
          pdl=False):
     """Checked inputs bound into a :class:`launch.Plan` (one launch). ``kc``: KbitCodes (a KbitWeight is
@@ -394,8 +411,10 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc
     if kw * WARP > max_threads:
         raise ValueError(f"pair gemv with M={M}, cols={spec.cols} fits {max_threads} threads per CTA: K <= "
                          f"{max_threads * BLOCK}, got K={K} (use fewer cols)")
-    slices = max(1, min((cta_warps or DEFAULTS["cta_warps"]) // kw, max_threads // (kw * WARP)))
-    slices = min(slices, -(-N // spec.cols), MAX_SLICES)    # no slice without a column; a barrier each
+    most = min(max_threads // (kw * WARP), -(-N // spec.cols), MAX_SLICES)   # a column and a barrier each
+    slices = max(1, min((cta_warps or DEFAULTS["cta_warps"]) // kw, most))
+    if cta_warps is None:
+        slices = whole_rounds(slices, most, N, spec, kw, regs)
     n_groups = -(-N // (slices * spec.cols))
     shared = TABLE_BYTES + part_bytes(M, spec.cols, slices, kw)
     grid = persistent_grid(n_groups, slices * kw * WARP, regs, shared)
