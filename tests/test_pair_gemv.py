@@ -172,6 +172,27 @@ def test_pair_gemv_refuses():
         KbitCodes(np.zeros(10, np.uint32), np.zeros(2, np.uint8), np.zeros(32, np.float32), 5, (2, 32))
 
 
+def test_whole_rounds_picks_the_slices_with_the_least_work_on_the_busiest_sm(monkeypatch):
+    """The plan's slice count on an H100's 132 SMs (registers as the H100 build has them: 72 at M = 1, cols = 2; 94 at
+    cols = 4): 2048x5120 M = 1 has 320 groups of 16 columns at the default 8 slices (three rounds for 2.4); 10 slices
+    make two whole rounds. 4096x14336 keeps its 4 (5 would take 6 rounds of 20 columns: more than 7 of 16)."""
+    monkeypatch.setattr(pair_gemv, "sm_count", lambda: 132)
+    monkeypatch.setattr(pair_gemv, "persistent_grid", lambda work, threads, regs, shared: min(
+        work, 132 * max(1, min(65536 // (threads * -(-regs // 8) * 8), (228 * 1024) // (shared + 1024)))))
+
+    def pick(K, N, M, regs):
+        kw = -(-K // 1024)
+        spec = pair_gemv.PairGemvSpec(4, M, pair_gemv.default_cols(M, N, K))
+        most = min(65536 // (-(-regs // 8) * 8) // (kw * 32), -(-N // spec.cols), pair_gemv.MAX_SLICES)
+        return pair_gemv.whole_rounds(max(1, min(16 // kw, most)), most, N, spec, kw, regs)
+
+    assert pick(2048, 5120, 1, 72) == 10
+    assert pick(5120, 2048, 1, 72) == 4                   # 342 groups of 6 (3 rounds) -> 256 of 8 (2 rounds)
+    assert pick(4096, 14336, 1, 94) == 4
+    assert pick(4096, 4096, 1, 94) == 4                   # 256 groups, two whole rounds already
+    assert pick(2048, 512, 1, 72) == 8                    # never fewer slices than the default
+
+
 @lru_cache(maxsize=None)
 def _reduce_scatter_kernel(V):
     """A one-warp kernel around ``make_warp_reduce_scatter(V)``: made once per V (each is a compile)."""
