@@ -21,7 +21,7 @@ import numpy as np
 from numba import cuda
 
 from . import _arrays
-from .device import block_max, i32, jit_kernel, make_loader, u32
+from .device import block_max, i32, inlined, jit_kernel, make_loader, u32
 from .formats import INT8_ABSMAX_FLOOR, INT8_MAX, LANES
 from .launch import NUMBA_TYPES, Spec, Step, launch_step, type_name
 
@@ -59,7 +59,7 @@ def make_int8_kernel(spec):
     load = make_loader(a_src)
     qpw = -(-epw // 4) if epw else 1
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def q8(A, base, kk, K, s):
         """The int8 byte of x[kk] (0 past K) in the low 8 bits of a uint32."""
         if kk >= K:

@@ -141,12 +141,12 @@ def _kernel(name, width=0, pdl=False):
     if key not in _KERNELS:
         from numba import cuda, float32, uint32
 
-        from .device import jit_kernel
+        from .device import inlined, jit_kernel
         from .intrinsics import (f16_bits_to_f32, f16x2_as_u32, griddep_launch_dependents, griddep_wait, ldg128,
                                  stg128)
         PDL = pdl
 
-        @cuda.jit(device=True, inline="always")
+        @inlined
         def pdl_start():
             """The pdl build's prologue: let the next kernel start now, then wait for the one before."""
             if PDL:

@@ -27,6 +27,13 @@ _E4M4_SUB_SCALE = np.float32(2.0 ** (1 - E4M4_BIAS) / 16)   # value of one manti
 _E4M4_EXP_OFFSET = u32(127 - E4M4_BIAS)               # E4M4 exponent -> float32 exponent
 
 
+def inlined(fn):
+    """A device function that NVVM inlines into its callers (``forceinline``). Numba's own ``inline="always"``
+    inlines at the Numba-IR level instead: the caller's IR grows before it is typed and unrolled, and a pair
+    gemv's compile took 3-4x as long (benchmarks/README.md). The simulator takes no such option."""
+    return cuda.jit(device=True)(fn) if SIMULATOR else cuda.jit(device=True, forceinline=True)(fn)
+
+
 def jit_kernel(fn, max_registers=None):
     """``cuda.jit`` a kernel, with a register cap where one is asked for (the simulator rejects the
     keyword, and has no registers to cap), and the on-disk kernel cache (``_cache``) on the GPU."""
@@ -39,11 +46,11 @@ def jit_kernel(fn, max_registers=None):
 def make_loader(src):
     """Device function ``load(arr, i) -> float32`` for 'float16', 'float32' or 'bfloat16' (int16 bits)."""
     if src == "bfloat16":
-        @cuda.jit(device=True, inline=True)
+        @inlined
         def load(arr, i):
             return u32_as_f32((u32(arr[i]) & u32(0xFFFF)) << u32(16))
     elif src in ("float16", "float32"):
-        @cuda.jit(device=True, inline=True)
+        @inlined
         def load(arr, i):
             return np.float32(arr[i])
     else:
@@ -56,24 +63,24 @@ def make_word_unpacker(src):
     """(unpack(word, e) -> float32 element e of a uint32 word, elements per word) for arrays read as
     uint32 words: two float16 or bfloat16 values (element 0 in the low half) or one float32."""
     if src == "float32":
-        @cuda.jit(device=True, inline=True)
+        @inlined
         def unpack(word, e):
             return u32_as_f32(word)
         return unpack, 1
     if src == "float16":
-        @cuda.jit(device=True, inline=True)
+        @inlined
         def unpack(word, e):
             return f16_bits_to_f32(word >> u32(16 * e))
         return unpack, 2
     if src == "bfloat16":
-        @cuda.jit(device=True, inline=True)
+        @inlined
         def unpack(word, e):
             return u32_as_f32(word << u32(16) if e == 0 else word & u32(0xFFFF0000))
         return unpack, 2
     raise ValueError(f"unknown element type {src!r}")
 
 
-@cuda.jit(device=True, inline=True)
+@inlined
 def f32_to_bf16_bits(v):
     """float32 -> bfloat16 bits in the low half of a uint32, rounded to nearest even (finite values).
     Twin: ``reference.float32_to_bf16_bits``."""
@@ -81,7 +88,7 @@ def f32_to_bf16_bits(v):
     return (u + u32(0x7FFF) + ((u >> u32(16)) & u32(1))) >> u32(16)
 
 
-@cuda.jit(device=True, inline=True)
+@inlined
 def e4m4_decode(byte):
     """uint8 E4M4 -> float32: built from bits for e > 0, m * 2**-14 for e = 0."""
     b = u32(byte)
@@ -91,7 +98,7 @@ def e4m4_decode(byte):
     return normal if e != u32(0) else np.float32(m) * _E4M4_SUB_SCALE
 
 
-@cuda.jit(device=True, inline=True)
+@inlined
 def e4m4_encode(v):
     """float32 >= 0 -> uint8 E4M4, the same rule as formats.e4m4_encode (half-even, clamped)."""
     bits = f32_as_u32(v)
@@ -117,7 +124,7 @@ def e4m4_encode(v):
     return np.uint8((u32(eb) << u32(4)) | m)
 
 
-@cuda.jit(device=True, inline=True)
+@inlined
 def warp_max(v):
     """Max over the 32 lanes (butterfly: every lane ends with the result)."""
     for off in (16, 8, 4, 2, 1):
@@ -125,7 +132,7 @@ def warp_max(v):
     return v
 
 
-@cuda.jit(device=True, inline=True)
+@inlined
 def tiled_block(n, kb_all, N):
     """Tiled layout: index of the (column, block) slot, i.e. tile*256 + col*2 + kb.
     Word offset = slot * k + bit; absmax offset = slot (formats.tiled_word_index)."""
@@ -134,7 +141,7 @@ def tiled_block(n, kb_all, N):
     return tile * i32(2 * TILE_N) + (n % i32(TILE_N)) * i32(2) + (kb_all & i32(1))
 
 
-@cuda.jit(device=True, inline=True)
+@inlined
 def slot_expert(offsets):
     """The expert a CTA of a grouped (MoE) launch runs, or -1: blockIdx.y is a slot. With gridDim.y = E slots,
     slot e is expert e. With fewer (T < E rows: a decode step, where most experts have no row) slot y is row
@@ -157,7 +164,7 @@ def slot_expert(offsets):
     return expert
 
 
-@cuda.jit(device=True, inline=True)
+@inlined
 def block_max(v, scratch):
     """Max of ``v`` over the CTA (every thread must call it; ``scratch`` is a float32 shared array of at
     least 32 slots). Every thread gets the result."""
@@ -180,7 +187,7 @@ def make_cta_sum(M):
     the CTA (the "K split across warps" reduction of the lane-per-column kernels); afterwards acc of
     warp 0's lanes holds the totals. ``part`` is a shared array [n_warps, 32, M] of acc's dtype."""
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def cta_sum(acc, part):
         lane = cuda.threadIdx.x % WARP
         warp = cuda.threadIdx.x // WARP
@@ -199,7 +206,7 @@ _I2F_MAGIC = i32(0x4B400000)          # the float 1.5 * 2**23: its low 22 mantis
 _I2F_MAGIC_F = np.float32(12582912.0)
 
 
-@cuda.jit(device=True, inline=True)
+@inlined
 def small_int_to_f32(x):
     """float32(x) for an int32 |x| < 2**22, exactly, with an integer add and a float subtract: both
     full-rate, where the I2F conversion runs at a quarter of the FMA rate on sm_80/sm_90."""
@@ -218,7 +225,7 @@ def make_warp_reduce_scatter(V):
     V_LOG = V.bit_length() - 1
     assert 1 << V_LOG == V and V <= WARP
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def reduce_scatter(acc, lane):
         half = V
         for step in range(V_LOG):
@@ -282,7 +289,7 @@ def make_table_fill(k, entry_type):
     N_CODES = 1 << k
     bf16 = entry_type == "bfloat16"
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def fill(smem, cb, tid):
         if tid < u32(N_CODES):
             smem[u32(CODEBOOK) + tid] = cb[tid]

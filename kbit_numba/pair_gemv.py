@@ -42,8 +42,8 @@ from numba.cuda.misc.special import literal_unroll
 
 from . import _arrays
 from .core import MAX_M, device_weight, fit_threads, k_warps, persistent_grid, sm_count
-from .device import (ABSMAX_CODES, CODEBOOK, PRMT_ROW, TABLE_BYTES, TABLE_FLOATS, WARP, e4m4_decode,
-                     i32, jit_kernel, make_table_fill, make_warp_reduce_scatter, make_word_unpacker, u32)
+from .device import (ABSMAX_CODES, CODEBOOK, PRMT_ROW, TABLE_BYTES, TABLE_FLOATS, WARP, e4m4_decode, i32, inlined,
+                     jit_kernel, make_table_fill, make_warp_reduce_scatter, make_word_unpacker, u32)
 from .formats import ABSMAX_FORMATS, BLOCK, CODES_K, KbitCodes, KbitWeight
 from .intrinsics import (SIMULATOR, bar_sync, f16_bits_to_f32, griddep_launch_dependents, griddep_wait, hfma2, ldg128,
                          ldg64_stream, ldg128_stream, lds64, lds128, lds_u32, prmt, shared_addr, u32_as_f32)
@@ -116,7 +116,7 @@ def make_pair_gemv_kernel(spec):
     reduce_scatter = make_warp_reduce_scatter(V)
     ROWS = tuple(range(M))
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def load_columns(packed, absmax, n0, kb, last4, n_kb, codes, code_absmax):
         """Issue the loads of columns n0 .. n0+NCOL-1 of this lane's block (k words in one 16- or 8-byte
         load, and the absmax) into codes / code_absmax. The code words are read once: their loads skip L1
@@ -139,7 +139,7 @@ def make_pair_gemv_kernel(spec):
             code_absmax[c] = absmax[u32(i4 >> u32(2))]
             w4 = u32(w4 + u32(n_kb * u32(4)))
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def decode_columns(smem, table, lane_off, codes, code_absmax, a, ah, acc):
         """acc[c * M + m] = this lane's block of column c (codes[c, :], absmax code_absmax[c]) dotted with
         its activations of row m: one prmt and one shared load per code byte, G * M FMAs
@@ -189,7 +189,7 @@ def make_pair_gemv_kernel(spec):
                     s[m] = f16_bits_to_f32(hs[m]) + f16_bits_to_f32(hs[m] >> u32(16))
                 acc[c * M + m] = s[m] * scale
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def reduce_columns(smem, acc, lane, part, flip, sl, kw, slice_tid, n_first, out, N):
         """Sum acc over the slice's K-warps: a warp reduce-scatter, one partial per (warp, value) into the
         shared buffer half ``flip`` (double-buffered: one barrier per iteration), then one thread per

@@ -41,8 +41,8 @@ from numba.cuda.misc.special import literal_unroll
 from . import _arrays
 from .core import (MAX_M, check_grouped, device_weight, fit_threads, k_warps, max_tokens_per_expert, sm_count,
                    unused_i32)
-from .device import (WARP, e4m4_decode, i32, jit_kernel, make_warp_reduce_scatter, make_word_unpacker, slot_expert,
-                     tiled_block, u32)
+from .device import (WARP, e4m4_decode, i32, jit_kernel, make_warp_reduce_scatter, make_word_unpacker,
+                     slot_expert, tiled_block, u32)
 from .formats import ABSMAX_FORMATS, BLOCK, K_BITS, LAYOUTS, MAX_CODES, KbitWeight, check_k, padded_k
 from .intrinsics import BYTE_ONES, ldg64, ldg128, lds_f32, prmt, shared_addr, u32_as_f32
 from .launch import NUMBA_TYPES, OUT_TYPES, Plan, Spec, Step, type_name
@@ -117,7 +117,7 @@ def make_gemv_kernel(spec):
     COL_IDX = tuple(range(NCOL))                   # literal_unroll(COL_IDX/ROWS): loops fully unrolled,
     ROWS = tuple(range(M))                         # so per-column registers never spill to local memory
 
-    @cuda.jit(device=True, inline="always")
+    @cuda.jit(device=True, inline="always")     # (inlined by NVVM instead, its buffers went to local memory at k = 2)
     def load_group(packed, absmax, g, first_slot, kb, active, N, n_kb, nxt, nxt_absmax):
         """Issue the loads of column group g: this lane's block of each of its NCOL columns (k plane
         words in one 16- or 8-byte load where k allows, and the absmax) into nxt / nxt_absmax."""

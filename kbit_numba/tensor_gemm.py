@@ -52,7 +52,7 @@ from numba import cuda
 
 from . import _arrays
 from .core import check_grouped, device_weight, max_tokens_per_expert, sm_count, unused_i32
-from .device import WARP, e4m4_decode, f32_to_bf16_bits, i32, jit_kernel, u32
+from .device import WARP, e4m4_decode, f32_to_bf16_bits, i32, inlined, jit_kernel, u32
 from .formats import ABSMAX_FORMATS, BLOCK, CODES_K, K_BITS, TILE_K, TILE_N, KbitCodes, KbitWeight, check_k, padded_k
 from .launch import NUMBA_TYPES, OUT_TYPES, Plan, Spec, Step, type_name
 from .intrinsics import (LOP3_AND_OR, bmul2, cp_async4, cp_async16, cp_async_commit, cp_async_wait,
@@ -112,9 +112,9 @@ def py_a_fragment_word(lane, mt, kb, s):
             + i32(16) * i32(kb) + i32(8) * i32(s) + (lane >> i32(4)) * i32(4))
 
 
-b_fragment = cuda.jit(device=True, inline="always")(py_b_fragment)
-c_fragment = cuda.jit(device=True, inline="always")(py_c_fragment)
-a_fragment_word = cuda.jit(device=True, inline="always")(py_a_fragment_word)
+b_fragment = inlined(py_b_fragment)
+c_fragment = inlined(py_c_fragment)
+a_fragment_word = inlined(py_a_fragment_word)
 
 
 def _absmax_words(absmax_format, layout, am_chunk=False):
@@ -230,14 +230,14 @@ def make_gemm_kernel(spec):
     mul2 = bmul2 if bf16 else hmul2
     f16_out = np.dtype(out_dtype) == np.float16
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def half_bits(v):
         """float32 -> the 16-bit pattern of the MMA input type (round to nearest even)."""
         if bf16:
             return f32_to_bf16_bits(v)
         return f16x2_as_u32(np.float16(v), np.float16(0))
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def aligned_base(arr, align):
         """(shared address, word offset) of the first ``align``-byte boundary in ``arr``. (A shared array's
         ``alignment=4096`` did not give a 4096-byte aligned address on the H100: the k = 5 table broke.)"""
@@ -245,13 +245,13 @@ def make_gemm_kernel(spec):
         b = (a + u32(align - 1)) & ~u32(align - 1)
         return u32(b), i32((b - a) >> u32(2))
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def chunk_addr(sh_base, kt):
         """am_chunk: the shared byte address of the ring slot of K tile kt's absmax chunk (after the stages)."""
         return (sh_base + u32(4 * STAGES * STAGE_WORDS)
                 + u32(16 * BN) * u32((kt >> i32(AM_CHUNK_SHIFT)) & i32(1)))
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def stage(A, packed, absmax, sh, sh_base, kt, slot, w_tile, m0, m_end, N, K, tid):
         """cp.async K tile kt into pipeline slot ``slot``: rows m0 .. m0+BM-1 of A (zeros from m_end and
         K on), then the plane and absmax words of weight tile ``w_tile`` (contiguous in the tiled layout;
@@ -307,7 +307,7 @@ def make_gemm_kernel(spec):
             cp_async16(sh, base + u32(4 * (A_WORDS + W_WORDS)) + u32(16) * u32(tid), absmax,
                        w_tile * i32(AM_WORDS) + i32(4) * tid, u32(16))
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def pair_addresses(wv, j, kb, pm, realign, tb, addr):
         """addr[q]: shared byte address in the pair table of this lane's element pair 8q+2t, 8q+2t+1 of
         block kb of its column j (pm[b]: the lane's mask of plane b once rotated left by 2b; realign:
@@ -326,7 +326,7 @@ def make_gemm_kernel(spec):
                 a = lop3(yq, u32(HIGH_MASK), a, LOP3_AND_OR)
             addr[q] = a
 
-    @cuda.jit(device=True, inline="always")
+    @inlined
     def code_addresses(wv, j, kb, rot0, rot1, tb, addr):
         """The code layout: addr[q] = the pair table address of this lane's pair 8q+2t, 8q+2t+1 of block kb
         of its column j (rot0, rot1: the rotations of fields at bit 2tk and 2tk + 16, minus 2)."""

@@ -42,7 +42,7 @@ from numba import cuda
 from . import _arrays
 from .act_quant import int8_step
 from .core import MAX_M, device_weight, fit_threads, sm_count
-from .device import F32_MAX, FULL_MASK, WARP, block_max, i32, jit_kernel, make_loader, small_int_to_f32, u32
+from .device import inlined, F32_MAX, FULL_MASK, WARP, block_max, i32, jit_kernel, make_loader, small_int_to_f32, u32
 from .formats import LANES, UNIFORM_BITS, UNIFORM_GROUPS, UniformWeight, uniform_elements_per_word
 from .intrinsics import BYTE_ONES, dp4a, f16_bits_to_f32, u32_as_f32
 from .launch import NUMBA_TYPES, OUT_TYPES, Plan, Spec, Step, type_name
@@ -117,7 +117,7 @@ def make_uniform_gemv(spec):
     A_REGS = WPL * (QPW if int8 else epw)
     A_DTYPE = np.uint32 if int8 else np.float32
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def scale_zero(sz, n, row, n_groups):
         """(scale, zero) of the group holding K row ``row`` (of 32 values) of column n."""
         if per_tensor:
@@ -126,7 +126,7 @@ def make_uniform_gemv(spec):
             p = sz[n * n_groups + min(row // GR, n_groups - 1)]
         return f16_bits_to_f32(p), f16_bits_to_f32(p >> u32(16))
 
-    @cuda.jit(device=True, inline=True)
+    @inlined
     def quad(word, s4):
         """Values 4*s4 .. 4*s4+3 of a weight word in the 4 bytes of a uint32 (0 past epw)."""
         x = u32(0)
