@@ -5,7 +5,8 @@ from hypothesis import given, settings, strategies as st
 
 import kbit_numba as kb
 from kbit_numba import reference as ref
-from kbit_numba.calibrate import fit_codebook, quantize_gptq
+from kbit_numba.reference import unpack_bitplanes
+from kbit_numba.calibrate import E4M4_VALUES, fit_codebook, output_error, quantize_gptq, refit_scales
 from helpers import EXAMPLES, PTX_ONLY, ks, seeds
 
 pytestmark = pytest.mark.skipif(PTX_ONLY, reason="not a PTX check")
@@ -41,6 +42,31 @@ def test_gptq_bytes_are_kbit_and_lower_the_output_error(k):
             assert qw.nbytes == ref.quantize(W, k=k).nbytes
             Wq = ref.dequantize(qw)                 # the format's own decoder reads the bytes
             assert out_err(Wq) < 0.9 * out_err(rtn), (act_order, scale_search)
+
+
+@pytest.mark.parametrize("k", [2, 3, 4, 5])
+def test_refined_scales_lower_the_output_error(k):
+    """refit_scales never raises any row's output error, and quantize_gptq(refine=2) ends below refine=0 (it keeps
+    the best round) on correlated inputs, in the same bytes."""
+    rng = np.random.default_rng(10 + k)
+    N, K = 24, 128
+    W = rng.standard_normal((N, K))
+    X = _inputs(rng, 500, K) * np.exp(rng.standard_normal(K))      # inputs of unequal energy, as a layer's are
+    H = X.T @ X
+    cb = kb.codebook(k).astype(np.float64)
+
+    def error(qw):                                        # in float64 (ref.dequantize rounds to float32)
+        idx = unpack_bitplanes(qw.packed.reshape(-1, k), k).reshape(N, K)
+        return idx, output_error(W, cb[idx] * np.repeat(E4M4_VALUES[qw.absmax.reshape(N, -1)], 32, axis=1), H)
+
+    q0 = quantize_gptq(W, H, k=k)
+    idx, e0 = error(q0)                                   # GPTQ's indices, held while the scales move
+    absmax = refit_scales(W, idx, q0.absmax.reshape(N, -1), cb, H)
+    e1 = output_error(W, cb[idx] * np.repeat(E4M4_VALUES[absmax], 32, axis=1), H)
+    assert np.all(e1 <= e0 * (1 + 1e-9)) and e1.sum() < 0.99 * e0.sum()
+    q2 = quantize_gptq(W, H, k=k, refine=2)
+    assert q2.nbytes == q0.nbytes and q2.absmax.dtype == np.uint8
+    assert error(q2)[1].sum() < e0.sum()
 
 
 def test_gptq_without_correlations_is_round_to_nearest():

@@ -131,15 +131,16 @@ def test_torch_path_replaces_the_linears_through_quantize_model():
 
 def test_gptq_two_fold_runs_every_variant_on_a_tiny_bert():
     """gptq_two_fold on a tiny random BERT: each half of the sentences is embedded (unit norm) by weights
-    calibrated on the other half, and every variant (scale search, activation order, sequential) runs."""
+    calibrated on the other half, and every variant (scale search, activation order, sequential, refined scales)
+    runs."""
     rng = np.random.default_rng(4)
     p = _tiny_bert(rng, H=96, I=192)                  # (K a multiple of the kbit block, H of the 12 heads)
     names = [f"encoder.layer.{i}.{n}" for i in range(sum(1 for k in p if k.endswith("query.weight")))
              for n in F.LINEARS]
     ids = rng.integers(4, 20, size=(6, 5))
     mask = np.ones(ids.shape, np.float32)
-    for search, act, seq in ((False, False, False), (True, True, True)):
-        E, weights, nbytes = F.gptq_two_fold(p, ids, mask, names, 4, 0.1, search, act, seq)
+    for search, act, seq, refine in ((False, False, False, 0), (True, True, True, 1)):
+        E, weights, nbytes = F.gptq_two_fold(p, ids, mask, names, 4, 0.1, search, act, seq, refine=refine)
         assert E.shape == (6, p["embeddings.word_embeddings.weight"].shape[1])
         assert np.allclose(np.linalg.norm(E, axis=1), 1, atol=1e-5)
         assert set(weights) == set(names) and nbytes == sum(p[n + ".weight"].size for n in names) // 32 * 17
