@@ -87,7 +87,6 @@ def refit_scales(W, idx, absmax, cb, H, sweeps=2):
     C = cb[idx].astype(np.float64)                          # codebook values, [N, K]
     s = E4M4_VALUES[absmax]                                  # [N, nb]
     R = (W - C * np.repeat(s, BLOCK, axis=1)) @ H            # H (w - q) per row
-    rows = np.arange(N)
     for _ in range(sweeps):
         for b in range(K // BLOCK):
             cols = slice(b * BLOCK, (b + 1) * BLOCK)
@@ -108,7 +107,7 @@ def refit_scales(W, idx, absmax, cb, H, sweeps=2):
             moved = delta != 0
             if np.any(moved):
                 R[moved] -= (delta[moved, None] * Cb[moved]) @ H[cols, :]
-                s[rows[moved], b] = E4M4_VALUES[best_byte[moved]]
+                s[moved, b] = E4M4_VALUES[best_byte[moved]]
                 absmax[:, b] = best_byte.astype(np.uint8)
     return absmax
 
@@ -141,13 +140,11 @@ def quantize_gptq(W, hessian, k=4, damp=0.1, act_order=True, scale_search=True, 
     if act_order:
         b, s = _scales(W.reshape(-1, BLOCK), cb, factors)
         absmax[:], scale[:] = b.reshape(N, -1), s.reshape(N, -1)
-    Hd = H
     U = np.linalg.cholesky(np.linalg.inv(H[np.ix_(order, order)])).T   # upper Cholesky of H^-1: the feedback
-    W0 = W
 
     def gptq_pass(fixed):
         """GPTQ over the columns in ``order``: indices [N, K] (and, unless ``fixed``, the block scales)."""
-        Wo = W0[:, order].copy()
+        Wo = W[:, order].copy()
         idx = np.zeros((N, K), np.uint8)
         for j in range(K):
             col, blk = order[j], order[j] // BLOCK
@@ -161,12 +158,12 @@ def quantize_gptq(W, hessian, k=4, damp=0.1, act_order=True, scale_search=True, 
         return idx
 
     def error(idx):
-        return output_error(W0, cb[idx] * np.repeat(scale, BLOCK, axis=1), Hd).sum()
+        return output_error(W, cb[idx] * np.repeat(scale, BLOCK, axis=1), H).sum()
 
     idx = gptq_pass(act_order)
     best = (error(idx), idx, absmax.copy())
     for _ in range(refine):                          # scales for these indices, then indices for those scales
-        absmax[:] = refit_scales(W0, idx, absmax, cb, Hd)
+        absmax[:] = refit_scales(W, idx, absmax, cb, H)
         scale[:] = E4M4_VALUES[absmax]
         for candidate in (idx, gptq_pass(True)):
             e = error(candidate)
