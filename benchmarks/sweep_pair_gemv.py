@@ -3,9 +3,10 @@ in the same run):
 
     python benchmarks/sweep_pair_gemv.py [K x N list] [k] [M list] [f16|fp32] [knob sets]
 
-Knobs: cols (columns per warp per iteration) and cta_warps (warps per CTA aimed at). Prints one row per point; the default plan is the first of each shape/M. ``f16``: every point with
-``f16_acc=True``. Knob sets (default: ``KNOBS``): e.g. ``"cols=2;cta_warps=20;cols=2,cta_warps=8"``. ``REPS=3`` in the
-environment times the knob sets in turns three times (drift shows as a spread) and prints the best of each.
+Knobs: cols (columns per warp per iteration) and cta_warps (warps per CTA aimed at). Prints one row per
+point; the default plan is the first of each shape/M. ``f16``: every point with ``f16_acc=True``. Knob sets
+(default: ``KNOBS``): e.g. ``"cols=2;cta_warps=20;cols=2,cta_warps=8"``. ``REPS=3`` in the environment times
+the knob sets in turns three times (drift shows as a spread) and prints the best of each.
 """
 import os
 import sys

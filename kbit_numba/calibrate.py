@@ -161,7 +161,7 @@ def quantize_gptq(W, hessian, k=4, damp=0.1, act_order=True, scale_search=True, 
         return output_error(W, cb[idx] * np.repeat(scale, BLOCK, axis=1), H).sum()
 
     idx = gptq_pass(act_order)
-    best = (error(idx), idx, absmax.copy())
+    best = (error(idx) if refine else 0.0, idx, absmax.copy())
     for _ in range(refine):                          # scales for these indices, then indices for those scales
         absmax[:] = refit_scales(W, idx, absmax, cb, H)
         scale[:] = E4M4_VALUES[absmax]

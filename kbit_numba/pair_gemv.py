@@ -378,11 +378,11 @@ def whole_rounds(slices, most, N, spec, kw, regs):
     M = 1 has 320 groups of 16 columns for 132 CTAs (three rounds for 2.4), and 10 slices make it 256 groups in two
     rounds, 3% faster (benchmarks/README.md, wave quantization). Only larger CTAs than the default are tried (fewer
     warps per SM hide less latency); ties keep the smallest."""
-    best = None
-    for s in range(slices, max(slices, most) + 1):
+    best, sms = None, sm_count()
+    for s in range(slices, most + 1):
         groups = -(-N // (s * spec.cols))
         grid = persistent_grid(groups, s * kw * WARP, regs, TABLE_BYTES + part_bytes(spec.M, spec.cols, s, kw))
-        cost = -(-grid // sm_count()) * s * -(-groups // grid)
+        cost = -(-grid // sms) * s * -(-groups // grid)
         if best is None or cost < best[0]:
             best = (cost, s)
     return best[1]

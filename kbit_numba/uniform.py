@@ -42,7 +42,7 @@ from numba import cuda
 from . import _arrays
 from .act_quant import int8_step
 from .core import MAX_M, device_weight, fit_threads, sm_count
-from .device import inlined, F32_MAX, FULL_MASK, WARP, block_max, i32, jit_kernel, make_loader, small_int_to_f32, u32
+from .device import F32_MAX, FULL_MASK, WARP, block_max, i32, inlined, jit_kernel, make_loader, small_int_to_f32, u32
 from .formats import LANES, UNIFORM_BITS, UNIFORM_GROUPS, UniformWeight, uniform_elements_per_word
 from .intrinsics import BYTE_ONES, dp4a, f16_bits_to_f32, u32_as_f32
 from .launch import NUMBA_TYPES, OUT_TYPES, Plan, Spec, Step, type_name

@@ -5,7 +5,6 @@ from hypothesis import given, settings, strategies as st
 
 import kbit_numba as kb
 from kbit_numba import reference as ref
-from kbit_numba.reference import unpack_bitplanes
 from kbit_numba.calibrate import E4M4_VALUES, fit_codebook, output_error, quantize_gptq, refit_scales
 from helpers import EXAMPLES, PTX_ONLY, ks, seeds
 
@@ -56,7 +55,7 @@ def test_refined_scales_lower_the_output_error(k):
     cb = kb.codebook(k).astype(np.float64)
 
     def error(qw):                                        # in float64 (ref.dequantize rounds to float32)
-        idx = unpack_bitplanes(qw.packed.reshape(-1, k), k).reshape(N, K)
+        idx = ref.unpack_bitplanes(qw.packed.reshape(-1, k), k).reshape(N, K)
         return idx, output_error(W, cb[idx] * np.repeat(E4M4_VALUES[qw.absmax.reshape(N, -1)], 32, axis=1), H)
 
     q0 = quantize_gptq(W, H, k=k)
