@@ -41,7 +41,7 @@ from numba import cuda
 from . import _arrays
 from .core import check_grouped, device_weight, fit_threads, max_tokens_per_expert, persistent_grid, unused_i32
 from .device import (CODEBOOK, PRMT_ROW, TABLE_BYTES, TABLE_FLOATS, WARP, e4m4_decode, f32_to_bf16_bits, i32,
-                     inlined, jit_kernel, make_table_fill, slot_expert, u32)
+                     jit_kernel, make_table_fill, slot_expert, u32)
 from .formats import ABSMAX_FORMATS, BLOCK, CODES_K, KbitCodes
 from .intrinsics import (bmul2, f16x2_as_u32, griddep_launch_dependents, griddep_wait, hmul2, ldg128, lds64,
                          lds_u32, mma_bf16, mma_f16, prmt, shared_addr, u32_as_f32)
@@ -60,6 +60,11 @@ PART = CODEBOOK + 16              # float offset of the cross-warp partial C til
 TILE = STRIP * MAX_TOKENS         # floats of one warp's partial C tile
 MMA_TYPES = ("float16", "bfloat16")
 DEFAULTS = {"cta_warps": 16}      # warps per CTA the plan aims for (the table is filled once per CTA)
+
+# This kernel's own helpers are inlined by Numba's IR inliner, not by NVVM like device.py's (device.inlined): with
+# NVVM's the kernel ran 0.5-3.4% slower at M = 1..8 (8.5% at 2048x5120, M = 8; H100, benchmarks/README.md
+# "Compile time"), for a compile about twice as fast.
+ir_inlined = cuda.jit(device=True, inline="always")
 
 
 @dataclass(frozen=True)
@@ -102,7 +107,7 @@ def make_mma_gemv_kernel(spec):
     CODE_WORDS = KB_LANE * k                       # a lane's code words per column (its two blocks)
     A_WORDS = BLOCK // 2                           # a block's activation words (two values each)
 
-    @inlined
+    @ir_inlined
     def pair_bits(v):
         """float32 -> the value twice, packed in the MMA's type."""
         if bf16:
@@ -110,7 +115,7 @@ def make_mma_gemv_kernel(spec):
             return h | (h << u32(16))
         return f16x2_as_u32(np.float16(v), np.float16(v))
 
-    @inlined
+    @ir_inlined
     def load_strip(packed, absmax, first, n0, kb0, last2, n_kb, codes, am):
         """Issue the loads of this lane's two blocks kb0, kb0 + 1 of columns n0 + g and n0 + g + 8 (g:
         the lane's quad; n0 includes it) of the weight whose blocks start at ``first`` into codes[c, :] /
@@ -126,7 +131,7 @@ def make_mma_gemv_kernel(spec):
             am[c, 0] = absmax[blk]
             am[c, 1] = absmax[u32(blk + u32(1))]
 
-    @inlined
+    @ir_inlined
     def decode_strip(smem, table, lane_off, codes, am, bx, acc):
         """acc = this lane's C fragment (columns g, g + 8 x tokens 2t, 2t + 1) of the strip over its two
         blocks: per MMA, four scaled pairs from the group table."""
@@ -160,7 +165,7 @@ def make_mma_gemv_kernel(spec):
                 acc[0], acc[1], acc[2], acc[3] = mma(a0, a1, a2, a3, bx[b, s, 0], bx[b, s, 1],
                                                      acc[0], acc[1], acc[2], acc[3])
 
-    @inlined
+    @ir_inlined
     def reduce_strip(smem, acc, g, t, tid, part, flip, slices, kw, n_first, out, N, M, row0):
         """Sum the strip's C tiles over the CTA's K-warps: each lane puts its valid values (tokens < M) in
         its warp's tile of the shared buffer half ``flip``, then one thread per (slice, column, token)
@@ -202,7 +207,7 @@ def make_mma_gemv_kernel(spec):
                 out[u32(u32(row0 + tok) * u32(N) + n)] = np.float16(total) if f16_out else total
             i = u32(i + u32(cuda.blockDim.x))
 
-    @inlined
+    @ir_inlined
     def fill_tables(smem, cb, tid):
         """The group table (pairs or quads in the MMA's type) and the E4M4 table."""
         fill_table(smem, cb, tid)
