@@ -47,6 +47,9 @@ DEFAULT_TABLE = {"device": "default", "rules": [[4, "gemv"], [256, "gemm"], [Non
 # (PAIR_GEMV_MAX_ROW_WARPS), else the gemm.
 CODES_RULES = [[2, "pair_gemv"], [8, "mma_gemv"], [64, "gemm"], [None, "dequant_matmul"]]
 PAIR_GEMV_MAX_ROW_WARPS = 32       # M * ceil(K / 1024): M = 4 at K = 14336 (56) spilled, 85 us vs the gemm's 38
+# ... but with float16 block sums (f16_acc) the pair gemv keeps fewer values a lane: at M = 3, 4 on K = 11008 and
+# 14336 (row-warps 33..56) it took 14.1-24.8 us against the gemm's 20.4-32.4 (H100, k = 2 and 4; benchmarks/README.md)
+PAIR_GEMV_MAX_ROW_WARPS_F16 = 56
 
 
 # ---- the per-GPU table ---------------------------------------------------------------------------
@@ -84,14 +87,16 @@ def mma_reads(M, K, half=True):
     return half and mma_gemv.reads(M, K)
 
 
-def choose_rule(M, N, K, layout, table=None, backend=None, half=True):
+def choose_rule(M, N, K, layout, table=None, backend=None, half=True, f16_acc=False):
     """(kernel, launch parameters) that ``linear`` runs for an M x K input and an N x K weight of
     ``layout``. A table rule is ``[max_m, kernel]`` or ``[max_m, kernel, {parameter: value}]``: the
     parameters (e.g. ``{"cols": 2}`` for gemv, ``{"split": 4, "m_tile": 2}`` for gemm) go to that
     kernel's ``plan`` and override its ``DEFAULTS`` table; a fallback kernel runs with its defaults.
     ``backend``: the cuBLAS route ('torch', 'cupy', 'host' on the simulator, or False for none); None asks
     ``matmul_backend()``.
-    ``half``: the activations are float16 or bfloat16 (what the tensor-core gemv takes)."""
+    ``half``: the activations are float16 or bfloat16 (what the tensor-core gemv takes). ``f16_acc``: a pair
+    gemv would sum its blocks in float16 (float16 activations, ``f16_acc`` asked for): it then stays the choice
+    to a longer K at M = 3, 4 (``PAIR_GEMV_MAX_ROW_WARPS_F16``)."""
     table = table or load_table()
     codes = layout == "codes"      # (pair gemv, tensor-core gemv and gemm where K allows, dequantize + cuBLAS)
     rules = (table.get("codes_rules", CODES_RULES) if codes
@@ -101,7 +106,8 @@ def choose_rule(M, N, K, layout, table=None, backend=None, half=True):
     mma_ok = codes and mma_reads(M, K, half)
     if codes and want == "mma_gemv" and not mma_ok and M <= MAX_M:
         want, params = "pair_gemv", {}
-    if codes and want == "pair_gemv" and M <= MAX_M and M * k_warps(K) > PAIR_GEMV_MAX_ROW_WARPS and gemm_ok:
+    most_row_warps = PAIR_GEMV_MAX_ROW_WARPS_F16 if f16_acc else PAIR_GEMV_MAX_ROW_WARPS
+    if codes and want == "pair_gemv" and M <= MAX_M and M * k_warps(K) > most_row_warps and gemm_ok:
         want, params = "gemm", {}
     usable = {"gemv": not codes and M <= MAX_M, "pair_gemv": codes, "mma_gemv": mma_ok, "gemm": gemm_ok,
               "dequant_matmul": bool(backend if backend is not None else matmul_backend())}
@@ -113,9 +119,9 @@ def choose_rule(M, N, K, layout, table=None, backend=None, half=True):
     return "gemv", {}              # any M, in slices of 4 rows
 
 
-def choose(M, N, K, layout, table=None, backend=None, half=True):
+def choose(M, N, K, layout, table=None, backend=None, half=True, f16_acc=False):
     """The kernel ``linear`` runs (see :func:`choose_rule`)."""
-    return choose_rule(M, N, K, layout, table, backend, half)[0]
+    return choose_rule(M, N, K, layout, table, backend, half, f16_acc)[0]
 
 
 # ---- dequantize + cuBLAS ---------------------------------------------------------------------------
@@ -214,7 +220,12 @@ def _rows(A):
 
 def half_input(A, bf16=False):
     """Whether activations ``A`` are float16 (a NumPy, device or torch array) or bfloat16 bits (``bf16``)."""
-    return bool(bf16) or str(A.dtype) in ("float16", "torch.float16")
+    return bool(bf16) or f16_input(A, bf16)
+
+
+def f16_input(A, bf16=False):
+    """Whether activations ``A`` are float16 (what the pair gemv's float16 block sums take)."""
+    return not bf16 and str(A.dtype) in ("float16", "torch.float16")
 
 
 def plan(A, qw, out=None, stream=None, workspace=None, out_dtype=np.float16, bf16=False, kernel=None,
@@ -230,7 +241,8 @@ def plan(A, qw, out=None, stream=None, workspace=None, out_dtype=np.float16, bf1
     N, K = qw.shape
     params = dict(params or {})
     if kernel is None:
-        kernel, params = choose_rule(M, N, K, qw.layout, table, half=half_input(A, bf16))
+        kernel, params = choose_rule(M, N, K, qw.layout, table, half=half_input(A, bf16),
+                                     f16_acc=f16_acc and f16_input(A, bf16))
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     if kernel in ("gemv", "pair_gemv", "mma_gemv") and (kernel != "gemv") != (qw.layout == "codes"):
@@ -343,10 +355,10 @@ class KbitLinear:
         """The flat copy for the scalar GEMV when one is kept, else the (tiled) weight."""
         return self.flat_weight if kernel == "gemv" and self.flat_weight is not None else self.weight
 
-    def kernel_for(self, M, half=True):
-        """The kernel a call with M rows runs (``half``: float16 or bfloat16 activations)."""
+    def kernel_for(self, M, half=True, bf16=False):
+        """The kernel a call with M rows runs (``half``: float16 or bfloat16 activations; ``bf16``: bfloat16)."""
         N, K = self.weight.shape
-        return choose(M, N, K, self.weight.layout, self.table, half=half)
+        return choose(M, N, K, self.weight.layout, self.table, half=half, f16_acc=self.f16_acc and half and not bf16)
 
     def __call__(self, A, out=None, stream=None, out_dtype=np.float16, bf16=False, kernel=None):
         return self.plan(A, out, stream, out_dtype, bf16, kernel).launch()
@@ -358,13 +370,12 @@ class KbitLinear:
         if kernel is None:
             N, K = self.weight.shape
             kernel, params = choose_rule(_rows(_arrays.check_array(A, "A")), N, K, self.weight.layout, self.table,
-                                         half=half_input(A, bf16))
+                                         half=half_input(A, bf16), f16_acc=self.f16_acc and f16_input(A, bf16))
         if self.pdl and kernel in ("pair_gemv", "mma_gemv"):
             params = dict(params, pdl=True)
         # f16_acc sums in float16 only float16 activations; float32 and bfloat16 ones keep float32 sums
         # (and only in the pair gemv: the gemm's MMAs have no such option)
-        f16_acc = (self.f16_acc and kernel == "pair_gemv" and not bf16
-                   and str(A.dtype) in ("float16", "torch.float16"))
+        f16_acc = self.f16_acc and kernel == "pair_gemv" and f16_input(A, bf16)
         return plan(A, self._weight_for(kernel), out, stream, self.workspace, out_dtype, bf16, kernel,
                     self.table, f16_acc, params)
 

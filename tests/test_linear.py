@@ -12,6 +12,7 @@ from helpers import (EXAMPLES, gpu_examples, gpu_split, kbit_weight, Out, out_mo
                      sizes, variants)
 from test_gemm import check_close
 from test_gemv import _activations
+from test_pair_gemv import check_close_f16_acc
 
 TABLE = {"device": "test", "rules": [[4, "gemv"], [64, "gemm"], [None, "dequant_matmul"]],
          "shapes": {"256x128": [[2, "gemv"], [None, "gemm"]]}}
@@ -34,6 +35,10 @@ def test_choose_follows_rules_shapes_and_fallbacks():
     # K > 8192 (no tensor-core gemv): the pair gemv where its registers fit, else the gemm
     assert [ch(M, K=14336, layout="codes") for M in (2, 3, 4, 8)] == ["pair_gemv", "gemm", "gemm", "gemm"]
     assert [ch(M, K=8256, layout="codes") for M in (3, 4)] == ["pair_gemv", "gemm"]
+    # ... with float16 block sums (f16_acc) the pair gemv keeps M = 3, 4 to K = 14336 (M * ceil(K / 1024) <= 56)
+    f16 = lambda M, K: L.choose(M, 512, K, "codes", TABLE, "torch", f16_acc=True)  # noqa
+    assert [f16(M, 14336) for M in (2, 3, 4, 5)] == ["pair_gemv"] * 3 + ["gemm"]
+    assert [f16(M, 16384) for M in (3, 4)] == ["pair_gemv", "gemm"]
     # float32 activations (the tensor-core gemv takes 16-bit ones): the pair gemv to M = 4, then the gemm
     assert [L.choose(M, 512, 64, "codes", TABLE, "torch", half=False) for M in (3, 4, 5)] == ["pair_gemv"] * 2 + ["gemm"]
 
@@ -159,6 +164,20 @@ def test_kbit_linear_mid_m_runs_the_tensor_core_gemv(M):
     assert layer.kernel_for(M, half=False) == ("pair_gemv" if M <= 4 else "gemm")
     A32 = rng.standard_normal((M, flat.shape[1])).astype(np.float32)
     check_close(layer(A32, out_dtype=np.float32).copy_to_host(), A32, flat)
+
+
+@pytest.mark.skipif(SIM, reason="K = 14336 is slow on the simulator (the rule itself: test_choose_follows_rules...)")
+@pytest.mark.parametrize("M", [3, 4])
+def test_kbit_linear_f16_acc_keeps_the_pair_gemv_on_long_k(M):
+    """K > 8192 at M = 3, 4 (a llama3-8b down projection): with f16_acc and float16 activations the pair gemv,
+    which is faster there than the gemm (H100); bfloat16 activations (float32 sums) take the gemm."""
+    rng = np.random.default_rng(30 + M)
+    flat = ref.quantize(random_weight(rng, 200, 14336), k=4)
+    layer = kb.KbitLinear(flat, f16_acc=True)
+    assert layer.kernel_for(M) == "pair_gemv" and layer.kernel_for(M, bf16=True) == "gemm"
+    A = rng.standard_normal((M, 14336)).astype(np.float16)
+    out = layer(A, out_dtype=np.float32).copy_to_host()
+    check_close_f16_acc(out, A, flat, np.float32)
 
 
 @pytest.mark.parametrize("M", [8] if SIM else [2, 8])     # (prepared gemv: also tests/test_gemv.py)
