@@ -50,6 +50,9 @@ PAIR_GEMV_MAX_ROW_WARPS = 32       # M * ceil(K / 1024): M = 4 at K = 14336 (56)
 # ... but with float16 block sums (f16_acc) the pair gemv keeps fewer values a lane: at M = 3, 4 on K = 11008 and
 # 14336 (row-warps 33..56) it took 14.1-24.8 us against the gemm's 20.4-32.4 (H100, k = 2 and 4; benchmarks/README.md)
 PAIR_GEMV_MAX_ROW_WARPS_F16 = 56
+# With f16_acc at k = 4 the pair gemv also beats the tensor-core gemv at M = 3 (7-15% on five llama/qwen shapes; the
+# llama3-8b B = 3 step 8% faster), not at M = 4; at k = 2 it does not (that step 3% slower). H100, benchmarks/README.md.
+PAIR_GEMV_F16_MAX_M = {4: 3}       # k -> the largest M the pair gemv with float16 block sums takes from it
 
 
 # ---- the per-GPU table ---------------------------------------------------------------------------
@@ -87,7 +90,7 @@ def mma_reads(M, K, half=True):
     return half and mma_gemv.reads(M, K)
 
 
-def choose_rule(M, N, K, layout, table=None, backend=None, half=True, f16_acc=False):
+def choose_rule(M, N, K, layout, table=None, backend=None, half=True, f16_acc=False, k=None):
     """(kernel, launch parameters) that ``linear`` runs for an M x K input and an N x K weight of
     ``layout``. A table rule is ``[max_m, kernel]`` or ``[max_m, kernel, {parameter: value}]``: the
     parameters (e.g. ``{"cols": 2}`` for gemv, ``{"split": 4, "m_tile": 2}`` for gemm) go to that
@@ -95,8 +98,9 @@ def choose_rule(M, N, K, layout, table=None, backend=None, half=True, f16_acc=Fa
     ``backend``: the cuBLAS route ('torch', 'cupy', 'host' on the simulator, or False for none); None asks
     ``matmul_backend()``.
     ``half``: the activations are float16 or bfloat16 (what the tensor-core gemv takes). ``f16_acc``: a pair
-    gemv would sum its blocks in float16 (float16 activations, ``f16_acc`` asked for): it then stays the choice
-    to a longer K at M = 3, 4 (``PAIR_GEMV_MAX_ROW_WARPS_F16``)."""
+    gemv would sum its blocks in float16 (float16 activations, ``f16_acc`` asked for): it then stays the choice to
+    a longer K at M = 3, 4 (``PAIR_GEMV_MAX_ROW_WARPS_F16``) and, for the weight's bits ``k``, takes M = 3 from the
+    tensor-core gemv at k = 4 (``PAIR_GEMV_F16_MAX_M``)."""
     table = table or load_table()
     codes = layout == "codes"      # (pair gemv, tensor-core gemv and gemm where K allows, dequantize + cuBLAS)
     rules = (table.get("codes_rules", CODES_RULES) if codes
@@ -104,7 +108,8 @@ def choose_rule(M, N, K, layout, table=None, backend=None, half=True, f16_acc=Fa
     want, params = next((r[1], dict(r[2]) if len(r) > 2 else {}) for r in rules if r[0] is None or M <= r[0])
     gemm_ok = gemm_reads(layout, K)
     mma_ok = codes and mma_reads(M, K, half)
-    if codes and want == "mma_gemv" and not mma_ok and M <= MAX_M:
+    f16_pair = f16_acc and M <= PAIR_GEMV_F16_MAX_M.get(k, 0)
+    if codes and want == "mma_gemv" and (not mma_ok or f16_pair) and M <= MAX_M:
         want, params = "pair_gemv", {}
     most_row_warps = PAIR_GEMV_MAX_ROW_WARPS_F16 if f16_acc else PAIR_GEMV_MAX_ROW_WARPS
     if codes and want == "pair_gemv" and M <= MAX_M and M * k_warps(K) > most_row_warps and gemm_ok:
@@ -119,9 +124,9 @@ def choose_rule(M, N, K, layout, table=None, backend=None, half=True, f16_acc=Fa
     return "gemv", {}              # any M, in slices of 4 rows
 
 
-def choose(M, N, K, layout, table=None, backend=None, half=True, f16_acc=False):
+def choose(M, N, K, layout, table=None, backend=None, half=True, f16_acc=False, k=None):
     """The kernel ``linear`` runs (see :func:`choose_rule`)."""
-    return choose_rule(M, N, K, layout, table, backend, half, f16_acc)[0]
+    return choose_rule(M, N, K, layout, table, backend, half, f16_acc, k)[0]
 
 
 # ---- dequantize + cuBLAS ---------------------------------------------------------------------------
@@ -242,7 +247,7 @@ def plan(A, qw, out=None, stream=None, workspace=None, out_dtype=np.float16, bf1
     params = dict(params or {})
     if kernel is None:
         kernel, params = choose_rule(M, N, K, qw.layout, table, half=half_input(A, bf16),
-                                     f16_acc=f16_acc and f16_input(A, bf16))
+                                     f16_acc=f16_acc and f16_input(A, bf16), k=qw.k)
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     if kernel in ("gemv", "pair_gemv", "mma_gemv") and (kernel != "gemv") != (qw.layout == "codes"):
@@ -358,7 +363,8 @@ class KbitLinear:
     def kernel_for(self, M, half=True, bf16=False):
         """The kernel a call with M rows runs (``half``: float16 or bfloat16 activations; ``bf16``: bfloat16)."""
         N, K = self.weight.shape
-        return choose(M, N, K, self.weight.layout, self.table, half=half, f16_acc=self.f16_acc and half and not bf16)
+        return choose(M, N, K, self.weight.layout, self.table, half=half, f16_acc=self.f16_acc and half and not bf16,
+                      k=self.weight.k)
 
     def __call__(self, A, out=None, stream=None, out_dtype=np.float16, bf16=False, kernel=None):
         return self.plan(A, out, stream, out_dtype, bf16, kernel).launch()
@@ -370,7 +376,8 @@ class KbitLinear:
         if kernel is None:
             N, K = self.weight.shape
             kernel, params = choose_rule(_rows(_arrays.check_array(A, "A")), N, K, self.weight.layout, self.table,
-                                         half=half_input(A, bf16), f16_acc=self.f16_acc and f16_input(A, bf16))
+                                         half=half_input(A, bf16), f16_acc=self.f16_acc and f16_input(A, bf16),
+                                         k=self.weight.k)
         if self.pdl and kernel in ("pair_gemv", "mma_gemv"):
             params = dict(params, pdl=True)
         # f16_acc sums in float16 only float16 activations; float32 and bfloat16 ones keep float32 sums

@@ -39,6 +39,10 @@ def test_choose_follows_rules_shapes_and_fallbacks():
     f16 = lambda M, K: L.choose(M, 512, K, "codes", TABLE, "torch", f16_acc=True)  # noqa
     assert [f16(M, 14336) for M in (2, 3, 4, 5)] == ["pair_gemv"] * 3 + ["gemm"]
     assert [f16(M, 16384) for M in (3, 4)] == ["pair_gemv", "gemm"]
+    # ... and at k = 4 takes M = 3 from the tensor-core gemv (not at k = 2)
+    f16k = lambda M, k: L.choose(M, 512, 4096, "codes", TABLE, "torch", f16_acc=True, k=k)  # noqa
+    assert [f16k(M, 4) for M in (2, 3, 4, 8)] == ["pair_gemv", "pair_gemv", "mma_gemv", "mma_gemv"]
+    assert [f16k(M, 2) for M in (2, 3, 4)] == ["pair_gemv", "mma_gemv", "mma_gemv"]
     # float32 activations (the tensor-core gemv takes 16-bit ones): the pair gemv to M = 4, then the gemm
     assert [L.choose(M, 512, 64, "codes", TABLE, "torch", half=False) for M in (3, 4, 5)] == ["pair_gemv"] * 2 + ["gemm"]
 
@@ -212,12 +216,13 @@ def test_kbit_linear_codes_layout_runs_the_pair_gemv(M):
     check_close(prep.run().copy_to_host(), A2, flat)
 
 
-@pytest.mark.parametrize("M", [2] if SIM else [1, 4, 9])
+@pytest.mark.parametrize("M", [2] if SIM else [1, 3, 4, 9])
 def test_kbit_linear_codes_f16_acc(M):
-    from test_pair_gemv import check_close_f16_acc
     rng = np.random.default_rng(10 + M)
-    flat = ref.quantize(random_weight(rng, 24 if SIM else 1000, 64 if SIM else 2048), k=2)
+    k = 4 if M == 3 else 2                 # (k = 4, M = 3: the pair gemv, not the tensor-core gemv; dispatch.py)
+    flat = ref.quantize(random_weight(rng, 24 if SIM else 1000, 64 if SIM else 2048), k=k)
     layer = kb.KbitLinear(flat, layout="codes", f16_acc=True)
+    assert layer.kernel_for(M) == ("pair_gemv" if M <= 2 or M == 3 and k == 4 else "mma_gemv" if M <= 8 else "gemm")
     A = rng.standard_normal((M, flat.shape[1])).astype(np.float16)
     check_close_f16_acc(layer(A, out_dtype=np.float32).copy_to_host(), A, flat, np.float32)
     prep = layer.prepare(cuda.to_device(A), out_dtype=np.float32)
