@@ -50,8 +50,10 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 SENTENCES = os.path.join(HERE, "data", "fidelity_sentences.txt")
 # Sentences written for GPTQ's calibration in the same everyday style, none too close to an evaluation sentence
-# (word-set Jaccard < 0.6 with every one): ``--calibration``
+# (word-set Jaccard < 0.6 with every one): ``--calibration``; ``--calibration-text`` may add CALIBRATION_MORE (336
+# more, written in the seventeenth session, none within Jaccard 0.45 of an evaluation sentence)
 CALIBRATION = os.path.join(HERE, "data", "calibration_sentences.txt")
+CALIBRATION_MORE = os.path.join(HERE, "data", "calibration_sentences_more.txt")
 HEADS = 12
 MAX_TOKENS = 128
 LINEARS = ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense",
@@ -479,6 +481,10 @@ def main(argv=None):
                     help="kbitK_gptq's calibration sentences: the other half of the evaluation sentences (two-fold, the "
                          "default), that and data/calibration_sentences.txt (two-fold+text), or that file alone, all "
                          "200 evaluated with the same weights (text)")
+    ap.add_argument("--calibration-text", default=CALIBRATION, metavar="FILES",
+                    help="comma-separated files of calibration sentences for --calibration two-fold+text or text "
+                         "(names without a folder are in data/; default calibration_sentences.txt; "
+                         "calibration_sentences.txt,calibration_sentences_more.txt: 600 sentences)")
     ap.add_argument("--gptq-damp", type=float, default=0.1, metavar="D",
                     help="kbitK_gptq: D x the mean of the Hessian's diagonal is added to its diagonal (default 0.1, "
                          "the best of 0.01, 0.05, 0.1, 0.2, 1 for kbit4 on MiniLM)")
@@ -534,9 +540,11 @@ def main(argv=None):
     gptq = ["kbit3_gptq", "kbit4_gptq", "kbit4_mse_gptq_act", "kbit5_gptq"]     # (see gptq_two_fold)
     calibration = None
     if args.calibration != "two-fold":
-        text = [s.strip() for s in open(CALIBRATION, encoding="utf-8") if s.strip()]
+        files = [f if os.path.dirname(f) else os.path.join(HERE, "data", f) for f in args.calibration_text.split(",")]
+        text = [s.strip() for f in files for s in open(f, encoding="utf-8") if s.strip()]
         calibration = tokenize(text, vocab)
-        print(f"calibration: {len(text)} sentences of {os.path.basename(CALIBRATION)}, {int(calibration[1].sum())} "
+        named = " + ".join(os.path.basename(f) for f in files)
+        print(f"calibration: {len(text)} sentences of {named}, {int(calibration[1].sum())} "
               f"tokens" + (" (and the other half of the evaluation sentences)" if "two-fold" in args.calibration
                            else ""), flush=True)
     chosen = args.formats.split(",") if args.formats else list(formats) + gptq
