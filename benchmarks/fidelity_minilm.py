@@ -593,7 +593,8 @@ def main(argv=None):
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(model="all-MiniLM-L6-v2", sentences=len(sentences), calibration=args.calibration,
-                           rows=rows), f, indent=1)
+                           calibration_text=[os.path.basename(f) for f in args.calibration_text.split(",")],
+                           gptq_damp=args.gptq_damp, rows=rows), f, indent=1)
     return 0
 
 
