@@ -479,7 +479,7 @@ def main(argv=None):
                     help="instead: mean cosine with FORMAT applied to one linear kind, then one layer, at a time")
     ap.add_argument("--calibration", choices=("two-fold", "two-fold+text", "text"), default="two-fold",
                     help="kbitK_gptq's calibration sentences: the other half of the evaluation sentences (two-fold, the "
-                         "default), that and data/calibration_sentences.txt (two-fold+text), or that file alone, all "
+                         "default), that and the --calibration-text files (two-fold+text), or those files alone, all "
                          "200 evaluated with the same weights (text)")
     ap.add_argument("--calibration-text", default=CALIBRATION, metavar="FILES",
                     help="comma-separated files of calibration sentences for --calibration two-fold+text or text "
@@ -539,8 +539,9 @@ def main(argv=None):
         return 0
     gptq = ["kbit3_gptq", "kbit4_gptq", "kbit4_mse_gptq_act", "kbit5_gptq"]     # (see gptq_two_fold)
     calibration = None
-    if args.calibration != "two-fold":
-        files = [f if os.path.dirname(f) else os.path.join(HERE, "data", f) for f in args.calibration_text.split(",")]
+    files = ([] if args.calibration == "two-fold" else      # the calibration text files, if any are read
+             [f if os.path.dirname(f) else os.path.join(HERE, "data", f) for f in args.calibration_text.split(",")])
+    if files:
         text = [s.strip() for f in files for s in open(f, encoding="utf-8") if s.strip()]
         calibration = tokenize(text, vocab)
         named = " + ".join(os.path.basename(f) for f in files)
@@ -593,7 +594,7 @@ def main(argv=None):
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(model="all-MiniLM-L6-v2", sentences=len(sentences), calibration=args.calibration,
-                           calibration_text=[os.path.basename(f) for f in args.calibration_text.split(",")],
+                           calibration_text=[os.path.basename(f) for f in files],
                            gptq_damp=args.gptq_damp, rows=rows), f, indent=1)
     return 0
 
