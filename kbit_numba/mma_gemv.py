@@ -7,9 +7,10 @@ and waits on its own dependency chains. This kernel streams the weights the pair
 
 * **Weights are the A operand** (16 rows = 16 columns of W), **tokens the B operand** (n8: M <= 8 wastes no
   MMA work at M = 8, and the MMA count does not grow with M).
-* **The k order inside an MMA is free** (it is summed over), so lane (g, t) = (lane // 4, lane % 4) holds
-  blocks ``2t`` and ``2t + 1`` of the warp's 8 blocks, of columns g and g + 8 of the strip: the 4 lanes
-  of a quad read 128 contiguous bytes of a column (two 16-byte loads each at k = 4, one at k = 2).
+* **The k order inside an MMA is free** (it is summed over), so lane (g, t) = (lane // 4, lane % 4) holds two
+  of the warp's 8 blocks of columns g and g + 8 of the strip, chosen so that every load instruction of a quad
+  reads whole 32-byte sectors: at k = 4 (16-byte blocks) blocks ``t`` and ``t + 4`` (each 16-byte load of a
+  quad is 64 contiguous bytes), at k = 2 (8-byte blocks) blocks ``2t`` and ``2t + 1`` (one 16-byte load).
   MMA s (0..7) of block b takes the block's elements 4s .. 4s+3: a0 = pair (4s, 4s+1) of column g,
   a2 = pair (4s+2, 4s+3), a1 / a3 the same of column g + 8; the B fragment b0, b1 is the same four
   elements of token g's activations: 8 contiguous bytes, loaded once per launch into 32 registers.
@@ -54,7 +55,10 @@ KB_LANE = 2
 MMAS_PER_BLOCK = BLOCK // 4       # MMA s takes elements 4s .. 4s+3 of a lane's block
 MAX_KW = 32                       # warps per slice (1024 threads): K <= 32 * 256 = 8192
 MAX_K = MAX_KW * KB_WARP * BLOCK
-K_STEP = KB_LANE * BLOCK          # K a multiple of 64: a lane's two blocks are one 16-byte-aligned piece
+K_STEP = KB_LANE * BLOCK          # K a multiple of 64 (at k = 2 a lane's two blocks are one 16-byte piece)
+# Block b of lane t in its warp's 8 blocks: t * LANE_STRIDE + b * BLOCK_STRIDE (see the docstring: whole sectors)
+LANE_STRIDE = {2: 2, 4: 1}
+BLOCK_STRIDE = {2: 1, 4: 4}
 SCALES = TABLE_FLOATS             # word offset of the E4M4 table (absmax byte -> its value as a packed pair)
 PART = CODEBOOK + 16              # float offset of the cross-warp partial C tiles
 TILE = STRIP * MAX_TOKENS         # floats of one warp's partial C tile
@@ -106,6 +110,8 @@ def make_mma_gemv_kernel(spec):
     BLOCK_WORDS = k                                # a block's code words
     CODE_WORDS = KB_LANE * k                       # a lane's code words per column (its two blocks)
     A_WORDS = BLOCK // 2                           # a block's activation words (two values each)
+    TSTRIDE, BSTRIDE = LANE_STRIDE[k], BLOCK_STRIDE[k]
+    assert BSTRIDE == 1 and CODE_WORDS == 4 or BLOCK_WORDS == 4, "a 16-byte load is one block or a block pair"
 
     @ir_inlined
     def pair_bits(v):
@@ -116,20 +122,25 @@ def make_mma_gemv_kernel(spec):
         return f16x2_as_u32(np.float16(v), np.float16(v))
 
     @ir_inlined
-    def load_strip(packed, absmax, first, n0, kb0, last2, n_kb, codes, am):
-        """Issue the loads of this lane's two blocks kb0, kb0 + 1 of columns n0 + g and n0 + g + 8 (g:
-        the lane's quad; n0 includes it) of the weight whose blocks start at ``first`` into codes[c, :] /
-        am[c, :]. Unconditional: a column past N (or a block pair past the last) reads the weight's last
-        block pair instead (last2: its first block), whose sums are never written or meet zero
-        activations. 32-bit index math (see pair_gemv)."""
+    def load_strip(packed, absmax, first, n0, kb0, last, n_kb, codes, am):
+        """Issue the loads of this lane's two blocks kb0 and kb0 + BSTRIDE of columns n0 + g and n0 + g + 8
+        (g: the lane's quad; n0 includes it) of the weight whose blocks start at ``first`` into codes[c, :] /
+        am[c, :]. Unconditional: a block past ``last`` (the weight's last block; at k = 2 its last pair's
+        first) reads that one instead, whose sums are never written or meet zero activations. 32-bit index
+        math (see pair_gemv)."""
         for c in range(2):
-            blk = min(u32(first + u32(n0 + u32(8 * c)) * n_kb + kb0), last2)
-            w = u32(blk * u32(BLOCK_WORDS))
-            for q in range(CODE_WORDS // 4):
-                codes[c, 4 * q], codes[c, 4 * q + 1], codes[c, 4 * q + 2], codes[c, 4 * q + 3] = \
-                    ldg128(packed, u32(w + u32(4 * q)))
-            am[c, 0] = absmax[blk]
-            am[c, 1] = absmax[u32(blk + u32(1))]
+            col = u32(first + u32(n0 + u32(8 * c)) * n_kb + kb0)
+            if BSTRIDE == 1:                       # k = 2: both blocks in one 16-byte load
+                blk = min(col, last)
+                codes[c, 0], codes[c, 1], codes[c, 2], codes[c, 3] = ldg128(packed, u32(blk * u32(BLOCK_WORDS)))
+                am[c, 0] = absmax[blk]
+                am[c, 1] = absmax[u32(blk + u32(1))]
+            else:                                  # k = 4: one 16-byte load per block
+                for b in range(KB_LANE):
+                    blk = min(u32(col + u32(b * BSTRIDE)), last)
+                    codes[c, 4 * b], codes[c, 4 * b + 1], codes[c, 4 * b + 2], codes[c, 4 * b + 3] = \
+                        ldg128(packed, u32(blk * u32(BLOCK_WORDS)))
+                    am[c, b] = absmax[blk]
 
     @ir_inlined
     def decode_strip(smem, table, lane_off, codes, am, bx, acc):
@@ -253,13 +264,13 @@ def make_mma_gemv_kernel(spec):
         slices = u32(u32(cuda.blockDim.x) // u32(u32(WARP) * kw))
         sl = u32(warp // kw)
         w = u32(warp - sl * kw)
-        kb0 = u32(w * u32(KB_WARP) + u32(KB_LANE) * t)          # this lane's first block
+        kb0 = u32(w * u32(KB_WARP) + u32(TSTRIDE) * t)          # this lane's first block
         group_cols = u32(slices * u32(STRIP))
         col0 = u32(sl * u32(STRIP) + g)                          # the lane's first column in a group
         n_groups = u32((u32(N) + group_cols - u32(1)) // group_cols)
         grp = u32(cuda.blockIdx.x)
         grid = u32(cuda.gridDim.x)
-        last2 = u32(first + u32(N) * nkb - u32(2))
+        last = u32(first + u32(N) * nkb - u32(KB_LANE if BSTRIDE == 1 else 1))   # the last block (pair) a lane loads
 
         # ---- 1. the first strips' weight loads, two iterations ahead (three buffers) --------------------
         codes_a = cuda.local.array((2, CODE_WORDS), np.uint32)
@@ -268,8 +279,8 @@ def make_mma_gemv_kernel(spec):
         am_a = cuda.local.array((2, KB_LANE), absmax_t)
         am_b = cuda.local.array((2, KB_LANE), absmax_t)
         am_c = cuda.local.array((2, KB_LANE), absmax_t)
-        load_strip(packed, absmax, first, u32(grp * group_cols + col0), kb0, last2, nkb, codes_a, am_a)
-        load_strip(packed, absmax, first, u32((grp + grid) * group_cols + col0), kb0, last2, nkb, codes_b, am_b)
+        load_strip(packed, absmax, first, u32(grp * group_cols + col0), kb0, last, nkb, codes_a, am_a)
+        load_strip(packed, absmax, first, u32((grp + grid) * group_cols + col0), kb0, last, nkb, codes_b, am_b)
 
         # ---- 2. the group table and the E4M4 table (grouped PDL: filled above) -------------------------
         if not (GROUPED and PDL):
@@ -279,9 +290,10 @@ def make_mma_gemv_kernel(spec):
             griddep_wait()
         # ---- 3. token g's activations of the lane's two blocks, as B fragments (zeros past M, K) ---------
         bx = cuda.local.array((KB_LANE, MMAS_PER_BLOCK, 2), np.uint32)
-        live = g < m and kb0 < nkb
         for b in range(KB_LANE):
-            base = u32(u32(u32(row0 + g) * nkb + kb0 + u32(b)) * u32(A_WORDS)) if live else u32(0)
+            kb = u32(kb0 + u32(b * BSTRIDE))
+            live = g < m and (kb0 if BSTRIDE == 1 else kb) < nkb      # k = 2: n_kb and kb0 are even
+            base = u32(u32(u32(row0 + g) * nkb + kb) * u32(A_WORDS)) if live else u32(0)
             for q in range(A_WORDS // 4):          # words 4q .. 4q+3: MMAs 2q and 2q + 1
                 w4 = ldg128(A, u32(base + u32(4 * q)))
                 for h in range(4):
@@ -296,21 +308,21 @@ def make_mma_gemv_kernel(spec):
         # ---- 4. the persistent loop, unrolled three times (pair_gemv says why) ---------------------------
         ahead = u32(u32(2) * grid * group_cols)
         while grp < n_groups:
-            load_strip(packed, absmax, first, u32(grp * group_cols + ahead + col0), kb0, last2, nkb, codes_c, am_c)
+            load_strip(packed, absmax, first, u32(grp * group_cols + ahead + col0), kb0, last, nkb, codes_c, am_c)
             decode_strip(smem, table, lane_off, codes_a, am_a, bx, acc)
             reduce_strip(smem, acc, g, t, tid, part, flip, slices, kw, u32(grp * group_cols), out, N, m, row0)
             flip = u32(FLIP - flip)
             grp = u32(grp + grid)
             if grp >= n_groups:
                 break
-            load_strip(packed, absmax, first, u32(grp * group_cols + ahead + col0), kb0, last2, nkb, codes_a, am_a)
+            load_strip(packed, absmax, first, u32(grp * group_cols + ahead + col0), kb0, last, nkb, codes_a, am_a)
             decode_strip(smem, table, lane_off, codes_b, am_b, bx, acc)
             reduce_strip(smem, acc, g, t, tid, part, flip, slices, kw, u32(grp * group_cols), out, N, m, row0)
             flip = u32(FLIP - flip)
             grp = u32(grp + grid)
             if grp >= n_groups:
                 break
-            load_strip(packed, absmax, first, u32(grp * group_cols + ahead + col0), kb0, last2, nkb, codes_b, am_b)
+            load_strip(packed, absmax, first, u32(grp * group_cols + ahead + col0), kb0, last, nkb, codes_b, am_b)
             decode_strip(smem, table, lane_off, codes_c, am_c, bx, acc)
             reduce_strip(smem, acc, g, t, tid, part, flip, slices, kw, u32(grp * group_cols), out, N, m, row0)
             flip = u32(FLIP - flip)
