@@ -66,7 +66,7 @@ if "mma" in families:      # N = 37 (a partial strip), K = 1088 (5 K-warps, the 
         for fmt in ("e4m4", "fp32"):
             kc = pair_gemv.to_codes(kb.quantize(rng.standard_normal((37, 1088)).astype(np.float16), k=k,
                                                 absmax_format=fmt))
-            for M in ((1, 8) if fmt == "e4m4" else (5,)):
+            for M in ((1, 8, 12, 16) if fmt == "e4m4" else (5,)):      # 12, 16: two token tiles
                 mma_gemv.gemv(rng.standard_normal((M, 1088)).astype(np.float16), kc).copy_to_host()
     kc = pair_gemv.to_codes(kb.quantize((rng.standard_normal((1088, 1088)) / 32).astype(np.float16), k=4))
     cuda.synchronize()

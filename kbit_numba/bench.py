@@ -290,7 +290,7 @@ def matmul_rows(shapes, ks, ms, ceilings, progress, kernels=("gemm", "dequant_ma
                             lin.linear(A, flats[i % n], out=out, stream=s, workspace=space, kernel="gemv")
                         cases.append(("linear+flat[gemv]", flat_launch))
                     if codes:                           # KbitLinear's default for k = 2, 4: the code layout
-                        cchoice = lin.choose(M, N, K, "codes")
+                        cchoice = lin.choose(M, N, K, "codes", k=k)
 
                         def codes_launch(i, s, cchoice=cchoice):
                             lin.linear(A, codes[i % n], out=out, stream=s, workspace=space, kernel=cchoice)

@@ -314,7 +314,7 @@ class ExpertsKbit:
         from . import mma_gemv, scalar_gemv, tensor_gemm
         d_offsets = cuda.to_device(offsets)
         most = int(np.diff(offsets).max())
-        if self.codes is not None and most <= mma_gemv.MAX_TOKENS:
+        if self.codes is not None and most <= mma_gemv.N8:
             plan = mma_gemv.plan_grouped(A, self.codes, d_offsets, out=out, max_tokens=most, pdl=self.pdl)
             kernel = "mma_gemv"
         elif most <= scalar_gemv.MAX_M:

@@ -8,7 +8,7 @@ M <= max_m wins, ``null`` = any M) and per-shape rules for the shapes it measure
 A rule is only followed when its kernel applies; otherwise the next applicable one in ``FALLBACK``:
 ``gemv`` needs M <= 4 (bigger M runs it in slices of 4 rows), ``gemm`` the tiled layout,
 ``dequant_matmul`` torch or CuPy for the cuBLAS call. A weight in the code layout (``KbitCodes``, k = 2, 4)
-is read by ``pair_gemv``, by ``mma_gemv`` (M <= 8, float16/bfloat16 A, K a multiple of 64 up to 8192) and by
+is read by ``pair_gemv``, by ``mma_gemv`` (M <= 16, float16/bfloat16 A, K a multiple of 64 up to 8192) and by
 ``gemm`` (K a multiple of 64); the table's ``codes_rules`` (default ``CODES_RULES``) choose between them.
 
 ``KbitLinear`` keeps a weight ready for repeated calls: by default the code layout where it can (k = 2, 4, K a
@@ -41,11 +41,12 @@ TUNING_DIR = os.path.join(os.path.dirname(__file__), "tuning")
 DEFAULT_TABLE = {"device": "default", "rules": [[4, "gemv"], [256, "gemm"], [None, "dequant_matmul"]],
                  "shapes": {}}
 # The code layout, when a table has no codes_rules (H100, benchmarks/README.md): the pair gemv at M <= 2, the
-# tensor-core gemv to M = 8 (faster than the pair gemv at M = 4 and the gemm at M = 8 on every measured
-# shape), the gemm to 64, dequantize + cuBLAS from the tiled tables' crossover on. Where the tensor-core gemv does not apply
+# tensor-core gemv to M = 8 (faster than the pair gemv at M = 4 and the gemm at M = 8 on every measured shape;
+# to 16 at k = 4: MMA_GEMV_MAX_M), the gemm to 64, dequantize + cuBLAS from the tiled tables' crossover on. Where
+# the tensor-core gemv does not apply
 # (K > 8192, float32 A) the pair gemv runs to M = 4 if its CTA of all K's warps fits without a register cap
 # (PAIR_GEMV_MAX_ROW_WARPS), else the gemm.
-CODES_RULES = [[2, "pair_gemv"], [8, "mma_gemv"], [64, "gemm"], [None, "dequant_matmul"]]
+CODES_RULES = [[2, "pair_gemv"], [16, "mma_gemv"], [64, "gemm"], [None, "dequant_matmul"]]   # (see MMA_GEMV_MAX_M)
 PAIR_GEMV_MAX_ROW_WARPS = 32       # M * ceil(K / 1024): M = 4 at K = 14336 (56) spilled, 85 us vs the gemm's 38
 # ... but with float16 block sums (f16_acc) the pair gemv keeps fewer values a lane: at M = 3, 4 on K = 11008 and
 # 14336 (row-warps 33..56) it took 14.1-24.8 us against the gemm's 20.4-32.4 (H100, k = 2 and 4; benchmarks/README.md)
@@ -53,6 +54,10 @@ PAIR_GEMV_MAX_ROW_WARPS_F16 = 56
 # With f16_acc at k = 4 the pair gemv also beats the tensor-core gemv at M = 3 (7-15% on five llama/qwen shapes; the
 # llama3-8b B = 3 step 8% faster), not at M = 4; at k = 2 it does not (that step 3% slower). H100, benchmarks/README.md.
 PAIR_GEMV_F16_MAX_M = {4: 3}       # k -> the largest M the pair gemv with float16 block sums takes from it
+# The tensor-core gemv's two token tiles (M = 9..16) take 10-20% less time than the tiled gemm and 25-28% less than
+# the code layout's at k = 4 (M = 12, 16 on 4096x14336, 2048x5120, 4096x6144), but up to 1.8x more at k = 2. H100,
+# benchmarks/README.md. Past this M (one tile, 8, for other k) the rules' mma_gemv rows run the gemm.
+MMA_GEMV_MAX_M = {4: 16}           # k -> the largest M the tensor-core gemv takes
 
 
 # ---- the per-GPU table ---------------------------------------------------------------------------
@@ -100,12 +105,15 @@ def choose_rule(M, N, K, layout, table=None, backend=None, half=True, f16_acc=Fa
     ``half``: the activations are float16 or bfloat16 (what the tensor-core gemv takes). ``f16_acc``: a pair
     gemv would sum its blocks in float16 (float16 activations, ``f16_acc`` asked for): it then stays the choice to
     a longer K at M = 3, 4 (``PAIR_GEMV_MAX_ROW_WARPS_F16``) and, for the weight's bits ``k``, takes M = 3 from the
-    tensor-core gemv at k = 4 (``PAIR_GEMV_F16_MAX_M``)."""
+    tensor-core gemv at k = 4 (``PAIR_GEMV_F16_MAX_M``). The tensor-core gemv takes M up to ``MMA_GEMV_MAX_M`` for
+    ``k`` (8 where k is not in it), the gemm beyond."""
     table = table or load_table()
     codes = layout == "codes"      # (pair gemv, tensor-core gemv and gemm where K allows, dequantize + cuBLAS)
     rules = (table.get("codes_rules", CODES_RULES) if codes
              else table.get("shapes", {}).get(f"{K}x{N}", table["rules"]))
     want, params = next((r[1], dict(r[2]) if len(r) > 2 else {}) for r in rules if r[0] is None or M <= r[0])
+    if codes and want == "mma_gemv" and M > MMA_GEMV_MAX_M.get(k, mma_gemv.N8):
+        want, params = "gemm", {}
     gemm_ok = gemm_reads(layout, K)
     mma_ok = codes and mma_reads(M, K, half)
     f16_pair = f16_acc and M <= PAIR_GEMV_F16_MAX_M.get(k, 0)
@@ -294,7 +302,7 @@ class KbitLinear:
     ``layout="auto"`` (the default) keeps the **code layout** (``KbitCodes``, the same bytes) for k = 2, 4
     when K is a multiple of 64 (and the weight is flat or already codes), else the tiled layout. The
     code layout serves every M: the pair gemv at M = 1, 2 (the fastest kbit kernel there: 1.6x the tiled
-    gemv at 4096x14336 on the H100), the tensor-core gemv to M = 8 (K <= 8192, float16/bfloat16 A), the
+    gemv at 4096x14336 on the H100), the tensor-core gemv to M = 8, 16 at k = 4 (K <= 8192, float16/bfloat16 A), the
     tensor-core gemm above, and dequantize + cuBLAS for large M; its gemm is 2-25% slower than the tiled
     layout's at M = 8..16 (H100, benchmarks/README.md), so prefill-heavy use at k = 2, 4 may prefer
     ``layout="tiled"``. The tiled layout (N a multiple of 128; otherwise the flat layout, served by gemv and

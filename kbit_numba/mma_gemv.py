@@ -1,4 +1,4 @@
-"""Tensor-core GEMV ("swap AB"): C[M, N] = A[M, K] @ W[N, K]^T for M = 1..8 on the code layout (k = 2, 4).
+"""Tensor-core GEMV ("swap AB"): C[M, N] = A[M, K] @ W[N, K]^T for M = 1..16 on the code layout (k = 2, 4).
 
 The pair gemv (``pair_gemv``) spends G * M FMAs per code byte, so its cost grows with M; the tiled gemm
 (``tensor_gemm``) puts the tokens in the MMA's 16-row A operand, stages every weight through shared memory
@@ -6,14 +6,16 @@ and waits on its own dependency chains. This kernel streams the weights the pair
 ``mma.sync.m16n8k16`` do the multiply-adds of 16 columns x 16 k x 8 tokens:
 
 * **Weights are the A operand** (16 rows = 16 columns of W), **tokens the B operand** (n8: M <= 8 wastes no
-  MMA work at M = 8, and the MMA count does not grow with M).
+  MMA work at M = 8, and the MMA count does not grow with M). M = 9..16 takes two n8 tiles (``tiles=2``): each
+  decoded A fragment feeds two MMAs, so the decode, the per-weight cost, is paid once for 16 tokens.
 * **The k order inside an MMA is free** (it is summed over), so lane (g, t) = (lane // 4, lane % 4) holds two
   of the warp's 8 blocks of columns g and g + 8 of the strip, chosen so that every load instruction of a quad
   reads whole 32-byte sectors: at k = 4 (16-byte blocks) blocks ``t`` and ``t + 4`` (each 16-byte load of a
   quad is 64 contiguous bytes), at k = 2 (8-byte blocks) blocks ``2t`` and ``2t + 1`` (one 16-byte load).
   MMA s (0..7) of block b takes the block's elements 4s .. 4s+3: a0 = pair (4s, 4s+1) of column g,
   a2 = pair (4s+2, 4s+3), a1 / a3 the same of column g + 8; the B fragment b0, b1 is the same four
-  elements of token g's activations: 8 contiguous bytes, loaded once per launch into 32 registers.
+  elements of token g's activations: 8 contiguous bytes, loaded once per launch into 32 registers (64 with
+  two tiles: token g + 8 is the second tile's).
 * **Decode**: the pair gemv's group table with float16 (bfloat16) entries: at k = 4 one ``prmt`` and one
   ``ld.shared`` per pair, at k = 2 one of each per quad (two pairs); one ``mul.rn.f16x2`` per pair
   scales it by the block's absmax (the same roundings as the tiled gemm: codebook value, absmax and
@@ -48,7 +50,9 @@ from .intrinsics import (bmul2, f16x2_as_u32, griddep_launch_dependents, griddep
                          lds_u32, mma_bf16, mma_f16, prmt, shared_addr, u32_as_f32)
 from .launch import NUMBA_TYPES, OUT_TYPES, Plan, Spec, Step, type_name
 
-MAX_TOKENS = 8                    # the MMA's n8: rows of A a launch takes
+N8 = 8                            # the MMA's n8: tokens per tile
+MAX_TILES = 2                     # n8 tiles per launch: each A fragment feeds this many MMAs
+MAX_TOKENS = N8 * MAX_TILES       # rows of A a launch takes
 STRIP = 16                        # columns per warp per iteration: the MMA's m16
 KB_WARP = 8                       # blocks per warp (256 k): 2 per lane of a quad
 KB_LANE = 2
@@ -61,7 +65,6 @@ LANE_STRIDE = {2: 2, 4: 1}
 BLOCK_STRIDE = {2: 1, 4: 4}
 SCALES = TABLE_FLOATS             # word offset of the E4M4 table (absmax byte -> its value as a packed pair)
 PART = CODEBOOK + 16              # float offset of the cross-warp partial C tiles
-TILE = STRIP * MAX_TOKENS         # floats of one warp's partial C tile
 MMA_TYPES = ("float16", "bfloat16")
 DEFAULTS = {"cta_warps": 16}      # warps per CTA the plan aims for (the table is filled once per CTA)
 
@@ -81,6 +84,7 @@ class MmaGemvSpec(Spec):
     out_dtype: str = "float16"
     pdl: bool = False
     grouped: bool = False           # MoE experts: blockIdx.y is a slot (see the module docstring)
+    tiles: int = 1                  # n8 token tiles: M <= 8 * tiles (2: M = 9..16)
     max_registers: object = None
 
     def normalise(self):
@@ -88,16 +92,20 @@ class MmaGemvSpec(Spec):
             raise ValueError(f"mma gemv reads the code layout, k in {CODES_K}; got k={self.k}")
         if self.absmax_format not in ABSMAX_FORMATS:
             raise ValueError(f"absmax_format must be one of {ABSMAX_FORMATS}, got {self.absmax_format!r}")
+        if self.tiles not in range(1, MAX_TILES + 1):
+            raise ValueError(f"mma gemv takes 1..{MAX_TILES} n8 token tiles, got tiles={self.tiles}")
         return dict(k=int(self.k), a_type=type_name(self.a_type, "a_type", MMA_TYPES),
                     out_dtype=type_name(self.out_dtype, "out_dtype", OUT_TYPES), pdl=bool(self.pdl),
-                    grouped=bool(self.grouped), max_registers=int(self.max_registers) if self.max_registers else None)
+                    grouped=bool(self.grouped), tiles=int(self.tiles),
+                    max_registers=int(self.max_registers) if self.max_registers else None)
 
 
 @lru_cache(maxsize=None)
 def make_mma_gemv_kernel(spec):
     """Kernel(A words, packed codes, absmax, codebook, out[M*N], N, n_kb, M, offsets) for a
     :class:`MmaGemvSpec`; blockDim = 32 * KW * S, ``TABLE_BYTES + part_bytes(S, KW)`` bytes of dynamic shared
-    memory. A: the [M, K] activations as uint32 words of two float16 (bfloat16) values; n_kb = K / 32, even.
+    memory. A: the [M, K] activations as uint32 words of two float16 (bfloat16) values, M <= 8 * spec.tiles;
+    n_kb = K / 32, even.
     Grouped: A [T, K] and out [T, N] hold every expert's rows (offsets: int32 [E + 1]), M is unused."""
     k, absmax_format, out_dtype, PDL, GROUPED = spec.k, spec.absmax_format, spec.out_dtype, spec.pdl, spec.grouped
     bf16 = spec.a_type == "bfloat16"
@@ -111,6 +119,10 @@ def make_mma_gemv_kernel(spec):
     CODE_WORDS = KB_LANE * k                       # a lane's code words per column (its two blocks)
     A_WORDS = BLOCK // 2                           # a block's activation words (two values each)
     TSTRIDE, BSTRIDE = LANE_STRIDE[k], BLOCK_STRIDE[k]
+    TILES = spec.tiles
+    TOKENS = N8 * TILES                            # rows of A a CTA takes
+    TILE = STRIP * TOKENS                          # floats of one warp's partial C tile
+    ACC = 4 * TILES                                # a lane's C fragment values
     assert BSTRIDE == 1 and CODE_WORDS == 4 or BLOCK_WORDS == 4, "a 16-byte load is one block or a block pair"
 
     @ir_inlined
@@ -146,7 +158,7 @@ def make_mma_gemv_kernel(spec):
     def decode_strip(smem, table, lane_off, codes, am, bx, acc):
         """acc = this lane's C fragment (columns g, g + 8 x tokens 2t, 2t + 1) of the strip over its two
         blocks: per MMA, four scaled pairs from the group table."""
-        for r in range(4):
+        for r in range(ACC):
             acc[r] = np.float32(0.0)
         for b in range(KB_LANE):
             if e4m4:
@@ -173,8 +185,10 @@ def make_mma_gemv_kernel(spec):
                     a2 = mul2(x2, s0)
                     a1 = mul2(x1, s1)
                     a3 = mul2(x3, s1)
-                acc[0], acc[1], acc[2], acc[3] = mma(a0, a1, a2, a3, bx[b, s, 0], bx[b, s, 1],
-                                                     acc[0], acc[1], acc[2], acc[3])
+                for j in range(TILES):
+                    acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3] = mma(
+                        a0, a1, a2, a3, bx[j, b, s, 0], bx[j, b, s, 1],
+                        acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3])
 
     @ir_inlined
     def reduce_strip(smem, acc, g, t, tid, part, flip, slices, kw, n_first, out, N, M, row0):
@@ -184,11 +198,12 @@ def make_mma_gemv_kernel(spec):
         loop: a CTA of one warp has fewer threads than 16 M outputs). The other threads go on to the next
         strip meanwhile (sharing each sum among several threads with shuffles was slower: everyone waited
         for it). KW is up to 32: a thread keeps four sums, so that its loads do not wait on each other's adds."""
-        for h in range(2):                         # c0, c1: column g; c2, c3: column g + 8
-            for e in range(2):
-                tok = u32(u32(2) * t + u32(e))
-                if tok < M:
-                    smem[u32(part + flip + u32(u32(g + u32(8 * h)) * u32(MAX_TOKENS) + tok))] = acc[2 * h + e]
+        for j in range(TILES):
+            for h in range(2):                     # c0, c1: column g; c2, c3: column g + 8
+                for e in range(2):
+                    tok = u32(u32(N8 * j) + u32(2) * t + u32(e))
+                    if tok < M:
+                        smem[u32(part + flip + u32(u32(g + u32(8 * h)) * u32(TOKENS) + tok))] = acc[4 * j + 2 * h + e]
         cuda.syncthreads()
         per_slice = u32(u32(STRIP) * M)
         i = tid
@@ -197,7 +212,7 @@ def make_mma_gemv_kernel(spec):
             v = u32(i - s_out * per_slice)
             col = u32(v // M)
             tok = u32(v - col * M)
-            p = u32(u32(PART) + flip + s_out * kw * u32(TILE) + col * u32(MAX_TOKENS) + tok)
+            p = u32(u32(PART) + flip + s_out * kw * u32(TILE) + col * u32(TOKENS) + tok)
             p_end = u32(p + kw * u32(TILE))
             s0 = np.float32(0.0)                   # four sums, so that four loads are in flight at a time
             s1 = np.float32(0.0)
@@ -245,13 +260,13 @@ def make_mma_gemv_kernel(spec):
             if rows == u32(0):
                 return
             first = u32(u32(expert) * u32(N) * nkb)
-            if rows > u32(MAX_TOKENS) and cuda.blockIdx.x == 0:   # more rows than the MMA's n8: NaN, never
+            if rows > u32(TOKENS) and cuda.blockIdx.x == 0:       # more rows than the tiles take: NaN, never
                 nan = u32_as_f32(u32(0x7FC00000))                 # silently wrong (the plan refuses them
                 i = tid                                           # when it can see the offsets)
-                while i < u32((rows - u32(MAX_TOKENS)) * u32(N)):
-                    out[u32(u32(row0 + u32(MAX_TOKENS)) * u32(N) + i)] = np.float16(nan) if f16_out else nan
+                while i < u32((rows - u32(TOKENS)) * u32(N)):
+                    out[u32(u32(row0 + u32(TOKENS)) * u32(N) + i)] = np.float16(nan) if f16_out else nan
                     i = u32(i + u32(cuda.blockDim.x))
-            m = min(rows, u32(MAX_TOKENS))
+            m = min(rows, u32(TOKENS))
         else:
             row0 = u32(0)
             first = u32(0)
@@ -288,23 +303,25 @@ def make_mma_gemv_kernel(spec):
         table = shared_addr(smem)
         if PDL and not GROUPED:     # the activations (and out) may be the previous kernel's: wait for it
             griddep_wait()
-        # ---- 3. token g's activations of the lane's two blocks, as B fragments (zeros past M, K) ---------
-        bx = cuda.local.array((KB_LANE, MMAS_PER_BLOCK, 2), np.uint32)
-        for b in range(KB_LANE):
-            kb = u32(kb0 + u32(b * BSTRIDE))
-            live = g < m and (kb0 if BSTRIDE == 1 else kb) < nkb      # k = 2: n_kb and kb0 are even
-            base = u32(u32(u32(row0 + g) * nkb + kb) * u32(A_WORDS)) if live else u32(0)
-            for q in range(A_WORDS // 4):          # words 4q .. 4q+3: MMAs 2q and 2q + 1
-                w4 = ldg128(A, u32(base + u32(4 * q)))
-                for h in range(4):
-                    bx[b, 2 * q + h // 2, h % 2] = w4[h] if live else u32(0)
+        # ---- 3. token g's (and g + 8's) activations of the lane's two blocks, as B fragments (zeros past M, K)
+        bx = cuda.local.array((TILES, KB_LANE, MMAS_PER_BLOCK, 2), np.uint32)
+        for j in range(TILES):
+            tok = u32(g + u32(N8 * j))
+            for b in range(KB_LANE):
+                kb = u32(kb0 + u32(b * BSTRIDE))
+                live = tok < m and (kb0 if BSTRIDE == 1 else kb) < nkb      # k = 2: n_kb and kb0 are even
+                base = u32(u32(u32(row0 + tok) * nkb + kb) * u32(A_WORDS)) if live else u32(0)
+                for q in range(A_WORDS // 4):      # words 4q .. 4q+3: MMAs 2q and 2q + 1
+                    w4 = ldg128(A, u32(base + u32(4 * q)))
+                    for h in range(4):
+                        bx[j, b, 2 * q + h // 2, h % 2] = w4[h] if live else u32(0)
         lane_off = u32((lane % u32(COPIES)) * u32(ENTRY))
         cuda.syncthreads()
 
         part = u32(u32(PART) + (sl * kw + w) * u32(TILE))   # this warp's partial tile (+ flip)
         flip = u32(0)
         FLIP = u32(slices * kw * u32(TILE))
-        acc = cuda.local.array(4, np.float32)
+        acc = cuda.local.array(ACC, np.float32)
         # ---- 4. the persistent loop, unrolled three times (pair_gemv says why) ---------------------------
         ahead = u32(u32(2) * grid * group_cols)
         while grp < n_groups:
@@ -337,16 +354,21 @@ def reads(M, K):
     return 1 <= M <= MAX_TOKENS and K % K_STEP == 0 and K <= MAX_K
 
 
-def part_bytes(slices, kw):
+def tiles_for(M):
+    """The n8 token tiles a launch of M rows takes: one to M = 8, two beyond."""
+    return max(1, -(-M // N8))
+
+
+def part_bytes(slices, kw, tiles=1):
     """Dynamic shared bytes after the group table: the E4M4 table, the codebook and the double-buffered
-    partial C tiles [2, slices, kw, STRIP x MAX_TOKENS] float32."""
-    return 4 * (PART - TABLE_FLOATS) + 2 * slices * kw * TILE * 4
+    partial C tiles [2, slices, kw, STRIP x 8 tiles] float32."""
+    return 4 * (PART - TABLE_FLOATS) + 2 * slices * kw * STRIP * N8 * tiles * 4
 
 
 def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, cta_warps=None, pdl=False):
     """Checked inputs bound into a :class:`launch.Plan`. ``kc``: KbitCodes (k = 2, 4; K a multiple of 64 up
     to 8192; ``pair_gemv.to_codes`` makes one from a flat KbitWeight). A: float16 or
-    bfloat16 (``bf16=True``, int16 bits) [M, K] or [K], M = 1..8 (float32 A: use ``tensor_gemm`` or
+    bfloat16 (``bf16=True``, int16 bits) [M, K] or [K], M = 1..16 (float32 A: use ``tensor_gemm`` or
     ``pair_gemv``). ``cta_warps`` overrides ``DEFAULTS``; ``pdl``: see ``pair_gemv.plan``."""
     stream = _arrays.as_stream(stream)
     if not isinstance(kc, KbitCodes):
@@ -360,7 +382,7 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, cta_war
     _arrays.check_aligned(Ad, 16, "A")
     args = (_arrays.flat_view(Ad, np.uint32), kc.packed, kc.absmax, kc.codebook, _arrays.flat_view(out),
             i32(N), i32(n_kb), i32(M), unused_i32())
-    spec = MmaGemvSpec(kc.k, kc.absmax_format, a_src, out.dtype, pdl)
+    spec = MmaGemvSpec(kc.k, kc.absmax_format, a_src, out.dtype, pdl, tiles=tiles_for(M))
     return Plan([_step(spec, args, N, K, cta_warps)], Ad, out, stream)
 
 
@@ -380,7 +402,7 @@ def _step(spec, args, N, K, cta_warps=None, slots=None):
     slices = max(1, min((cta_warps or DEFAULTS["cta_warps"]) // kw, max_threads // (kw * WARP)))
     slices = min(slices, -(-N // STRIP))                   # no slice without a column
     n_groups = -(-N // (slices * STRIP))
-    shared = TABLE_BYTES + part_bytes(slices, kw)
+    shared = TABLE_BYTES + part_bytes(slices, kw, spec.tiles)
     if slots is None:
         grid = persistent_grid(n_groups, slices * kw * WARP, regs, shared)
     else:                                                  # the resident CTAs shared among the slots
@@ -405,8 +427,8 @@ def plan_grouped(A, experts, expert_offsets, out=None, stream=None, out_dtype=np
     _check_inputs(a_src, K)
     if max_tokens is None and isinstance(expert_offsets, np.ndarray):
         max_tokens = max_tokens_per_expert(expert_offsets, T)
-    if max_tokens is not None and max_tokens > MAX_TOKENS:
-        raise ValueError(f"the grouped mma gemv handles up to {MAX_TOKENS} tokens per expert, got {max_tokens}")
+    if max_tokens is not None and max_tokens > N8:
+        raise ValueError(f"the grouped mma gemv handles up to {N8} tokens per expert, got {max_tokens}")
     out_dtype = _arrays.output_dtype(out, out_dtype)
     out = _arrays.output(out, "out", (T, N), out_dtype, stream)
     _arrays.check_aligned(Ad, 16, "A")
@@ -434,7 +456,7 @@ def grouped_gemv(A, experts, expert_offsets, out=None, stream=None, out_dtype=np
 
 
 def gemv(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False):
-    """C[M, N] = A[M, K] @ W^T for M = 1..8 on the tensor cores, W a KbitCodes (k = 2, 4; K a multiple of 64,
+    """C[M, N] = A[M, K] @ W^T for M = 1..16 on the tensor cores, W a KbitCodes (k = 2, 4; K a multiple of 64,
     at most 8192). A: float16 (bfloat16 as int16 bits with ``bf16=True``) [M, K] or [K]; returns a device
     array [M, N] (or [N]) of ``out_dtype`` (float16 or float32), or writes into ``out``."""
     return plan(A, kc, out, stream, out_dtype, bf16).launch()
@@ -446,9 +468,10 @@ def prepare(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, pdl=
 
 
 def ptx_specs():
-    """Every k with float16 A and E4M4 absmax (plain, pdl, grouped, grouped pdl), and each other choice with
-    every k."""
-    variants = [dict(), dict(pdl=True), dict(grouped=True), dict(grouped=True, pdl=True), dict(a_type="bfloat16"),
+    """Every k with float16 A and E4M4 absmax (plain with one and two token tiles, pdl, grouped, grouped pdl),
+    and each other choice with every k."""
+    variants = [dict(), dict(tiles=2), dict(pdl=True), dict(grouped=True), dict(grouped=True, pdl=True),
+                dict(a_type="bfloat16"),
                 dict(absmax_format="fp32"),
                 dict(out_dtype="float32")]
     return [MmaGemvSpec(k=k, **v) for k in CODES_K for v in variants]

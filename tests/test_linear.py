@@ -26,14 +26,18 @@ def test_choose_follows_rules_shapes_and_fallbacks():
     assert ch(8, layout="flat") == "dequant_matmul"           # no tiled copy: no gemm
     assert ch(8, layout="flat", backend=False) == "gemv"      # no torch/CuPy either: gemv in slices
     assert ch(100, backend=False) == "gemm"                   # no cuBLAS: the tensor cores serve every M
-    # the code layout: the pair gemv at M <= 2, the tensor-core gemv to 8, the gemm (K a multiple of 64),
-    # dequantize + cuBLAS
+    # the code layout: the pair gemv at M <= 2, the tensor-core gemv to 8, the gemm (K a multiple of 64), dequantize
+    # + cuBLAS ...
     assert ([ch(M, layout="codes") for M in (1, 2, 3, 8, 9, 64, 65)]
             == ["pair_gemv"] * 2 + ["mma_gemv"] * 2 + ["gemm"] * 2 + ["dequant_matmul"])
+    # ... at k = 4 the tensor-core gemv to 16 (two token tiles from 9; MMA_GEMV_MAX_M), not at k = 2
+    kk = lambda M, k: L.choose(M, 512, 64, "codes", TABLE, "torch", k=k)  # noqa
+    assert [kk(M, 4) for M in (8, 9, 16, 17)] == ["mma_gemv"] * 3 + ["gemm"]
+    assert [kk(M, 2) for M in (8, 9, 16)] == ["mma_gemv", "gemm", "gemm"]
     assert ch(100, layout="codes", backend=False) == "gemm"
     assert {ch(M, K=96, layout="codes", backend=False) for M in (1, 5, 100)} == {"pair_gemv"}   # K % 64 != 0
     # K > 8192 (no tensor-core gemv): the pair gemv where its registers fit, else the gemm
-    assert [ch(M, K=14336, layout="codes") for M in (2, 3, 4, 8)] == ["pair_gemv", "gemm", "gemm", "gemm"]
+    assert [ch(M, K=14336, layout="codes") for M in (2, 3, 4, 8, 16)] == ["pair_gemv"] + ["gemm"] * 4
     assert [ch(M, K=8256, layout="codes") for M in (3, 4)] == ["pair_gemv", "gemm"]
     # ... with float16 block sums (f16_acc) the pair gemv keeps M = 3, 4 to K = 14336 (M * ceil(K / 1024) <= 56)
     f16 = lambda M, K: L.choose(M, 512, K, "codes", TABLE, "torch", f16_acc=True)  # noqa
@@ -152,9 +156,9 @@ def test_linear_flat_weight_with_n_not_a_tile_multiple():
     check_close(layer(A, out_dtype=np.float32).copy_to_host(), A, flat)
 
 
-@pytest.mark.parametrize("M", [5] if SIM else [3, 8])
+@pytest.mark.parametrize("M", [5] if SIM else [3, 8, 16])
 def test_kbit_linear_mid_m_runs_the_tensor_core_gemv(M):
-    """M = 3..8 on the code layout: the tensor-core gemv (prepared and as PDL launches too); float32
+    """M = 3..16 on the code layout: the tensor-core gemv (prepared and as PDL launches too); float32
     activations, which it does not take, go to the pair gemv or the gemm."""
     rng = np.random.default_rng(20 + M)
     flat = ref.quantize(random_weight(rng, 40 if SIM else 600, 128 if SIM else 2048), k=4)

@@ -1,4 +1,5 @@
-"""Tensor-core GEMV (swap AB, code layout, M = 1..8) against reference.gemm, on the simulator (CI) and the GPU."""
+"""Tensor-core GEMV (swap AB, code layout, M = 1..16; grouped: up to 8 rows an expert) against reference.gemm, on
+the simulator (CI) and the GPU."""
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -21,7 +22,7 @@ SPLIT = [(k, a) for k in CODES_K for a in ("float16", "bfloat16")]
 
 @gpu_split("k_split, a_split", SPLIT)
 @settings(max_examples=gpu_examples(EXAMPLES * 2, len(SPLIT)))
-@given(seeds, variants((4, 2), range(1, 9), ("e4m4", "fp32"), ("float16", "bfloat16"), (np.float16, np.float32)),
+@given(seeds, variants((4, 2), range(1, 17), ("e4m4", "fp32"), ("float16", "bfloat16"), (np.float16, np.float32)),
        sizes(MAX_N, 20000), KB2, weight_kinds, out_modes)
 def test_mma_gemv(k_split, a_split, seed, v, N, kb2, kind, out_mode):
     k, M, fmt, a_dtype, out_dtype = v
@@ -35,6 +36,20 @@ def test_mma_gemv(k_split, a_split, seed, v, N, kb2, kind, out_mode):
     out = mma_gemv.plan(A, pair_gemv.to_codes(qw), out_dtype=out_dtype, bf16=bf16, **o.kwargs).launch()
     assert out.shape == (M, N) and out.dtype == np.dtype(out_dtype)
     check_gemm(o.host(out), A, pool, bf16, out_dtype, rows)
+
+
+@pytest.mark.parametrize("k", CODES_K)
+def test_mma_gemv_two_tiles(k):
+    """M = 9..16 takes two n8 token tiles (one decoded A fragment, two MMAs): the first and last M of the second
+    tile, with columns past N in the last strip and K past one warp."""
+    rng = np.random.default_rng(10 + k)
+    N, K = (21, 320) if SIM else (1000, 4096)
+    qw = ref.quantize(random_weight(rng, N, K), k=k)
+    kc = pair_gemv.to_codes(qw)
+    for M in (9, 16):
+        A = _activations(rng, M, K, "float16")
+        assert mma_gemv.tiles_for(M) == 2 and mma_gemv.tiles_for(M - 8) == 1
+        check_gemm(mma_gemv.gemv(A, kc, out_dtype=np.float32).copy_to_host(), A, qw)
 
 
 def test_mma_gemv_vector_input_out_buffer_prepare_and_pdl():
@@ -157,8 +172,8 @@ def test_mma_gemv_grouped_refuses_and_marks_extra_rows():
 def test_mma_gemv_refuses():
     rng = np.random.default_rng(6)
     kc = ref.to_codes(ref.quantize(random_weight(rng, 4, 64), k=4))
-    with pytest.raises(ValueError, match="M = 1..8"):
-        mma_gemv.gemv(np.zeros((9, 64), np.float16), kc)
+    with pytest.raises(ValueError, match="M = 1..16"):
+        mma_gemv.gemv(np.zeros((17, 64), np.float16), kc)
     with pytest.raises(ValueError, match="float16 or bfloat16"):
         mma_gemv.gemv(np.zeros((1, 64), np.float32), kc)
     with pytest.raises(ValueError, match="multiple of 64"):
