@@ -156,8 +156,8 @@ def make_mma_gemv_kernel(spec):
 
     @ir_inlined
     def decode_strip(smem, table, lane_off, codes, am, bx, acc):
-        """acc = this lane's C fragment (columns g, g + 8 x tokens 2t, 2t + 1) of the strip over its two
-        blocks: per MMA, four scaled pairs from the group table."""
+        """acc[4j:4j+4] = this lane's C fragment of token tile j (columns g, g + 8 x tokens 8j + 2t, + 1) of the
+        strip over its two blocks: per MMA, four scaled pairs from the group table, fed to each tile's MMA."""
         for r in range(ACC):
             acc[r] = np.float32(0.0)
         for b in range(KB_LANE):
