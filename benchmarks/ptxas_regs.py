@@ -49,7 +49,8 @@ def main(argv):
             with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
                 f.write(ptx)
                 f.flush()
-                cmd = ["ptxas", "-arch=sm_90", "-v", f.name, "-o", "/dev/null"] + ([f"--maxrregcount={cap}"] if cap else [])
+                cmd = ["ptxas", "-arch=sm_90", "-v", f.name, "-o", "/dev/null"]
+                cmd += [f"--maxrregcount={cap}"] if cap else []
                 err = subprocess.run(cmd, capture_output=True, text=True).stderr
             regs = re.search(r"Used (\d+) registers", err)
             spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", err)

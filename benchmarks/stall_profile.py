@@ -5,9 +5,8 @@
 
 Runs ``benchmarks/profile_gemv.py`` under ``ncu --section WarpStateStats --section SourceCounters --page source
 --print-source sass --csv`` (one launch, the third: the first two warm up), keeps the raw CSV beside
-(``$OUT/stalls_<kernel>_<K>x<N>_k<k>_m<M>.csv`` when ``$OUT`` is set), and prints: the kernel's warp-state
-statistics, the stall samples summed over the kernel by reason, and the ``top`` SASS lines by samples with their
-execution count (an instruction a warp runs once, in the prologue, executes ``warps`` times) and reasons.
+(``$OUT/stalls_<kernel>_<K>x<N>_k<k>_m<M>.csv`` when ``$OUT`` is set), and prints: the stall samples summed over
+the kernel by reason, the samples by execution count, and the ``top`` SASS lines by samples with their execution count (an instruction a warp runs once, in the prologue, executes ``warps`` times) and reasons.
 The column names are read from the CSV's header, so a reason Nsight adds is summed too. ``STALL_CSV=file``
 analyses a kept CSV instead of running ncu.
 """
