@@ -18,8 +18,8 @@ if _config.ENABLE_CUDASIM:
     _sim.install()
 
 from . import reference  # noqa: E402
-from .formats import (BLOCK, K_BITS, KbitCodes, KbitExperts, KbitWeight, codebook, e4m4_decode,  # noqa: E402
-                      e4m4_encode)
+from .formats import (BLOCK, K_BITS, KbitCodes, KbitExperts, KbitFragments, KbitWeight, codebook,  # noqa: E402
+                      e4m4_decode, e4m4_encode)
 from .core import stack_experts  # noqa: E402
 from .launch import Plan, Prepared  # noqa: E402
 from .codec import dequantize, quantize, repack_tiled  # noqa: E402
@@ -33,7 +33,8 @@ SIMULATOR = bool(_config.ENABLE_CUDASIM)
 
 __version__ = "0.1.0"
 
-__all__ = ["BLOCK", "K_BITS", "KbitWeight", "KbitCodes", "codebook", "e4m4_encode", "e4m4_decode", "reference",
+__all__ = ["BLOCK", "K_BITS", "KbitWeight", "KbitCodes", "KbitFragments", "codebook", "e4m4_encode", "e4m4_decode",
+           "reference",
            "quantize", "dequantize", "repack_tiled", "gemv", "prepare_gemv", "Plan", "Prepared",
            "grouped_gemv", "stack_experts", "KbitExperts", "gemm", "grouped_gemm", "linear", "KbitLinear",
            "Workspace", "dequant_matmul", "calibrate", "scalar_gemv", "pair_gemv", "mma_gemv", "tensor_gemm", "uniform",

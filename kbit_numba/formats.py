@@ -242,7 +242,37 @@ CODES_K = (2, 4)           # bit widths of the kernel-native code layout: a byte
 
 
 @dataclass(frozen=True)
-class KbitCodes(_HostDevice):
+class _CodeBlocks(_HostDevice):
+    """The fields and sizes of the kernel-native layouts whose blocks hold k-bit fields in element order
+    (k = 2, 4): ``KbitCodes`` and ``KbitFragments``, which differ only in the order of the blocks."""
+    packed: object
+    absmax: object
+    codebook: object
+    k: int
+    shape: tuple
+    absmax_format: str = "e4m4"
+    ARRAYS = ("packed", "absmax", "codebook")
+    NAME = None                                 # the layout's name in messages
+
+    def __post_init__(self):
+        if self.k not in CODES_K:
+            raise ValueError(f"the {self.NAME} layout holds k in {CODES_K}, got k={self.k}")
+        _check_blocks(self)
+
+    dtypes = KbitWeight.dtypes
+    N = KbitWeight.N
+    K = KbitWeight.K
+
+    @property
+    def n_kblocks(self):
+        return self.K // BLOCK
+
+    n_blocks = KbitWeight.n_blocks
+    nbytes = KbitWeight.nbytes
+
+
+@dataclass(frozen=True)
+class KbitCodes(_CodeBlocks):
     """A kbit weight W[N, K] in the kernel-native *code* layout (``pair_gemv`` reads it).
 
     The same blocks, absmax and codebook as the flat layout, but each block's k words hold the 32
@@ -253,30 +283,54 @@ class KbitCodes(_HostDevice):
     a multiple of k). Made from a KbitWeight by ``reference.to_codes`` / ``pair_gemv.to_codes`` and back
     by ``reference.from_codes``, exactly.
     """
-    packed: object
-    absmax: object
-    codebook: object
-    k: int
-    shape: tuple
-    absmax_format: str = "e4m4"
-    ARRAYS = ("packed", "absmax", "codebook")
+    NAME = "code"
+    layout = "codes"
+
+
+FRAGMENT_N = 16           # columns of a fragment tile: the rows of mma_gemv's A operand (m16), one strip
+FRAGMENT_KB = 8           # blocks of a fragment tile: the 256 k one warp of mma_gemv takes of a strip
+FRAGMENT_BLOCKS = FRAGMENT_N * FRAGMENT_KB
+
+
+def fragment_position(n, kb, n_kb, k):
+    """Where block kb of column n sits in the fragment layout (``KbitFragments``) of a weight with n_kb blocks a
+    row: tiles of 16 columns x 8 blocks, strip-major (a strip's tiles back to back), and inside a tile the order
+    in which ``mma_gemv``'s lanes load them. Lane l = 4g + t's 16-byte load i of a tile holds, at k = 4, block
+    t + 4(i % 2) of column 8(i // 2) + g, at k = 2 blocks 2t, 2t + 1 of column 8i + g; so piece i of lane l is
+    at position 32i + l (k = 4) or 2(32i + l) (k = 2): each load instruction of a warp reads 512 contiguous
+    bytes. Works on NumPy integer arrays and on scalars."""
+    r, j = n % FRAGMENT_N, kb % FRAGMENT_KB
+    tile = (n // FRAGMENT_N) * (n_kb // FRAGMENT_KB) + kb // FRAGMENT_KB
+    if k == 4:
+        inside = 64 * (r // 8) + 32 * (j // 4) + 4 * (r % 8) + j % 4
+    else:
+        inside = FRAGMENT_KB * r + j
+    return tile * FRAGMENT_BLOCKS + inside
+
+
+def check_fragment_shape(N, K):
+    """The fragment layout has no padding: whole tiles only."""
+    if N % FRAGMENT_N or K % (FRAGMENT_KB * BLOCK):
+        raise ValueError(f"the fragment layout needs N a multiple of {FRAGMENT_N} and K of {FRAGMENT_KB * BLOCK}, "
+                         f"got N={N}, K={K}")
+
+
+@dataclass(frozen=True)
+class KbitFragments(_CodeBlocks):
+    """A kbit weight W[N, K] in the *fragment* layout (``mma_gemv`` reads it, with a 16-byte load per lane
+    and 512 contiguous bytes per load instruction; ``mma_gemv.to_fragments`` makes it).
+
+    The code layout's blocks (``KbitCodes``: each block's k words hold its 32 indices as k-bit fields) and
+    absmax values, permuted block by block by :func:`fragment_position`; the same bytes. N a multiple of 16
+    and K of 256 (no padding). ``reference.to_fragments`` / ``reference.from_fragments`` convert exactly.
+    The pair gemv cannot read it (its lanes read one column at a time), so it suits batched decode (M >= 3).
+    """
+    NAME = "fragment"
+    layout = "fragments"
 
     def __post_init__(self):
-        if self.k not in CODES_K:
-            raise ValueError(f"the code layout holds k in {CODES_K}, got k={self.k}")
-        _check_blocks(self)
-
-    dtypes = KbitWeight.dtypes
-    layout = "codes"
-    N = KbitWeight.N
-    K = KbitWeight.K
-
-    @property
-    def n_kblocks(self):
-        return self.K // BLOCK
-
-    n_blocks = KbitWeight.n_blocks
-    nbytes = KbitWeight.nbytes
+        check_fragment_shape(*self.shape)
+        super().__post_init__()
 
 
 def _size(a):

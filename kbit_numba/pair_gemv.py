@@ -44,7 +44,7 @@ from . import _arrays
 from .core import MAX_M, device_weight, fit_threads, k_warps, persistent_grid, sm_count
 from .device import (ABSMAX_CODES, CODEBOOK, PRMT_ROW, TABLE_BYTES, TABLE_FLOATS, WARP, e4m4_decode, i32, inlined,
                      jit_kernel, make_table_fill, make_warp_reduce_scatter, make_word_unpacker, u32)
-from .formats import ABSMAX_FORMATS, BLOCK, CODES_K, KbitCodes, KbitWeight
+from .formats import ABSMAX_FORMATS, BLOCK, CODES_K, KbitCodes, KbitFragments, KbitWeight
 from .intrinsics import (SIMULATOR, bar_sync, f16_bits_to_f32, griddep_launch_dependents, griddep_wait, hfma2, ldg128,
                          ldg64_stream, ldg128_stream, lds64, lds128, lds_u32, prmt, shared_addr, u32_as_f32)
 from .launch import NUMBA_TYPES, OUT_TYPES, Plan, Spec, Step, launch_step, type_name
@@ -346,6 +346,9 @@ def to_codes(qw, stream=None):
     ``reference.from_codes`` the exact inverse."""
     if isinstance(qw, KbitCodes):
         return device_weight(qw, KbitCodes, _arrays.as_stream(stream))
+    if isinstance(qw, KbitFragments):
+        raise TypeError("the fragment layout (KbitFragments) is mma_gemv's alone: the pair gemv reads KbitCodes "
+                        "(reference.from_fragments converts back)")
     if not isinstance(qw, KbitWeight):
         raise TypeError(f"to_codes needs a KbitWeight, got {type(qw).__name__}")
     if qw.k not in CODES_K:

@@ -7,10 +7,9 @@ from __future__ import annotations
 import numpy as np
 
 from .formats import (BITNET_BLOCK_K, BITNET_BLOCK_N, BITNET_ORDER, BLOCK, INT8_ABSMAX_FLOOR, INT8_MAX, LANES,
-                      SBVR_ACT_PLANES, SBVR_GROUP,
-                      SBVR_PLANES, CODES_K, BitnetWeight, KbitCodes, KbitWeight, SbvrWeight, UniformWeight, check_codebook, check_k,
-                      e4m4_decode, e4m4_encode, padded_k, tiled_absmax_index, tiled_word_index,
-                      uniform_elements_per_word)
+                      SBVR_ACT_PLANES, SBVR_GROUP, SBVR_PLANES, CODES_K, BitnetWeight, KbitCodes, KbitFragments,
+                      KbitWeight, SbvrWeight, UniformWeight, check_codebook, check_fragment_shape, check_k, e4m4_decode,
+                      e4m4_encode, fragment_position, padded_k, tiled_absmax_index, tiled_word_index, uniform_elements_per_word)
 
 
 def bf16_bits_to_float32(bits):
@@ -119,8 +118,44 @@ def from_codes(kc):
                       kc.k, kc.shape, "flat", kc.absmax_format)
 
 
+def fragment_order(N, K, k):
+    """perm[i] = the code layout's block index of the fragment layout's block i (``formats.fragment_position``
+    inverted)."""
+    check_fragment_shape(N, K)
+    n_kb = K // BLOCK
+    n, kb = np.meshgrid(np.arange(N), np.arange(n_kb), indexing="ij")
+    perm = np.empty(N * n_kb, np.int64)
+    perm[fragment_position(n, kb, n_kb, k).reshape(-1)] = (n * n_kb + kb).reshape(-1)
+    return perm
+
+
+def to_fragments(w):
+    """KbitCodes (or a KbitWeight with k = 2, 4, through ``to_codes``) -> KbitFragments (NumPy): the same blocks
+    and absmax values in ``mma_gemv``'s load order."""
+    kc = w.to_numpy() if isinstance(w, KbitCodes) else to_codes(w)
+    N, K = kc.shape
+    perm = fragment_order(N, K, kc.k)
+    packed = np.asarray(kc.packed).reshape(-1, kc.k)[perm].reshape(-1)
+    return KbitFragments(packed, np.asarray(kc.absmax)[perm], np.asarray(kc.codebook), kc.k, kc.shape,
+                         kc.absmax_format)
+
+
+def from_fragments(kf):
+    """KbitFragments -> the KbitCodes it came from (NumPy), exactly."""
+    kf = kf.to_numpy()
+    N, K = kf.shape
+    perm = fragment_order(N, K, kf.k)
+    packed = np.empty((N * (K // BLOCK), kf.k), np.uint32)
+    packed[perm] = np.asarray(kf.packed).reshape(-1, kf.k)
+    absmax = np.empty_like(np.asarray(kf.absmax))
+    absmax[perm] = np.asarray(kf.absmax)
+    return KbitCodes(packed.reshape(-1), absmax, np.asarray(kf.codebook), kf.k, kf.shape, kf.absmax_format)
+
+
 def to_flat(qw):
-    """Any layout (KbitCodes too) -> flat layout (NumPy)."""
+    """Any layout (KbitCodes and KbitFragments too) -> flat layout (NumPy)."""
+    if isinstance(qw, KbitFragments):
+        return from_codes(from_fragments(qw))
     if isinstance(qw, KbitCodes):
         return from_codes(qw)
     if qw.layout == "flat":

@@ -52,6 +52,64 @@ def test_mma_gemv_two_tiles(k):
         check_gemm(mma_gemv.gemv(A, kc, out_dtype=np.float32).copy_to_host(), A, qw)
 
 
+@pytest.mark.parametrize("k", CODES_K)
+def test_fragment_layout_round_trip_and_load_order(k):
+    """reference.to_fragments / from_fragments are exact inverses (and to_flat reads the result), and the layout
+    is what mma_gemv's loads assume: in a tile, the 16-byte piece i of lane l = 4g + t sits at position 32i + l
+    (k = 4: block t + 4(i % 2) of column 8(i // 2) + g) or 2(32i + l) (k = 2: blocks 2t, 2t + 1 of column
+    8i + g), so one load instruction of a warp reads 512 contiguous bytes."""
+    rng = np.random.default_rng(20 + k)
+    N, K = 48, 768
+    qw = ref.quantize(random_weight(rng, N, K), k=k)
+    kc = ref.to_codes(qw)
+    kf = ref.to_fragments(kc)
+    assert isinstance(kf, kb.KbitFragments) and kf.nbytes == kc.nbytes
+    back = ref.from_fragments(kf)
+    assert np.array_equal(back.packed, kc.packed) and np.array_equal(back.absmax, kc.absmax)
+    assert np.array_equal(ref.to_flat(kf).packed, qw.packed)
+    blocks = np.asarray(kc.packed).reshape(N, K // 32, k)
+    frag = np.asarray(kf.packed).reshape(-1, k)
+    n_kb = K // 32
+    for strip, chunk in ((0, 0), (2, 1), (1, 2)):
+        tile = (strip * (n_kb // 8) + chunk) * 128
+        for i in range(4 if k == 4 else 2):
+            for lane in range(32):
+                g, t = divmod(lane, 4)
+                if k == 4:
+                    col, blks, pos = 8 * (i // 2) + g, [t + 4 * (i % 2)], [32 * i + lane]
+                else:
+                    col, blks, pos = 8 * i + g, [2 * t, 2 * t + 1], [2 * (32 * i + lane), 2 * (32 * i + lane) + 1]
+                for b, q in zip(blks, pos):
+                    assert np.array_equal(frag[tile + q], blocks[16 * strip + col, 8 * chunk + b])
+    with pytest.raises(ValueError, match="N a multiple of 16 and K of 256"):
+        ref.to_fragments(ref.quantize(random_weight(rng, 40, 256), k=k))
+    with pytest.raises(ValueError, match="N a multiple of 16 and K of 256"):
+        ref.to_fragments(ref.quantize(random_weight(rng, 16, 320), k=k))
+
+
+@gpu_split("k_split", CODES_K)
+@settings(max_examples=gpu_examples(EXAMPLES, len(CODES_K)))
+@given(seeds, variants((4, 2), range(1, 17), ("e4m4", "fp32")), st.integers(1, 2 if SIM else 40),
+       st.integers(1, 2 if SIM else 32))
+def test_mma_gemv_fragments(k_split, seed, v, n16, kb8):
+    """The kernel on the fragment layout (to_fragments on the device, equal to the reference's) gives exactly
+    the code layout's output, which matches reference.gemm."""
+    k, M, fmt = v
+    k = k_split or k
+    rng = np.random.default_rng(seed)
+    N, K = 16 * n16, 256 * kb8
+    qw = ref.quantize(random_weight(rng, N, K), k=k, absmax_format=fmt)
+    kc = pair_gemv.to_codes(qw)
+    kf = mma_gemv.to_fragments(kc)
+    want = ref.to_fragments(qw)
+    assert np.array_equal(kf.packed.copy_to_host(), want.packed)
+    assert np.array_equal(kf.absmax.copy_to_host(), want.absmax)
+    A = _activations(rng, M, K, "float16")
+    got = mma_gemv.gemv(A, kf, out_dtype=np.float32).copy_to_host()
+    assert np.array_equal(got, mma_gemv.gemv(A, kc, out_dtype=np.float32).copy_to_host())
+    check_gemm(got, A, qw)
+
+
 def test_mma_gemv_vector_input_out_buffer_prepare_and_pdl():
     """A 1-D input, an ``out`` buffer on another stream, a prepared launch, and a PDL chain of two layers."""
     rng = np.random.default_rng(5)
@@ -182,3 +240,6 @@ def test_mma_gemv_refuses():
         mma_gemv.plan(np.zeros((1, 8256), np.float16), ref.to_codes(ref.quantize(random_weight(rng, 1, 8256), k=2)))
     with pytest.raises(TypeError, match="code layout"):     # a KbitWeight: convert it once with to_codes
         mma_gemv.gemv(np.zeros((1, 64), np.float16), ref.quantize(random_weight(rng, 4, 64), k=4))
+    kf = ref.to_fragments(ref.quantize(random_weight(rng, 16, 256), k=4))
+    with pytest.raises(TypeError, match="KbitCodes"):       # the pair gemv cannot read the fragment layout
+        pair_gemv.gemv(np.zeros((1, 256), np.float16), kf)
