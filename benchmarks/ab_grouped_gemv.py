@@ -1,7 +1,7 @@
-"""Same-run A/B of grouped_gemv at a decode step's routing (E = 128 experts, top-8, B = 1, 4 and 16 tokens; the
+r"""Same-run A/B of grouped_gemv at a decode step's routing (E = 128 experts, top-8, B = 1, 4 and 16 tokens; the
 qwen3-30b-a3b expert shapes, k = 4): an older revision's scalar_gemv (if benchmarks/_b_scalar_gemv.py is there)
 against the working tree's, and the tensor-core ``mma_gemv.grouped_gemv`` on the same weights in the code
-layout; best of two alternations each, CUDA graphs, two L2-cold expert sets.
+layout (mma) and in the fragment layout (mma(f)); best of two alternations each, CUDA graphs, two L2-cold expert sets.
 
     git show REV:kbit_numba/scalar_gemv.py | sed 's/^from \. /from kbit_numba /; s/^from \./from kbit_numba./' \
         > benchmarks/_b_scalar_gemv.py
@@ -27,6 +27,8 @@ for K, N in ((2048, 1536), (768, 2048)):
     codes = [ref.to_codes(w) for w in flat]
     sets = [kb.stack_experts([base[(e + s) % 8] for e in range(E)]) for s in range(2)]
     csets = [kb.stack_experts([codes[(e + s) % 8] for e in range(E)]) for s in range(2)]
+    frags = [ref.to_fragments(c) for c in codes]
+    fsets = [kb.stack_experts([frags[(e + s) % 8] for e in range(E)]) for s in range(2)]
     for B in (1, 4, 16):
         routes = np.stack([rng.choice(E, top, replace=False) for _ in range(B)])
         counts = np.bincount(routes.reshape(-1), minlength=E)
@@ -36,7 +38,7 @@ for K, N in ((2048, 1536), (768, 2048)):
         out = cuda.device_array((T, N), np.float16)
         d_off = cuda.to_device(offsets)
         res = {}
-        cases = [("old", old, sets), ("new", new, sets), ("mma", mma_gemv, csets)]
+        cases = [("old", old, sets), ("new", new, sets), ("mma", mma_gemv, csets), ("mma(f)", mma_gemv, fsets)]
         for name, mod, ws in cases + cases:
             if mod is None or mt > (mma_gemv.MAX_TOKENS if mod is mma_gemv else new.MAX_M):
                 continue

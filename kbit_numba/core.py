@@ -22,7 +22,7 @@ from numba import cuda
 
 from . import _arrays
 from .device import WARP
-from .formats import BLOCK, KbitCodes, KbitExperts, KbitWeight
+from .formats import BLOCK, KbitCodes, KbitExperts, KbitFragments, KbitWeight
 from .intrinsics import SIMULATOR
 from .launch import OUT_TYPES, Spec, type_name
 
@@ -123,12 +123,13 @@ def device_weight(w, cls, stream=0):
 
 # ---- MoE experts ---------------------------------------------------------------------------------
 def stack_experts(experts, stream=None):
-    """A list of KbitWeights, or of KbitCodes (same shape, k, layout, absmax format, codebook) -> KbitExperts on
-    the device (layout "codes" for KbitCodes: ``mma_gemv.grouped_gemv`` reads it)."""
+    """A list of KbitWeights, of KbitCodes or of KbitFragments (same shape, k, layout, absmax format, codebook) ->
+    KbitExperts on the device (layout "codes" or "fragments" for the last two: ``mma_gemv.grouped_gemv`` reads
+    them)."""
     experts = list(experts)
-    if not experts or not (all(isinstance(w, KbitWeight) for w in experts)
-                           or all(isinstance(w, KbitCodes) for w in experts)):
-        raise TypeError("stack_experts needs a non-empty list of KbitWeight (or of KbitCodes)")
+    if not experts or not any(all(isinstance(w, cls) for w in experts)
+                              for cls in (KbitWeight, KbitCodes, KbitFragments)):
+        raise TypeError("stack_experts needs a non-empty list of KbitWeight (or of KbitCodes, or of KbitFragments)")
     w0 = experts[0]
     key = (w0.shape, w0.k, w0.layout, w0.absmax_format)
     cb0 = _arrays.to_host(w0.codebook)

@@ -368,13 +368,14 @@ class KbitExperts(_HostDevice):
     dtypes = KbitWeight.dtypes
 
     def expert(self, e):
-        """Expert e as a KbitWeight (KbitCodes for the code layout; views, no copy)."""
+        """Expert e as a KbitWeight (KbitCodes, KbitFragments for those layouts; views, no copy)."""
         N, K = self.expert_shape
         b = N * padded_k(K, self.layout) // BLOCK
         w = b * self.k
         packed, absmax = self.packed[e * w:(e + 1) * w], self.absmax[e * b:(e + 1) * b]
-        if self.layout == "codes":
-            return KbitCodes(packed, absmax, self.codebook, self.k, self.expert_shape, self.absmax_format)
+        if self.layout in ("codes", "fragments"):
+            cls = KbitCodes if self.layout == "codes" else KbitFragments
+            return cls(packed, absmax, self.codebook, self.k, self.expert_shape, self.absmax_format)
         return KbitWeight(packed, absmax, self.codebook, self.k, self.expert_shape, self.layout, self.absmax_format)
 
 

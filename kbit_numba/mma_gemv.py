@@ -476,9 +476,9 @@ def plan_grouped(A, experts, expert_offsets, out=None, stream=None, out_dtype=np
     (which expert a CTA runs, and so which weights it loads, is the router's output)."""
     stream = _arrays.as_stream(stream)
     Ad, a_src, T, offs, experts = check_grouped(A, experts, expert_offsets, bf16, stream)
-    if experts.layout != "codes":
-        raise ValueError("mma gemv reads code-layout experts: stack_experts of pair_gemv.to_codes(...) weights "
-                         f"(got the {experts.layout} layout)")
+    if experts.layout not in ("codes", "fragments"):
+        raise ValueError("mma gemv reads code-layout experts: stack_experts of pair_gemv.to_codes(...) weights, or of "
+                         f"to_fragments(...) ones (got the {experts.layout} layout)")
     E = experts.n_experts
     N, K = experts.expert_shape
     _check_inputs(a_src, K)
@@ -495,7 +495,8 @@ def plan_grouped(A, experts, expert_offsets, out=None, stream=None, out_dtype=np
         return Plan([], Ad, out, stream)
     args = (_arrays.flat_view(Ad, np.uint32), experts.packed, experts.absmax, experts.codebook,
             _arrays.flat_view(out), i32(N), i32(K // BLOCK), i32(0), offs)
-    spec = MmaGemvSpec(experts.k, experts.absmax_format, a_src, out.dtype, pdl, grouped=True)
+    spec = MmaGemvSpec(experts.k, experts.absmax_format, a_src, out.dtype, pdl, grouped=True,
+                       fragments=experts.layout == "fragments")
     return Plan([_step(spec, args, N, K, cta_warps, slots=min(E, T))], Ad, out, stream)
 
 
@@ -507,15 +508,16 @@ def grouped_gemv(A, experts, expert_offsets, out=None, stream=None, out_dtype=np
     [E + 1] (host or device; expert e's rows are offsets[e] .. offsets[e+1]-1, at most 8 each: more are
     refused when the offsets are a NumPy array or ``max_tokens`` says so, and come out NaN otherwise);
     experts: KbitExperts in the code layout (``stack_experts`` of ``pair_gemv.to_codes`` weights; k = 2, 4,
-    K a multiple of 64 up to 8192). Returns out [T, N]. With device offsets and ``out`` given it allocates
+    K a multiple of 64 up to 8192) or the fragment layout (of :func:`to_fragments` weights). Returns out [T, N]. With device offsets and ``out`` given it allocates
     nothing, so it can be captured into a CUDA graph."""
     return plan_grouped(A, experts, expert_offsets, out, stream, out_dtype, bf16, max_tokens).launch()
 
 
 def gemv(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False):
     """C[M, N] = A[M, K] @ W^T for M = 1..16 on the tensor cores, W a KbitCodes (k = 2, 4; K a multiple of 64,
-    at most 8192). A: float16 (bfloat16 as int16 bits with ``bf16=True``) [M, K] or [K]; returns a device
-    array [M, N] (or [N]) of ``out_dtype`` (float16 or float32), or writes into ``out``."""
+    at most 8192) or a KbitFragments (:func:`to_fragments`). A: float16 (bfloat16 as int16 bits with ``bf16=True``)
+    [M, K] or [K]; returns a device array [M, N] (or [N]) of ``out_dtype`` (float16 or float32), or writes into
+    ``out``."""
     return plan(A, kc, out, stream, out_dtype, bf16).launch()
 
 
@@ -526,9 +528,9 @@ def prepare(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, pdl=
 
 def ptx_specs():
     """Every k with float16 A and E4M4 absmax (plain with one and two token tiles, pdl, grouped, grouped pdl,
-    the fragment layout with one and two tiles), and each other choice with every k."""
+    the fragment layout with one and two tiles and grouped), and each other choice with every k."""
     variants = [dict(), dict(tiles=2), dict(pdl=True), dict(grouped=True), dict(grouped=True, pdl=True),
-                dict(fragments=True), dict(fragments=True, tiles=2),
+                dict(fragments=True), dict(fragments=True, tiles=2), dict(fragments=True, grouped=True),
                 dict(a_type="bfloat16"),
                 dict(absmax_format="fp32"),
                 dict(out_dtype="float32")]

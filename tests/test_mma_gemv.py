@@ -156,6 +156,27 @@ def test_mma_gemv_grouped(k_split, seed, v, counts, N, kb2, out_mode):
             check_gemm(got[rows], A[rows], w, out_dtype=out_dtype)
 
 
+@pytest.mark.parametrize("k", CODES_K)
+def test_mma_gemv_grouped_fragments(k):
+    """MoE experts in the fragment layout (stack_experts of to_fragments weights) give exactly the code layout's
+    output: T >= E (a grid slot per expert) and T < E (a slot per row)."""
+    rng = np.random.default_rng(30 + k)
+    N, K = (32, 256) if SIM else (96, 1024)
+    flats = [ref.quantize(random_weight(rng, N, K), k=k) for _ in range(4)]
+    codes = kb.stack_experts([ref.to_codes(w) for w in flats])
+    frags = kb.stack_experts([mma_gemv.to_fragments(w) for w in flats])
+    assert frags.layout == "fragments" and isinstance(frags.expert(1), kb.KbitFragments)
+    for counts in ([3, 0, 8, 1], [0, 1, 0, 1]):
+        offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        A = _activations(rng, int(offsets[-1]), K, "float16")
+        got = mma_gemv.grouped_gemv(A, frags, offsets, out_dtype=np.float32).copy_to_host()
+        assert np.array_equal(got, mma_gemv.grouped_gemv(A, codes, offsets, out_dtype=np.float32).copy_to_host())
+        for e, w in enumerate(flats):
+            rows = slice(offsets[e], offsets[e + 1])
+            if counts[e]:
+                check_gemm(got[rows], A[rows], w)
+
+
 def test_mma_gemv_grouped_fewer_rows_than_experts():
     """T = 4 rows over E = 7 experts, 3 of them active (a decode step's shape): one grid slot per row."""
     rng = np.random.default_rng(8)

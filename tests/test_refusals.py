@@ -106,7 +106,7 @@ ROWS = [
      "out NaN)", ValueError, "up to 8 tokens",
      lambda: kb.mma_gemv.grouped_gemv(np.ones((9, K), np.float16), kb.stack_experts([ref.to_codes(FLAT)] * 2),
                                       np.array([0, 9, 9], np.int32))),
-    ("mma_gemv.grouped_gemv", "experts not in the code layout", ValueError, "code-layout experts",
+    ("mma_gemv.grouped_gemv", "experts not in the code or fragment layout", ValueError, "code-layout experts",
      lambda: kb.mma_gemv.grouped_gemv(A1, kb.stack_experts([FLAT] * 2), np.array([0, 1, 1], np.int32))),
     ("stack_experts", "experts of different shape, k, layout, absmax format or codebook", ValueError, "every expert",
      lambda: kb.stack_experts([FLAT, ref.quantize(W, k=2)])),
