@@ -16,6 +16,10 @@ and waits on its own dependency chains. This kernel streams the weights the pair
   a2 = pair (4s+2, 4s+3), a1 / a3 the same of column g + 8; the B fragment b0, b1 is the same four
   elements of token g's activations: 8 contiguous bytes, loaded once per launch into 32 registers (64 with
   two tiles: token g + 8 is the second tile's).
+* **Two weight layouts**: the code layout (``KbitCodes``, the pair gemv's: a column's blocks together) or the
+  fragment layout (``KbitFragments``, :func:`to_fragments`: tiles of 16 columns x 8 blocks stored in the order
+  this kernel's lanes load them). In the first a load instruction of a warp reads 64 bytes of each of 8 columns,
+  in the second 512 contiguous bytes: 5-13% faster at M = 4 (benchmarks/README.md). Only the load addresses differ.
 * **Decode**: the pair gemv's group table with float16 (bfloat16) entries: at k = 4 one ``prmt`` and one
   ``ld.shared`` per pair, at k = 2 one of each per quad (two pairs); one ``mul.rn.f16x2`` per pair
   scales it by the block's absmax (the same roundings as the tiled gemm: codebook value, absmax and
@@ -385,15 +389,17 @@ def make_to_fragments_kernel(k):
 
 
 def to_fragments(kc, stream=None):
-    """KbitCodes (or a flat KbitWeight, through ``pair_gemv.to_codes``) -> KbitFragments on the device, once: the
-    same blocks in this kernel's load order (N a multiple of 16, K of 256). ``reference.to_fragments`` is its
-    twin, ``reference.from_fragments`` the exact inverse."""
-    from .pair_gemv import to_codes
+    """KbitCodes (``pair_gemv.to_codes`` makes one from a flat KbitWeight) -> KbitFragments on the device, once:
+    the same blocks in this kernel's load order (N a multiple of 16, K of 256). ``reference.to_fragments`` is
+    its twin, ``reference.from_fragments`` the exact inverse."""
     stream = _arrays.as_stream(stream)
     if isinstance(kc, KbitFragments):
         return device_weight(kc, KbitFragments, stream)
+    if not isinstance(kc, KbitCodes):
+        raise TypeError(f"to_fragments reads the code layout (KbitCodes), got {type(kc).__name__}: convert the "
+                        "weight once with pair_gemv.to_codes(qw)")
     check_fragment_shape(*kc.shape)
-    kc = to_codes(kc, stream)
+    kc = device_weight(kc, KbitCodes, stream)
     frag = KbitFragments(cuda.device_array(kc.n_blocks * kc.k, np.uint32, stream=stream),
                          cuda.device_array(kc.n_blocks, kc.absmax.dtype, stream=stream),
                          kc.codebook, kc.k, kc.shape, kc.absmax_format)

@@ -164,7 +164,7 @@ def test_mma_gemv_grouped_fragments(k):
     N, K = (32, 256) if SIM else (96, 1024)
     flats = [ref.quantize(random_weight(rng, N, K), k=k) for _ in range(4)]
     codes = kb.stack_experts([ref.to_codes(w) for w in flats])
-    frags = kb.stack_experts([mma_gemv.to_fragments(w) for w in flats])
+    frags = kb.stack_experts([mma_gemv.to_fragments(pair_gemv.to_codes(w)) for w in flats])
     assert frags.layout == "fragments" and isinstance(frags.expert(1), kb.KbitFragments)
     for counts in ([3, 0, 8, 1], [0, 1, 0, 1]):
         offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)

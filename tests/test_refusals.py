@@ -88,7 +88,7 @@ ROWS = [
      TypeError, "code layout", lambda: kb.mma_gemv.gemv(A1, FLAT)),
     ("mma_gemv.to_fragments", "N not a multiple of 16 or K not a multiple of 256 (the fragment layout has no padding)",
      ValueError, "fragment layout needs",
-     lambda: kb.mma_gemv.to_fragments(ref.quantize(np.ones((8, 96), np.float32), k=4))),
+     lambda: kb.mma_gemv.to_fragments(ref.to_codes(ref.quantize(np.ones((8, 96), np.float32), k=4)))),
     ("pair_gemv.gemv", "a weight in the fragment layout (`KbitFragments`: `mma_gemv` reads it)", TypeError,
      "mma_gemv's alone",
      lambda: kb.pair_gemv.gemv(np.ones((1, 256), np.float16),
