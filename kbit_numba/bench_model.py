@@ -297,7 +297,8 @@ class ExpertsKbit:
     """One layer's experts of one projection as ``KbitExperts``: in the code or fragment layout (k = 2, 4) the
     tensor-core ``mma_gemv.grouped_gemv`` while no expert has more than 8 rows; in the tiled layout ``grouped_gemv``
     while none has more than 4 (k = 3, 5), else ``grouped_gemm`` (needs CUDA tensors). ``codes``: the code- or
-    fragment-layout copy, or None; the tiled one is kept for batches past those limits (it doubles the experts' memory).
+    fragment-layout copy, or None; the tiled one is kept for batches past those limits (it doubles the experts'
+    memory).
     ``pdl``: the tensor-core gemv as a programmatic dependent launch (the other kernels have no such build)."""
 
     def __init__(self, experts, codes=None, pdl=False):
@@ -502,7 +503,7 @@ def build_experts(cfg, variant, name, N, K, base, progress, device="cuda"):
     from . import reference
     from .bench import _device_copies
     from .core import stack_experts
-    from .formats import BLOCK, CODES_K, FRAGMENT_KB, FRAGMENT_N
+    from .formats import CODES_K, fits_fragments
     L, E = cfg["layers"], cfg["experts"]
     if VARIANTS[variant] is None:
         return [ExpertsFP16(torch.empty(E, N, K, device=device, dtype=torch.float16).normal_(0, 0.02))
@@ -517,7 +518,7 @@ def build_experts(cfg, variant, name, N, K, base, progress, device="cuda"):
     copies = _device_copies(stacked, L)
     if opts["k"] not in CODES_K:
         return [ExpertsKbit(c) for c in copies]
-    native = reference.to_fragments if N % FRAGMENT_N == 0 and K % (FRAGMENT_KB * BLOCK) == 0 else reference.to_codes
+    native = reference.to_fragments if fits_fragments(N, K) else reference.to_codes
     codes = [native(w) for w in flat]           # the fragment layout where the shape allows: 2-12% faster
     stacked = stack_experts([codes[e % len(codes)] for e in range(E)])
     return [ExpertsKbit(t, c, opts.get("pdl")) for t, c in zip(copies, _device_copies(stacked, L))]

@@ -308,9 +308,14 @@ def fragment_position(n, kb, n_kb, k):
     return tile * FRAGMENT_BLOCKS + inside
 
 
+def fits_fragments(N, K):
+    """Whether a weight of this shape fills whole fragment tiles (the layout has no padding)."""
+    return N % FRAGMENT_N == 0 and K % (FRAGMENT_KB * BLOCK) == 0
+
+
 def check_fragment_shape(N, K):
     """The fragment layout has no padding: whole tiles only."""
-    if N % FRAGMENT_N or K % (FRAGMENT_KB * BLOCK):
+    if not fits_fragments(N, K):
         raise ValueError(f"the fragment layout needs N a multiple of {FRAGMENT_N} and K of {FRAGMENT_KB * BLOCK}, "
                          f"got N={N}, K={K}")
 

@@ -514,8 +514,8 @@ def grouped_gemv(A, experts, expert_offsets, out=None, stream=None, out_dtype=np
     [E + 1] (host or device; expert e's rows are offsets[e] .. offsets[e+1]-1, at most 8 each: more are
     refused when the offsets are a NumPy array or ``max_tokens`` says so, and come out NaN otherwise);
     experts: KbitExperts in the code layout (``stack_experts`` of ``pair_gemv.to_codes`` weights; k = 2, 4,
-    K a multiple of 64 up to 8192) or the fragment layout (of :func:`to_fragments` weights). Returns out [T, N]. With device offsets and ``out`` given it allocates
-    nothing, so it can be captured into a CUDA graph."""
+    K a multiple of 64 up to 8192) or the fragment layout (of :func:`to_fragments` weights). Returns out [T, N].
+    With device offsets and ``out`` given it allocates nothing, so it can be captured into a CUDA graph."""
     return plan_grouped(A, experts, expert_offsets, out, stream, out_dtype, bf16, max_tokens).launch()
 
 

@@ -9,7 +9,8 @@ import numpy as np
 from .formats import (BITNET_BLOCK_K, BITNET_BLOCK_N, BITNET_ORDER, BLOCK, INT8_ABSMAX_FLOOR, INT8_MAX, LANES,
                       SBVR_ACT_PLANES, SBVR_GROUP, SBVR_PLANES, CODES_K, BitnetWeight, KbitCodes, KbitFragments,
                       KbitWeight, SbvrWeight, UniformWeight, check_codebook, check_fragment_shape, check_k, e4m4_decode,
-                      e4m4_encode, fragment_position, padded_k, tiled_absmax_index, tiled_word_index, uniform_elements_per_word)
+                      e4m4_encode, fragment_position, padded_k, tiled_absmax_index, tiled_word_index,
+                      uniform_elements_per_word)
 
 
 def bf16_bits_to_float32(bits):
