@@ -9,7 +9,8 @@ Prints, per shape, k, M and accumulation (fp32, f16_acc), the time of the workin
 of the other file's (B), each at its own default plan, alternating A and B three times to expose drift.
 REV must be from commit 35dd0d8 on (plan() returning a launch.Plan); for older revisions, compare the whole
 package with benchmarks/device_ab_bench.sh. ``--mma``: the same for the tensor-core gemv (``mma_gemv.py`` of REV
-as the B file; float16 A only, so one accumulation).
+as the B file; float16 A only, so one accumulation); ``--fragments`` with it: both on the fragment layout
+(``mma_gemv.to_fragments``; N a multiple of 16, K of 256).
 """
 import importlib.util
 import sys
@@ -21,7 +22,8 @@ from kbit_numba import bench, mma_gemv, pair_gemv
 from kbit_numba._timing import graph_time_us, rotation_count
 
 mma = "--mma" in sys.argv
-sys.argv = [a for a in sys.argv if a != "--mma"]
+fragments = "--fragments" in sys.argv
+sys.argv = [a for a in sys.argv if a not in ("--mma", "--fragments")]
 spec = importlib.util.spec_from_file_location("gemv_b", sys.argv[1])
 other = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = other               # (its dataclass Spec looks its module up there)
@@ -38,6 +40,8 @@ for K, N in shapes:
         nbytes = N * K // 32 * (4 * k + 1)
         n = rotation_count(nbytes)
         kcs = [pair_gemv.to_codes(w) for w in bench._rotating_weights(K, N, k, n, rng)]
+        if fragments:
+            kcs = [mma_gemv.to_fragments(kc) for kc in kcs]
         for M in ms:
             A = cuda.to_device(rng.standard_normal((M, K)).astype(np.float16))
             out = cuda.device_array((M, N), np.float16)

@@ -10,9 +10,8 @@ computes garbage: only its time means something. Two rounds, alternating the var
 Variants (``+`` combines them, e.g. ``no_lds+no_mma``):
   no_lds     the group-table ``ld.shared`` per weight pair left out (its address is used as the pair)
   no_mma     each ``mma.sync`` replaced by one float add of its operands' xor
-  no_reduce  no per-strip reduction: no partial tiles, no barrier, no output (a never-taken store keeps the
-             sums alive)
-  no_sync    the reduction without its barrier (wrong sums, same work)
+  no_reduce  no reduction: no partial tiles, no barriers, no output (a never-taken store keeps the sums alive)
+  no_sync    the reduction without its barriers (wrong sums, same work)
   no_fill    no table fill in the prologue
   lane_linear  (k = 4) each 16-byte load instruction of a warp reads 512 contiguous bytes (32 blocks, lane order)
              of the warp's 2 KB of the CTA's strip, instead of 64 bytes of each of 8 columns: the loads a
@@ -52,10 +51,10 @@ ABLATIONS = {
     "no_lds": [("lds_u32(smem, table + prmt(", "(table + prmt(")],
     "no_mma": [(MMA_CALL, "                    acc[4 * j] += u32_as_f32(((a0 ^ a1) ^ (a2 ^ a3)) ^ "
                           "(bx[j, b, s, 0] ^ bx[j, b, s, 1]))")],
-    "no_reduce": [("reduce_strip(smem, acc, g, t, tid, part, flip, slices, kw, u32(grp * group_cols), out, N, m, "
-                   "row0)", "sink(acc, out)"),
+    "no_reduce": [("        tile = u32(part + flip + u32(r) * slot)\n",
+                   "        sink(acc, out)\n        return flip\n        tile = u32(part + flip + u32(r) * slot)\n"),
                   ("    @ir_inlined\n    def fill_tables(", SINK)],
-    "no_sync": [("        cuda.syncthreads()\n        per_slice", "        per_slice")],
+    "no_sync": [("            cuda.syncthreads()\n            sum_tiles(", "            sum_tiles(")],
     "lane_linear": [
         ("            col = u32(first + u32(n0 + u32(8 * c)) * n_kb + kb0)",
          "            lane_i = u32(cuda.threadIdx.x) % u32(WARP)\n"

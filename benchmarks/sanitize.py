@@ -3,8 +3,8 @@
     compute-sanitizer --tool memcheck python benchmarks/sanitize.py [codec,gemv,pair,mma,pdl,grouped,gemm,formats]
 
 (default: every family; name some to check only those). ``pdl``: a chain of pair gemvs launched as
-programmatic dependent launches, each reading the previous one's output. ``mma``: the tensor-core gemv,
-also as a PDL chain.
+programmatic dependent launches, each reading the previous one's output. ``mma``: the tensor-core gemv (also
+several batches of strips a CTA, on both layouts, and as a PDL chain); ``grouped`` includes fragment-layout experts.
 """
 import sys
 
@@ -68,6 +68,17 @@ if "mma" in families:      # N = 37 (a partial strip), K = 1088 (5 K-warps, the 
                                                 absmax_format=fmt))
             for M in ((1, 8, 12, 16) if fmt == "e4m4" else (5,)):      # 12, 16: two token tiles
                 mma_gemv.gemv(rng.standard_normal((M, 1088)).astype(np.float16), kc).copy_to_host()
+    # one slice a CTA (cta_warps = KW) and ~7 strips a CTA: batches of 3, 3 and 1 strips (BATCH) on every SM, in the
+    # code layout (a partial last strip) and the fragment layout
+    from kbit_numba.core import sm_count
+    N = 16 * 7 * sm_count()
+    for k in pair_gemv.CODES_K:
+        kc = pair_gemv.to_codes(kb.quantize(rng.standard_normal((N - 11, 1088)).astype(np.float16), k=k))
+        kf = mma_gemv.to_fragments(pair_gemv.to_codes(kb.quantize(rng.standard_normal((N, 1024)).astype(np.float16),
+                                                                   k=k)))
+        for M in (4, 16):
+            mma_gemv.plan(rng.standard_normal((M, 1088)).astype(np.float16), kc, cta_warps=5).launch().copy_to_host()
+            mma_gemv.plan(rng.standard_normal((M, 1024)).astype(np.float16), kf, cta_warps=4).launch().copy_to_host()
     kc = pair_gemv.to_codes(kb.quantize((rng.standard_normal((1088, 1088)) / 32).astype(np.float16), k=4))
     cuda.synchronize()
     first = mma_gemv.prepare(cuda.to_device(rng.standard_normal((6, 1088)).astype(np.float16)), kc, pdl=True)
@@ -103,6 +114,11 @@ if "grouped" in families:
     for offsets in ([0, 0, 2, 2, 3], [0, 3, 3, 8, 12], [0, 9, 9, 10, 10]):
         T = offsets[-1]
         mma_gemv.grouped_gemv(rng.standard_normal((T, 1088)).astype(np.float16), cexperts,
+                              cuda.to_device(np.array(offsets, np.int32))).copy_to_host()
+    fexperts = kb.stack_experts([mma_gemv.to_fragments(kb.reference.to_codes(kb.reference.quantize(
+        rng.standard_normal((48, 1024)).astype(np.float32), k=4))) for _ in range(4)])
+    for offsets in ([0, 0, 2, 2, 3], [0, 3, 3, 8, 12]):
+        mma_gemv.grouped_gemv(rng.standard_normal((offsets[-1], 1024)).astype(np.float16), fexperts,
                               cuda.to_device(np.array(offsets, np.int32))).copy_to_host()
     # the PDL build (tables before the wait, offsets after it), T < E and T >= E, after a PDL mma gemv
     for offsets in ([0, 0, 2, 2, 3], [0, 3, 3, 8, 12]):

@@ -27,7 +27,8 @@ and waits on its own dependency chains. This kernel streams the weights the pair
   the reduction and the loop, 2.84 at M = 1 and 3.20 at M = 8 measured: benchmarks/README.md).
 * **Geometry** as the pair gemv's: a CTA holds ``S`` slices of ``KW = ceil(K / 256)`` warps (K <= 8192),
   a persistent grid walks 16-column strips, loads run two iterations ahead in three register buffers,
-  and the KW warps' partial C tiles are summed in shared memory (one barrier per iteration).
+  and the KW warps' partial C tiles are summed in shared memory, three strips at a time (one barrier per three
+  strips: ``BATCH``).
 * ``pdl=True``: built for a programmatic dependent launch, as the pair gemv (grouped: only the tables before
   the wait; the offsets, and so the weights a CTA loads, come from the kernel before it).
 * ``grouped=True``: MoE experts (``grouped_gemv``): a grid row (slot) per expert, or per token row when there
@@ -39,14 +40,15 @@ Reference twin: ``reference.gemm`` (the same weight roundings). Tests: ``tests/t
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import numpy as np
 from numba import cuda
 
 from . import _arrays
-from .core import check_grouped, device_weight, fit_threads, max_tokens_per_expert, persistent_grid, unused_i32
+from .core import (SHARED_PER_SM, check_grouped, device_weight, fit_threads, max_tokens_per_expert, persistent_grid,
+                   unused_i32)
 from .device import (CODEBOOK, PRMT_ROW, TABLE_BYTES, TABLE_FLOATS, WARP, e4m4_decode, f32_to_bf16_bits, i32,
                      jit_kernel, make_table_fill, slot_expert, u32)
 from .formats import (ABSMAX_FORMATS, BLOCK, CODES_K, KbitCodes, KbitFragments, check_fragment_shape,
@@ -72,6 +74,8 @@ SCALES = TABLE_FLOATS             # word offset of the E4M4 table (absmax byte -
 PART = CODEBOOK + 16              # float offset of the cross-warp partial C tiles
 MMA_TYPES = ("float16", "bfloat16")
 DEFAULTS = {"cta_warps": 16}      # warps per CTA the plan aims for (the table is filled once per CTA)
+BATCH = 3                         # strips whose partial C tiles are summed after one barrier (the loop's unroll)
+SHARED_PER_CTA = SHARED_PER_SM - 1024   # the most dynamic shared memory a CTA may opt in to (sm_90: 227 KB)
 
 # This kernel's own helpers are inlined by Numba's IR inliner, not by NVVM like device.py's (device.inlined): with
 # NVVM's the kernel ran 0.5-3.4% slower at M = 1..8 (8.5% at 2048x5120, M = 8; H100, benchmarks/README.md
@@ -91,6 +95,7 @@ class MmaGemvSpec(Spec):
     grouped: bool = False           # MoE experts: blockIdx.y is a slot (see the module docstring)
     tiles: int = 1                  # n8 token tiles: M <= 8 * tiles (2: M = 9..16)
     fragments: bool = False         # the weight is a KbitFragments (else KbitCodes): see load_strip
+    batch: int = BATCH              # strips per barrier and sum (1: where BATCH's partial tiles do not fit)
     max_registers: object = None
 
     def normalise(self):
@@ -100,10 +105,12 @@ class MmaGemvSpec(Spec):
             raise ValueError(f"absmax_format must be one of {ABSMAX_FORMATS}, got {self.absmax_format!r}")
         if self.tiles not in range(1, MAX_TILES + 1):
             raise ValueError(f"mma gemv takes 1..{MAX_TILES} n8 token tiles, got tiles={self.tiles}")
+        if self.batch not in (1, BATCH):        # the loop body holds BATCH strips: a batch ends with it or each strip
+            raise ValueError(f"mma gemv sums the partial tiles of 1 or {BATCH} strips at a time, got batch={self.batch}")
         return dict(k=int(self.k), a_type=type_name(self.a_type, "a_type", MMA_TYPES),
                     out_dtype=type_name(self.out_dtype, "out_dtype", OUT_TYPES), pdl=bool(self.pdl),
                     grouped=bool(self.grouped), tiles=int(self.tiles), fragments=bool(self.fragments),
-                    max_registers=int(self.max_registers) if self.max_registers else None)
+                    batch=int(self.batch), max_registers=int(self.max_registers) if self.max_registers else None)
 
 
 @lru_cache(maxsize=None)
@@ -127,6 +134,7 @@ def make_mma_gemv_kernel(spec):
     TSTRIDE, BSTRIDE = LANE_STRIDE[k], BLOCK_STRIDE[k]
     TILES = spec.tiles
     FRAGMENTS = spec.fragments
+    BATCH_ = spec.batch                            # strips per barrier and sum
     PIECE_BLOCKS = 2 if BSTRIDE == 1 else 1         # blocks in a lane's 16-byte load
     TOKENS = N8 * TILES                            # rows of A a CTA takes
     TILE = STRIP * TOKENS                          # floats of one warp's partial C tile
@@ -212,28 +220,45 @@ def make_mma_gemv_kernel(spec):
                         acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3])
 
     @ir_inlined
-    def reduce_strip(smem, acc, g, t, tid, part, flip, slices, kw, n_first, out, N, M, row0):
-        """Sum the strip's C tiles over the CTA's K-warps: each lane puts its valid values (tokens < M) in
-        its warp's tile of the shared buffer half ``flip``, then one thread per (slice, column, token)
-        adds the slice's KW tiles and writes column n_first + s * STRIP + column of row row0 + token (a
-        loop: a CTA of one warp has fewer threads than 16 M outputs). The other threads go on to the next
-        strip meanwhile (sharing each sum among several threads with shuffles was slower: everyone waited
-        for it). KW is up to 32: a thread keeps four sums, so that its loads do not wait on each other's adds."""
+    def end_strip(smem, acc, g, t, tid, part, flip, slot, r, grp, grid, n_groups, slices, kw, group_cols, out, N, M,
+                  row0):
+        """Put this lane's valid C values (tokens < M) of the strip in its warp's tile of slot r (of BATCH) of
+        the shared buffer half ``flip``. After a batch's last strip (or the CTA's), meet the CTA at one barrier
+        and sum the batch's tiles over the K-warps (:func:`sum_tiles`); return the half the next batch writes.
+        One barrier per BATCH strips: each barrier and each summing chain is a wait on every warp's critical
+        path, now shared by three strips (benchmarks/README.md, "Batched reduction")."""
+        tile = u32(part + flip + u32(r) * slot)
         for j in range(TILES):
             for h in range(2):                     # c0, c1: column g; c2, c3: column g + 8
                 for e in range(2):
                     tok = u32(u32(N8 * j) + u32(2) * t + u32(e))
                     if tok < M:
-                        smem[u32(part + flip + u32(u32(g + u32(8 * h)) * u32(TOKENS) + tok))] = acc[4 * j + 2 * h + e]
-        cuda.syncthreads()
+                        smem[u32(tile + u32(u32(g + u32(8 * h)) * u32(TOKENS) + tok))] = acc[4 * j + 2 * h + e]
+        if r == BATCH_ - 1 or u32(grp + grid) >= n_groups:
+            cuda.syncthreads()
+            sum_tiles(smem, tid, flip, slot, u32(r + 1), u32(grp - u32(r) * grid), grid, slices, kw, group_cols,
+                      out, N, M, row0)
+            return u32(u32(BATCH_) * slot - flip)
+        return flip
+
+    @ir_inlined
+    def sum_tiles(smem, tid, flip, slot, count, grp0, grid, slices, kw, group_cols, out, N, M, row0):
+        """One thread per (strip, slice, column, token) of the batch's ``count`` strips (strip r is column group
+        grp0 + r * grid) adds the slice's KW tiles and writes column n + column of row row0 + token (a loop: a
+        CTA of one warp has fewer threads than 16 M outputs). The other threads go on to the next strip
+        meanwhile (sharing each sum among several threads with shuffles was slower: everyone waited for it).
+        KW is up to 32: a thread keeps four sums, so that its loads do not wait on each other's adds."""
         per_slice = u32(u32(STRIP) * M)
+        per_strip = u32(slices * per_slice)
         i = tid
-        while i < u32(slices * per_slice):
-            s_out = u32(i // per_slice)
-            v = u32(i - s_out * per_slice)
+        while i < u32(count * per_strip):
+            r = u32(i // per_strip)
+            v = u32(i - r * per_strip)
+            s_out = u32(v // per_slice)
+            v = u32(v - s_out * per_slice)
             col = u32(v // M)
             tok = u32(v - col * M)
-            p = u32(u32(PART) + flip + s_out * kw * u32(TILE) + col * u32(TOKENS) + tok)
+            p = u32(u32(PART) + flip + r * slot + s_out * kw * u32(TILE) + col * u32(TOKENS) + tok)
             p_end = u32(p + kw * u32(TILE))
             s0 = np.float32(0.0)                   # four sums, so that four loads are in flight at a time
             s1 = np.float32(0.0)
@@ -249,7 +274,7 @@ def make_mma_gemv_kernel(spec):
                 s0 += smem[p]
                 p = u32(p + u32(TILE))
             total = (s0 + s1) + (s2 + s3)
-            n = u32(n_first + s_out * u32(STRIP) + col)
+            n = u32(u32(u32(grp0 + r * grid) * group_cols) + s_out * u32(STRIP) + col)
             if n < u32(N):
                 out[u32(u32(row0 + tok) * u32(N) + n)] = np.float16(total) if f16_out else total
             i = u32(i + u32(cuda.blockDim.x))
@@ -339,31 +364,31 @@ def make_mma_gemv_kernel(spec):
         lane_off = u32((lane % u32(COPIES)) * u32(ENTRY))
         cuda.syncthreads()
 
-        part = u32(u32(PART) + (sl * kw + w) * u32(TILE))   # this warp's partial tile (+ flip)
+        part = u32(u32(PART) + (sl * kw + w) * u32(TILE))   # this warp's partial tile (+ flip + slot r)
+        slot = u32(slices * kw * u32(TILE))                 # floats of one strip's tiles; a half holds BATCH
         flip = u32(0)
-        FLIP = u32(slices * kw * u32(TILE))
         acc = cuda.local.array(ACC, np.float32)
-        # ---- 4. the persistent loop, unrolled three times (pair_gemv says why) ---------------------------
+        # ---- 4. the persistent loop, unrolled three times (pair_gemv says why): a batch of BATCH strips a barrier
         ahead = u32(u32(2) * grid * group_cols)
         while grp < n_groups:
             load_strip(packed, absmax, first, u32(grp * group_cols + ahead + col0), kb0, last, nkb, codes_c, am_c)
             decode_strip(smem, table, lane_off, codes_a, am_a, bx, acc)
-            reduce_strip(smem, acc, g, t, tid, part, flip, slices, kw, u32(grp * group_cols), out, N, m, row0)
-            flip = u32(FLIP - flip)
+            flip = end_strip(smem, acc, g, t, tid, part, flip, slot, 0 % BATCH_, grp, grid, n_groups, slices, kw,
+                             group_cols, out, N, m, row0)
             grp = u32(grp + grid)
             if grp >= n_groups:
                 break
             load_strip(packed, absmax, first, u32(grp * group_cols + ahead + col0), kb0, last, nkb, codes_a, am_a)
             decode_strip(smem, table, lane_off, codes_b, am_b, bx, acc)
-            reduce_strip(smem, acc, g, t, tid, part, flip, slices, kw, u32(grp * group_cols), out, N, m, row0)
-            flip = u32(FLIP - flip)
+            flip = end_strip(smem, acc, g, t, tid, part, flip, slot, 1 % BATCH_, grp, grid, n_groups, slices, kw,
+                             group_cols, out, N, m, row0)
             grp = u32(grp + grid)
             if grp >= n_groups:
                 break
             load_strip(packed, absmax, first, u32(grp * group_cols + ahead + col0), kb0, last, nkb, codes_b, am_b)
             decode_strip(smem, table, lane_off, codes_c, am_c, bx, acc)
-            reduce_strip(smem, acc, g, t, tid, part, flip, slices, kw, u32(grp * group_cols), out, N, m, row0)
-            flip = u32(FLIP - flip)
+            flip = end_strip(smem, acc, g, t, tid, part, flip, slot, 2 % BATCH_, grp, grid, n_groups, slices, kw,
+                             group_cols, out, N, m, row0)
             grp = u32(grp + grid)
 
     return jit_kernel(mma_gemv, spec.max_registers)
@@ -420,10 +445,10 @@ def tiles_for(M):
     return max(1, -(-M // N8))
 
 
-def part_bytes(slices, kw, tiles=1):
+def part_bytes(slices, kw, tiles=1, batch=BATCH):
     """Dynamic shared bytes after the group table: the E4M4 table, the codebook and the double-buffered
-    partial C tiles [2, slices, kw, STRIP x 8 tiles] float32."""
-    return 4 * (PART - TABLE_FLOATS) + 2 * slices * kw * STRIP * N8 * tiles * 4
+    partial C tiles [2, batch, slices, kw, STRIP x 8 tiles] float32."""
+    return 4 * (PART - TABLE_FLOATS) + 2 * batch * slices * kw * STRIP * N8 * tiles * 4
 
 
 def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, cta_warps=None, pdl=False):
@@ -461,11 +486,13 @@ def _step(spec, args, N, K, cta_warps=None, slots=None):
     """The launch: S slices of KW = K / 256 warps (S from ``cta_warps``), a persistent grid over the column
     groups of one weight, or (grouped) over each of ``slots`` experts' column groups."""
     kw = -(-(K // BLOCK) // KB_WARP)
+    most_slices = max(1, min((cta_warps or DEFAULTS["cta_warps"]) // kw, -(-N // STRIP)))
+    if TABLE_BYTES + part_bytes(most_slices, kw, spec.tiles, spec.batch) > SHARED_PER_CTA:
+        spec = replace(spec, batch=1)                      # K > 6144 with two tiles: a barrier per strip
     spec, kern, regs, max_threads = fit_threads(make_mma_gemv_kernel, spec, args, kw * WARP)
-    slices = max(1, min((cta_warps or DEFAULTS["cta_warps"]) // kw, max_threads // (kw * WARP)))
-    slices = min(slices, -(-N // STRIP))                   # no slice without a column
+    slices = min(most_slices, max(1, max_threads // (kw * WARP)))
     n_groups = -(-N // (slices * STRIP))
-    shared = TABLE_BYTES + part_bytes(slices, kw, spec.tiles)
+    shared = TABLE_BYTES + part_bytes(slices, kw, spec.tiles, spec.batch)
     if slots is None:
         grid = persistent_grid(n_groups, slices * kw * WARP, regs, shared)
     else:                                                  # the resident CTAs shared among the slots
@@ -534,9 +561,11 @@ def prepare(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, pdl=
 
 def ptx_specs():
     """Every k with float16 A and E4M4 absmax (plain with one and two token tiles, pdl, grouped, grouped pdl,
-    the fragment layout with one and two tiles and grouped), and each other choice with every k."""
+    the fragment layout with one and two tiles and grouped, a sum per strip with two tiles: K > 6144), and each other
+    choice with every k."""
     variants = [dict(), dict(tiles=2), dict(pdl=True), dict(grouped=True), dict(grouped=True, pdl=True),
                 dict(fragments=True), dict(fragments=True, tiles=2), dict(fragments=True, grouped=True),
+                dict(tiles=2, batch=1),
                 dict(a_type="bfloat16"),
                 dict(absmax_format="fp32"),
                 dict(out_dtype="float32")]

@@ -52,6 +52,30 @@ def test_mma_gemv_two_tiles(k):
         check_gemm(mma_gemv.gemv(A, kc, out_dtype=np.float32).copy_to_host(), A, qw)
 
 
+@pytest.mark.parametrize("k, layout, batch", [(4, "fragments", 3), (2, "codes", 3), (4, "codes", 1)])
+def test_mma_gemv_batches_of_strips(monkeypatch, k, layout, batch):
+    """A CTA sums its partial tiles once per batch of three strips (``MmaGemvSpec.batch``; 1 where they do not
+    fit in shared memory). Seven strips of one warp a CTA (with codes the last one partial: N = 100): one CTA walks
+    them in batches of 3, 3, 1 (M = 12, two token tiles), two CTAs in 3 + 1 and 3 (M = 1); batch = 1 is forced
+    by a shared-memory limit of 0."""
+    if batch == 1:
+        monkeypatch.setattr(mma_gemv, "SHARED_PER_CTA", 0)
+    rng = np.random.default_rng(20 + k)
+    N, K = (100, 256) if layout == "codes" else (112, 256)
+    qw = ref.quantize(random_weight(rng, N, K), k=k)
+    w = pair_gemv.to_codes(qw)
+    w = mma_gemv.to_fragments(w) if layout == "fragments" else w
+    for ctas, M in ((1, 12), (2, 1)):
+        monkeypatch.setattr(mma_gemv, "persistent_grid", lambda work, *args, ctas=ctas: min(work, ctas))
+        A = _activations(rng, M, K, "float16")
+        p = mma_gemv.plan(A, w, out_dtype=np.float32, cta_warps=1)      # one warp a CTA: a group a strip
+        step = p.steps[0]
+        assert step.grid == ctas and step.block == 32 and step.kernel is mma_gemv.make_mma_gemv_kernel(
+            mma_gemv.MmaGemvSpec(k, a_type="float16", out_dtype="float32", tiles=mma_gemv.tiles_for(M),
+                                 fragments=layout == "fragments", batch=batch))
+        check_gemm(p.launch().copy_to_host(), A, qw)
+
+
 @pytest.mark.parametrize("k", CODES_K)
 def test_fragment_layout_round_trip_and_load_order(k):
     """reference.to_fragments / from_fragments are exact inverses (and to_flat reads the result), and the layout
