@@ -21,8 +21,8 @@ offline and looks weights up several at a time:
   loop unrolled three times), and all index math is 32-bit.
   The table must be shared by many warps, so a CTA holds ``S`` *slices* of ``KW = ceil(K / 1024)`` warps;
   slice s takes columns ``s*cols .. s*cols+cols-1`` of each group of S*cols columns. Lane sums are reduced by a
-  warp reduce-scatter, then over the KW warps in shared memory (double-buffered, one barrier per
-  iteration: the slice's own named barrier, so slices do not wait for each other). The plan takes S from
+  warp reduce-scatter, then over the KW warps in shared memory (double-buffered, one barrier per iteration,
+  or per three at M = 1 with ``f16_acc``: the slice's own named barrier, so slices do not wait for each other). The plan takes S from
   ~16 warps a CTA up to where the persistent grid's rounds come out whole (:func:`whole_rounds`).
 * **Programmatic dependent launch** (``pdl=True``, sm_90; ``launch.py``): a CTA lets the next kernel start
   at once, and issues its first weight loads and fills its tables *before* ``griddep_wait``; only the
@@ -52,6 +52,7 @@ from .launch import NUMBA_TYPES, OUT_TYPES, Plan, Spec, Step, launch_step, type_
 MAX_KW = 32                       # K-warps per slice: K <= 32 * 32 * 32 = 32768
 MAX_SLICES = 16                   # a slice's named barrier is one of the CTA's 16 (bar.sync 0..15)
 PART = CODEBOOK + 16              # float offset of the cross-warp partial sums
+BATCH = 3                         # column groups whose partials are summed after one barrier (the loop's unroll)
 COL_CHOICES = (1, 2, 4, 8)        # columns per warp per iteration a kernel can be built for
 # The defaults table, from the H100 sweep (benchmarks/runs/2026-11-23_h100_pair_gemv_sweep.txt):
 # cols: columns per warp per iteration (cols * 16 bytes in flight per lane), but small_cols at M = 1 on
@@ -72,6 +73,7 @@ class PairGemvSpec(Spec):
     out_dtype: str = "float16"
     f16_acc: bool = False
     pdl: bool = False
+    batch: object = None                    # column groups per barrier, 1 or BATCH (None: BATCH at M = 1 with f16_acc)
     max_registers: object = None            # a per-thread register cap (long K at M = 4), or None
 
     def normalise(self):
@@ -84,9 +86,13 @@ class PairGemvSpec(Spec):
         a_type = type_name(self.a_type, "a_type")
         if self.f16_acc and a_type != "float16":
             raise ValueError(f"f16_acc needs float16 activations, got {a_type}")
+        batch = (BATCH if self.f16_acc and self.M == 1 else 1) if self.batch is None else self.batch
+        if batch not in (1, BATCH):              # the loop body holds BATCH groups: a batch ends with it or each group
+            raise ValueError(f"pair gemv sums the partials of 1 or {BATCH} column groups at a time, got {batch}")
         return dict(k=int(self.k), M=int(self.M), cols=int(self.cols), a_type=a_type,
                     out_dtype=type_name(self.out_dtype, "out_dtype", OUT_TYPES), f16_acc=bool(self.f16_acc),
-                    pdl=bool(self.pdl), max_registers=int(self.max_registers) if self.max_registers else None)
+                    pdl=bool(self.pdl), batch=int(batch),
+                    max_registers=int(self.max_registers) if self.max_registers else None)
 
 
 
@@ -103,6 +109,7 @@ def make_pair_gemv_kernel(spec):
     in float32 (error bound: tests/test_pair_gemv.py). pdl: built for a programmatic dependent launch (the
     module docstring)."""
     k, M, NCOL, f16_acc, PDL = spec.k, spec.M, spec.cols, spec.f16_acc, spec.pdl   # (checked by PairGemvSpec)
+    BATCH_ = spec.batch                            # column groups per barrier and sum
     absmax_format, a_src, out_dtype = spec.absmax_format, spec.a_type, spec.out_dtype
     G = 8 // k                                     # elements per code byte
     fill_table, ENTRY, COPIES = make_table_fill(k, "float16" if f16_acc else "float32")
@@ -213,6 +220,46 @@ def make_pair_gemv_kernel(spec):
             if n < u32(N):
                 out[u32(row * u32(N) + n)] = np.float16(total) if f16_out else total
 
+    @inlined
+    def end_group(smem, acc, lane, part, flip, slot, r, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N):
+        """``batch = 3``: :func:`reduce_columns` with one barrier per three groups. The warp's partials go to
+        slot r (of 3) of the buffer half ``flip``; after a batch's last group (or the CTA's) the slice meets at
+        its barrier and one thread per (group, column, row) of the batch sums; returns the half the next batch
+        writes. 0.5-11% faster than a barrier a group at M = 1 with float16 sums, up to 11% slower at M = 4
+        (benchmarks/README.md, "three column groups a barrier"). Its sum is written out again rather than
+        shared with reduce_columns: a shared helper changed batch 1's PTX and cost it up to 10% at M = 4."""
+        rs, v_idx, owner = reduce_scatter(acc, lane)
+        if owner:
+            smem[u32(part + flip + u32(r) * slot + u32(v_idx))] = rs
+        if r == BATCH - 1 or u32(g + grid) >= n_groups:
+            bar_sync(sl, u32(kw * u32(WARP)))
+            i = slice_tid
+            while i < u32(u32(r + 1) * u32(CM)):       # thread i: group i // CM of the batch, (column, row)
+                rr = u32(i // u32(CM))
+                v = u32(i - rr * u32(CM))
+                col = u32(v // u32(M))
+                row = u32(v - col * u32(M))
+                n = u32(u32(u32(g - u32(u32(r) - rr) * grid) * group_cols) + sl * u32(NCOL) + col)
+                p = u32(u32(PART) + flip + rr * slot + sl * kw * u32(V) + v)
+                p_end = u32(p + kw * u32(V))
+                total = np.float32(0.0)
+                while p < p_end:
+                    total += smem[p]
+                    p = u32(p + u32(V))
+                if n < u32(N):
+                    out[u32(row * u32(N) + n)] = np.float16(total) if f16_out else total
+                i = u32(i + kw * u32(WARP))
+            return u32(u32(BATCH) * slot - flip)
+        return flip
+
+    @inlined
+    def end_each(smem, acc, lane, part, flip, slot, r, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N):
+        """``batch = 1``: :func:`reduce_columns` after every group (end_group's signature)."""
+        reduce_columns(smem, acc, lane, part, flip, sl, kw, slice_tid, u32(g * group_cols), out, N)
+        return u32(slot - flip)
+
+    end = end_group if BATCH_ > 1 else end_each        # how a column group ends (chosen here, not in the kernel)
+
     def pair_gemv(A, packed, absmax, cb, out, N, n_kb):
         smem = cuda.shared.array(0, np.float32)    # [group table][E4M4 table][codebook][partials]
         # Every index below is uint32 (see load_columns): Numba would make them int64.
@@ -276,43 +323,40 @@ def make_pair_gemv_kernel(spec):
 
         part = u32(u32(PART) + (sl * kw + w) * u32(V))     # this warp's partial sums (double-buffered: + flip)
         flip = u32(0)
-        FLIP = u32(slices * kw * u32(V))
+        FLIP = u32(slices * kw * u32(V))                    # (batch = 3: a group's partials; a half holds three)
         acc = cuda.local.array(V, np.float32)
         # ---- 4. the persistent loop, unrolled three times: a buffer is decoded while the loads of the
         #         group two iterations ahead go into the buffer decoded last. ptxas issues those loads
         #         late, after the decode (a load one iteration ahead would meet its use right after
         #         the barrier), so two iterations ahead is what keeps a whole decode between a load
-        #         and its use.
+        #         and its use. With batch = 3 the three groups of a pass share one barrier.
         ahead = u32(u32(2) * grid * group_cols)
         while g < n_groups:
             load_columns(packed, absmax, u32(g * group_cols + ahead + col0), kb, last4, nkb, codes_c, absmax_c)
             decode_columns(smem, table, lane_off, codes_a, absmax_a, a, ah, acc)
-            reduce_columns(smem, acc, lane, part, flip, sl, kw, slice_tid, u32(g * group_cols), out, N)
-            flip = u32(FLIP - flip)
+            flip = end(smem, acc, lane, part, flip, FLIP, 0, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N)
             g = u32(g + grid)
             if g >= n_groups:
                 break
             load_columns(packed, absmax, u32(g * group_cols + ahead + col0), kb, last4, nkb, codes_a, absmax_a)
             decode_columns(smem, table, lane_off, codes_b, absmax_b, a, ah, acc)
-            reduce_columns(smem, acc, lane, part, flip, sl, kw, slice_tid, u32(g * group_cols), out, N)
-            flip = u32(FLIP - flip)
+            flip = end(smem, acc, lane, part, flip, FLIP, 1, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N)
             g = u32(g + grid)
             if g >= n_groups:
                 break
             load_columns(packed, absmax, u32(g * group_cols + ahead + col0), kb, last4, nkb, codes_b, absmax_b)
             decode_columns(smem, table, lane_off, codes_c, absmax_c, a, ah, acc)
-            reduce_columns(smem, acc, lane, part, flip, sl, kw, slice_tid, u32(g * group_cols), out, N)
-            flip = u32(FLIP - flip)
+            flip = end(smem, acc, lane, part, flip, FLIP, 2, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N)
             g = u32(g + grid)
 
     return jit_kernel(pair_gemv, spec.max_registers)
 
 
-def part_bytes(M, cols, slices, kw):
+def part_bytes(M, cols, slices, kw, batch=1):
     """Dynamic shared bytes after the group table: the E4M4 table, the codebook and the double-buffered
-    partials [2, slices, kw, V] float32."""
+    partials [2, batch, slices, kw, V] float32."""
     V = 1 << (cols * M - 1).bit_length()
-    return 4 * (PART - TABLE_FLOATS) + 2 * slices * kw * V * 4
+    return 4 * (PART - TABLE_FLOATS) + 2 * batch * slices * kw * V * 4
 
 
 # ------------------------------------------------------------------------------------------------
@@ -384,7 +428,8 @@ def whole_rounds(slices, most, N, spec, kw, regs):
     best, sms = None, sm_count()
     for s in range(slices, most + 1):
         groups = -(-N // (s * spec.cols))
-        grid = persistent_grid(groups, s * kw * WARP, regs, TABLE_BYTES + part_bytes(spec.M, spec.cols, s, kw))
+        grid = persistent_grid(groups, s * kw * WARP, regs,
+                               TABLE_BYTES + part_bytes(spec.M, spec.cols, s, kw, spec.batch))
         cost = -(-grid // sms) * s * -(-groups // grid)
         if best is None or cost < best[0]:
             best = (cost, s)
@@ -420,7 +465,7 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc
     if cta_warps is None:
         slices = whole_rounds(slices, most, N, spec, kw, regs)
     n_groups = -(-N // (slices * spec.cols))
-    shared = TABLE_BYTES + part_bytes(M, spec.cols, slices, kw)
+    shared = TABLE_BYTES + part_bytes(M, spec.cols, slices, kw, spec.batch)
     grid = persistent_grid(n_groups, slices * kw * WARP, regs, shared)
     return Plan([Step(kern, grid, slices * kw * WARP, args, shared, pdl)], Ad, out, stream)
 

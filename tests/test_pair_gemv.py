@@ -172,6 +172,22 @@ def test_pair_gemv_refuses():
         KbitCodes(np.zeros(10, np.uint32), np.zeros(2, np.uint8), np.zeros(32, np.float32), 5, (2, 32))
 
 
+@pytest.mark.parametrize("k, cols, N, ctas", [(4, 8, 55, 1), (2, 1, 7, 2)])
+def test_pair_gemv_batches_of_groups(monkeypatch, k, cols, N, ctas):
+    """At M = 1 with float16 sums a slice sums its partials once per batch of three column groups
+    (``PairGemvSpec.batch``). One slice of one K-warp walks seven groups: one CTA in batches of 3, 3, 1 (the last
+    group partial), or two CTAs in 3 + 1 and 3. On the simulator it fails when a batch sums only its last group."""
+    monkeypatch.setattr(pair_gemv, "persistent_grid", lambda work, *args: min(work, ctas))
+    rng = np.random.default_rng(30 + k)
+    qw = ref.quantize(random_weight(rng, N, 128), k=k)
+    A = _activations(rng, 1, 128, "float16")
+    p = pair_gemv.plan(A, pair_gemv.to_codes(qw), out_dtype=np.float32, cols=cols, cta_warps=1, f16_acc=True)
+    spec = pair_gemv.PairGemvSpec(k, 1, cols, out_dtype="float32", f16_acc=True)
+    assert spec.batch == pair_gemv.BATCH and p.steps[0].kernel is pair_gemv.make_pair_gemv_kernel(spec)
+    assert p.steps[0].grid == ctas and p.steps[0].block == 32 and -(-N // cols) == 7
+    check_close_f16_acc(p.launch().copy_to_host(), A, qw, np.float32)
+
+
 def test_whole_rounds_picks_the_slices_with_the_least_work_on_the_busiest_sm(monkeypatch):
     """The plan's slice count on an H100's 132 SMs (registers as the H100 build has them: 72 at M = 1, cols = 2; 94 at
     cols = 4): 2048x5120 M = 1 has 320 groups of 16 columns at the default 8 slices (three rounds for 2.4); 10 slices
