@@ -20,6 +20,7 @@ import sys
 import numpy as np
 
 KERNELS = ("gemv", "pair_gemv", "pair_gemv_f16", "mma_gemv")   # pair_gemv_f16: f16_acc=True
+# also: mma_gemv_f, the tensor-core gemv on the fragment layout (mma_gemv.to_fragments)
 INST = "smsp__inst_executed.sum"
 
 
@@ -29,7 +30,7 @@ def _points(argv):
     ms = [int(v) for v in (argv[2] if len(argv) > 2 else "1,4").split(",")]
     kernels = argv[3].split(",") if len(argv) > 3 else KERNELS
     return [(K, N, k, M, kern) for K, N in shapes for k in ks for M in ms for kern in kernels
-            if M <= 4 or kern in ("mma_gemv", "floor")]
+            if M <= 4 or kern in ("mma_gemv", "mma_gemv_f", "floor")]
 
 
 def launch(points):
@@ -57,6 +58,8 @@ def launch(points):
             kb.prepare_gemv(A, qw).run()
         elif kern == "mma_gemv":
             mma_gemv.prepare(A, pair_gemv.to_codes(qw)).run()
+        elif kern == "mma_gemv_f":
+            mma_gemv.prepare(A, mma_gemv.to_fragments(pair_gemv.to_codes(qw))).run()
         else:
             pair_gemv.prepare(A, pair_gemv.to_codes(qw), f16_acc=kern == "pair_gemv_f16").run()
         cuda.synchronize()
@@ -74,12 +77,12 @@ def main(argv):
     cmd = ["ncu", "--clock-control", "none", "--csv", "--metrics", ",".join([INST, *extra]),
            sys.executable, __file__, "--launch", *argv]
     proc = subprocess.run(cmd, capture_output=True, text=True)
-    # every launch is profiled (Numba's kernel names are mangled): keep the GEMVs and the floor, not quantize
-    # or to_codes; the CSV has one row per (launch, metric)
+    # every launch is profiled (Numba's kernel names are mangled): keep the GEMVs and the floor, not quantize,
+    # to_codes or to_fragments; the CSV has one row per (launch, metric)
     launches = {}
     for r in csv.DictReader(io.StringIO(proc.stdout[proc.stdout.find('"ID"'):])):
         name = r.get("Kernel Name", "")
-        if "to_codes" not in name and any(n in name for n in ("gemv_kernel", "pair_gemv", "mma_gemv", "floor_read")):
+        if "to_codes" not in name and "to_fragments" not in name and any(n in name for n in ("gemv_kernel", "pair_gemv", "mma_gemv", "floor_read")):
             launches.setdefault(r["ID"], {})[r["Metric Name"]] = float(r["Metric Value"].replace(",", ""))
     rows = list(launches.values())
     if len(rows) != len(points):
