@@ -59,6 +59,13 @@ if "pair" in families:     # N = 37 (a partial column group), K = 1056 (two K-wa
                     for f16_acc in ((False, True) if fmt == "e4m4" else (False,)):
                         pair_gemv.plan(rng.standard_normal((M, 1056)).astype(np.float16), kc, cols=cols,
                                        f16_acc=f16_acc).launch().copy_to_host()
+    # M = 1 with f16_acc sums once per three column groups (PairGemvSpec.batch): one slice a CTA (cta_warps = KW)
+    # and 7 to 28 groups a CTA, the last one partial
+    from kbit_numba.core import sm_count
+    kc = pair_gemv.to_codes(kb.quantize(rng.standard_normal((28 * sm_count() - 3, 1056)).astype(np.float16), k=4))
+    for cols in (1, 4):
+        pair_gemv.plan(rng.standard_normal((1, 1056)).astype(np.float16), kc, cols=cols, f16_acc=True,
+                       cta_warps=2).launch().copy_to_host()
 if "mma" in families:      # N = 37 (a partial strip), K = 1088 (5 K-warps, the last one with idle lanes)
 
     from kbit_numba import mma_gemv, pair_gemv
