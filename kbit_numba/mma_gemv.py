@@ -488,7 +488,7 @@ def _step(spec, args, N, K, cta_warps=None, slots=None):
     kw = -(-(K // BLOCK) // KB_WARP)
     most_slices = max(1, min((cta_warps or DEFAULTS["cta_warps"]) // kw, -(-N // STRIP)))
     if TABLE_BYTES + part_bytes(most_slices, kw, spec.tiles, spec.batch) > SHARED_PER_CTA:
-        spec = replace(spec, batch=1)                      # K > 6144 with two tiles: a barrier per strip
+        spec = replace(spec, batch=1)                      # K > 6656 with two tiles: a barrier per strip
     spec, kern, regs, max_threads = fit_threads(make_mma_gemv_kernel, spec, args, kw * WARP)
     slices = min(most_slices, max(1, max_threads // (kw * WARP)))
     n_groups = -(-N // (slices * STRIP))
@@ -561,7 +561,7 @@ def prepare(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, pdl=
 
 def ptx_specs():
     """Every k with float16 A and E4M4 absmax (plain with one and two token tiles, pdl, grouped, grouped pdl,
-    the fragment layout with one and two tiles and grouped, a sum per strip with two tiles: K > 6144), and each other
+    the fragment layout with one and two tiles and grouped, a sum per strip with two tiles: K > 6656), and each other
     choice with every k."""
     variants = [dict(), dict(tiles=2), dict(pdl=True), dict(grouped=True), dict(grouped=True, pdl=True),
                 dict(fragments=True), dict(fragments=True, tiles=2), dict(fragments=True, grouped=True),
