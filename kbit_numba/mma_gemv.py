@@ -106,7 +106,8 @@ class MmaGemvSpec(Spec):
         if self.tiles not in range(1, MAX_TILES + 1):
             raise ValueError(f"mma gemv takes 1..{MAX_TILES} n8 token tiles, got tiles={self.tiles}")
         if self.batch not in (1, BATCH):        # the loop body holds BATCH strips: a batch ends with it or each strip
-            raise ValueError(f"mma gemv sums the partial tiles of 1 or {BATCH} strips at a time, got batch={self.batch}")
+            raise ValueError(f"mma gemv sums the partial tiles of 1 or {BATCH} strips at a time, "
+                             f"got batch={self.batch}")
         return dict(k=int(self.k), a_type=type_name(self.a_type, "a_type", MMA_TYPES),
                     out_dtype=type_name(self.out_dtype, "out_dtype", OUT_TYPES), pdl=bool(self.pdl),
                     grouped=bool(self.grouped), tiles=int(self.tiles), fragments=bool(self.fragments),

@@ -22,8 +22,9 @@ offline and looks weights up several at a time:
   The table must be shared by many warps, so a CTA holds ``S`` *slices* of ``KW = ceil(K / 1024)`` warps;
   slice s takes columns ``s*cols .. s*cols+cols-1`` of each group of S*cols columns. Lane sums are reduced by a
   warp reduce-scatter, then over the KW warps in shared memory (double-buffered, one barrier per iteration,
-  or per three at M = 1 with ``f16_acc``: the slice's own named barrier, so slices do not wait for each other). The plan takes S from
-  ~16 warps a CTA up to where the persistent grid's rounds come out whole (:func:`whole_rounds`).
+  or per three at M = 1 with ``f16_acc``: the slice's own named barrier, so slices do not wait for each other).
+  The plan takes S from ~16 warps a CTA up to where the persistent grid's rounds come out whole
+  (:func:`whole_rounds`).
 * **Programmatic dependent launch** (``pdl=True``, sm_90; ``launch.py``): a CTA lets the next kernel start
   at once, and issues its first weight loads and fills its tables *before* ``griddep_wait``; only the
   activation loads and the output writes come after it. In a chain of layers the next kernel's prologue
