@@ -12,6 +12,7 @@ import numpy as np
 from numba import cuda
 
 import kbit_numba as kb
+from kbit_numba.core import sm_count
 
 families = (sys.argv[1].split(",") if len(sys.argv) > 1
             else ["codec", "gemv", "pair", "mma", "pdl", "grouped", "gemm", "formats"])
@@ -61,7 +62,6 @@ if "pair" in families:     # N = 37 (a partial column group), K = 1056 (two K-wa
                                        f16_acc=f16_acc).launch().copy_to_host()
     # M = 1 with f16_acc sums once per three column groups (PairGemvSpec.batch): one slice a CTA (cta_warps = KW)
     # and 7 to 28 groups a CTA, the last one partial
-    from kbit_numba.core import sm_count
     kc = pair_gemv.to_codes(kb.quantize(rng.standard_normal((28 * sm_count() - 3, 1056)).astype(np.float16), k=4))
     for cols in (1, 4):
         pair_gemv.plan(rng.standard_normal((1, 1056)).astype(np.float16), kc, cols=cols, f16_acc=True,
@@ -77,7 +77,6 @@ if "mma" in families:      # N = 37 (a partial strip), K = 1088 (5 K-warps, the 
                 mma_gemv.gemv(rng.standard_normal((M, 1088)).astype(np.float16), kc).copy_to_host()
     # one slice a CTA (cta_warps = KW) and ~7 strips a CTA: batches of 3, 3 and 1 strips (BATCH) on every SM, in the
     # code layout (a partial last strip) and the fragment layout
-    from kbit_numba.core import sm_count
     N = 16 * 7 * sm_count()
     for k in pair_gemv.CODES_K:
         kc = pair_gemv.to_codes(kb.quantize(rng.standard_normal((N - 11, 1088)).astype(np.float16), k=k))
