@@ -4,15 +4,18 @@ kernels (needs torch and a GPU):
     python benchmarks/decode_step_parts.py [--model llama3-8b] [--batch 1,4] [--variants "fp16,kbit k=4 pdl f16_acc"]
                                            [--old OLD.py] [--no-parts]
 
-* parts: CUDA graphs of the 32 layers' calls of one op alone (add_rmsnorm, the attention stand-in, silu_mul);
+* parts: CUDA graphs of the 32 layers' calls of one op alone (add_rmsnorm, the attention stand-in, silu_mul),
+  for both attention kernels: ``fused`` (decode_attention at every batch) and ``sdpa`` (torch's SDPA);
 * steps: the whole step per variant, alternating the step's configurations on the same linears (best of
-  ``--rounds``): ``fused`` (the committed fused kernels), ``fused pdl`` (as programmatic dependent launches,
-  for variants whose linears are), ``fused pdl, experts plain`` (a MoE model's pdl variants with the grouped
+  ``--rounds``): ``fused`` (the committed fused kernels, decode_attention at every batch), ``sdpa`` (the same
+  with torch's SDPA as the attention), ``fused pdl`` and ``sdpa pdl`` (as programmatic dependent launches, for
+  variants whose linears are), ``fused pdl, experts plain`` (a MoE model's pdl variants with the grouped
   expert kernels launched without PDL), ``torch gather`` (MoE: the routed rows gathered by ``index_select``
   instead of ``gather_rows``), and ``old norm`` when ``--old`` names a previous ``bench_model.py``
   (its ``add_rmsnorm`` kernel, launched as that version did).
 """
 import argparse
+import functools
 import importlib.util
 
 import torch
@@ -86,7 +89,8 @@ def main():
     args = ap.parse_args()
     cfg = bm.MODELS[args.model]
     print(f"device: {torch.cuda.get_device_name()}")
-    configs = {"fused": (bm.DecodeStep, False)}
+    numba_att, sdpa_att = (functools.partial(bm.DecodeStep, attention=a) for a in ("numba", "sdpa"))
+    configs = {"fused": (numba_att, False), "sdpa": (sdpa_att, False)}
     if args.old:
         configs["old norm"] = (old_norm_step(args.old), False)
     import numpy as np
@@ -106,7 +110,8 @@ def main():
             if bm.is_moe(cfg):
                 runs["torch gather"] = (TorchGather, False)
             if bm.uses_pdl(variant):
-                runs["fused pdl"] = (bm.DecodeStep, True)
+                runs["fused pdl"] = (numba_att, True)
+                runs["sdpa pdl"] = (sdpa_att, True)
                 if bm.is_moe(cfg):
                     runs["fused pdl, experts plain"] = (ExpertsPlain, True)
                     runs["fused pdl, torch gather"] = (TorchGather, True)

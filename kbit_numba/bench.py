@@ -616,13 +616,18 @@ def _model_main(args, device, progress):
     """``--model``: the whole-model decode step of ``bench_model``, printed, and saved as JSON / a plot."""
     from . import bench_model
     variants = _parse_list(args.variants) if args.variants else None
-    rows = bench_model.run(args.model, variants, _parse_list(args.batch, int), args.context, progress)
-    print(f"device: {device}; model {args.model}, decode step in one CUDA graph, attention stand-in: SDPA over a "
+    rows = bench_model.run(args.model, variants, _parse_list(args.batch, int), args.context, progress,
+                           attention=args.attention)
+    kernel = {"sdpa": "torch's SDPA", "numba": "bench_model's decode_attention (split cache)",
+              "auto": f"bench_model's decode_attention (split cache) up to batch {bench_model.ATT_MAX_BATCH}, torch's "
+                      "SDPA above"}[args.attention]
+    print(f"device: {device}; model {args.model}, decode step in one CUDA graph, attention stand-in: {kernel} over a "
           f"{args.context}-token fp16 KV cache per layer (bench_model.py)")
     print(bench_model.format_rows(rows))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(device=device, model=args.model, config=bench_model.MODELS[args.model], rows=rows), f,
+            json.dump(dict(device=device, model=args.model, config=bench_model.MODELS[args.model],
+                           attention=args.attention, rows=rows), f,
                       indent=1)
     if args.plot:
         bench_model.plot(rows, args.plot, device)
@@ -661,6 +666,10 @@ def main(argv=None):
                                       "bench_model.VARIANTS), e.g. 'fp16,kbit k=4'")
     p.add_argument("--context", type=int, default=1024, help="with --model: KV-cache tokens of the attention "
                                                              "stand-in")
+    p.add_argument("--attention", default="auto", choices=("auto", "numba", "sdpa"),
+                   help="with --model: the attention stand-in's kernel: bench_model's decode_attention (numba), "
+                        "torch's scaled_dot_product_attention (sdpa, as before 2026-11-26), or auto (decode_attention "
+                        "up to batch 4, where it was faster, SDPA above)")
     p.add_argument("--demo", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.model:

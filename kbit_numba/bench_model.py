@@ -25,9 +25,12 @@ or, for a mixture-of-experts model (``qwen3-30b-a3b``), the second line per toke
   with one launch per expert, not a fused MoE kernel). The other formats have no grouped kernels: their rows
   report that. All of a layer's experts are in memory (128 at qwen3-30b-a3b: ~58 GB in fp16); a step reads
   only the active ones.
-* **Attention stand-in** (a fixed cost, named in the report): ``scaled_dot_product_attention`` of the new
-  token's query over a fixed ``context``-token fp16 KV cache per layer (GQA); the new token's k and v are
-  not appended, and no rotary embedding is applied.
+* **Attention stand-in** (a fixed cost, named in the report): the new token's query over a fixed
+  ``context``-token fp16 KV cache per layer (GQA); the new token's k and v are not appended, and no rotary
+  embedding is applied. On the GPU ``decode_attention``, a fused Numba kernel that splits the cache over CTAs
+  (flash decoding, as an engine's decode attention; a ``pdl`` step launches it early, so it loads the cache
+  while the QKV projection runs); ``attention="sdpa"`` runs torch's ``scaled_dot_product_attention`` instead
+  (the stand-in before 2026-11-26), as do CPU tensors.
 * **RMSNorm, SiLU, residual** (and the MoE sum): small fused Numba kernels, as an inference engine runs them (vLLM's
   ``fused_add_rms_norm`` and ``silu_and_mul``): ``add_rmsnorm`` (residual += y; h = rmsnorm(residual) * w)
   and ``silu_mul`` (silu(g) * u); their torch twins run on CPU tensors (the simulator) and test them on the
@@ -44,6 +47,7 @@ import time
 import traceback
 
 import numpy as np
+from numba import cuda, float32, int32, uint32
 
 # Shapes from the published configs (hidden_size, intermediate_size, heads, kv heads, head_dim, layers).
 MODELS = {
@@ -53,6 +57,10 @@ MODELS = {
                           expert_intermediate=768, top_k=8),
 }
 CONTEXT = 1024                  # tokens in the attention stand-in's KV cache
+# the attention stand-in's kernel: "numba" decode_attention, "sdpa" torch's SDPA, "auto" decode_attention up to
+# ATT_MAX_BATCH rows and SDPA above (where it was faster: 26 vs 33 us a call at batch 16, benchmarks/README.md)
+ATTENTIONS = ("auto", "numba", "sdpa")
+ATT_MAX_BATCH = 4
 BATCHES = (1, 4, 16)
 # variant name -> (format, KbitLinear options); "fp16" is nn.Linear (cuBLAS)
 VARIANTS = {
@@ -130,6 +138,20 @@ def check_names(model, variants):
 NORM_THREADS = 256
 HALVES_PER_CHUNK = 8            # float16 values in one 16-byte load
 SILU_THREADS = 256
+# decode_attention (flash decoding): the new token's query of each head over the KV cache, split along the cache
+# so that a batch-1 step fills the GPU (8 KV heads alone would be 8 CTAs). One CTA per (row b, KV head, slice of
+# warps x 16 tokens) serves the KV head's whole group of query heads, so each cache row is read once; every lane
+# issues all its K and V loads first (the cache is no kernel's output, so with PDL before the wait). Both products
+# run on the tensor cores: scalar float32 versions (16 lanes a row, shuffle trees) issued ~1300 instructions a warp
+# per 4 tokens and took 9-19 us a call, slower than torch's SDPA (benchmarks/README.md). A CTA writes its slice's
+# softmax max, sum and weighted V sum (float32); the last CTA of a (b, KV head) to finish, found by an atomic count
+# that it resets, merges the slices and writes the float16 output.
+ATT_TILE = 16                   # tokens a warp takes: one m16 tile
+ATT_HEAD_DIM = 128              # the fragment mapping's head_dim (llama3-8b's and qwen3's)
+ATT_WARPS = 8                   # at most: 128-token slices (fewer slices to merge where the batch fills the GPU)
+ATT_MIN_CTAS = 128              # fewer warps a CTA (shorter slices) until the step has this many CTAs,
+ATT_MERGE_SLICES = 64           # while slices x query heads a group stay within this (qwen3 at batch 1, 2 warps:
+                                # 256, the last CTAs' merge made the call 21 us; 8 warps: 64, 11 us under ncu)
 _KERNELS = {}
 
 
@@ -137,13 +159,12 @@ def _kernel(name, width=0, pdl=False):
     """A fused elementwise kernel, compiled once per (name, row width, pdl). ``pdl``: built for a programmatic
     dependent launch (sm_90): it lets the next kernel start at once (that kernel's weight loads and tables
     overlap this one) and waits for the kernel before it before reading anything."""
-    key = (name, width if name == "add_rmsnorm" else 0, pdl)
+    key = (name, width if name in ("add_rmsnorm", "decode_attention") else 0, pdl)
     if key not in _KERNELS:
-        from numba import cuda, float32, uint32
 
         from .device import inlined, jit_kernel
         from .intrinsics import (f16_bits_to_f32, f16x2_as_u32, griddep_launch_dependents, griddep_wait, ldg128,
-                                 stg128)
+                                 mma_f16, prmt, stg128)
         PDL = pdl
 
         @inlined
@@ -211,6 +232,168 @@ def _kernel(name, width=0, pdl=False):
                                                 f16_bits_to_f32(r >> 16) * inv * f16_bits_to_f32(g >> 16))
                         stg128(h, b * WORDS + 4 * c, o[0], o[1], o[2], o[3])
 
+        elif name == "decode_attention":
+            G, NKV, HD, S, WARPS = width        # query heads per KV head, KV heads, head_dim, cache tokens, warps
+            THREADS = 32 * WARPS
+            CTA_TOKENS = WARPS * ATT_TILE       # a warp: one 16-token tile
+            SPLITS = S // CTA_TOKENS            # CTAs (slices) per (b, KV head)
+            HW = HD // 2                        # words in one head's row
+            QROW = (NKV * G + 2 * NKV) * HW     # words in one row of the fused QKV output
+            SCALE = 1.0 / math.sqrt(HD)
+            K_LOADS = HD // 32                  # 16-byte loads of a K row a lane makes (2 k16 steps each)
+            DIM_TILES = HD // 16                # m16 tiles of O^T's head_dim rows
+            DPL = HD // 32                      # output dims a lane merges
+            MERGE_CHUNK = min(SPLITS, 64 // DPL)  # slices whose values a lane loads at once (64 values)
+            MERGE_VALUES = MERGE_CHUNK * DPL
+            CTA_VALUES = G * HD
+            K_WORDS, V_WORDS, Q_WORDS = 8 * K_LOADS, 32, 4 * K_LOADS    # a lane's registers of K, V and q words
+            if HD != ATT_HEAD_DIM or G > 8 or S % CTA_TOKENS or SPLITS > 32 or SPLITS % MERGE_CHUNK:
+                raise ValueError(f"decode_attention: no build for {width} (attention_plan says why)")
+
+            @jit_kernel
+            def kernel(qkv, kc, vc, out, part, stats, count):
+                """out[b, (kvh G + h) HD + d] = softmax(q . K^T / sqrt(HD)) V for query head kvh G + h. qkv, kc, vc:
+                float16 pairs as flat uint32 words of [B, QROW] and [B, NKV, S, HD]; out [B, NKV G HD] float16;
+                part, stats: float32 [B NKV SPLITS G HD], [B NKV SPLITS G 2]; count int32 [B NKV], zero.
+
+                Both products on the tensor cores (mma m16n8k16, float32 sums), the cache as the A operand and the
+                group's queries (n8: up to 8 heads) as B, so the 16-byte rows feed A with no shared memory:
+                  S^T = K Q^T: A row g = token g. A lane loads 16 bytes of its rows at head dims 32 kk + 8 t; words
+                    0, 1 are its k16 step 2 kk, words 2, 3 step 2 kk + 1 (a dot product may take the dims in any
+                    order, so long as Q's B fragment takes them in the same one).
+                  O^T = V^T P^T: A row g = dim 8 g + m of tile m, row g + 8 = dim 64 + 8 g + m; k = token 2 t, 2 t + 1,
+                    2 t + 8, 2 t + 9: a lane loads those four tokens' dims 8 g .. and 64 + 8 g .. and pairs two
+                    tokens' halves into one register (prmt). P^T's B fragment comes from S's C by 4 shuffles."""
+                t = cuda.threadIdx.x
+                lane, warp = t % 32, t // 32
+                g, tq = lane // 4, lane % 4                 # the mma fragments' row group and column pair
+                cta = cuda.blockIdx.x
+                bh, split = cta // SPLITS, cta % SPLITS     # bh = b * NKV + kvh
+                b, kvh = bh // NKV, bh % NKV
+                tok0 = bh * S + split * CTA_TOKENS + warp * ATT_TILE
+                kw = cuda.local.array(K_WORDS, uint32)  # [row g, g + 8][load kk][4]
+                for r in range(2):
+                    for kk in range(K_LOADS):
+                        i = 4 * (K_LOADS * r + kk)
+                        kw[i], kw[i + 1], kw[i + 2], kw[i + 3] = ldg128(kc, (tok0 + g + 8 * r) * HW + 16 * kk + 4 * tq)
+                vw = cuda.local.array(V_WORDS, uint32)  # [token 2t, 2t + 1, 2t + 8, 2t + 9][dims 8g, 64 + 8g][4]
+                for x in range(4):
+                    for hh in range(2):
+                        i = 8 * x + 4 * hh
+                        vw[i], vw[i + 1], vw[i + 2], vw[i + 3] = ldg128(
+                            vc, (tok0 + 2 * tq + x % 2 + 8 * (x // 2)) * HW + HW // 2 * hh + 4 * g)
+                w_m = cuda.shared.array((WARPS, 8), float32)        # each warp's max score per head
+                w_l = cuda.shared.array((WARPS, 8), float32)        # and its sum of exp(score - the slice's max)
+                w_acc = cuda.shared.array((WARPS, CTA_VALUES), float32)  # and its P V, [head, 64 hi + 8 m + g]
+                pdl_start()
+                qw = cuda.local.array(Q_WORDS, uint32)  # head g's dims 32 kk + 8 t .. (zero: no such head)
+                for kk in range(K_LOADS):
+                    for j in range(4):
+                        qw[4 * kk + j] = uint32(0)
+                    if g < G:
+                        qw[4 * kk], qw[4 * kk + 1], qw[4 * kk + 2], qw[4 * kk + 3] = ldg128(
+                            qkv, b * QROW + (kvh * G + g) * HW + 16 * kk + 4 * tq)
+                c0, c1, c2, c3 = float32(0), float32(0), float32(0), float32(0)
+                for kk in range(K_LOADS):
+                    for hw in range(2):                     # k16 steps 2 kk, 2 kk + 1
+                        i, j = 4 * kk + 2 * hw, 4 * (K_LOADS + kk) + 2 * hw
+                        c0, c1, c2, c3 = mma_f16(kw[i], kw[j], kw[i + 1], kw[j + 1], qw[i], qw[i + 1], c0, c1, c2, c3)
+                # scores of (token g, head 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)
+                s0, s1, s2, s3 = c0 * float32(SCALE), c1 * float32(SCALE), c2 * float32(SCALE), c3 * float32(SCALE)
+                ma, mb = max(s0, s2), max(s1, s3)           # heads 2t, 2t + 1: the warp's max over its 16 tokens
+                for off in (4, 8, 16):
+                    ma = max(ma, cuda.shfl_xor_sync(0xFFFFFFFF, ma, off))
+                    mb = max(mb, cuda.shfl_xor_sync(0xFFFFFFFF, mb, off))
+                if g == 0:
+                    w_m[warp, 2 * tq], w_m[warp, 2 * tq + 1] = ma, mb
+                cuda.syncthreads()
+                for w in range(WARPS):                      # the slice's max
+                    ma, mb = max(ma, w_m[w, 2 * tq]), max(mb, w_m[w, 2 * tq + 1])
+                p0, p1, p2, p3 = math.exp(s0 - ma), math.exp(s1 - mb), math.exp(s2 - ma), math.exp(s3 - mb)
+                la, lb = p0 + p2, p1 + p3
+                for off in (4, 8, 16):
+                    la += cuda.shfl_xor_sync(0xFFFFFFFF, la, off)
+                    lb += cuda.shfl_xor_sync(0xFFFFFFFF, lb, off)
+                if g == 0:
+                    w_l[warp, 2 * tq], w_l[warp, 2 * tq + 1] = la, lb
+                # P^T's B fragment: b0 = P[head g][tokens 2t, 2t + 1], b1 = tokens 2t + 8, 2t + 9. Token r's (r < 8)
+                # scores of heads 2u, 2u + 1 are (p0, p1) of lane 4 r + u, and token r + 8's its (p2, p3).
+                pa, pb = int32(f16x2_as_u32(p0, p1)), int32(f16x2_as_u32(p2, p3))     # (shfl takes signed ints)
+                src = 8 * tq + g // 2
+                half = uint32(0x7632) if g % 2 else uint32(0x5410)  # (the high halves for an odd head)
+                b0 = prmt(cuda.shfl_sync(0xFFFFFFFF, pa, src), cuda.shfl_sync(0xFFFFFFFF, pa, src + 4), half)
+                b1 = prmt(cuda.shfl_sync(0xFFFFFFFF, pb, src), cuda.shfl_sync(0xFFFFFFFF, pb, src + 4), half)
+                for m in range(DIM_TILES):                  # O^T tile m: dims 8 g + m (rows g), 64 + 8 g + m (g + 8)
+                    sel = 0x5410 if m % 2 == 0 else 0x7632
+                    i = m // 2
+                    d0, d1, d2, d3 = mma_f16(prmt(vw[i], vw[8 + i], sel), prmt(vw[4 + i], vw[12 + i], sel),
+                                             prmt(vw[16 + i], vw[24 + i], sel), prmt(vw[20 + i], vw[28 + i], sel),
+                                             b0, b1, float32(0), float32(0), float32(0), float32(0))
+                    if 2 * tq < G:                          # (head 2t, dims 8g + m and 64 + 8g + m)
+                        w_acc[warp, 2 * tq * HD + 8 * m + g] = d0
+                        w_acc[warp, 2 * tq * HD + HD // 2 + 8 * m + g] = d2
+                    if 2 * tq + 1 < G:
+                        w_acc[warp, (2 * tq + 1) * HD + 8 * m + g] = d1
+                        w_acc[warp, (2 * tq + 1) * HD + HD // 2 + 8 * m + g] = d3
+                cuda.syncthreads()
+                for o in range(t, CTA_VALUES, THREADS):     # the slice's sums: the warps' added up
+                    a = float32(0)
+                    for w in range(WARPS):
+                        a += w_acc[w, o]
+                    part[cta * CTA_VALUES + o] = a          # (in w_acc's order: coalesced stores)
+                for h in range(G):
+                    if t == h:
+                        tot, mx = float32(0), w_m[0, h]
+                        for w in range(WARPS):
+                            tot += w_l[w, h]
+                            mx = max(mx, w_m[w, h])
+                        stats[2 * (cta * G + h)], stats[2 * (cta * G + h) + 1] = mx, tot
+                # The count: one thread fences and counts for the CTA (the barrier orders the others' writes before
+                # its fence; a fence in every thread kept each warp waiting for its own stores to reach the L2).
+                cuda.syncthreads()
+                done = cuda.shared.array(1, int32)          # slices finished before this one
+                if t == 0:
+                    cuda.threadfence()                      # (the slice's writes before the count)
+                    done[0] = cuda.atomic.add(count, bh, 1)
+                    if done[0] == SPLITS - 1:
+                        count[bh] = 0                       # (every slice has counted: ready for the next launch)
+                        cuda.threadfence()                  # (the other slices' writes before what follows)
+                cuda.syncthreads()
+                if done[0] != SPLITS - 1:
+                    return
+                # The last CTA merges the slices: warp w takes heads w, w + WARPS, ..; lane sp holds slice sp's max and
+                # sum, lane l dims DPL l .. of the output. Every slice's values are loaded before any is used
+                # (MERGE_CHUNK slices at a time): a merge that loads, waits and adds slice by slice is 16-32 L2 round
+                # trips in a row.
+                for h in range(warp, G, WARPS):
+                    base = bh * SPLITS * G + h                  # (slice 0's stats entry; slice sp's is sp G further)
+                    mv, lv = float32(-math.inf), float32(0)
+                    if lane < SPLITS:
+                        mv, lv = stats[2 * (base + lane * G)], stats[2 * (base + lane * G) + 1]
+                    pv = cuda.local.array(MERGE_VALUES, float32)
+                    for x in range(MERGE_VALUES):               # the first slices' values, loaded with the stats
+                        pv[x] = part[(base + x // DPL * G) * HD + DPL * lane + x % DPL]
+                    mx = mv
+                    for off in (16, 8, 4, 2, 1):
+                        mx = max(mx, cuda.shfl_xor_sync(0xFFFFFFFF, mx, off))
+                    e = math.exp(mv - mx) if lane < SPLITS else float32(0)
+                    tot = lv * e
+                    for off in (16, 8, 4, 2, 1):
+                        tot += cuda.shfl_xor_sync(0xFFFFFFFF, tot, off)
+                    wgt = e / tot                               # slice lane's weight in the output
+                    acc = cuda.local.array(DPL, float32)
+                    for j in range(DPL):
+                        acc[j] = float32(0)
+                    for sp0 in range(0, SPLITS, MERGE_CHUNK):
+                        if sp0:
+                            for x in range(MERGE_VALUES):       # slice sp0 + x // DPL, value DPL lane + x % DPL
+                                pv[x] = part[(base + (sp0 + x // DPL) * G) * HD + DPL * lane + x % DPL]
+                        for x in range(MERGE_VALUES):
+                            acc[x % DPL] += cuda.shfl_sync(0xFFFFFFFF, wgt, sp0 + x // DPL) * pv[x]
+                    for j in range(DPL):                        # value x = 64 hi + 8 m + g of w_acc's order
+                        x = DPL * lane + j                      # is dim 64 hi + 8 g + m
+                        out[b, (kvh * G + h) * HD + x // 64 * 64 + 8 * (x % 8) + x % 64 // 8] = acc[j]
+
         elif name == "silu_mul":
             @jit_kernel
             def kernel(gu, out):
@@ -248,6 +431,54 @@ def _kernel(name, width=0, pdl=False):
             raise KeyError(name)
         _KERNELS[key] = kernel
     return _KERNELS[key]
+
+
+def attention_plan(cfg, context, batch=1):
+    """decode_attention's warps a CTA (16 tokens each) for this model, cache length and batch: ATT_WARPS, halved
+    while the step would have fewer than ATT_MIN_CTAS CTAs, but not into more than ATT_MERGE_SLICES slices x
+    query heads of a group (the last CTA's merge: llama3-8b 4 warps at batch 1, 8 from batch 2; qwen3's 8 heads a
+    group 8 warps). ValueError where the heads or the cache do not fit the kernel (at most 32 slices: the merge
+    keeps a slice a lane)."""
+    G, HD = cfg["heads"] // cfg["kv_heads"], cfg["head_dim"]
+    if cfg["heads"] % cfg["kv_heads"] or HD != ATT_HEAD_DIM or G > 8:
+        raise ValueError(f"decode_attention takes head_dim {ATT_HEAD_DIM} and at most 8 query heads a KV head, got "
+                         f"{cfg['heads']}/{cfg['kv_heads']} heads x {HD} (--attention sdpa takes any)")
+    warps = ATT_WARPS
+    while warps > 1 and (context % (ATT_TILE * warps) or
+                         batch * cfg["kv_heads"] * context // (ATT_TILE * warps) < ATT_MIN_CTAS
+                         and G * context // (ATT_TILE * warps // 2) <= ATT_MERGE_SLICES):
+        warps //= 2
+    if context % (ATT_TILE * warps) or context // (ATT_TILE * warps) > 32:
+        raise ValueError(f"decode_attention needs a cache of a multiple of {ATT_TILE} tokens, in at most 32 slices of "
+                         f"{ATT_TILE * warps}, got {context} (--attention sdpa takes any)")
+    return warps
+
+
+def attention_kernel(attention, batch):
+    """The kernel ``attention`` ("auto", "numba", "sdpa") runs for ``batch`` rows: "numba" or "sdpa"."""
+    if attention not in ATTENTIONS:
+        raise ValueError(f"unknown attention {attention!r}: known are {', '.join(ATTENTIONS)}")
+    return ("numba" if batch <= ATT_MAX_BATCH else "sdpa") if attention == "auto" else attention
+
+
+def attention_torch(q, k, v):
+    """The twin of ``decode_attention``: q [B, heads, head_dim] over the cache k, v [B, kv_heads, context, head_dim]
+    (grouped query heads), [B, heads * head_dim]; torch's SDPA, as the step's ``attention="sdpa"`` runs it."""
+    import torch
+    B, nq, hd = q.shape
+    o = torch.nn.functional.scaled_dot_product_attention(q.reshape(B, nq, 1, hd), k, v, enable_gqa=True)
+    return o.reshape(B, nq * hd)
+
+
+def attention_numpy(q, k, v):
+    """The NumPy twin of ``decode_attention`` (float64): q [B, heads, head_dim], k, v [B, kv_heads, context,
+    head_dim] -> [B, heads * head_dim]."""
+    B, nq, hd = q.shape
+    g = nq // k.shape[1]
+    kk, vv = (np.repeat(np.asarray(a, np.float64), g, axis=1) for a in (k, v))     # query head h reads KV head h // g
+    s = np.einsum("bhd,bhtd->bht", np.asarray(q, np.float64), kk) / math.sqrt(hd)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return np.einsum("bht,bhtd->bhd", p / p.sum(-1, keepdims=True), vv).reshape(B, nq * hd)
 
 
 def add_rmsnorm_torch(res, y, w, eps=1e-6):
@@ -310,7 +541,6 @@ class ExpertsKbit:
 
     def bind(self, A, out, offsets):
         import torch
-        from numba import cuda
 
         from . import mma_gemv, scalar_gemv, tensor_gemm
         d_offsets = cuda.to_device(offsets)
@@ -339,9 +569,10 @@ class DecodeStep:
     model the last two of a layer are expert sets, :class:`ExpertsFP16` or :class:`ExpertsKbit`). ``pdl``: launch
     the fused kernels as programmatic dependent launches (:func:`uses_pdl`)."""
 
-    def __init__(self, cfg, linears, B, context=CONTEXT, device="cuda", pdl=False):
+    def __init__(self, cfg, linears, B, context=CONTEXT, device="cuda", pdl=False, attention="auto"):
         import torch
         self.torch, self.cfg, self.linears, self.B, self.pdl = torch, cfg, linears, B, bool(pdl)
+        self.attention = attention_kernel(attention, B)
         H, hd = cfg["hidden"], cfg["head_dim"]
         dev, f16 = device, torch.float16
         g = torch.Generator(device=dev).manual_seed(0)
@@ -356,6 +587,14 @@ class DecodeStep:
                        for _, _, K in projections(cfg)}
         if is_moe(cfg):
             self._bind_experts(torch, dev, f16)
+        if self.attention == "numba" and torch.device(dev).type == "cuda":   # decode_attention's slices and counts,
+                                                                         # shared by the layers
+            G = cfg["heads"] // cfg["kv_heads"]
+            self.att_warps = attention_plan(cfg, context, B)
+            slices = B * cfg["kv_heads"] * (context // (ATT_TILE * self.att_warps))
+            self.att_part = torch.empty(slices * G * hd, device=dev, dtype=torch.float32)
+            self.att_stats = torch.empty(slices * G * 2, device=dev, dtype=torch.float32)
+            self.att_count = torch.zeros(B * cfg["kv_heads"], device=dev, dtype=torch.int32)
 
     def _bind_experts(self, torch, dev, f16):
         """Per layer a fixed routing, and the expert sets bound to static row buffers (shared by the layers):
@@ -390,7 +629,6 @@ class DecodeStep:
     def _launch(self, name, grid, block, *args, width=0):
         """Launch fused kernel ``name`` on torch's current stream (tensors passed as Numba device arrays); with
         ``self.pdl`` as a programmatic dependent launch (``launch.PreparedLaunch``), as the pdl linears are."""
-        from numba import cuda
 
         from .launch import PreparedLaunch
         kernel = _kernel(name, width, self.pdl)
@@ -422,7 +660,6 @@ class DecodeStep:
     def add_rmsnorm(self, res, y, w, eps=1e-6):
         if not res.is_cuda:
             return add_rmsnorm_torch(res, y, w, eps)
-        from numba import cuda
         H = res.shape[1]
         if H % HALVES_PER_CHUNK or not all(t.is_contiguous() and t.dtype == self.torch.float16 and t.data_ptr() % 16 == 0
                                            for t in (res, y, w)):
@@ -443,11 +680,18 @@ class DecodeStep:
         return out
 
     def _attention(self, qkv, kv):
-        F = self.torch.nn.functional
-        B, nq, hd = self.B, self.cfg["heads"], self.cfg["head_dim"]
-        q = qkv[:, :nq * hd].reshape(B, nq, 1, hd)
-        o = F.scaled_dot_product_attention(q, kv[0], kv[1], enable_gqa=True)
-        return o.reshape(B, nq * hd)
+        """The new tokens' queries (the first heads x head_dim columns of qkv) over the layer's fixed cache."""
+        cfg, B = self.cfg, self.B
+        nq, nkv, hd = cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
+        if self.attention == "sdpa" or not qkv.is_cuda:
+            return attention_torch(qkv[:, :nq * hd].reshape(B, nq, hd), kv[0], kv[1])
+        context = kv[0].shape[2]
+        out = self.torch.empty(B, nq * hd, device=qkv.device, dtype=qkv.dtype)
+        words = [cuda.as_cuda_array(t.reshape(-1)).view(np.uint32) for t in (qkv, kv[0], kv[1])]
+        grid = self.att_stats.numel() // (2 * (nq // nkv))             # one CTA per slice
+        self._launch("decode_attention", grid, 32 * self.att_warps, *words, out, self.att_part, self.att_stats,
+                     self.att_count, width=(nq // nkv, nkv, hd, context, self.att_warps))
+        return out
 
     def step(self):
         """The residual stream after every layer (x is left as it was: each replay computes the same step)."""
@@ -476,7 +720,6 @@ class DecodeStep:
 
 def graph_us(torch, fn, replays=20, warmup=3):
     """Median microseconds of one replay of a CUDA graph that captured ``fn()`` once."""
-    from numba import cuda
 
     from ._timing import replay_us
     side = torch.cuda.Stream()
@@ -565,8 +808,9 @@ def weight_bytes(linears):
     return total
 
 
-def run(model="llama3-8b", variants=None, batches=BATCHES, context=CONTEXT, progress=print):
-    """Rows of {variant, batch, step_us, tokens_per_s, linear_us, linear_share, weight_bytes, bits_per_weight}."""
+def run(model="llama3-8b", variants=None, batches=BATCHES, context=CONTEXT, progress=print, attention="auto"):
+    """Rows of {variant, batch, step_us, tokens_per_s, linear_us, linear_share, weight_bytes, bits_per_weight}.
+    ``attention``: the stand-in's kernel (``ATTENTIONS``); each row names the one it ran."""
     import torch
     variants = list(variants or VARIANTS)
     check_names(model, variants)
@@ -592,7 +836,7 @@ def run(model="llama3-8b", variants=None, batches=BATCHES, context=CONTEXT, prog
         step = None
         for B in batches:
             del step                        # (the previous batch's KV caches)
-            step = DecodeStep(cfg, linears, B, context, pdl=uses_pdl(variant))
+            step = DecodeStep(cfg, linears, B, context, pdl=uses_pdl(variant), attention=attention)
             try:
                 with torch.no_grad():
                     t_step = graph_us(torch, step.step)
@@ -602,7 +846,8 @@ def run(model="llama3-8b", variants=None, batches=BATCHES, context=CONTEXT, prog
                 progress(f"{variant} B={B}: FAILED {e!r}"[:400])
                 traceback.print_exc()
                 continue
-            rows.append(dict(model=model, variant=variant, batch=B, context=context, step_us=t_step,
+            rows.append(dict(model=model, variant=variant, batch=B, context=context, attention=step.attention,
+                             step_us=t_step,
                              tokens_per_s=B * 1e6 / t_step, linear_us=t_lin, linear_share=t_lin / t_step,
                              weight_bytes=nbytes, bits_per_weight=8 * nbytes / params))
             progress(f"{variant} B={B}: step {t_step:.0f} us, linear layers alone {t_lin:.0f} us")

@@ -12,7 +12,7 @@ DEVICE = "cpu" if SIM else "cuda"
 DEQUANTIZE = {"kbit": ref.dequantize, "uniform": ref.uniform_dequantize, "bitnet": ref.bitnet_dequantize}
 # small enough for the simulator; on the GPU wide enough for every format's blocks and groups (K % 128 == 0)
 TINY = (dict(hidden=64, intermediate=32, heads=2, kv_heads=1, head_dim=32, layers=2) if SIM else
-        dict(hidden=256, intermediate=384, heads=4, kv_heads=2, head_dim=64, layers=2))
+        dict(hidden=256, intermediate=384, heads=2, kv_heads=1, head_dim=128, layers=2))
 
 
 def test_projections_are_the_fused_llama_shapes():
@@ -45,7 +45,7 @@ def test_quantized_step_follows_the_fp16_step(variant):
         assert 0 < bench_model.weight_bytes(q) < bench_model.weight_bytes(f) / 3
     outs = []
     for linears, pdl in ((q, bench_model.uses_pdl(variant)), (f, False)):   # (pdl: the fused kernels too)
-        step = bench_model.DecodeStep(TINY, linears, 2, context=8, device=DEVICE, pdl=pdl)
+        step = bench_model.DecodeStep(TINY, linears, 2, context=64, device=DEVICE, pdl=pdl)
         with torch.no_grad():
             outs.append(step.step().float().cpu().numpy())
             step.linears_only()
@@ -58,7 +58,7 @@ def test_quantized_step_follows_the_fp16_step(variant):
 
 
 TINY_MOE = (dict(hidden=64, heads=2, kv_heads=1, head_dim=32, layers=2, experts=4, expert_intermediate=32, top_k=2)
-            if SIM else dict(hidden=256, heads=4, kv_heads=2, head_dim=64, layers=2, experts=8,
+            if SIM else dict(hidden=256, heads=2, kv_heads=1, head_dim=128, layers=2, experts=8,
                              expert_intermediate=128, top_k=2))
 
 
@@ -105,7 +105,8 @@ def test_moe_layer_is_the_routed_sum_of_its_experts(variant, B):
     for name, N, K in bench_model.projections(TINY_MOE)[2:]:      # the experts: 3 distinct matrices, repeated
         base[name] = [rng.standard_normal((N, K), dtype=np.float32) * 0.1 for _ in range(3)]
     linears = bench_model.build_linears(TINY_MOE, variant, base, lambda msg: None, DEVICE)
-    step = bench_model.DecodeStep(TINY_MOE, linears, B, context=8, device=DEVICE, pdl=bench_model.uses_pdl(variant))
+    step = bench_model.DecodeStep(TINY_MOE, linears, B, context=64, device=DEVICE,
+                                  pdl=bench_model.uses_pdl(variant))
     if variant == "fp16":
         kernels = None
         weights = [[lin.W.float().cpu().numpy() for lin in layer[2:]] for layer in linears]
@@ -154,7 +155,7 @@ def test_fused_kernels_equal_their_torch_twins(H, pdl):
     res = torch.randn(3, H, device="cuda", dtype=torch.float16, generator=g)
     y = torch.randn(3, H, device="cuda", dtype=torch.float16, generator=g)
     w = torch.rand(H, device="cuda", dtype=torch.float16, generator=g) + 0.5
-    step = bench_model.DecodeStep(TINY, [], 3, context=8, pdl=pdl)
+    step = bench_model.DecodeStep(TINY, [], 3, context=64, pdl=pdl)
     res2 = res.clone()
     h = step.add_rmsnorm(res, y, w)
     h2 = bench_model.add_rmsnorm_torch(res2, y, w)
@@ -166,6 +167,12 @@ def test_fused_kernels_equal_their_torch_twins(H, pdl):
     inv = torch.randperm(3 * 8, device="cuda", generator=g)
     weights = torch.rand(3, 8, device="cuda", generator=g)
     torch.testing.assert_close(step.moe_combine(rows, inv, weights), bench_model.moe_combine_torch(rows, inv, weights),
+                               rtol=2e-3, atol=2e-3)
+    nq, hd = TINY["heads"], TINY["head_dim"]
+    qkv = torch.randn(3, (nq + 2 * TINY["kv_heads"]) * hd, device="cuda", dtype=torch.float16, generator=g)
+    k, v = (torch.randn(3, TINY["kv_heads"], 64, hd, device="cuda", dtype=torch.float16, generator=g) for _ in range(2))
+    torch.testing.assert_close(step._attention(qkv, (k, v)),
+                               bench_model.attention_torch(qkv[:, :nq * hd].reshape(3, nq, hd), k, v),
                                rtol=2e-3, atol=2e-3)
     src = torch.randint(0, 3, (3 * 8,), device="cuda", generator=g)
     out = torch.empty(3 * 8, H, device="cuda", dtype=torch.float16)
