@@ -1,10 +1,12 @@
 """Small launches of every kernel family for compute-sanitizer (memcheck / racecheck) on the device:
 
-    compute-sanitizer --tool memcheck python benchmarks/sanitize.py [codec,gemv,pair,mma,pdl,grouped,gemm,formats]
+    compute-sanitizer --tool memcheck python benchmarks/sanitize.py \
+        [codec,gemv,pair,mma,pdl,grouped,gemm,formats,attention]
 
 (default: every family; name some to check only those). ``pdl``: a chain of pair gemvs launched as
 programmatic dependent launches, each reading the previous one's output. ``mma``: the tensor-core gemv (also
-several batches of strips a CTA, on both layouts, and as a PDL chain); ``grouped`` includes fragment-layout experts.
+several batches of strips a CTA, on both layouts, and as a PDL chain); ``grouped`` includes fragment-layout experts;
+``attention``: ``bench_model``'s ``decode_attention`` (the decode step's attention stand-in).
 """
 import sys
 
@@ -15,7 +17,7 @@ import kbit_numba as kb
 from kbit_numba.core import sm_count
 
 families = (sys.argv[1].split(",") if len(sys.argv) > 1
-            else ["codec", "gemv", "pair", "mma", "pdl", "grouped", "gemm", "formats"])
+            else ["codec", "gemv", "pair", "mma", "pdl", "grouped", "gemm", "formats", "attention"])
 rng = np.random.default_rng(0)
 for k in (2, 3, 4, 5):
     for layout in ("flat", "tiled"):
@@ -150,4 +152,19 @@ if "formats" in families:  # uniform (every width, fp16/int8, 3-bit padding), SB
     for M in (1, 2, 3, 4):
         kb.sbvr.gemv(rng.standard_normal((M, 256)).astype(np.float16), sw).copy_to_host()
         kb.bitnet.gemv(rng.standard_normal((M, 96)).astype(np.float32), bw).copy_to_host()
+if "attention" in families:  # bench_model's decode_attention: 2-8 slices a head, both builds, each launched twice
+    from kbit_numba import bench_model      # (the second launch finds the counts the first one's last CTAs reset)
+    for G, NKV, S, W, B in ((2, 1, 32, 1, 1), (4, 2, 128, 2, 2), (8, 1, 256, 8, 1)):
+        qkv = rng.standard_normal((B, (G + 2) * NKV * 128)).astype(np.float16)
+        kv = [cuda.to_device(rng.standard_normal(B * NKV * S * 128).astype(np.float16).view(np.uint32)) for _ in "kv"]
+        slices = B * NKV * S // (bench_model.ATT_TILE * W)
+        count = cuda.to_device(np.zeros(B * NKV, np.int32))
+        for pdl in (False, True):
+            kernel = bench_model._kernel("decode_attention", (G, NKV, 128, S, W), pdl=pdl)
+            for _ in range(2):
+                kernel[slices, 32 * W](cuda.to_device(qkv.reshape(-1).view(np.uint32)), *kv,
+                                       cuda.device_array((B, G * NKV * 128), np.float16),
+                                       cuda.device_array(slices * G * 128, np.float32),
+                                       cuda.device_array(slices * G * 2, np.float32), count)
+        cuda.synchronize()
 print("sanitize workload done:", ",".join(families))
