@@ -26,10 +26,10 @@ gemv's float16-activation arithmetic for kbit K, with float32 and with float16 (
 ``kbitK_gptq`` (with ``_mse``: a searched block scale; ``_cb``: the layer's fitted codebook, ``calibrate.fit_codebook``;
 ``_act``: columns in activation order; ``_ref``: ``REFINE_ROUNDS`` rounds of block scales refitted to the output
 error and indices chosen again, ``calibrate.quantize_gptq(refine=...)``; ``_seq``: sequential
-calibration) quantize through ``kbit_numba.calibrate.quantize_gptq`` (GPTQ-style error feedback into the same kbit
-bytes), cross-calibrated on the two halves of the sentences (``gptq_two_fold``); ``--calibration two-fold+text`` adds
-the 264 sentences of ``data/calibration_sentences.txt``, written for calibration, to each half (``text``: those
-alone).
+calibration; ``_ln``: the LayerNorms refitted to the quantized linears, ``refit_norms``) quantize through
+``kbit_numba.calibrate.quantize_gptq`` (GPTQ-style error feedback into the same kbit bytes), cross-calibrated
+on the two halves of the sentences (``gptq_two_fold``); ``--calibration two-fold+text`` adds the 264 sentences
+of ``data/calibration_sentences.txt``, written for calibration, to each half (``text``: those alone).
 
 Nothing but NumPy and kbit_numba is needed: the safetensors reader and the BERT tokenizer (lower-casing,
 accent stripping, punctuation split, greedy longest-match WordPiece) are written below.
@@ -200,8 +200,10 @@ def layer_norm(x, p, name, eps=1e-12):
     return (x - mu) / np.sqrt(var + eps) * p[name + ".weight"] + p[name + ".bias"]
 
 
-def embed(p, ids, mask, linear):
-    """Sentence embeddings [B, 384]; ``linear(name, x)`` computes x @ W^T + b for encoder linear ``name``."""
+def embed(p, ids, mask, linear, norm=None):
+    """Sentence embeddings [B, 384]; ``linear(name, x)`` computes x @ W^T + b for encoder linear ``name``;
+    ``norm(x, name)``, if given, LayerNorm ``name`` (default: ``layer_norm`` with p's parameters)."""
+    norm = norm or (lambda x, name: layer_norm(x, p, name))
     B, L = ids.shape
     x = p["embeddings.word_embeddings.weight"][ids] + p["embeddings.position_embeddings.weight"][:L] \
         + p["embeddings.token_type_embeddings.weight"][0]
@@ -219,9 +221,9 @@ def embed(p, ids, mask, linear):
         s = np.exp(s - s.max(-1, keepdims=True))
         ctx = (s / s.sum(-1, keepdims=True)) @ v
         ctx = ctx.transpose(0, 2, 1, 3).reshape(B, L, H)
-        x = layer_norm(x + linear(pre + LINEARS[3], ctx), p, pre + "attention.output.LayerNorm")
+        x = norm(x + linear(pre + LINEARS[3], ctx), pre + "attention.output.LayerNorm")
         h = gelu(linear(pre + LINEARS[4], x))
-        x = layer_norm(x + linear(pre + LINEARS[5], h), p, pre + "output.LayerNorm")
+        x = norm(x + linear(pre + LINEARS[5], h), pre + "output.LayerNorm")
     pooled = (x * mask[:, :, None]).sum(1) / mask.sum(1, keepdims=True)
     return pooled / np.linalg.norm(pooled, axis=1, keepdims=True)
 
@@ -301,6 +303,38 @@ def gptq_weights(p, ids, mask, names, k, damp=0.1, scale_search=False, act_order
     return weights, sum(sizes.values())
 
 
+def refit_norms(p, weights, ids, mask):
+    """The encoder's LayerNorm weights and biases refitted to the quantized linears (``_ln`` formats): in forward
+    order, each LayerNorm's per-channel scale and shift become the least-squares fit, over the real tokens of the
+    calibration sentences (ids, mask), of the float32 model's output of that LayerNorm from the quantized model's
+    normalized rows there (earlier LayerNorms already refitted). Float parameters the model has anyway: the
+    weights' bytes do not change. Returns a copy of p with the new LayerNorm parameters."""
+    keep = mask.reshape(-1) > 0
+    target = {}
+
+    def record(x, name):
+        y = layer_norm(x, p, name)
+        target[name] = y.reshape(-1, y.shape[-1])[keep].astype(np.float64)
+        return y
+    embed(p, ids, mask, linear_with(p, {}), record)
+    q = dict(p)
+    for name in target:                 # (forward order)
+        rows = {}
+
+        def capture(x, ln):
+            if ln == name:
+                mu = x.mean(-1, keepdims=True)
+                xh = (x - mu) / np.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + 1e-12)
+                rows["x"] = xh.reshape(-1, xh.shape[-1])[keep].astype(np.float64)
+            return layer_norm(x, q, ln)
+        embed(q, ids, mask, linear_with(q, weights), capture)
+        x, y = rows["x"], target[name]
+        xm, ym = x.mean(0), y.mean(0)
+        a = ((x - xm) * (y - ym)).sum(0) / ((x - xm) ** 2).sum(0)
+        q[name + ".weight"], q[name + ".bias"] = a.astype(np.float32), (ym - a * xm).astype(np.float32)
+    return q
+
+
 def stack_tokens(a, b):
     """Two (ids, mask) batches as one, padded to the longer length."""
     L = max(a[0].shape[1], b[0].shape[1])
@@ -309,17 +343,19 @@ def stack_tokens(a, b):
 
 
 def gptq_two_fold(p, ids, mask, names, k, damp=0.1, scale_search=False, act_order=False, sequential=False, fit=False,
-                  extra=None, refine=0):
+                  extra=None, refine=0, norms=False):
     """kbit k with GPTQ, cross-calibrated: the sentences are split in two halves (even, odd); each half is
     embedded with weights whose Hessians came from the other half only (:func:`gptq_weights`), and from ``extra``
     (ids, mask) if given: sentences written for calibration (CALIBRATION). Returns (embeddings in the sentences'
-    order, dequantized weights of the first fold, bytes)."""
+    order, dequantized weights of the first fold, bytes). ``norms``: the LayerNorms refitted on the same calibration
+    sentences (:func:`refit_norms`)."""
     E = np.zeros((len(ids), p["embeddings.word_embeddings.weight"].shape[1]), np.float32)
     first = None
     for calib, evaluate in ((slice(0, None, 2), slice(1, None, 2)), (slice(1, None, 2), slice(0, None, 2))):
         text = (ids[calib], mask[calib]) if extra is None else stack_tokens((ids[calib], mask[calib]), extra)
         weights, nbytes = gptq_weights(p, *text, names, k, damp, scale_search, act_order, sequential, fit, refine)
-        E[evaluate] = embed(p, ids[evaluate], mask[evaluate], linear_with(p, weights))
+        pf = refit_norms(p, weights, *text) if norms else p
+        E[evaluate] = embed(pf, ids[evaluate], mask[evaluate], linear_with(pf, weights))
         first = first or (weights, nbytes)
     return E, first[0], first[1]
 
@@ -561,7 +597,7 @@ def main(argv=None):
             E = embed(p, ids, mask, linear_with(p, weights))
         elif "_gptq" in name:               # kbitK[_mse][_cb]_gptq[_act][_seq]: cross-calibrated, see gptq_two_fold
             E, weights, nbytes = gptq_two_fold(p, ids, mask, names, int(name[4]), args.gptq_damp, *options,
-                                               extra=calibration, refine=refine)
+                                               extra=calibration, refine=refine, norms="_ln" in name)
         else:
             weights, nbytes = {}, 0
             for n in names:

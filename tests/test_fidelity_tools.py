@@ -170,3 +170,39 @@ def test_calibration_text_is_added_to_each_fold_and_kept_apart_from_the_evaluati
         calibration = [words(s) for s in open(path, encoding="utf-8") if s.strip()]
         assert len(calibration) >= least
         assert max(len(c & e) / len(c | e) for c in calibration for e in evaluation) < 0.6
+
+
+def test_refit_norms_recovers_the_float_model_and_never_fits_worse():
+    """``refit_norms`` (the ``_ln`` formats): with the float32 weights it finds the model's own LayerNorm parameters
+    again; with 2-bit weights the first refitted LayerNorm's output is at least as close to the float32 model's
+    (a least-squares fit on the same rows)."""
+    rng = np.random.default_rng(5)
+    p = _tiny_bert(rng, H=96, I=192)
+    norms = [k[:-len(".weight")] for k in p if k.endswith("LayerNorm.weight") and k.startswith("encoder.")]
+    for n in norms:
+        p[n + ".weight"] = rng.uniform(0.5, 1.5, 96).astype(np.float32)
+        p[n + ".bias"] = rng.normal(0, 0.1, 96).astype(np.float32)
+    ids = rng.integers(4, 20, size=(8, 6))
+    mask = np.ones(ids.shape, np.float32)
+    same = F.refit_norms(p, {}, ids, mask)
+    for n in norms:
+        assert np.allclose(same[n + ".weight"], p[n + ".weight"], atol=1e-3)
+        assert np.allclose(same[n + ".bias"], p[n + ".bias"], atol=1e-3)
+    names = [k[:-len(".weight")] for k in p
+             if k.endswith(".weight") and k.startswith("encoder.") and "LayerNorm" not in k]
+    weights = {n: F.kbit_mse(p[n + ".weight"], 2)[0] for n in names}
+    refit = F.refit_norms(p, weights, ids, mask)
+    outputs = {}
+
+    def first_norm(params, key):
+        def norm(x, name):
+            y = F.layer_norm(x, params, name)
+            if name == norms[0]:
+                outputs[key] = y
+            return y
+        return norm
+    F.embed(p, ids, mask, F.linear_with(p, {}), first_norm(p, "float"))
+    F.embed(p, ids, mask, F.linear_with(p, weights), first_norm(p, "before"))
+    F.embed(refit, ids, mask, F.linear_with(refit, weights), first_norm(refit, "after"))
+    err = {k: float(((outputs[k] - outputs["float"]) ** 2).sum()) for k in ("before", "after")}
+    assert 0 < err["after"] <= err["before"], err
