@@ -194,10 +194,14 @@ def gelu(x):
     return 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)))
 
 
-def layer_norm(x, p, name, eps=1e-12):
+def normalized(x, eps=1e-12):
+    """LayerNorm's rows before its scale and shift: zero mean, unit variance."""
     mu = x.mean(-1, keepdims=True)
-    var = ((x - mu) ** 2).mean(-1, keepdims=True)
-    return (x - mu) / np.sqrt(var + eps) * p[name + ".weight"] + p[name + ".bias"]
+    return (x - mu) / np.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + eps)
+
+
+def layer_norm(x, p, name):
+    return normalized(x) * p[name + ".weight"] + p[name + ".bias"]
 
 
 def embed(p, ids, mask, linear, norm=None):
@@ -323,9 +327,7 @@ def refit_norms(p, weights, ids, mask):
 
         def capture(x, ln):
             if ln == name:
-                mu = x.mean(-1, keepdims=True)
-                xh = (x - mu) / np.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + 1e-12)
-                rows["x"] = xh.reshape(-1, xh.shape[-1])[keep].astype(np.float64)
+                rows["x"] = normalized(x).reshape(-1, x.shape[-1])[keep].astype(np.float64)
             return layer_norm(x, q, ln)
         embed(q, ids, mask, linear_with(q, weights), capture)
         x, y = rows["x"], target[name]

@@ -666,10 +666,11 @@ def main(argv=None):
                                       "bench_model.VARIANTS), e.g. 'fp16,kbit k=4'")
     p.add_argument("--context", type=int, default=1024, help="with --model: KV-cache tokens of the attention "
                                                              "stand-in")
-    p.add_argument("--attention", default="auto", choices=("auto", "numba", "sdpa"),
+    from .bench_model import ATT_MAX_BATCH, ATTENTIONS
+    p.add_argument("--attention", default="auto", choices=ATTENTIONS,
                    help="with --model: the attention stand-in's kernel: bench_model's decode_attention (numba), "
                         "torch's scaled_dot_product_attention (sdpa, as before 2026-11-26), or auto (decode_attention "
-                        "up to batch 4, where it was faster, SDPA above)")
+                        f"up to batch {ATT_MAX_BATCH}, where it was faster, SDPA above)")
     p.add_argument("--demo", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.model:

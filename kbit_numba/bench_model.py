@@ -161,7 +161,6 @@ def _kernel(name, width=0, pdl=False):
     overlap this one) and waits for the kernel before it before reading anything."""
     key = (name, width if name in ("add_rmsnorm", "decode_attention") else 0, pdl)
     if key not in _KERNELS:
-
         from .device import inlined, jit_kernel
         from .intrinsics import (f16_bits_to_f32, f16x2_as_u32, griddep_launch_dependents, griddep_wait, ldg128,
                                  mma_f16, prmt, stg128)
@@ -462,8 +461,8 @@ def attention_kernel(attention, batch):
 
 
 def attention_torch(q, k, v):
-    """The twin of ``decode_attention``: q [B, heads, head_dim] over the cache k, v [B, kv_heads, context, head_dim]
-    (grouped query heads), [B, heads * head_dim]; torch's SDPA, as the step's ``attention="sdpa"`` runs it."""
+    """torch's SDPA on decode_attention's inputs (the step's ``attention="sdpa"``, and CPU tensors): q [B, heads,
+    head_dim] over the cache k, v [B, kv_heads, context, head_dim] (grouped query heads) -> [B, heads * head_dim]."""
     import torch
     B, nq, hd = q.shape
     o = torch.nn.functional.scaled_dot_product_attention(q.reshape(B, nq, 1, hd), k, v, enable_gqa=True)
@@ -591,9 +590,9 @@ class DecodeStep:
                                                                          # shared by the layers
             G = cfg["heads"] // cfg["kv_heads"]
             self.att_warps = attention_plan(cfg, context, B)
-            slices = B * cfg["kv_heads"] * (context // (ATT_TILE * self.att_warps))
-            self.att_part = torch.empty(slices * G * hd, device=dev, dtype=torch.float32)
-            self.att_stats = torch.empty(slices * G * 2, device=dev, dtype=torch.float32)
+            self.att_slices = B * cfg["kv_heads"] * (context // (ATT_TILE * self.att_warps))     # (its CTAs)
+            self.att_part = torch.empty(self.att_slices * G * hd, device=dev, dtype=torch.float32)
+            self.att_stats = torch.empty(self.att_slices * G * 2, device=dev, dtype=torch.float32)
             self.att_count = torch.zeros(B * cfg["kv_heads"], device=dev, dtype=torch.int32)
 
     def _bind_experts(self, torch, dev, f16):
@@ -629,7 +628,6 @@ class DecodeStep:
     def _launch(self, name, grid, block, *args, width=0):
         """Launch fused kernel ``name`` on torch's current stream (tensors passed as Numba device arrays); with
         ``self.pdl`` as a programmatic dependent launch (``launch.PreparedLaunch``), as the pdl linears are."""
-
         from .launch import PreparedLaunch
         kernel = _kernel(name, width, self.pdl)
         args = [cuda.as_cuda_array(a) if hasattr(a, "__cuda_array_interface__") else a for a in args]
@@ -688,9 +686,8 @@ class DecodeStep:
         context = kv[0].shape[2]
         out = self.torch.empty(B, nq * hd, device=qkv.device, dtype=qkv.dtype)
         words = [cuda.as_cuda_array(t.reshape(-1)).view(np.uint32) for t in (qkv, kv[0], kv[1])]
-        grid = self.att_stats.numel() // (2 * (nq // nkv))             # one CTA per slice
-        self._launch("decode_attention", grid, 32 * self.att_warps, *words, out, self.att_part, self.att_stats,
-                     self.att_count, width=(nq // nkv, nkv, hd, context, self.att_warps))
+        self._launch("decode_attention", self.att_slices, 32 * self.att_warps, *words, out, self.att_part,
+                     self.att_stats, self.att_count, width=(nq // nkv, nkv, hd, context, self.att_warps))
         return out
 
     def step(self):
@@ -720,7 +717,6 @@ class DecodeStep:
 
 def graph_us(torch, fn, replays=20, warmup=3):
     """Median microseconds of one replay of a CUDA graph that captured ``fn()`` once."""
-
     from ._timing import replay_us
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
