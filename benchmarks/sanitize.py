@@ -152,19 +152,22 @@ if "formats" in families:  # uniform (every width, fp16/int8, 3-bit padding), SB
     for M in (1, 2, 3, 4):
         kb.sbvr.gemv(rng.standard_normal((M, 256)).astype(np.float16), sw).copy_to_host()
         kb.bitnet.gemv(rng.standard_normal((M, 96)).astype(np.float32), bw).copy_to_host()
-if "attention" in families:  # bench_model's decode_attention: 2-8 slices a head, both builds, each launched twice
+if "attention" in families:  # bench_model's decode_attention: 2-16 slices a head, every build, each launched twice
     from kbit_numba import bench_model      # (the second launch finds the counts the first one's last CTAs reset)
-    for G, NKV, S, W, B in ((2, 1, 32, 1, 1), (4, 2, 128, 2, 2), (8, 1, 256, 8, 1)):
+    from kbit_numba.launch import PreparedLaunch
+    for G, NKV, S, W, B in ((2, 1, 32, 1, 1), (4, 2, 128, 2, 2), (8, 1, 256, 8, 1), (4, 2, 1024, 4, 1)):
         qkv = rng.standard_normal((B, (G + 2) * NKV * 128)).astype(np.float16)
         kv = [cuda.to_device(rng.standard_normal(B * NKV * S * 128).astype(np.float16).view(np.uint32)) for _ in "kv"]
         slices = B * NKV * S // (bench_model.ATT_TILE * W)
         count = cuda.to_device(np.zeros(B * NKV, np.int32))
         for pdl in (False, True):
-            kernel = bench_model._kernel("decode_attention", (G, NKV, 128, S, W), pdl=pdl)
-            for _ in range(2):
-                kernel[slices, 32 * W](cuda.to_device(qkv.reshape(-1).view(np.uint32)), *kv,
-                                       cuda.device_array((B, G * NKV * 128), np.float16),
-                                       cuda.device_array(slices * G * 128, np.float32),
-                                       cuda.device_array(slices * G * 2, np.float32), count)
+            for cluster in (1, bench_model.att_cluster(S // (bench_model.ATT_TILE * W))):   # (the count, the cluster)
+                kernel = bench_model._kernel("decode_attention", (G, NKV, 128, S, W), pdl=pdl, cluster=cluster > 1)
+                for _ in range(2):
+                    PreparedLaunch(kernel, slices, 32 * W, (
+                        cuda.to_device(qkv.reshape(-1).view(np.uint32)), *kv,
+                        cuda.device_array((B, G * NKV * 128), np.float16),
+                        cuda.device_array(slices * G * 128, np.float32), cuda.device_array(slices * G * 2, np.float32),
+                        count), pdl=pdl, cluster=cluster)()
         cuda.synchronize()
 print("sanitize workload done:", ",".join(families))

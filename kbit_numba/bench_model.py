@@ -29,7 +29,8 @@ or, for a mixture-of-experts model (``qwen3-30b-a3b``), the second line per toke
   ``context``-token fp16 KV cache per layer (GQA); the new token's k and v are not appended, and no rotary
   embedding is applied. On the GPU ``decode_attention``, a fused Numba kernel that splits the cache over CTAs
   (flash decoding, as an engine's decode attention; a ``pdl`` step launches it early, so it loads the cache
-  while the QKV projection runs); ``attention="sdpa"`` runs torch's ``scaled_dot_product_attention`` instead
+  while the QKV projection runs) and merges a head's slices in their thread block cluster's shared memory where
+  the launch allows (:func:`att_cluster`); ``attention="sdpa"`` runs torch's ``scaled_dot_product_attention`` instead
   (the stand-in before 2026-11-26), as do CPU tensors.
 * **RMSNorm, SiLU, residual** (and the MoE sum): small fused Numba kernels, as an inference engine runs them (vLLM's
   ``fused_add_rms_norm`` and ``silu_and_mul``): ``add_rmsnorm`` (residual += y; h = rmsnorm(residual) * w)
@@ -145,26 +146,33 @@ SILU_THREADS = 256
 # run on the tensor cores: scalar float32 versions (16 lanes a row, shuffle trees) issued ~1300 instructions a warp
 # per 4 tokens and took 9-19 us a call, slower than torch's SDPA (benchmarks/README.md). A CTA writes its slice's
 # softmax max, sum and weighted V sum (float32); the last CTA of a (b, KV head) to finish, found by an atomic count
-# that it resets, merges the slices and writes the float16 output.
+# that it resets, merges the slices and writes the float16 output. The cluster build (sm_90) keeps them in shared
+# memory instead, and the (b, KV head)'s cluster merges them there: two cluster barriers and one distributed-shared-
+# memory round trip in place of the L2 stores, the fence, the count and the L2 loads (7.2 -> 5.3 us a call at batch 1).
 ATT_TILE = 16                   # tokens a warp takes: one m16 tile
 ATT_HEAD_DIM = 128              # the fragment mapping's head_dim (llama3-8b's and qwen3's)
 ATT_WARPS = 8                   # at most: 128-token slices (fewer slices to merge where the batch fills the GPU)
 ATT_MIN_CTAS = 128              # fewer warps a CTA (shorter slices) until the step has this many CTAs,
 ATT_MERGE_SLICES = 64           # while slices x query heads a group stay within this (qwen3 at batch 1, 2 warps:
                                 # 256, the last CTAs' merge made the call 21 us; 8 warps: 64, 11 us under ncu)
+ATT_MAX_CLUSTER = 16            # the slices of a (row, KV head) merge in their thread block cluster's shared memory
+                                # (H100: at most 16 CTAs a cluster) instead of through the L2 and a count (sm_90, not
+                                # on the simulator, which runs one CTA at a time)
 _KERNELS = {}
 
 
-def _kernel(name, width=0, pdl=False):
-    """A fused elementwise kernel, compiled once per (name, row width, pdl). ``pdl``: built for a programmatic
-    dependent launch (sm_90): it lets the next kernel start at once (that kernel's weight loads and tables
-    overlap this one) and waits for the kernel before it before reading anything."""
-    key = (name, width if name in ("add_rmsnorm", "decode_attention") else 0, pdl)
+def _kernel(name, width=0, pdl=False, cluster=False):
+    """A fused elementwise kernel, compiled once per (name, row width, pdl, cluster). ``pdl``: built for a
+    programmatic dependent launch (sm_90): it lets the next kernel start at once (that kernel's weight loads and
+    tables overlap this one) and waits for the kernel before it before reading anything. ``cluster``
+    (decode_attention): a (row, KV head)'s slices merge in their cluster's shared memory (launch with
+    ``cluster=`` the slices a head: :func:`att_cluster`)."""
+    key = (name, width if name in ("add_rmsnorm", "decode_attention") else 0, pdl, cluster)
     if key not in _KERNELS:
         from .device import inlined, jit_kernel
-        from .intrinsics import (f16_bits_to_f32, f16x2_as_u32, griddep_launch_dependents, griddep_wait, ldg128,
-                                 mma_f16, prmt, stg128)
-        PDL = pdl
+        from .intrinsics import (cluster_rank, cluster_sync, f16_bits_to_f32, f16x2_as_u32, griddep_launch_dependents,
+                                 griddep_wait, ld_cluster_f32, ldg128, mma_f16, prmt, shared_addr, stg128)
+        PDL, CLUSTER = pdl, cluster
 
         @inlined
         def pdl_start():
@@ -245,9 +253,11 @@ def _kernel(name, width=0, pdl=False):
             MERGE_CHUNK = min(SPLITS, 64 // DPL)  # slices whose values a lane loads at once (64 values)
             MERGE_VALUES = MERGE_CHUNK * DPL
             CTA_VALUES = G * HD
+            VPC = CTA_VALUES // SPLITS          # cluster merge: output values a CTA of the cluster merges
             K_WORDS, V_WORDS, Q_WORDS = 8 * K_LOADS, 32, 4 * K_LOADS    # a lane's registers of K, V and q words
-            if HD != ATT_HEAD_DIM or G > 8 or S % CTA_TOKENS or SPLITS > 32 or SPLITS % MERGE_CHUNK:
-                raise ValueError(f"decode_attention: no build for {width} (attention_plan says why)")
+            if (HD != ATT_HEAD_DIM or G > 8 or S % CTA_TOKENS or SPLITS > 32 or SPLITS % MERGE_CHUNK
+                    or cluster and (SPLITS > ATT_MAX_CLUSTER or CTA_VALUES % SPLITS)):
+                raise ValueError(f"decode_attention: no build for {width}, cluster={cluster} (attention_plan says why)")
 
             @jit_kernel
             def kernel(qkv, kc, vc, out, part, stats, count):
@@ -335,6 +345,47 @@ def _kernel(name, width=0, pdl=False):
                         w_acc[warp, (2 * tq + 1) * HD + 8 * m + g] = d1
                         w_acc[warp, (2 * tq + 1) * HD + HD // 2 + 8 * m + g] = d3
                 cuda.syncthreads()
+                if CLUSTER:
+                    # The cluster merge: the slice's sums and stats go to row 0 of w_acc / w_m / w_l (thread o alone
+                    # reads and writes column o); once the cluster has met, CTA r merges output values r VPC .. from
+                    # every slice's shared memory (distributed shared memory: no global round trip, no count), and
+                    # the cluster meets again so that no CTA exits while another reads its shared memory.
+                    for o in range(t, CTA_VALUES, THREADS):
+                        a = float32(0)
+                        for w in range(WARPS):
+                            a += w_acc[w, o]
+                        w_acc[0, o] = a
+                    for h in range(G):
+                        if t == h:
+                            tot, mx = float32(0), w_m[0, h]
+                            for w in range(WARPS):
+                                tot += w_l[w, h]
+                                mx = max(mx, w_m[w, h])
+                            w_m[0, h], w_l[0, h] = mx, tot
+                    cluster_sync()
+                    r = cluster_rank()
+                    m_at, l_at, a_at = shared_addr(w_m), shared_addr(w_l), shared_addr(w_acc)
+                    for o in range(r * VPC + t, (r + 1) * VPC, THREADS):
+                        h = o // HD
+                        mv = cuda.local.array(SPLITS, float32)
+                        lv = cuda.local.array(SPLITS, float32)
+                        av = cuda.local.array(SPLITS, float32)
+                        for sp in range(SPLITS):                # every slice's values loaded before any is used
+                            mv[sp] = ld_cluster_f32(m_at + 4 * h, sp)
+                            lv[sp] = ld_cluster_f32(l_at + 4 * h, sp)
+                            av[sp] = ld_cluster_f32(a_at + 4 * o, sp)
+                        mx = mv[0]
+                        for sp in range(1, SPLITS):
+                            mx = max(mx, mv[sp])
+                        num, den = float32(0), float32(0)
+                        for sp in range(SPLITS):
+                            e = math.exp(mv[sp] - mx)
+                            num += av[sp] * e
+                            den += lv[sp] * e
+                        x = o % HD                              # value x = 64 hi + 8 m + g: dim 64 hi + 8 g + m
+                        out[b, (kvh * G + h) * HD + x // 64 * 64 + 8 * (x % 8) + x % 64 // 8] = num / den
+                    cluster_sync()
+                    return
                 for o in range(t, CTA_VALUES, THREADS):     # the slice's sums: the warps' added up
                     a = float32(0)
                     for w in range(WARPS):
@@ -451,6 +502,20 @@ def attention_plan(cfg, context, batch=1):
         raise ValueError(f"decode_attention needs a cache of a multiple of {ATT_TILE} tokens, in at most 32 slices of "
                          f"{ATT_TILE * warps}, got {context} (--attention sdpa takes any)")
     return warps
+
+
+def att_cluster(slices, ctas=1):
+    """The cluster size decode_attention is launched with for ``slices`` slices a (row, KV head) and ``ctas`` CTAs
+    in all: every slice of a head, where a cluster holds them (sm_90, on the GPU) and the launch has no more CTAs
+    than the GPU has SMs; else 1 (the last CTA merges through the L2). Beyond one CTA an SM the clusters were slower
+    (llama3-8b batch 4, 256 CTAs: 11.1 -> 12.4 us a call; batch 1 and 2, 128 CTAs: 7.2 -> 5.3 and 8.6 -> 6.9 us;
+    benchmarks/README.md): a cluster starts only when all its CTAs fit at once, beside the kernel before it."""
+    from .core import sm_count
+    from .intrinsics import SIMULATOR
+    if (SIMULATOR or slices > ATT_MAX_CLUSTER or ctas > sm_count()
+            or cuda.get_current_device().compute_capability < (9, 0)):
+        return 1
+    return slices
 
 
 def attention_kernel(attention, batch):
@@ -594,6 +659,7 @@ class DecodeStep:
             self.att_part = torch.empty(self.att_slices * G * hd, device=dev, dtype=torch.float32)
             self.att_stats = torch.empty(self.att_slices * G * 2, device=dev, dtype=torch.float32)
             self.att_count = torch.zeros(B * cfg["kv_heads"], device=dev, dtype=torch.int32)
+            self.att_cluster = att_cluster(context // (ATT_TILE * self.att_warps), self.att_slices)
 
     def _bind_experts(self, torch, dev, f16):
         """Per layer a fixed routing, and the expert sets bound to static row buffers (shared by the layers):
@@ -625,15 +691,16 @@ class DecodeStep:
         down()
         return self.moe_combine(self.down_rows, inv, weights)
 
-    def _launch(self, name, grid, block, *args, width=0):
+    def _launch(self, name, grid, block, *args, width=0, cluster=1):
         """Launch fused kernel ``name`` on torch's current stream (tensors passed as Numba device arrays); with
-        ``self.pdl`` as a programmatic dependent launch (``launch.PreparedLaunch``), as the pdl linears are."""
+        ``self.pdl`` as a programmatic dependent launch (``launch.PreparedLaunch``), as the pdl linears are;
+        ``cluster``: in clusters of that many CTAs (the kernel's cluster build)."""
         from .launch import PreparedLaunch
-        kernel = _kernel(name, width, self.pdl)
+        kernel = _kernel(name, width, self.pdl, cluster > 1)
         args = [cuda.as_cuda_array(a) if hasattr(a, "__cuda_array_interface__") else a for a in args]
         stream = self.torch.cuda.current_stream().cuda_stream
-        if self.pdl:
-            PreparedLaunch(kernel, grid, block, args, stream, pdl=True)()
+        if self.pdl or cluster > 1:
+            PreparedLaunch(kernel, grid, block, args, stream, pdl=self.pdl, cluster=cluster)()
         else:
             kernel[grid, block, cuda.external_stream(stream)](*args)
 
@@ -687,7 +754,8 @@ class DecodeStep:
         out = self.torch.empty(B, nq * hd, device=qkv.device, dtype=qkv.dtype)
         words = [cuda.as_cuda_array(t.reshape(-1)).view(np.uint32) for t in (qkv, kv[0], kv[1])]
         self._launch("decode_attention", self.att_slices, 32 * self.att_warps, *words, out, self.att_part,
-                     self.att_stats, self.att_count, width=(nq // nkv, nkv, hd, context, self.att_warps))
+                     self.att_stats, self.att_count, width=(nq // nkv, nkv, hd, context, self.att_warps),
+                     cluster=self.att_cluster)
         return out
 
     def step(self):

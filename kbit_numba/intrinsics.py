@@ -369,6 +369,44 @@ def ptx_griddep_launch_dependents(typingctx):
 
 
 @intrinsic
+def ptx_cluster_sync(typingctx):
+    """Every thread of every CTA of this thread block cluster meets here (sm_90; a launch with a cluster dimension:
+    ``launch.PreparedLaunch(cluster=)``): barrier.cluster.arrive.release, then .wait.acquire, so each CTA's shared
+    and global writes before it are visible to the cluster's reads after it. A CTA whose shared memory others read
+    must not exit before they are done: meet again after the reads."""
+    return types.void(), _no_operands(
+        "barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;", memory=True)
+
+
+@intrinsic
+def ptx_cluster_rank(typingctx):
+    """This CTA's rank in its cluster (%cluster_ctarank; with a cluster of n along x, blockIdx.x % n)."""
+    sig = types.uint32()
+
+    def codegen(context, builder, sig, args):
+        return builder.call(ir.InlineAsm(ir.FunctionType(_i32, []), "mov.u32 $0, %cluster_ctarank;", "=r"), [])
+
+    return sig, codegen
+
+
+@intrinsic
+def ptx_ld_cluster_f32(typingctx, addr, rank):
+    """float32 at shared byte address ``addr`` (``shared_addr`` of this CTA's array plus an offset) in the shared
+    memory of CTA ``rank`` of this cluster: distributed shared memory (mapa + ld.shared::cluster). Kept in order
+    with ``cluster_sync`` (a side effect), so it is never hoisted above the barrier that made the value ready."""
+    sig = types.float32(addr, rank)
+
+    def codegen(context, builder, sig, args):
+        a, r = (context.cast(builder, v, t, types.uint32) for v, t in zip(args, sig.args))
+        asm = ir.InlineAsm(ir.FunctionType(ir.FloatType(), [_i32, _i32]),
+                           "{ .reg .u32 %ra; mapa.shared::cluster.u32 %ra, $1, $2; ld.shared::cluster.f32 $0, [%ra]; }",
+                           "=f,r,r", side_effect=True)
+        return builder.call(asm, [a, r])
+
+    return sig, codegen
+
+
+@intrinsic
 def ptx_bar_sync(typingctx, barrier, threads):
     """Named barrier ``barrier`` (0..15) of ``threads`` threads, a multiple of 32 (bar.sync a, b): the
     calling warps wait until ``threads`` threads have arrived, and their shared-memory writes before it are
@@ -396,6 +434,14 @@ def py_griddep_wait():           # the simulator runs launches one after another
 
 def py_griddep_launch_dependents():
     pass
+
+
+def _no_cluster(*args):
+    raise NotImplementedError("the simulator runs one CTA at a time: it has no thread block clusters (kernels that "
+                              "merge across a cluster keep another path for it)")
+
+
+py_cluster_sync = py_cluster_rank = py_ld_cluster_f32 = _no_cluster
 
 
 def py_cp_async16(dst, dst_addr, src, src_index, src_bytes):
@@ -749,12 +795,13 @@ def py_f16x2_as_u32(lo, hi):
 # ---------------------------------------------------------------------------------------------
 NAMES = ("ldg128", "ldg64", "ldg128_stream", "ldg64_stream", "stg128", "shared_addr", "lds_f32", "lds_u32", "lds128",
          "lds64", "sts128", "cp_async16", "cp_async4", "cp_async_commit", "cp_async_wait", "griddep_wait",
-         "griddep_launch_dependents", "bar_sync", "ldmatrix_x4", "mma_f16", "mma_bf16", "hmul2", "hfma2", "bmul2",
-         "dp4a", "lop3", "prmt", "rotr", "u32_as_f32", "f32_as_u32", "f16x2_as_u32", "f16_bits_to_f32")
+         "griddep_launch_dependents", "cluster_sync", "cluster_rank", "ld_cluster_f32", "bar_sync", "ldmatrix_x4",
+         "mma_f16", "mma_bf16", "hmul2", "hfma2", "bmul2", "dp4a", "lop3", "prmt", "rotr", "u32_as_f32", "f32_as_u32",
+         "f16x2_as_u32", "f16_bits_to_f32")
 PAIRS = {name: (globals()["ptx_" + name], globals()["py_" + name]) for name in NAMES}
 
 _pick = 1 if SIMULATOR else 0
 (ldg128, ldg64, ldg128_stream, ldg64_stream, stg128, shared_addr, lds_f32, lds_u32, lds128, lds64, sts128, cp_async16,
- cp_async4, cp_async_commit, cp_async_wait, griddep_wait, griddep_launch_dependents, bar_sync, ldmatrix_x4, mma_f16,
- mma_bf16, hmul2, hfma2, bmul2, dp4a, lop3, prmt, rotr, u32_as_f32, f32_as_u32, f16x2_as_u32,
- f16_bits_to_f32) = (PAIRS[n][_pick] for n in NAMES)
+ cp_async4, cp_async_commit, cp_async_wait, griddep_wait, griddep_launch_dependents, cluster_sync, cluster_rank,
+ ld_cluster_f32, bar_sync, ldmatrix_x4, mma_f16, mma_bf16, hmul2, hfma2, bmul2, dp4a, lop3, prmt, rotr, u32_as_f32,
+ f32_as_u32, f16x2_as_u32, f16_bits_to_f32) = (PAIRS[n][_pick] for n in NAMES)

@@ -28,6 +28,11 @@ programmatic-stream-serialization attribute, so it may start while the kernel be
 still running: its weight loads and shared tables overlap that kernel's tail. Stream capture keeps the
 relation as a programmatic edge of the CUDA graph. The weights it reads before waiting must not be written
 by the kernel just before it.
+
+**Thread block clusters (sm_90).** ``PreparedLaunch(cluster=n)`` launches CTAs in clusters of n along x (with
+``cuLaunchKernelEx`` and the cluster-dimension attribute; above 8, the portable limit, the kernel is allowed a
+non-portable size first): a cluster's CTAs run at once on one GPC and may read each other's shared memory
+(``intrinsics.cluster_sync``, ``ld_cluster_f32``). Under the simulator the attribute is ignored.
 """
 from __future__ import annotations
 
@@ -55,6 +60,23 @@ def stream_handle(stream):
 
 def _device_ptr(arr):
     return int(arr.__cuda_array_interface__["data"][0])
+
+
+PORTABLE_CLUSTER = 8               # CTAs a cluster may hold on every sm_90 GPU; more (up to 16) must be allowed
+_CLUSTER_OK = set()                # (kernel handle, device) allowed a non-portable cluster size
+
+
+def _allow_cluster(driver, cufunc):
+    """Let the kernel be launched in clusters of more than PORTABLE_CLUSTER CTAs (once per kernel and device)."""
+    key = (int(cufunc.handle), cufunc.device.id)
+    if key in _CLUSTER_OK:
+        return
+    kernel = driver.CUkernel(int(cufunc.handle))
+    err, = driver.cuKernelSetAttribute(driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
+                                       1, kernel, cufunc.device.id)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuKernelSetAttribute(non-portable cluster size) failed: {err}")
+    _CLUSTER_OK.add(key)
 
 
 _OPTED_IN = {}                     # (kernel handle, device) -> dynamic shared bytes it may use
@@ -91,7 +113,7 @@ class PreparedLaunch:
 
     ``args`` must be device arrays (Numba or CUDA-array-interface objects) and NumPy scalars."""
 
-    def __init__(self, kernel, grid, block, args, stream=0, shared_bytes=0, pdl=False):
+    def __init__(self, kernel, grid, block, args, stream=0, shared_bytes=0, pdl=False, cluster=1):
         self.kernel, self.grid, self.block, self.args = kernel, grid, block, tuple(args)
         self.stream = stream
         self._shared = shared_bytes
@@ -126,18 +148,30 @@ class PreparedLaunch:
         self._grid3 = tuple(grid) + (1,) * (3 - len(grid)) if isinstance(grid, tuple) else (grid, 1, 1)
         self._block3 = tuple(block) + (1,) * (3 - len(block)) if isinstance(block, tuple) else (block, 1, 1)
         self._launch = self._launch_driver
+        attrs = []
         if pdl:
             attr = driver.CUlaunchAttribute()
             attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
             attr.value.programmaticStreamSerializationAllowed = 1
+            attrs.append(attr)
+        if cluster > 1:
+            if self._grid3[0] % cluster:
+                raise ValueError(f"a grid of {self._grid3[0]} CTAs along x does not split into clusters of {cluster}")
+            if cluster > PORTABLE_CLUSTER:
+                _allow_cluster(driver, cufunc)
+            attr = driver.CUlaunchAttribute()
+            attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster, 1, 1
+            attrs.append(attr)
+        if attrs:
             cfg = driver.CUlaunchConfig()
             cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = self._grid3
             cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = self._block3
             cfg.sharedMemBytes = shared_bytes
-            cfg.attrs = [attr]
-            cfg.numAttrs = 1
+            cfg.attrs = attrs
+            cfg.numAttrs = len(attrs)
             self._config = cfg
-            self._launch = self._launch_pdl
+            self._launch = self._launch_ex
 
     def _launch_numba(self, stream):
         self.kernel[self.grid, self.block, stream, self._shared](*self.args)
@@ -148,11 +182,11 @@ class PreparedLaunch:
         if err != self._driver.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"cuLaunchKernel failed: {err}")
 
-    def _launch_pdl(self, stream):
+    def _launch_ex(self, stream):
         self._config.hStream = self._driver.CUstream(stream_handle(stream))
         err, = self._driver.cuLaunchKernelEx(self._config, self._func, self._params_addr, 0)
         if err != self._driver.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"cuLaunchKernelEx (programmatic dependent launch) failed: {err}")
+            raise RuntimeError(f"cuLaunchKernelEx (programmatic dependent launch or cluster) failed: {err}")
 
     def __call__(self, stream=None):
         """Launch on ``stream`` (default: the stream given at preparation)."""

@@ -1,10 +1,12 @@
 """bench_model's decode_attention (the decode step's attention stand-in) against its NumPy twin: grouped query
-heads over a cache split into slices that the last CTA of each (row, KV head) merges. No torch needed."""
+heads over a cache split into slices that the last CTA of each (row, KV head) merges, or (the cluster build, GPU
+only) the slices' thread block cluster. No torch needed."""
 import numpy as np
 import pytest
 from numba import cuda
 
 from kbit_numba import bench_model
+from kbit_numba.launch import PreparedLaunch
 from helpers import SIM
 
 # (query heads per KV head, KV heads, head_dim, cache tokens, warps, batch): the simulator's case has two slices of
@@ -14,14 +16,21 @@ CASES = [(2, 1, 128, 32, 1, 1)] if SIM else [(2, 1, 128, 32, 1, 1), (2, 2, 128, 
                                              (8, 4, 128, 512, 1, 4)]
 
 
-@pytest.mark.parametrize("G, NKV, HD, S, W, B", CASES)
-def test_decode_attention_equals_its_twin(G, NKV, HD, S, W, B):
+# and the cluster build (GPU) where a cluster holds a head's slices
+BUILDS = [c + (False,) for c in CASES] + [c + (True,) for c in CASES if not SIM and
+                                          c[3] // (bench_model.ATT_TILE * c[4]) <= bench_model.ATT_MAX_CLUSTER]
+
+
+@pytest.mark.parametrize("G, NKV, HD, S, W, B, cluster", BUILDS)
+def test_decode_attention_equals_its_twin(G, NKV, HD, S, W, B, cluster):
     rng = np.random.default_rng(G * 1000 + S + B)
     nq = G * NKV
     qkv = rng.standard_normal((B, (nq + 2 * NKV) * HD)).astype(np.float16)
     k, v = (rng.standard_normal((B, NKV, S, HD)).astype(np.float16) for _ in range(2))
     slices = B * NKV * S // (bench_model.ATT_TILE * W)
-    kernel = bench_model._kernel("decode_attention", (G, NKV, HD, S, W))
+    size = bench_model.att_cluster(S // (bench_model.ATT_TILE * W)) if cluster else 1
+    assert size > 1 or not cluster
+    kernel = bench_model._kernel("decode_attention", (G, NKV, HD, S, W), cluster=cluster)
     words = [cuda.to_device(np.ascontiguousarray(a).reshape(-1).view(np.uint32)) for a in (qkv, k, v)]
     part = cuda.device_array(slices * G * HD, np.float32)
     stats = cuda.device_array(slices * G * 2, np.float32)
@@ -29,7 +38,7 @@ def test_decode_attention_equals_its_twin(G, NKV, HD, S, W, B):
     want = bench_model.attention_numpy(qkv[:, :nq * HD].reshape(B, nq, HD), k, v)
     for _ in range(2):                       # the second launch finds the counts the first one reset
         out = cuda.to_device(np.zeros((B, nq * HD), np.float16))
-        kernel[slices, 32 * W](*words, out, part, stats, count)
+        PreparedLaunch(kernel, slices, 32 * W, (*words, out, part, stats, count), cluster=size)()
         # (the softmax weights enter the second product as float16, as in flash attention)
         np.testing.assert_allclose(out.copy_to_host().astype(np.float64), want, rtol=5e-3, atol=3e-3)
         assert not count.copy_to_host().any()
