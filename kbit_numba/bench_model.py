@@ -345,23 +345,29 @@ def _kernel(name, width=0, pdl=False, cluster=False):
                         w_acc[warp, (2 * tq + 1) * HD + 8 * m + g] = d1
                         w_acc[warp, (2 * tq + 1) * HD + HD // 2 + 8 * m + g] = d3
                 cuda.syncthreads()
-                if CLUSTER:
-                    # The cluster merge: the slice's sums and stats go to row 0 of w_acc / w_m / w_l (thread o alone
-                    # reads and writes column o); once the cluster has met, CTA r merges output values r VPC .. from
-                    # every slice's shared memory (distributed shared memory: no global round trip, no count), and
-                    # the cluster meets again so that no CTA exits while another reads its shared memory.
-                    for o in range(t, CTA_VALUES, THREADS):
-                        a = float32(0)
+                for o in range(t, CTA_VALUES, THREADS):     # the slice's sums: the warps' added up
+                    a = float32(0)
+                    for w in range(WARPS):
+                        a += w_acc[w, o]
+                    if CLUSTER:
+                        w_acc[0, o] = a                     # (thread o alone reads and writes column o)
+                    else:
+                        part[cta * CTA_VALUES + o] = a      # (in w_acc's order: coalesced stores)
+                for h in range(G):
+                    if t == h:
+                        tot, mx = float32(0), w_m[0, h]
                         for w in range(WARPS):
-                            a += w_acc[w, o]
-                        w_acc[0, o] = a
-                    for h in range(G):
-                        if t == h:
-                            tot, mx = float32(0), w_m[0, h]
-                            for w in range(WARPS):
-                                tot += w_l[w, h]
-                                mx = max(mx, w_m[w, h])
+                            tot += w_l[w, h]
+                            mx = max(mx, w_m[w, h])
+                        if CLUSTER:
                             w_m[0, h], w_l[0, h] = mx, tot
+                        else:
+                            stats[2 * (cta * G + h)], stats[2 * (cta * G + h) + 1] = mx, tot
+                if CLUSTER:
+                    # The cluster merge: the slice's sums and stats are in row 0 of w_acc / w_m / w_l; once the
+                    # cluster has met, CTA r merges output values r VPC .. from every slice's shared memory
+                    # (distributed shared memory: no global round trip, no count), and the cluster meets again so
+                    # that no CTA exits while another reads its shared memory.
                     cluster_sync()
                     r = cluster_rank()
                     m_at, l_at, a_at = shared_addr(w_m), shared_addr(w_l), shared_addr(w_acc)
@@ -386,18 +392,6 @@ def _kernel(name, width=0, pdl=False, cluster=False):
                         out[b, (kvh * G + h) * HD + x // 64 * 64 + 8 * (x % 8) + x % 64 // 8] = num / den
                     cluster_sync()
                     return
-                for o in range(t, CTA_VALUES, THREADS):     # the slice's sums: the warps' added up
-                    a = float32(0)
-                    for w in range(WARPS):
-                        a += w_acc[w, o]
-                    part[cta * CTA_VALUES + o] = a          # (in w_acc's order: coalesced stores)
-                for h in range(G):
-                    if t == h:
-                        tot, mx = float32(0), w_m[0, h]
-                        for w in range(WARPS):
-                            tot += w_l[w, h]
-                            mx = max(mx, w_m[w, h])
-                        stats[2 * (cta * G + h)], stats[2 * (cta * G + h) + 1] = mx, tot
                 # The count: one thread fences and counts for the CTA (the barrier orders the others' writes before
                 # its fence; a fence in every thread kept each warp waiting for its own stores to reach the L2).
                 cuda.syncthreads()
