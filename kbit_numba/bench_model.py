@@ -512,6 +512,22 @@ def att_cluster(slices, ctas=1):
     return slices
 
 
+def kernel_specializations():
+    """(name, kernel, argument types) for the PTX checks (tests/test_ptx.py): decode_attention as the llama3-8b and
+    qwen3-30b-a3b steps build it at batch 1, both merges, with and without PDL."""
+    from numba import types as t
+    sig = (t.uint32[::1],) * 3 + (t.float16[:, ::1], t.float32[::1], t.float32[::1], t.int32[::1])
+    specs = []
+    for model, builds in (("llama3-8b", ((True, True), (True, False), (False, True), (False, False))),
+                          ("qwen3-30b-a3b", ((True, True),))):
+        cfg = MODELS[model]
+        G, warps = cfg["heads"] // cfg["kv_heads"], attention_plan(cfg, CONTEXT)
+        width = (G, cfg["kv_heads"], cfg["head_dim"], CONTEXT, warps)
+        specs += [(f"decode_attention {model} G={G} warps={warps} pdl={pdl} cluster={cluster}",
+                   _kernel("decode_attention", width, pdl, cluster), sig) for pdl, cluster in builds]
+    return specs
+
+
 def attention_kernel(attention, batch):
     """The kernel ``attention`` ("auto", "numba", "sdpa") runs for ``batch`` rows: "numba" or "sdpa"."""
     if attention not in ATTENTIONS:

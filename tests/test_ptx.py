@@ -22,12 +22,13 @@ STREAM = f"ld.global.nc{I.STREAM_HINT}."    # the pair gemv's weight loads (intr
 
 
 def _specializations():
-    from kbit_numba import act_quant, bitnet, codec, mma_gemv, pair_gemv, sbvr, scalar_gemv, tensor_gemm, uniform
+    from kbit_numba import (act_quant, bench_model, bitnet, codec, mma_gemv, pair_gemv, sbvr, scalar_gemv,
+                            tensor_gemm, uniform)
     return (codec.kernel_specializations() + scalar_gemv.kernel_specializations()
             + pair_gemv.kernel_specializations() + mma_gemv.kernel_specializations()
             + tensor_gemm.kernel_specializations() + act_quant.kernel_specializations()
             + uniform.kernel_specializations() + sbvr.kernel_specializations()
-            + bitnet.kernel_specializations())
+            + bitnet.kernel_specializations() + bench_model.kernel_specializations())
 
 
 def _requirements(name):
@@ -87,6 +88,20 @@ def _requirements(name):
         must += ["popc.b32", "ld.global.nc.v4.u32", "bar.sync"]
     if name.startswith("sbvr_act"):
         must += ["vote.sync.ballot.b32", "shfl.sync.bfly"]
+    if name.startswith("decode_attention"):                 # the cache as 16-byte loads into MMAs
+        must += ["ld.global.nc.v4.u32", "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"]
+        cluster = ["barrier.cluster.arrive.release.aligned", "barrier.cluster.wait.acquire.aligned",
+                   "mapa.shared::cluster.u32", "ld.shared::cluster.f32", "%cluster_ctarank"]
+        if "cluster=True" in name:                           # the slices merge in the cluster's shared memory
+            must += cluster
+            never += ["atom.global"]
+        else:                                                # the last CTA, found by a count, merges
+            must += ["atom.global.add"]
+            never += cluster
+        if "pdl=True" in name:
+            must += ["griddepcontrol.launch_dependents", "griddepcontrol.wait"]
+        else:
+            never += ["griddepcontrol"]
     return must, never
 
 
