@@ -263,7 +263,8 @@ def _kernel(name, width=0, pdl=False, cluster=False):
             def kernel(qkv, kc, vc, out, part, stats, count):
                 """out[b, (kvh G + h) HD + d] = softmax(q . K^T / sqrt(HD)) V for query head kvh G + h. qkv, kc, vc:
                 float16 pairs as flat uint32 words of [B, QROW] and [B, NKV, S, HD]; out [B, NKV G HD] float16;
-                part, stats: float32 [B NKV SPLITS G HD], [B NKV SPLITS G 2]; count int32 [B NKV], zero.
+                part, stats: float32 [B NKV SPLITS G HD], [B NKV SPLITS G 2]; count int32 [B NKV], zero (the count
+                merge's; the cluster build, launched in clusters of SPLITS CTAs, leaves them untouched).
 
                 Both products on the tensor cores (mma m16n8k16, float32 sums), the cache as the A operand and the
                 group's queries (n8: up to 8 heads) as B, so the 16-byte rows feed A with no shared memory:
