@@ -161,7 +161,7 @@ if "attention" in families:  # bench_model's decode_attention: 2-16 slices a hea
         slices = B * NKV * S // (bench_model.ATT_TILE * W)
         count = cuda.to_device(np.zeros(B * NKV, np.int32))
         for pdl in (False, True):
-            for cluster in (1, bench_model.att_cluster(S // (bench_model.ATT_TILE * W))):   # (the count, the cluster)
+            for cluster in {1, bench_model.att_cluster(S // (bench_model.ATT_TILE * W))}:   # (the count, the cluster)
                 kernel = bench_model._kernel("decode_attention", (G, NKV, 128, S, W), pdl=pdl, cluster=cluster > 1)
                 for _ in range(2):
                     PreparedLaunch(kernel, slices, 32 * W, (

@@ -666,11 +666,12 @@ class DecodeStep:
                                                                          # shared by the layers
             G = cfg["heads"] // cfg["kv_heads"]
             self.att_warps = attention_plan(cfg, context, B)
-            self.att_slices = B * cfg["kv_heads"] * (context // (ATT_TILE * self.att_warps))     # (its CTAs)
+            per_head = context // (ATT_TILE * self.att_warps)
+            self.att_slices = B * cfg["kv_heads"] * per_head                                 # (its CTAs)
             self.att_part = torch.empty(self.att_slices * G * hd, device=dev, dtype=torch.float32)
             self.att_stats = torch.empty(self.att_slices * G * 2, device=dev, dtype=torch.float32)
             self.att_count = torch.zeros(B * cfg["kv_heads"], device=dev, dtype=torch.int32)
-            self.att_cluster = att_cluster(context // (ATT_TILE * self.att_warps), self.att_slices)
+            self.att_cluster = att_cluster(per_head, self.att_slices)
 
     def _bind_experts(self, torch, dev, f16):
         """Per layer a fixed routing, and the expert sets bound to static row buffers (shared by the layers):

@@ -66,17 +66,23 @@ PORTABLE_CLUSTER = 8               # CTAs a cluster may hold on every sm_90 GPU;
 _CLUSTER_OK = set()                # (kernel handle, device) allowed a non-portable cluster size
 
 
+def _set_attributes(driver, cufunc, pairs):
+    """Set the (attribute, value) pairs on a kernel. Numba's handle is a library ``CUkernel``, whose attributes are
+    set per device."""
+    kernel = driver.CUkernel(int(cufunc.handle))
+    for which, value in pairs:
+        err, = driver.cuKernelSetAttribute(which, value, kernel, cufunc.device.id)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cannot set {which} = {value} for {cufunc.name}: {err}")
+
+
 def _allow_cluster(driver, cufunc):
     """Let the kernel be launched in clusters of more than PORTABLE_CLUSTER CTAs (once per kernel and device)."""
     key = (int(cufunc.handle), cufunc.device.id)
-    if key in _CLUSTER_OK:
-        return
-    kernel = driver.CUkernel(int(cufunc.handle))
-    err, = driver.cuKernelSetAttribute(driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
-                                       1, kernel, cufunc.device.id)
-    if err != driver.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"cuKernelSetAttribute(non-portable cluster size) failed: {err}")
-    _CLUSTER_OK.add(key)
+    if key not in _CLUSTER_OK:
+        which = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
+        _set_attributes(driver, cufunc, ((which, 1),))
+        _CLUSTER_OK.add(key)
 
 
 _OPTED_IN = {}                     # (kernel handle, device) -> dynamic shared bytes it may use
@@ -84,9 +90,9 @@ _OPTED_IN = {}                     # (kernel handle, device) -> dynamic shared b
 
 def _allow_shared(driver, cufunc, nbytes):
     """Opt a kernel in to dynamic shared memory above 48 KB, with the largest shared-memory carveout so
-    that several such CTAs fit on an SM. Numba's handle is a library ``CUkernel``, whose attributes are
-    set per device. Done once per kernel, to all the device allows: later plans (e.g. inside a CUDA-graph
-    capture, where changing a kernel's attributes can invalidate the capture) make no driver call."""
+    that several such CTAs fit on an SM. Done once per kernel and device, to all the device allows: later plans
+    (e.g. inside a CUDA-graph capture, where changing a kernel's attributes can invalidate the capture) make no
+    driver call."""
     key = (int(cufunc.handle), cufunc.device.id)
     if key not in _OPTED_IN:
         attr = driver.CUfunction_attribute
@@ -96,12 +102,8 @@ def _allow_shared(driver, cufunc, nbytes):
         if err != driver.CUresult.CUDA_SUCCESS or err2 != driver.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"cannot read the device's shared-memory limit: {err}, {err2}")
         allowed = int(optin) - int(cufunc.attrs.shared)          # less the kernel's static shared memory
-        kernel = driver.CUkernel(int(cufunc.handle))
-        for which, value in ((attr.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, allowed),
-                             (attr.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)):
-            err, = driver.cuKernelSetAttribute(which, value, kernel, cufunc.device.id)
-            if err != driver.CUresult.CUDA_SUCCESS:
-                raise RuntimeError(f"cannot set {which} = {value} for {cufunc.name}: {err}")
+        _set_attributes(driver, cufunc, ((attr.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, allowed),
+                                         (attr.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)))
         _OPTED_IN[key] = allowed
     if nbytes > _OPTED_IN[key]:
         raise ValueError(f"{cufunc.name} asks for {nbytes} bytes of dynamic shared memory; the device allows "
