@@ -146,9 +146,10 @@ SILU_THREADS = 256
 # run on the tensor cores: scalar float32 versions (16 lanes a row, shuffle trees) issued ~1300 instructions a warp
 # per 4 tokens and took 9-19 us a call, slower than torch's SDPA (benchmarks/README.md). A CTA writes its slice's
 # softmax max, sum and weighted V sum (float32); the last CTA of a (b, KV head) to finish, found by an atomic count
-# that it resets, merges the slices and writes the float16 output. The cluster build (sm_90) keeps them in shared
-# memory instead, and the (b, KV head)'s cluster merges them there: two cluster barriers and one distributed-shared-
-# memory round trip in place of the L2 stores, the fence, the count and the L2 loads (7.2 -> 5.3 us a call at batch 1).
+# that it resets, merges the slices and writes the float16 output. The cluster build (sm_90) merges them in the
+# (b, KV head)'s thread block cluster instead: each CTA stores its slice's sums into the shared memory of the CTA that
+# merges them (distributed shared memory), the cluster meets once, and each CTA merges from its own shared memory, in
+# place of the L2 stores, the fence, the count and the L2 loads (7.2 -> 4.8 us a call at batch 1; benchmarks/README.md).
 ATT_TILE = 16                   # tokens a warp takes: one m16 tile
 ATT_HEAD_DIM = 128              # the fragment mapping's head_dim (llama3-8b's and qwen3's)
 ATT_WARPS = 8                   # at most: 128-token slices (fewer slices to merge where the batch fills the GPU)
@@ -170,8 +171,9 @@ def _kernel(name, width=0, pdl=False, cluster=False):
     key = (name, width if name in ("add_rmsnorm", "decode_attention") else 0, pdl, cluster)
     if key not in _KERNELS:
         from .device import inlined, jit_kernel
-        from .intrinsics import (cluster_rank, cluster_sync, f16_bits_to_f32, f16x2_as_u32, griddep_launch_dependents,
-                                 griddep_wait, ld_cluster_f32, ldg128, mma_f16, prmt, shared_addr, stg128)
+        from .intrinsics import (cluster_arrive, cluster_rank, cluster_sync, cluster_wait, f16_bits_to_f32, f16x2_as_u32,
+                                 griddep_launch_dependents, griddep_wait, ldg128, mma_f16, prmt, shared_addr,
+                                 st_cluster_f32, stg128)
         PDL, CLUSTER = pdl, cluster
 
         @inlined
@@ -274,6 +276,8 @@ def _kernel(name, width=0, pdl=False, cluster=False):
                   O^T = V^T P^T: A row g = dim 8 g + m of tile m, row g + 8 = dim 64 + 8 g + m; k = token 2 t, 2 t + 1,
                     2 t + 8, 2 t + 9: a lane loads those four tokens' dims 8 g .. and 64 + 8 g .. and pairs two
                     tokens' halves into one register (prmt). P^T's B fragment comes from S's C by 4 shuffles."""
+                if CLUSTER:                                 # (the receive buffers below are written by the other
+                    cluster_arrive()                        # CTAs once every CTA of the cluster has started)
                 t = cuda.threadIdx.x
                 lane, warp = t % 32, t // 32
                 g, tq = lane // 4, lane % 4                 # the mma fragments' row group and column pair
@@ -295,6 +299,9 @@ def _kernel(name, width=0, pdl=False, cluster=False):
                 w_m = cuda.shared.array((WARPS, 8), float32)        # each warp's max score per head
                 w_l = cuda.shared.array((WARPS, 8), float32)        # and its sum of exp(score - the slice's max)
                 w_acc = cuda.shared.array((WARPS, CTA_VALUES), float32)  # and its P V, [head, 64 hi + 8 m + g]
+                # the cluster build's receive buffers: every slice's values VPC r .. and its stats, written by the slices
+                recv_v = cuda.shared.array((SPLITS if CLUSTER else 1, VPC if CLUSTER else 1), float32)
+                recv_s = cuda.shared.array((SPLITS if CLUSTER else 1, G if CLUSTER else 1, 2), float32)
                 pdl_start()
                 qw = cuda.local.array(Q_WORDS, uint32)  # head g's dims 32 kk + 8 t .. (zero: no such head)
                 for kk in range(K_LOADS):
@@ -346,53 +353,54 @@ def _kernel(name, width=0, pdl=False, cluster=False):
                         w_acc[warp, (2 * tq + 1) * HD + 8 * m + g] = d1
                         w_acc[warp, (2 * tq + 1) * HD + HD // 2 + 8 * m + g] = d3
                 cuda.syncthreads()
+                if CLUSTER:
+                    # The cluster merge: each CTA sends its slice's sums and stats into the shared memory of the CTA
+                    # that merges them (CTA r: output values r VPC ..; distributed shared memory, stores that need no
+                    # reply), the cluster meets once, and each CTA merges from its own shared memory. No global round
+                    # trip, no count, and no second meeting: after it no CTA touches another's memory.
+                    cluster_wait()                          # (every CTA has started: its buffers exist)
+                    v_at, s_at = shared_addr(recv_v), shared_addr(recv_s)
+                    for o in range(t, CTA_VALUES, THREADS):     # the slice's sums: the warps' added up
+                        a = float32(0)
+                        for w in range(WARPS):
+                            a += w_acc[w, o]
+                        st_cluster_f32(v_at + 4 * (split * VPC + o % VPC), o // VPC, a)
+                    for i in range(t, SPLITS * G, THREADS):     # head h's max and sum to CTA r
+                        r, h = i // G, i % G
+                        tot, mx = float32(0), w_m[0, h]
+                        for w in range(WARPS):
+                            tot += w_l[w, h]
+                            mx = max(mx, w_m[w, h])
+                        st_cluster_f32(s_at + 8 * (split * G + h), r, mx)
+                        st_cluster_f32(s_at + 8 * (split * G + h) + 4, r, tot)
+                    cluster_sync()
+                    r = cluster_rank()
+                    for o in range(t, VPC, THREADS):
+                        x = r * VPC + o                         # value x of the head's 64 hi + 8 m + g order
+                        h = x // HD
+                        mx = recv_s[0, h, 0]
+                        for sp in range(1, SPLITS):
+                            mx = max(mx, recv_s[sp, h, 0])
+                        num, den = float32(0), float32(0)
+                        for sp in range(SPLITS):
+                            e = math.exp(recv_s[sp, h, 0] - mx)
+                            num += recv_v[sp, o] * e
+                            den += recv_s[sp, h, 1] * e
+                        x %= HD                                 # (dim 64 hi + 8 g + m)
+                        out[b, (kvh * G + h) * HD + x // 64 * 64 + 8 * (x % 8) + x % 64 // 8] = num / den
+                    return
                 for o in range(t, CTA_VALUES, THREADS):     # the slice's sums: the warps' added up
                     a = float32(0)
                     for w in range(WARPS):
                         a += w_acc[w, o]
-                    if CLUSTER:
-                        w_acc[0, o] = a                     # (thread o alone reads and writes column o)
-                    else:
-                        part[cta * CTA_VALUES + o] = a      # (in w_acc's order: coalesced stores)
+                    part[cta * CTA_VALUES + o] = a          # (in w_acc's order: coalesced stores)
                 for h in range(G):
                     if t == h:
                         tot, mx = float32(0), w_m[0, h]
                         for w in range(WARPS):
                             tot += w_l[w, h]
                             mx = max(mx, w_m[w, h])
-                        if CLUSTER:
-                            w_m[0, h], w_l[0, h] = mx, tot
-                        else:
-                            stats[2 * (cta * G + h)], stats[2 * (cta * G + h) + 1] = mx, tot
-                if CLUSTER:
-                    # The cluster merge: the slice's sums and stats are in row 0 of w_acc / w_m / w_l; once the
-                    # cluster has met, CTA r merges output values r VPC .. from every slice's shared memory
-                    # (distributed shared memory: no global round trip, no count), and the cluster meets again so
-                    # that no CTA exits while another reads its shared memory.
-                    cluster_sync()
-                    r = cluster_rank()
-                    m_at, l_at, a_at = shared_addr(w_m), shared_addr(w_l), shared_addr(w_acc)
-                    for o in range(r * VPC + t, (r + 1) * VPC, THREADS):
-                        h = o // HD
-                        mv = cuda.local.array(SPLITS, float32)
-                        lv = cuda.local.array(SPLITS, float32)
-                        av = cuda.local.array(SPLITS, float32)
-                        for sp in range(SPLITS):                # every slice's values loaded before any is used
-                            mv[sp] = ld_cluster_f32(m_at + 4 * h, sp)
-                            lv[sp] = ld_cluster_f32(l_at + 4 * h, sp)
-                            av[sp] = ld_cluster_f32(a_at + 4 * o, sp)
-                        mx = mv[0]
-                        for sp in range(1, SPLITS):
-                            mx = max(mx, mv[sp])
-                        num, den = float32(0), float32(0)
-                        for sp in range(SPLITS):
-                            e = math.exp(mv[sp] - mx)
-                            num += av[sp] * e
-                            den += lv[sp] * e
-                        x = o % HD                              # value x = 64 hi + 8 m + g: dim 64 hi + 8 g + m
-                        out[b, (kvh * G + h) * HD + x // 64 * 64 + 8 * (x % 8) + x % 64 // 8] = num / den
-                    cluster_sync()
-                    return
+                        stats[2 * (cta * G + h)], stats[2 * (cta * G + h) + 1] = mx, tot
                 # The count: one thread fences and counts for the CTA (the barrier orders the others' writes before
                 # its fence; a fence in every thread kept each warp waiting for its own stores to reach the L2).
                 cuda.syncthreads()

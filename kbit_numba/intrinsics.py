@@ -32,10 +32,17 @@ nothing, by the chain of layers in ``tests/test_pair_gemv.py``).
 | cp_async_commit() / cp_async_wait(n) | cp.async.commit_group / wait_group n | double buffering |
 | griddep_wait() | griddepcontrol.wait                    | PDL: wait for the previous kernel's results    |
 | griddep_launch_dependents() | griddepcontrol.launch_dependents | PDL: let the next kernel start early  |
+| cluster_sync() | barrier.cluster.arrive.release + wait.acquire | the thread block cluster's barrier (sm_90) |
+| cluster_arrive() / cluster_wait() | barrier.cluster.arrive.relaxed / .wait | the two halves, apart |
+| cluster_rank() | mov %cluster_ctarank                | this CTA's rank in its cluster                 |
+| ld_cluster_f32(p, r) / st_cluster_f32(p, r, v) | mapa + ld / st.shared::cluster.f32 | another CTA's shared memory |
 | bar_sync(id, n) | bar.sync id, n                       | a barrier of n threads (whole warps), not the CTA's |
 | ldmatrix_x4(a, p) | ldmatrix.sync.aligned.m8n8.x4.b16 | the A fragment of mma.m16n8k16 from shared  |
 | mma_f16(a0..a3, b0, b1, c0..c3) | mma.sync.aligned.m16n8k16 f32.f16.f16.f32 | tensor cores |
 | mma_bf16(...) | the same with .bf16 inputs           |                                                |
+
+The cluster ones' twins raise: the simulator runs one CTA at a time (a kernel keeps another path for it); the GPU
+tests of the kernels that use them check them.
 
 The warp-collective ones (``ldmatrix_x4``, ``mma_*``) have twins that meet the other simulated lanes of the
 warp (``_sim.exchange``) and compute the PTX fragment layout in NumPy; the ``cp.async`` twins copy at once.
@@ -379,6 +386,41 @@ def ptx_cluster_sync(typingctx):
 
 
 @intrinsic
+def ptx_cluster_arrive(typingctx):
+    """This thread arrives at the cluster barrier without waiting and without ordering memory
+    (barrier.cluster.arrive.relaxed): the first half of a barrier whose ``cluster_wait`` comes later. A kernel that
+    writes other CTAs' shared memory arrives at its start and waits just before the first such write, so that every
+    CTA of the cluster has started (its shared memory exists) by then at no cost."""
+    return types.void(), _no_operands("barrier.cluster.arrive.relaxed.aligned;", memory=True)
+
+
+@intrinsic
+def ptx_cluster_wait(typingctx):
+    """Wait until every thread of the cluster has arrived at the barrier's current phase (barrier.cluster.wait,
+    acquire): the second half of ``cluster_arrive``."""
+    return types.void(), _no_operands("barrier.cluster.wait.aligned;", memory=True)
+
+
+@intrinsic
+def ptx_st_cluster_f32(typingctx, addr, rank, value):
+    """Store float32 ``value`` at shared byte address ``addr`` (``shared_addr`` of this CTA's array plus an offset) in
+    the shared memory of CTA ``rank`` of this cluster (mapa + st.shared::cluster): a distributed-shared-memory
+    write, which a ``cluster_sync`` after it makes visible to that CTA."""
+    sig = types.void(addr, rank, value)
+
+    def codegen(context, builder, sig, args):
+        a, r = (context.cast(builder, v, t, types.uint32) for v, t in zip(args[:2], sig.args[:2]))
+        v = context.cast(builder, args[2], sig.args[2], types.float32)
+        asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_i32, _i32, ir.FloatType()]),
+                           "{ .reg .u32 %ra; mapa.shared::cluster.u32 %ra, $0, $1; st.shared::cluster.f32 [%ra], $2; }",
+                           "r,r,f,~{memory}", side_effect=True)
+        builder.call(asm, [a, r, v])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
 def ptx_cluster_rank(typingctx):
     """This CTA's rank in its cluster (%cluster_ctarank; with a cluster of n along x, blockIdx.x % n)."""
     sig = types.uint32()
@@ -441,7 +483,7 @@ def _no_cluster(*args):
                               "merge across a cluster keep another path for it)")
 
 
-py_cluster_sync = py_cluster_rank = py_ld_cluster_f32 = _no_cluster
+py_cluster_sync = py_cluster_arrive = py_cluster_wait = py_cluster_rank = py_ld_cluster_f32 = py_st_cluster_f32 = _no_cluster
 
 
 def py_cp_async16(dst, dst_addr, src, src_index, src_bytes):
@@ -795,13 +837,14 @@ def py_f16x2_as_u32(lo, hi):
 # ---------------------------------------------------------------------------------------------
 NAMES = ("ldg128", "ldg64", "ldg128_stream", "ldg64_stream", "stg128", "shared_addr", "lds_f32", "lds_u32", "lds128",
          "lds64", "sts128", "cp_async16", "cp_async4", "cp_async_commit", "cp_async_wait", "griddep_wait",
-         "griddep_launch_dependents", "cluster_sync", "cluster_rank", "ld_cluster_f32", "bar_sync", "ldmatrix_x4",
+         "griddep_launch_dependents", "cluster_sync", "cluster_arrive", "cluster_wait", "cluster_rank", "ld_cluster_f32",
+         "st_cluster_f32", "bar_sync", "ldmatrix_x4",
          "mma_f16", "mma_bf16", "hmul2", "hfma2", "bmul2", "dp4a", "lop3", "prmt", "rotr", "u32_as_f32", "f32_as_u32",
          "f16x2_as_u32", "f16_bits_to_f32")
 PAIRS = {name: (globals()["ptx_" + name], globals()["py_" + name]) for name in NAMES}
 
 _pick = 1 if SIMULATOR else 0
 (ldg128, ldg64, ldg128_stream, ldg64_stream, stg128, shared_addr, lds_f32, lds_u32, lds128, lds64, sts128, cp_async16,
- cp_async4, cp_async_commit, cp_async_wait, griddep_wait, griddep_launch_dependents, cluster_sync, cluster_rank,
- ld_cluster_f32, bar_sync, ldmatrix_x4, mma_f16, mma_bf16, hmul2, hfma2, bmul2, dp4a, lop3, prmt, rotr, u32_as_f32,
+ cp_async4, cp_async_commit, cp_async_wait, griddep_wait, griddep_launch_dependents, cluster_sync, cluster_arrive,
+ cluster_wait, cluster_rank, ld_cluster_f32, st_cluster_f32, bar_sync, ldmatrix_x4, mma_f16, mma_bf16, hmul2, hfma2, bmul2, dp4a, lop3, prmt, rotr, u32_as_f32,
  f32_as_u32, f16x2_as_u32, f16_bits_to_f32) = (PAIRS[n][_pick] for n in NAMES)

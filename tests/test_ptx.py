@@ -90,8 +90,9 @@ def _requirements(name):
         must += ["vote.sync.ballot.b32", "shfl.sync.bfly"]
     if name.startswith("decode_attention"):                 # the cache as 16-byte loads into MMAs
         must += ["ld.global.nc.v4.u32", "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"]
-        cluster = ["barrier.cluster.arrive.release.aligned", "barrier.cluster.wait.acquire.aligned",
-                   "mapa.shared::cluster.u32", "ld.shared::cluster.f32", "%cluster_ctarank"]
+        cluster = ["barrier.cluster.arrive.relaxed.aligned", "barrier.cluster.arrive.release.aligned",
+                   "barrier.cluster.wait.aligned", "mapa.shared::cluster.u32", "st.shared::cluster.f32",
+                   "%cluster_ctarank"]
         if "cluster=True" in name:                           # the slices merge in the cluster's shared memory
             must += cluster
             never += ["atom.global"]
