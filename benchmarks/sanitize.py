@@ -68,6 +68,10 @@ if "pair" in families:     # N = 37 (a partial column group), K = 1056 (two K-wa
     for cols in (1, 4):
         pair_gemv.plan(rng.standard_normal((1, 1056)).astype(np.float16), kc, cols=cols, f16_acc=True,
                        cta_warps=2).launch().copy_to_host()
+    # the PDL builds (at k = 4 the tables' barrier comes before griddep_wait, and none after the activation loads)
+    for f16_acc in (False, True):
+        pair_gemv.plan(rng.standard_normal((1, 1056)).astype(np.float16), kc, f16_acc=f16_acc,
+                       pdl=True).launch().copy_to_host()
 if "mma" in families:      # N = 37 (a partial strip), K = 1088 (5 K-warps, the last one with idle lanes)
 
     from kbit_numba import mma_gemv, pair_gemv

@@ -123,6 +123,13 @@ def make_pair_gemv_kernel(spec):
     word_to_f32, A_PER_WORD = make_word_unpacker(a_src)
     reduce_scatter = make_warp_reduce_scatter(V)
     ROWS = tuple(range(M))
+    # The barrier that makes the tables visible: at k = 4 with PDL it comes before griddep_wait, so that after the
+    # wait each warp starts decoding as soon as its own activations arrive (they are the lane's alone) instead of
+    # waiting for the CTA's slowest load: the llama3-8b B = 1 step 1918-1924 -> 1895-1896 us. At k = 2 the same
+    # made that step 1457 -> 1466 us (the 4096x4096 and 14336x4096 chains slower), so k = 2, and the launches
+    # without PDL, keep it after the activation loads, which then overlap it (benchmarks/README.md, "the tables'
+    # barrier before the wait").
+    EARLY_BARRIER = PDL and k == 4
 
     @inlined
     def load_columns(packed, absmax, n0, kb, last4, n_kb, codes, code_absmax):
@@ -303,6 +310,8 @@ def make_pair_gemv_kernel(spec):
             smem[u32(u32(TABLE_FLOATS) + i)] = e4m4_decode(np.uint8(i))
             i = u32(i + u32(cuda.blockDim.x))
 
+        if EARLY_BARRIER:           # the tables' barrier before the wait (see EARLY_BARRIER)
+            cuda.syncthreads()
         if PDL:                     # the activations (and out) may be the previous kernel's: wait for it
             griddep_wait()
         # ---- 3. this lane's 32 x M activations, element order, 16-byte loads ---------------------
@@ -320,7 +329,8 @@ def make_pair_gemv_kernel(spec):
                         for e in range(A_PER_WORD):
                             a[m, (4 * q + h) * A_PER_WORD + e] = word_to_f32(w4[h], e) * a_live
         lane_off = u32((lane % COPIES) * ENTRY)
-        cuda.syncthreads()
+        if not EARLY_BARRIER:       # (the activation loads above overlap the barrier)
+            cuda.syncthreads()
 
         part = u32(u32(PART) + (sl * kw + w) * u32(V))     # this warp's partial sums (double-buffered: + flip)
         flip = u32(0)
