@@ -123,6 +123,10 @@ def make_mma_gemv_kernel(spec):
     Grouped: A [T, K] and out [T, N] hold every expert's rows (offsets: int32 [E + 1]), M is unused."""
     k, absmax_format, out_dtype, PDL, GROUPED = spec.k, spec.absmax_format, spec.out_dtype, spec.pdl, spec.grouped
     bf16 = spec.a_type == "bfloat16"
+    # the tables' barrier before griddep_wait, as pair_gemv's EARLY_BARRIER: at k = 4 the llama3-8b B = 4 step
+    # 2825-2830 -> 2808-2813 us; at k = 2 it lost (2274-2291 -> 2302-2304), and the grouped build (qwen3) did not move
+    # (benchmarks/README.md, "the tables' barrier before the wait")
+    EARLY_BARRIER = PDL and k == 4 and not GROUPED
     fill_table, ENTRY, COPIES = make_table_fill(k, spec.a_type)
     mma = mma_bf16 if bf16 else mma_f16
     mul2 = bmul2 if bf16 else hmul2
@@ -297,6 +301,8 @@ def make_mma_gemv_kernel(spec):
             griddep_launch_dependents()
         if GROUPED and PDL:         # the offsets are the router's output, and the weights to load follow from
             fill_tables(smem, cb, tid)      # them: before the wait only the tables (the plain kernel loads first)
+            if EARLY_BARRIER:
+                cuda.syncthreads()
             griddep_wait()
         if GROUPED:                 # this CTA's expert (its blocks start at `first`) and its rows
             expert = slot_expert(offsets)
@@ -348,6 +354,8 @@ def make_mma_gemv_kernel(spec):
         if not (GROUPED and PDL):
             fill_tables(smem, cb, tid)
         table = shared_addr(smem)
+        if EARLY_BARRIER and not GROUPED:
+            cuda.syncthreads()
         if PDL and not GROUPED:     # the activations (and out) may be the previous kernel's: wait for it
             griddep_wait()
         # ---- 3. token g's (and g + 8's) activations of the lane's two blocks, as B fragments (zeros past M, K)
@@ -363,7 +371,8 @@ def make_mma_gemv_kernel(spec):
                     for h in range(4):
                         bx[j, b, 2 * q + h // 2, h % 2] = w4[h] if live else u32(0)
         lane_off = u32((lane % u32(COPIES)) * u32(ENTRY))
-        cuda.syncthreads()
+        if not EARLY_BARRIER:       # (the activation loads above overlap the barrier)
+            cuda.syncthreads()
 
         part = u32(u32(PART) + (sl * kw + w) * u32(TILE))   # this warp's partial tile (+ flip + slot r)
         slot = u32(slices * kw * u32(TILE))                 # floats of one strip's tiles; a half holds BATCH
