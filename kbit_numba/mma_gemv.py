@@ -301,8 +301,6 @@ def make_mma_gemv_kernel(spec):
             griddep_launch_dependents()
         if GROUPED and PDL:         # the offsets are the router's output, and the weights to load follow from
             fill_tables(smem, cb, tid)      # them: before the wait only the tables (the plain kernel loads first)
-            if EARLY_BARRIER:
-                cuda.syncthreads()
             griddep_wait()
         if GROUPED:                 # this CTA's expert (its blocks start at `first`) and its rows
             expert = slot_expert(offsets)
@@ -354,7 +352,7 @@ def make_mma_gemv_kernel(spec):
         if not (GROUPED and PDL):
             fill_tables(smem, cb, tid)
         table = shared_addr(smem)
-        if EARLY_BARRIER and not GROUPED:
+        if EARLY_BARRIER:           # the tables' barrier before the wait (see EARLY_BARRIER)
             cuda.syncthreads()
         if PDL and not GROUPED:     # the activations (and out) may be the previous kernel's: wait for it
             griddep_wait()
