@@ -48,7 +48,7 @@ import time
 import traceback
 
 import numpy as np
-from numba import cuda, float32, int32, uint32
+from numba import cuda, float32, int32, uint32, uint64
 
 # Shapes from the published configs (hidden_size, intermediate_size, heads, kv heads, head_dim, layers).
 MODELS = {
@@ -148,8 +148,9 @@ SILU_THREADS = 256
 # softmax max, sum and weighted V sum (float32); the last CTA of a (b, KV head) to finish, found by an atomic count
 # that it resets, merges the slices and writes the float16 output. The cluster build (sm_90) merges them in the
 # (b, KV head)'s thread block cluster instead: each CTA stores its slice's sums into the shared memory of the CTA that
-# merges them (distributed shared memory), the cluster meets once, and each CTA merges from its own shared memory, in
-# place of the L2 stores, the fence, the count and the L2 loads (7.2 -> 4.8 us a call at batch 1; benchmarks/README.md).
+# merges them (distributed shared memory, st.async stores that count their bytes on that CTA's mbarrier), and each CTA
+# merges from its own shared memory once its bytes have landed, in place of the L2 stores, the fence, the count and the
+# L2 loads (7.2 -> 4.8 us a call at batch 1 with a cluster barrier, 4.1 us with the mbarriers; benchmarks/README.md).
 ATT_TILE = 16                   # tokens a warp takes: one m16 tile
 ATT_HEAD_DIM = 128              # the fragment mapping's head_dim (llama3-8b's and qwen3's)
 ATT_WARPS = 8                   # at most: 128-token slices (fewer slices to merge where the batch fills the GPU)
@@ -171,9 +172,10 @@ def _kernel(name, width=0, pdl=False, cluster=False):
     key = (name, width if name in ("add_rmsnorm", "decode_attention") else 0, pdl, cluster)
     if key not in _KERNELS:
         from .device import inlined, jit_kernel
-        from .intrinsics import (cluster_arrive, cluster_rank, cluster_sync, cluster_wait, f16_bits_to_f32, f16x2_as_u32,
-                                 griddep_launch_dependents, griddep_wait, ldg128, mma_f16, prmt, shared_addr,
-                                 st_cluster_f32, stg128)
+        from .intrinsics import (cluster_arrive, cluster_rank, cluster_wait, f16_bits_to_f32, f16x2_as_u32,
+                                 griddep_launch_dependents, griddep_wait, ldg128, lds128, mbar_expect_tx,
+                                 mbar_init_cluster, mbar_try_wait, mma_f16, prmt, shared_addr, st_async_x2, st_async_x4,
+                                 stg128, u32_as_f32)
         PDL, CLUSTER = pdl, cluster
 
         @inlined
@@ -256,10 +258,38 @@ def _kernel(name, width=0, pdl=False, cluster=False):
             MERGE_VALUES = MERGE_CHUNK * DPL
             CTA_VALUES = G * HD
             VPC = CTA_VALUES // SPLITS          # cluster merge: output values a CTA of the cluster merges
+            RECV_BYTES = 4 * SPLITS * (VPC + 2 * G)     # and the bytes it receives: every slice's values and stats
             K_WORDS, V_WORDS, Q_WORDS = 8 * K_LOADS, 32, 4 * K_LOADS    # a lane's registers of K, V and q words
             if (HD != ATT_HEAD_DIM or G > 8 or S % CTA_TOKENS or SPLITS > 32 or SPLITS % MERGE_CHUNK
-                    or cluster and (SPLITS > ATT_MAX_CLUSTER or CTA_VALUES % SPLITS)):
+                    or cluster and (SPLITS > ATT_MAX_CLUSTER or CTA_VALUES % SPLITS or VPC % 4)):
                 raise ValueError(f"decode_attention: no build for {width}, cluster={cluster} (attention_plan says why)")
+
+            @inlined
+            def slice_value(w_acc, o):
+                """Output value o of the slice (w_acc's order): its warps' sums added up."""
+                a = float32(0)
+                for w in range(WARPS):
+                    a += w_acc[w, o]
+                return a
+
+            @inlined
+            def slice_values4(w_acc, at, o):
+                """slice_value of o .. o + 3 (o a multiple of 4), by 16-byte loads: a warp's loads of 4 adjacent values a
+                lane take 4 wavefronts a warp, where 4 scalar loads would each meet 4-way bank conflicts."""
+                a0, a1, a2, a3 = float32(0), float32(0), float32(0), float32(0)
+                for w in range(WARPS):
+                    x0, x1, x2, x3 = lds128(w_acc, at + 4 * (w * CTA_VALUES + o))
+                    a0, a1, a2, a3 = a0 + u32_as_f32(x0), a1 + u32_as_f32(x1), a2 + u32_as_f32(x2), a3 + u32_as_f32(x3)
+                return a0, a1, a2, a3
+
+            @inlined
+            def slice_stats(w_m, w_l, h):
+                """Head h's max score over the slice and its sum of exp(score - the warp's max), the warps' combined."""
+                tot, mx = float32(0), w_m[0, h]
+                for w in range(WARPS):
+                    tot += w_l[w, h]
+                    mx = max(mx, w_m[w, h])
+                return mx, tot
 
             @jit_kernel
             def kernel(qkv, kc, vc, out, part, stats, count):
@@ -276,9 +306,17 @@ def _kernel(name, width=0, pdl=False, cluster=False):
                   O^T = V^T P^T: A row g = dim 8 g + m of tile m, row g + 8 = dim 64 + 8 g + m; k = token 2 t, 2 t + 1,
                     2 t + 8, 2 t + 9: a lane loads those four tokens' dims 8 g .. and 64 + 8 g .. and pairs two
                     tokens' halves into one register (prmt). P^T's B fragment comes from S's C by 4 shuffles."""
-                if CLUSTER:                                 # (the receive buffers below are written by the other
-                    cluster_arrive()                        # CTAs once every CTA of the cluster has started)
                 t = cuda.threadIdx.x
+                # the cluster build's receive buffers: every slice's values VPC r .. and its stats, written by the
+                # slices' st.async stores, which count their bytes on the mbarrier
+                recv_v = cuda.shared.array((SPLITS if CLUSTER else 1, VPC if CLUSTER else 1), float32, alignment=16)
+                recv_s = cuda.shared.array((SPLITS if CLUSTER else 1, G if CLUSTER else 1, 2), float32, alignment=16)
+                recv_bar = cuda.shared.array(1, uint64)
+                if CLUSTER:
+                    if t == 0:                              # the barrier completes when RECV_BYTES have landed
+                        mbar_init_cluster(shared_addr(recv_bar), 1)
+                        mbar_expect_tx(shared_addr(recv_bar), RECV_BYTES)
+                    cluster_arrive()                        # (no CTA stores into another before all have started)
                 lane, warp = t % 32, t // 32
                 g, tq = lane // 4, lane % 4                 # the mma fragments' row group and column pair
                 cta = cuda.blockIdx.x
@@ -298,10 +336,7 @@ def _kernel(name, width=0, pdl=False, cluster=False):
                             vc, (tok0 + 2 * tq + x % 2 + 8 * (x // 2)) * HW + HW // 2 * hh + 4 * g)
                 w_m = cuda.shared.array((WARPS, 8), float32)        # each warp's max score per head
                 w_l = cuda.shared.array((WARPS, 8), float32)        # and its sum of exp(score - the slice's max)
-                w_acc = cuda.shared.array((WARPS, CTA_VALUES), float32)  # and its P V, [head, 64 hi + 8 m + g]
-                # the cluster build's receive buffers: every slice's values VPC r .. and its stats, written by the slices
-                recv_v = cuda.shared.array((SPLITS if CLUSTER else 1, VPC if CLUSTER else 1), float32)
-                recv_s = cuda.shared.array((SPLITS if CLUSTER else 1, G if CLUSTER else 1, 2), float32)
+                w_acc = cuda.shared.array((WARPS, CTA_VALUES), float32, alignment=16)  # and its P V, [head, 64 hi + 8 m + g]
                 pdl_start()
                 qw = cuda.local.array(Q_WORDS, uint32)  # head g's dims 32 kk + 8 t .. (zero: no such head)
                 for kk in range(K_LOADS):
@@ -355,25 +390,23 @@ def _kernel(name, width=0, pdl=False, cluster=False):
                 cuda.syncthreads()
                 if CLUSTER:
                     # The cluster merge: each CTA sends its slice's sums and stats into the shared memory of the CTA
-                    # that merges them (CTA r: output values r VPC ..; distributed shared memory, stores that need no
-                    # reply), the cluster meets once, and each CTA merges from its own shared memory. No global round
-                    # trip, no count, and no second meeting: after it no CTA touches another's memory.
-                    cluster_wait()                          # (every CTA has started: its buffers exist)
-                    v_at, s_at = shared_addr(recv_v), shared_addr(recv_s)
-                    for o in range(t, CTA_VALUES, THREADS):     # the slice's sums: the warps' added up
-                        a = float32(0)
-                        for w in range(WARPS):
-                            a += w_acc[w, o]
-                        st_cluster_f32(v_at + 4 * (split * VPC + o % VPC), o // VPC, a)
+                    # that merges them (CTA r: output values r VPC ..) with st.async stores, which count their bytes
+                    # on the receiver's mbarrier, and each CTA merges from its own shared memory once its barrier says
+                    # every byte has landed. No global round trip, no count, and no cluster barrier: a CTA waits for
+                    # its own data only, and none touches another's memory after its stores.
+                    cluster_wait()                          # (every CTA has started: its buffers and barrier exist)
+                    v_at, s_at, bar, a_at = shared_addr(recv_v), shared_addr(recv_s), shared_addr(recv_bar), shared_addr(w_acc)
+                    for o in range(4 * t, CTA_VALUES, 4 * THREADS):     # 4 of the slice's sums: 16 bytes to CTA r
+                        a0, a1, a2, a3 = slice_values4(w_acc, a_at, o)
+                        st_async_x4(v_at + 4 * (split * VPC + o % VPC), o // VPC, a0, a1, a2, a3, bar)
                     for i in range(t, SPLITS * G, THREADS):     # head h's max and sum to CTA r
                         r, h = i // G, i % G
-                        tot, mx = float32(0), w_m[0, h]
-                        for w in range(WARPS):
-                            tot += w_l[w, h]
-                            mx = max(mx, w_m[w, h])
-                        st_cluster_f32(s_at + 8 * (split * G + h), r, mx)
-                        st_cluster_f32(s_at + 8 * (split * G + h) + 4, r, tot)
-                    cluster_sync()
+                        mx, tot = slice_stats(w_m, w_l, h)
+                        st_async_x2(s_at + 8 * (split * G + h), r, mx, tot, bar)
+                    if warp == 0:                           # one warp polls the barrier (its first phase), the
+                        while not mbar_try_wait(bar, 0):    # others wait in the CTA barrier and issue nothing
+                            pass                            # (8 polling warps: qwen3's B = 4 step 7-24 us slower)
+                    cuda.syncthreads()
                     r = cluster_rank()
                     for o in range(t, VPC, THREADS):
                         x = r * VPC + o                         # value x of the head's 64 hi + 8 m + g order
@@ -389,17 +422,11 @@ def _kernel(name, width=0, pdl=False, cluster=False):
                         x %= HD                                 # (dim 64 hi + 8 g + m)
                         out[b, (kvh * G + h) * HD + x // 64 * 64 + 8 * (x % 8) + x % 64 // 8] = num / den
                     return
-                for o in range(t, CTA_VALUES, THREADS):     # the slice's sums: the warps' added up
-                    a = float32(0)
-                    for w in range(WARPS):
-                        a += w_acc[w, o]
-                    part[cta * CTA_VALUES + o] = a          # (in w_acc's order: coalesced stores)
+                for o in range(t, CTA_VALUES, THREADS):     # the slice's sums (in w_acc's order: coalesced stores)
+                    part[cta * CTA_VALUES + o] = slice_value(w_acc, o)
                 for h in range(G):
                     if t == h:
-                        tot, mx = float32(0), w_m[0, h]
-                        for w in range(WARPS):
-                            tot += w_l[w, h]
-                            mx = max(mx, w_m[w, h])
+                        mx, tot = slice_stats(w_m, w_l, h)
                         stats[2 * (cta * G + h)], stats[2 * (cta * G + h) + 1] = mx, tot
                 # The count: one thread fences and counts for the CTA (the barrier orders the others' writes before
                 # its fence; a fence in every thread kept each warp waiting for its own stores to reach the L2).

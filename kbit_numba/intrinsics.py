@@ -32,10 +32,11 @@ nothing, by the chain of layers in ``tests/test_pair_gemv.py``).
 | cp_async_commit() / cp_async_wait(n) | cp.async.commit_group / wait_group n | double buffering |
 | griddep_wait() | griddepcontrol.wait                    | PDL: wait for the previous kernel's results    |
 | griddep_launch_dependents() | griddepcontrol.launch_dependents | PDL: let the next kernel start early  |
-| cluster_sync() | barrier.cluster.arrive.release + wait.acquire | the thread block cluster's barrier (sm_90) |
-| cluster_arrive() / cluster_wait() | barrier.cluster.arrive.relaxed / .wait | the two halves, apart |
+| cluster_arrive() / cluster_wait() | barrier.cluster.arrive.relaxed / .wait | the thread block cluster's barrier (sm_90), in two halves |
 | cluster_rank() | mov %cluster_ctarank                | this CTA's rank in its cluster                 |
-| ld_cluster_f32(p, r) / st_cluster_f32(p, r, v) | mapa + ld / st.shared::cluster.f32 | another CTA's shared memory |
+| mbar_init_cluster(b, n) | mbarrier.init + fence.mbarrier_init.release.cluster | a barrier other CTAs of the cluster signal |
+| mbar_expect_tx(b, n) / mbar_try_wait(b, ph) | mbarrier.arrive.expect_tx / try_wait.parity | wait for n bytes to land |
+| st_async_x4 / _x2(p, r, v.., b) | mapa + st.async.shared::cluster ... complete_tx | another CTA's shared memory, counted on its barrier |
 | bar_sync(id, n) | bar.sync id, n                       | a barrier of n threads (whole warps), not the CTA's |
 | ldmatrix_x4(a, p) | ldmatrix.sync.aligned.m8n8.x4.b16 | the A fragment of mma.m16n8k16 from shared  |
 | mma_f16(a0..a3, b0, b1, c0..c3) | mma.sync.aligned.m16n8k16 f32.f16.f16.f32 | tensor cores |
@@ -376,16 +377,6 @@ def ptx_griddep_launch_dependents(typingctx):
 
 
 @intrinsic
-def ptx_cluster_sync(typingctx):
-    """Every thread of every CTA of this thread block cluster meets here (sm_90; a launch with a cluster dimension:
-    ``launch.PreparedLaunch(cluster=)``): barrier.cluster.arrive.release, then .wait.acquire, so each CTA's shared
-    and global writes before it are visible to the cluster's reads after it. A CTA whose shared memory others read
-    must not exit before they are done: meet again after the reads."""
-    return types.void(), _no_operands(
-        "barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;", memory=True)
-
-
-@intrinsic
 def ptx_cluster_arrive(typingctx):
     """This thread arrives at the cluster barrier without waiting and without ordering memory
     (barrier.cluster.arrive.relaxed): the first half of a barrier whose ``cluster_wait`` comes later. A kernel that
@@ -402,25 +393,6 @@ def ptx_cluster_wait(typingctx):
 
 
 @intrinsic
-def ptx_st_cluster_f32(typingctx, addr, rank, value):
-    """Store float32 ``value`` at shared byte address ``addr`` (``shared_addr`` of this CTA's array plus an offset) in
-    the shared memory of CTA ``rank`` of this cluster (mapa + st.shared::cluster): a distributed-shared-memory
-    write, which a ``cluster_sync`` after it makes visible to that CTA."""
-    sig = types.void(addr, rank, value)
-
-    def codegen(context, builder, sig, args):
-        a, r = (context.cast(builder, v, t, types.uint32) for v, t in zip(args[:2], sig.args[:2]))
-        v = context.cast(builder, args[2], sig.args[2], types.float32)
-        asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_i32, _i32, ir.FloatType()]),
-                           "{ .reg .u32 %ra; mapa.shared::cluster.u32 %ra, $0, $1; st.shared::cluster.f32 [%ra], $2; }",
-                           "r,r,f,~{memory}", side_effect=True)
-        builder.call(asm, [a, r, v])
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@intrinsic
 def ptx_cluster_rank(typingctx):
     """This CTA's rank in its cluster (%cluster_ctarank; with a cluster of n along x, blockIdx.x % n)."""
     sig = types.uint32()
@@ -431,21 +403,86 @@ def ptx_cluster_rank(typingctx):
     return sig, codegen
 
 
+def _two_u32_codegen(text):
+    """Codegen of an instruction on two uint32 operands ($0, $1) with no result, kept in place and a compiler barrier
+    for memory accesses around it."""
+    def codegen(context, builder, sig, args):
+        vals = [context.cast(builder, v, t, types.uint32) for v, t in zip(args, sig.args)]
+        asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_i32, _i32]), text, "r,r,~{memory}", side_effect=True)
+        builder.call(asm, vals)
+        return context.get_dummy_value()
+
+    return codegen
+
+
 @intrinsic
-def ptx_ld_cluster_f32(typingctx, addr, rank):
-    """float32 at shared byte address ``addr`` (``shared_addr`` of this CTA's array plus an offset) in the shared
-    memory of CTA ``rank`` of this cluster: distributed shared memory (mapa + ld.shared::cluster). Kept in order
-    with ``cluster_sync`` (a side effect), so it is never hoisted above the barrier that made the value ready."""
-    sig = types.float32(addr, rank)
+def ptx_mbar_init_cluster(typingctx, addr, count):
+    """Initialise the mbarrier (8 bytes, 8-byte aligned) at shared byte address ``addr`` to expect ``count`` arrivals
+    a phase (mbarrier.init), then make the initialisation visible to the other CTAs of the cluster, which will signal
+    it (fence.mbarrier_init.release.cluster; their first signal must still follow a cluster barrier). One thread."""
+    return types.void(addr, count), _two_u32_codegen(
+        "mbarrier.init.shared::cta.b64 [$0], $1;\n\tfence.mbarrier_init.release.cluster;")
+
+
+@intrinsic
+def ptx_mbar_expect_tx(typingctx, addr, nbytes):
+    """Arrive at the mbarrier at shared byte address ``addr`` and add ``nbytes`` to the bytes its current phase waits
+    for (mbarrier.arrive.expect_tx): the phase completes when every arrival is in and that many bytes of ``st_async``
+    stores have landed."""
+    return types.void(addr, nbytes), _two_u32_codegen(
+        "{ .reg .b64 %st; mbarrier.arrive.expect_tx.shared::cta.b64 %st, [$0], $1; }")
+
+
+@intrinsic
+def ptx_mbar_try_wait(typingctx, addr, parity):
+    """1 once the phase of parity ``parity`` (0 for a barrier's first phase) of the mbarrier at shared byte address
+    ``addr`` has completed, else 0 after a bounded wait (mbarrier.try_wait.parity.acquire.cluster: the cluster's writes
+    that completed the phase are visible after a 1). Call it in a loop."""
+    sig = types.uint32(addr, parity)
 
     def codegen(context, builder, sig, args):
-        a, r = (context.cast(builder, v, t, types.uint32) for v, t in zip(args, sig.args))
-        asm = ir.InlineAsm(ir.FunctionType(ir.FloatType(), [_i32, _i32]),
-                           "{ .reg .u32 %ra; mapa.shared::cluster.u32 %ra, $1, $2; ld.shared::cluster.f32 $0, [%ra]; }",
-                           "=f,r,r", side_effect=True)
-        return builder.call(asm, [a, r])
+        vals = [context.cast(builder, v, t, types.uint32) for v, t in zip(args, sig.args)]
+        asm = ir.InlineAsm(ir.FunctionType(_i32, [_i32, _i32]),
+                           "{ .reg .pred %p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 %p, [$1], $2; "
+                           "selp.u32 $0, 1, 0, %p; }", "=r,r,r,~{memory}", side_effect=True)
+        return builder.call(asm, vals)
 
     return sig, codegen
+
+
+def _st_async_codegen(n):
+    """Codegen of st_async_x{n}(addr, rank, v0 .. v{n-1}, bar): mapa of both addresses into CTA ``rank``'s shared
+    window, then one st.async of n float32 words that counts its bytes on the barrier there."""
+    regs = ", ".join(f"${i + 2}" for i in range(n))
+    text = ("{ .reg .u32 %ra, %rb; mapa.shared::cluster.u32 %ra, $0, $1; "
+            f"mapa.shared::cluster.u32 %rb, ${n + 2}, $1; "
+            f"st.async.shared::cluster.mbarrier::complete_tx::bytes.v{n}.b32 [%ra], {{{regs}}}, [%rb]; }}")
+
+    def codegen(context, builder, sig, args):
+        a, r = (context.cast(builder, v, t, types.uint32) for v, t in zip(args[:2], sig.args[:2]))
+        vals = [context.cast(builder, v, t, types.float32) for v, t in zip(args[2:n + 2], sig.args[2:n + 2])]
+        m = context.cast(builder, args[n + 2], sig.args[n + 2], types.uint32)
+        fty = ir.FunctionType(ir.VoidType(), [_i32, _i32] + [ir.FloatType()] * n + [_i32])
+        builder.call(ir.InlineAsm(fty, text, "r,r," + "f," * n + "r,~{memory}", side_effect=True), [a, r, *vals, m])
+        return context.get_dummy_value()
+
+    return codegen
+
+
+@intrinsic
+def ptx_st_async_x4(typingctx, addr, rank, v0, v1, v2, v3, bar):
+    """Store float32 v0..v3 at shared byte address ``addr`` (16-byte aligned: this CTA's ``shared_addr`` of an array
+    plus an offset) in the shared memory of CTA ``rank`` of this cluster, and count their 16 bytes on that CTA's
+    mbarrier at shared byte address ``bar`` (mapa + st.async.shared::cluster.mbarrier::complete_tx::bytes.v4): a
+    distributed-shared-memory write that needs no cluster barrier after it, since the receiver waits on its own
+    mbarrier (``mbar_expect_tx``, ``mbar_try_wait``)."""
+    return types.void(addr, rank, v0, v1, v2, v3, bar), _st_async_codegen(4)
+
+
+@intrinsic
+def ptx_st_async_x2(typingctx, addr, rank, v0, v1, bar):
+    """``st_async_x4`` for two float32 values (8 bytes, 8-byte aligned)."""
+    return types.void(addr, rank, v0, v1, bar), _st_async_codegen(2)
 
 
 @intrinsic
@@ -483,7 +520,8 @@ def _no_cluster(*args):
                               "merge across a cluster keep another path for it)")
 
 
-py_cluster_sync = py_cluster_arrive = py_cluster_wait = py_cluster_rank = py_ld_cluster_f32 = py_st_cluster_f32 = _no_cluster
+py_cluster_arrive = py_cluster_wait = py_cluster_rank = _no_cluster
+py_mbar_init_cluster = py_mbar_expect_tx = py_mbar_try_wait = py_st_async_x2 = py_st_async_x4 = _no_cluster
 
 
 def py_cp_async16(dst, dst_addr, src, src_index, src_bytes):
@@ -837,14 +875,15 @@ def py_f16x2_as_u32(lo, hi):
 # ---------------------------------------------------------------------------------------------
 NAMES = ("ldg128", "ldg64", "ldg128_stream", "ldg64_stream", "stg128", "shared_addr", "lds_f32", "lds_u32", "lds128",
          "lds64", "sts128", "cp_async16", "cp_async4", "cp_async_commit", "cp_async_wait", "griddep_wait",
-         "griddep_launch_dependents", "cluster_sync", "cluster_arrive", "cluster_wait", "cluster_rank", "ld_cluster_f32",
-         "st_cluster_f32", "bar_sync", "ldmatrix_x4",
+         "griddep_launch_dependents", "cluster_arrive", "cluster_wait", "cluster_rank", "mbar_init_cluster", "mbar_expect_tx", "mbar_try_wait", "st_async_x2", "st_async_x4",
+         "bar_sync", "ldmatrix_x4",
          "mma_f16", "mma_bf16", "hmul2", "hfma2", "bmul2", "dp4a", "lop3", "prmt", "rotr", "u32_as_f32", "f32_as_u32",
          "f16x2_as_u32", "f16_bits_to_f32")
 PAIRS = {name: (globals()["ptx_" + name], globals()["py_" + name]) for name in NAMES}
 
 _pick = 1 if SIMULATOR else 0
 (ldg128, ldg64, ldg128_stream, ldg64_stream, stg128, shared_addr, lds_f32, lds_u32, lds128, lds64, sts128, cp_async16,
- cp_async4, cp_async_commit, cp_async_wait, griddep_wait, griddep_launch_dependents, cluster_sync, cluster_arrive,
- cluster_wait, cluster_rank, ld_cluster_f32, st_cluster_f32, bar_sync, ldmatrix_x4, mma_f16, mma_bf16, hmul2, hfma2, bmul2, dp4a, lop3, prmt, rotr, u32_as_f32,
+ cp_async4, cp_async_commit, cp_async_wait, griddep_wait, griddep_launch_dependents, cluster_arrive,
+ cluster_wait, cluster_rank, mbar_init_cluster, mbar_expect_tx, mbar_try_wait,
+ st_async_x2, st_async_x4, bar_sync, ldmatrix_x4, mma_f16, mma_bf16, hmul2, hfma2, bmul2, dp4a, lop3, prmt, rotr, u32_as_f32,
  f32_as_u32, f16x2_as_u32, f16_bits_to_f32) = (PAIRS[n][_pick] for n in NAMES)

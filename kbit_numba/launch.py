@@ -31,8 +31,9 @@ by the kernel just before it.
 
 **Thread block clusters (sm_90).** ``PreparedLaunch(cluster=n)`` launches CTAs in clusters of n along x (with
 ``cuLaunchKernelEx`` and the cluster-dimension attribute; above 8, the portable limit, the kernel is allowed a
-non-portable size first): a cluster's CTAs run at once on one GPC and may read each other's shared memory
-(``intrinsics.cluster_sync``, ``ld_cluster_f32``, ``st_cluster_f32``). Under the simulator the attribute is ignored.
+non-portable size first): a cluster's CTAs run at once on one GPC and may write each other's shared memory
+(``intrinsics.st_async_x4``, counted on the receiver's ``mbar_*`` barrier; ``cluster_arrive`` / ``cluster_wait`` first,
+so that every CTA has started). Under the simulator the attribute is ignored.
 """
 from __future__ import annotations
 

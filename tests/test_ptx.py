@@ -90,12 +90,14 @@ def _requirements(name):
         must += ["vote.sync.ballot.b32", "shfl.sync.bfly"]
     if name.startswith("decode_attention"):                 # the cache as 16-byte loads into MMAs
         must += ["ld.global.nc.v4.u32", "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"]
-        cluster = ["barrier.cluster.arrive.relaxed.aligned", "barrier.cluster.arrive.release.aligned",
-                   "barrier.cluster.wait.aligned", "mapa.shared::cluster.u32", "st.shared::cluster.f32",
-                   "%cluster_ctarank"]
-        if "cluster=True" in name:                           # the slices merge in the cluster's shared memory
-            must += cluster
-            never += ["atom.global"]
+        cluster = ["barrier.cluster.arrive.relaxed.aligned", "barrier.cluster.wait.aligned", "mapa.shared::cluster.u32",
+                   "mbarrier.init.shared::cta.b64", "fence.mbarrier_init.release.cluster",
+                   "mbarrier.arrive.expect_tx.shared::cta.b64", "mbarrier.try_wait.parity.acquire.cluster",
+                   "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32",
+                   "st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32", "%cluster_ctarank"]
+        if "cluster=True" in name:                           # the slices merge in the cluster's shared memory, each
+            must += cluster                                  # CTA waiting on its own mbarrier: no cluster-wide
+            never += ["atom.global", "barrier.cluster.arrive.release"]     # barrier after the stores
         else:                                                # the last CTA, found by a count, merges
             must += ["atom.global.add"]
             never += cluster
