@@ -72,6 +72,11 @@ if "pair" in families:     # N = 37 (a partial column group), K = 1056 (two K-wa
     for f16_acc in (False, True):
         pair_gemv.plan(rng.standard_normal((1, 1056)).astype(np.float16), kc, f16_acc=f16_acc,
                        pdl=True).launch().copy_to_host()
+    # the silu_pairs epilogue (an [M, N / 2] output): batch 3 with PDL at M = 1, one group a barrier at M = 3
+    kc = pair_gemv.to_codes(kb.quantize(rng.standard_normal((2 * 37, 1056)).astype(np.float16), k=4))
+    for M, f16_acc, pdl in ((1, True, True), (3, False, False)):
+        pair_gemv.plan(rng.standard_normal((M, 1056)).astype(np.float16), kc, f16_acc=f16_acc, pdl=pdl,
+                       silu_pairs=True).launch().copy_to_host()
 if "mma" in families:      # N = 37 (a partial strip), K = 1088 (5 K-warps, the last one with idle lanes)
 
     from kbit_numba import mma_gemv, pair_gemv

@@ -622,7 +622,9 @@ def _model_main(args, device, progress):
               "auto": f"bench_model's decode_attention (split cache) up to batch {bench_model.ATT_MAX_BATCH}, torch's "
                       "SDPA above"}[args.attention]
     print(f"device: {device}; model {args.model}, decode step in one CUDA graph, attention stand-in: {kernel} over a "
-          f"{args.context}-token fp16 KV cache per layer (bench_model.py)")
+          f"{args.context}-token fp16 KV cache per layer (bench_model.py)"
+          + ("; kbit variants on the code layout: SiLU in the gate/up pair gemv's epilogue where it runs "
+             "(bench_model.fuses_silu)" if any(r.get("silu_pairs") for r in rows) else ""))
     print(bench_model.format_rows(rows))
     if args.json:
         with open(args.json, "w") as f:

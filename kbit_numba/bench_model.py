@@ -36,6 +36,10 @@ or, for a mixture-of-experts model (``qwen3-30b-a3b``), the second line per toke
   ``fused_add_rms_norm`` and ``silu_and_mul``): ``add_rmsnorm`` (residual += y; h = rmsnorm(residual) * w)
   and ``silu_mul`` (silu(g) * u); their torch twins run on CPU tensors (the simulator) and test them on the
   GPU. Not in the step: embedding, final norm, lm_head, sampling.
+* **SiLU in the gate/up gemv** (kbit variants on the code layout, dense models: :func:`fuses_silu`): the gate/up
+  weight is quantized with its rows interleaved (gate row j at 2j, up row j at 2j + 1), and where the layer's call
+  runs the pair gemv its epilogue writes silu(g) * u (``KbitLinear.run(x, silu_pairs=True)``): no SiLU kernel
+  and no [B, 2I] output. Batches that run another kernel use ``silu_pairs``, the SiLU kernel for interleaved pairs.
 * **Timing**: the whole step is captured in one CUDA graph (``torch.cuda.graph``) and replayed; the step
   time is the median over replays (CUDA events). The linear-only time is a second graph of the same layers'
   linear calls alone, so "linear share" = linear-only / step.
@@ -474,16 +478,19 @@ def _kernel(name, width=0, pdl=False, cluster=False):
                         x = DPL * lane + j                      # is dim 64 hi + 8 g + m
                         out[b, (kvh * G + h) * HD + x // 64 * 64 + 8 * (x % 8) + x % 64 // 8] = acc[j]
 
-        elif name == "silu_mul":
+        elif name in ("silu_mul", "silu_pairs"):
+            PAIRS = name == "silu_pairs"
+
             @jit_kernel
             def kernel(gu, out):
-                """out[b, j] = silu(gu[b, j]) * gu[b, I + j], I = out.shape[1]; b = blockIdx.y."""
+                """out[b, j] = silu(gu[b, j]) * gu[b, I + j], I = out.shape[1] (silu_pairs: silu(gu[b, 2j]) *
+                gu[b, 2j + 1], a gate/up output with interleaved rows); b = blockIdx.y."""
                 pdl_start()
                 b, j = cuda.blockIdx.y, cuda.grid(1)
                 I = out.shape[1]
                 if j < I:
-                    g = float32(gu[b, j])
-                    out[b, j] = g / (float32(1) + math.exp(-g)) * float32(gu[b, I + j])
+                    g = float32(gu[b, 2 * j if PAIRS else j])
+                    out[b, j] = g / (float32(1) + math.exp(-g)) * float32(gu[b, 2 * j + 1 if PAIRS else I + j])
 
         elif name == "gather_rows":
             @jit_kernel
@@ -604,9 +611,29 @@ def moe_combine_torch(rows, inv, weights):
     return (rows[inv].view(B, top, -1).float() * weights[:, :, None]).sum(1).to(rows.dtype)
 
 
-def silu_mul_torch(gu):
-    g, u = gu.float().chunk(2, dim=-1)
+def silu_mul_torch(gu, pairs=False):
+    """silu(g) * u of a gate/up output [..., 2I]: g, u its halves, or (``pairs``) its even and odd columns."""
+    g, u = (gu.float()[..., 0::2], gu.float()[..., 1::2]) if pairs else gu.float().chunk(2, dim=-1)
     return (g * (1 / (1 + (-g).exp())) * u).to(gu.dtype)
+
+
+def fuses_silu(cfg, variant):
+    """Whether ``variant``'s step takes its SiLU from the gate/up pair gemv's epilogue (its gate/up rows interleaved):
+    kbit on the code layout (k = 2, 4, the pair gemv's) in a dense model (a MoE model's experts run the grouped
+    kernels). The llama3-8b B = 1 step: k = 4 1888-1903 -> 1875-1877 us, k = 2 1448-1461 -> 1387-1391
+    (benchmarks/README.md)."""
+    from .formats import CODES_K
+    if is_moe(cfg) or VARIANTS.get(variant) is None:
+        return False
+    fmt, opts = VARIANTS[variant]
+    return fmt == "kbit" and opts["k"] in CODES_K and opts.get("layout", "codes") == "codes"
+
+
+def interleave_pairs(W):
+    """A gate/up weight [2I, K] (gate rows, then up rows) with its rows interleaved: gate row j at 2j, up row j at
+    2j + 1 (what the pair gemv's ``silu_pairs`` epilogue reads)."""
+    I = W.shape[0] // 2
+    return np.stack([W[:I], W[I:]], axis=1).reshape(W.shape)
 
 
 DISTINCT_EXPERTS = 8           # a kbit variant quantizes this many random experts and repeats them over E
@@ -677,11 +704,13 @@ class ExpertsKbit:
 class DecodeStep:
     """One model's decode step for a batch of B tokens with the given per-layer linear modules (for a MoE
     model the last two of a layer are expert sets, :class:`ExpertsFP16` or :class:`ExpertsKbit`). ``pdl``: launch
-    the fused kernels as programmatic dependent launches (:func:`uses_pdl`)."""
+    the fused kernels as programmatic dependent launches (:func:`uses_pdl`). ``silu_pairs``: the linears' gate/up
+    rows are interleaved (:func:`fuses_silu`)."""
 
-    def __init__(self, cfg, linears, B, context=CONTEXT, device="cuda", pdl=False, attention="auto"):
+    def __init__(self, cfg, linears, B, context=CONTEXT, device="cuda", pdl=False, attention="auto", silu_pairs=False):
         import torch
         self.torch, self.cfg, self.linears, self.B, self.pdl = torch, cfg, linears, B, bool(pdl)
+        self.silu_pairs = bool(silu_pairs)          # the gate/up rows interleaved (build_linears(silu_pairs=True))
         self.attention = attention_kernel(attention, B)
         H, hd = cfg["hidden"], cfg["head_dim"]
         dev, f16 = device, torch.float16
@@ -782,14 +811,22 @@ class DecodeStep:
         self._launch("add_rmsnorm", res.shape[0], NORM_THREADS, *words, float(eps), width=H)
         return h
 
-    def silu_mul(self, gu, out=None):
+    def silu_mul(self, gu, out=None, pairs=False):
         if not gu.is_cuda:
-            y = silu_mul_torch(gu)
+            y = silu_mul_torch(gu, pairs)
             return y if out is None else out.copy_(y)
         if out is None:
             out = self.torch.empty(gu.shape[0], gu.shape[1] // 2, device=gu.device, dtype=gu.dtype)
-        self._elementwise("silu_mul", *out.shape, gu, out)
+        self._elementwise("silu_pairs" if pairs else "silu_mul", *out.shape, gu, out)
         return out
+
+    def mlp_activation(self, gate_up, h):
+        """silu(g) * u of the layer's gate/up projection: with ``silu_pairs``, from the pair gemv's epilogue where
+        this batch runs it (one launch less; benchmarks/README.md), else its output through the SiLU kernel."""
+        runtime = getattr(gate_up, "runtime", None)
+        if self.silu_pairs and h.is_cuda and runtime is not None and runtime.kernel_for(h.shape[0]) == "pair_gemv":
+            return gate_up.run(h, silu_pairs=True)
+        return self.silu_mul(gate_up(h), pairs=self.silu_pairs)
 
     def _attention(self, qkv, kv):
         """The new tokens' queries (the first heads x head_dim columns of qkv) over the layer's fixed cache."""
@@ -813,7 +850,7 @@ class DecodeStep:
         for layer, ((qkv, o, gate_up, down), (n1, n2), kv) in enumerate(zip(self.linears, self.norms, self.kv)):
             h = self.add_rmsnorm(res, y, n1)               # (layer 0: res += 0)
             h = self.add_rmsnorm(res, o(self._attention(qkv(h), kv)), n2)
-            y = self.moe(h, layer) if moe else down(self.silu_mul(gate_up(h)))
+            y = self.moe(h, layer) if moe else down(self.mlp_activation(gate_up, h))
         res.add_(y)
         return res
 
@@ -878,10 +915,11 @@ def build_experts(cfg, variant, name, N, K, base, progress, device="cuda"):
     return [ExpertsKbit(t, c, opts.get("pdl")) for t, c in zip(copies, _device_copies(stacked, L))]
 
 
-def build_linears(cfg, variant, base, progress, device="cuda"):
+def build_linears(cfg, variant, base, progress, device="cuda", silu_pairs=False):
     """Per layer, the 4 projection modules of ``variant``; ``base``: projection name -> a random float32
     [N, K] NumPy matrix (quantized once per variant, then copied into every layer's own buffers; for a MoE
-    model's expert projections a list of ``DISTINCT_EXPERTS`` matrices: see :func:`build_experts`)."""
+    model's expert projections a list of ``DISTINCT_EXPERTS`` matrices: see :func:`build_experts`).
+    ``silu_pairs``: the gate/up matrix with its rows interleaved (:func:`interleave_pairs`)."""
     import torch
     from torch import nn
 
@@ -905,7 +943,8 @@ def build_linears(cfg, variant, base, progress, device="cuda"):
             qopts = {key: v for key, v in opts.items() if key in _QUANTIZE_KEYS}
             layout_opts = {key: v for key, v in opts.items() if key not in _QUANTIZE_KEYS}
             progress(f"{variant}: quantizing {name} {N}x{K}")
-            w = quantize_weight(base[name], fmt, **qopts)
+            W = interleave_pairs(base[name]) if silu_pairs and name == "gate_up" else base[name]
+            w = quantize_weight(W, fmt, **qopts)
             mods = [KbitLinear(c, **layout_opts) for c in _device_copies(w, L)]
         per_proj.append(mods)
     return list(zip(*per_proj))
@@ -935,8 +974,9 @@ def run(model="llama3-8b", variants=None, batches=BATCHES, context=CONTEXT, prog
     rows = []
     for variant in variants:
         t0 = time.perf_counter()
+        fused = fuses_silu(cfg, variant)
         try:
-            linears = build_linears(cfg, variant, base, progress)
+            linears = build_linears(cfg, variant, base, progress, silu_pairs=fused)
         except ValueError as e:             # a format this model's layers have no kernel for: reported
             rows += [dict(model=model, variant=variant, batch=B, context=context, error=str(e)[:300])
                      for B in batches]
@@ -947,7 +987,7 @@ def run(model="llama3-8b", variants=None, batches=BATCHES, context=CONTEXT, prog
         step = None
         for B in batches:
             del step                        # (the previous batch's KV caches)
-            step = DecodeStep(cfg, linears, B, context, pdl=uses_pdl(variant), attention=attention)
+            step = DecodeStep(cfg, linears, B, context, pdl=uses_pdl(variant), attention=attention, silu_pairs=fused)
             try:
                 with torch.no_grad():
                     t_step = graph_us(torch, step.step)
@@ -958,7 +998,7 @@ def run(model="llama3-8b", variants=None, batches=BATCHES, context=CONTEXT, prog
                 traceback.print_exc()
                 continue
             rows.append(dict(model=model, variant=variant, batch=B, context=context, attention=step.attention,
-                             step_us=t_step,
+                             silu_pairs=fused, step_us=t_step,
                              tokens_per_s=B * 1e6 / t_step, linear_us=t_lin, linear_share=t_lin / t_step,
                              weight_bytes=nbytes, bits_per_weight=8 * nbytes / params))
             progress(f"{variant} B={B}: step {t_step:.0f} us, linear layers alone {t_lin:.0f} us")

@@ -277,6 +277,8 @@ def plan(A, qw, out=None, stream=None, workspace=None, out_dtype=np.float16, bf1
                  else partial(scalar_gemv.plan, **params))
     if M <= MAX_M:
         return gemv_plan(A, qw, out, stream, out_dtype, bf16)
+    if params.get("silu_pairs"):
+        raise ValueError(f"silu_pairs takes M = 1..{MAX_M} rows (one pair gemv launch), got M={M}")
     Ad, _ = _arrays.float_input(A, "A", bf16, 2, stream)   # a gemv in slices of 4 rows
     out_dtype = _arrays.output_dtype(out, out_dtype)
     out = _arrays.output(out, "out", (M, N), out_dtype, stream)
@@ -374,12 +376,13 @@ class KbitLinear:
         return choose(M, N, K, self.weight.layout, self.table, half=half, f16_acc=self.f16_acc and half and not bf16,
                       k=self.weight.k)
 
-    def __call__(self, A, out=None, stream=None, out_dtype=np.float16, bf16=False, kernel=None):
-        return self.plan(A, out, stream, out_dtype, bf16, kernel).launch()
+    def __call__(self, A, out=None, stream=None, out_dtype=np.float16, bf16=False, kernel=None, silu_pairs=False):
+        return self.plan(A, out, stream, out_dtype, bf16, kernel, silu_pairs).launch()
 
-    def plan(self, A, out=None, stream=None, out_dtype=np.float16, bf16=False, kernel=None):
+    def plan(self, A, out=None, stream=None, out_dtype=np.float16, bf16=False, kernel=None, silu_pairs=False):
         """``linear``'s :class:`launch.Plan` for this layer's weight and workspace (the table's launch
-        parameters included when the kernel is the table's choice)."""
+        parameters included when the kernel is the table's choice). ``silu_pairs``: the pair gemv's epilogue
+        (``pair_gemv.plan``), an [M, N / 2] output; a ValueError where the call runs another kernel."""
         params = {}
         if kernel is None:
             N, K = self.weight.shape
@@ -388,6 +391,11 @@ class KbitLinear:
                                          k=self.weight.k)
         if self.pdl and kernel in ("pair_gemv", "mma_gemv"):
             params = dict(params, pdl=True)
+        if silu_pairs:
+            if kernel != "pair_gemv":
+                raise ValueError(f"silu_pairs is the pair gemv's epilogue; this call runs {kernel!r} "
+                                 "(kernel_for(M) says which kernel a batch runs)")
+            params = dict(params, silu_pairs=True)
         # f16_acc sums in float16 only float16 activations; float32 and bfloat16 ones keep float32 sums
         # (and only in the pair gemv: the gemm's MMAs have no such option)
         f16_acc = self.f16_acc and kernel == "pair_gemv" and f16_input(A, bf16)

@@ -37,6 +37,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+import math
+
 import numpy as np
 from numba import cuda
 from numba.cuda.misc.special import literal_unroll
@@ -76,12 +78,15 @@ class PairGemvSpec(Spec):
     pdl: bool = False
     batch: object = None                    # column groups per barrier, 1 or BATCH (None: BATCH at M = 1 with f16_acc)
     max_registers: object = None            # a per-thread register cap (long K at M = 4), or None
+    silu_pairs: bool = False                # the epilogue silu(C[:, 2j]) * C[:, 2j + 1] into an [M, N / 2] output
 
     def normalise(self):
         if self.k not in CODES_K or not 1 <= self.M <= MAX_M:
             raise ValueError(f"pair gemv handles k in {CODES_K} and M = 1..{MAX_M}, got k={self.k}, M={self.M}")
         if self.cols not in COL_CHOICES:
             raise ValueError(f"cols must be one of {COL_CHOICES}, got {self.cols!r}")
+        if self.silu_pairs and self.cols % 2:   # (a column pair must stay within one slice's columns)
+            raise ValueError(f"silu_pairs needs an even cols, got {self.cols}")
         if self.absmax_format not in ABSMAX_FORMATS:
             raise ValueError(f"absmax_format must be one of {ABSMAX_FORMATS}, got {self.absmax_format!r}")
         a_type = type_name(self.a_type, "a_type")
@@ -93,7 +98,8 @@ class PairGemvSpec(Spec):
         return dict(k=int(self.k), M=int(self.M), cols=int(self.cols), a_type=a_type,
                     out_dtype=type_name(self.out_dtype, "out_dtype", OUT_TYPES), f16_acc=bool(self.f16_acc),
                     pdl=bool(self.pdl), batch=int(batch),
-                    max_registers=int(self.max_registers) if self.max_registers else None)
+                    max_registers=int(self.max_registers) if self.max_registers else None,
+                    silu_pairs=bool(self.silu_pairs))
 
 
 
@@ -130,6 +136,23 @@ def make_pair_gemv_kernel(spec):
     # without PDL, keep it after the activation loads, which then overlap it (benchmarks/README.md, "the tables'
     # barrier before the wait").
     EARLY_BARRIER = PDL and k == 4
+    SILU_PAIRS = spec.silu_pairs
+
+    @inlined
+    def silu_pair_out(smem, p, kw, out, row, n, N):
+        """``silu_pairs``: column n (even) is gate j = n / 2 of a gate/up layer whose rows are interleaved, and
+        n + 1 (its partial sums M further on) is up j: write silu(gate) * up to out[row, j] of an [M, N / 2] output,
+        from the float32 sums (the next layer's input, computed once an element: no SiLU kernel and no [M, N]
+        round trip through memory). The odd column's thread writes nothing."""
+        if n % u32(2) == u32(0) and n < u32(N):
+            gate, up = np.float32(0.0), np.float32(0.0)
+            p_end = u32(p + kw * u32(V))
+            while p < p_end:
+                gate += smem[p]
+                up += smem[u32(p + u32(M))]
+                p = u32(p + u32(V))
+            y = gate / (np.float32(1.0) + math.exp(-gate)) * up
+            out[u32(row * u32(u32(N) // u32(2)) + n // u32(2))] = np.float16(y) if f16_out else y
 
     @inlined
     def load_columns(packed, absmax, n0, kb, last4, n_kb, codes, code_absmax):
@@ -220,13 +243,16 @@ def make_pair_gemv_kernel(spec):
             row = u32(slice_tid - col * u32(M))
             n = u32(n_first + sl * u32(NCOL) + col)
             p = u32(u32(PART) + flip + sl * kw * u32(V) + slice_tid)
-            p_end = u32(p + kw * u32(V))
-            total = np.float32(0.0)
-            while p < p_end:
-                total += smem[p]
-                p = u32(p + u32(V))
-            if n < u32(N):
-                out[u32(row * u32(N) + n)] = np.float16(total) if f16_out else total
+            if SILU_PAIRS:
+                silu_pair_out(smem, p, kw, out, row, n, N)
+            else:
+                p_end = u32(p + kw * u32(V))
+                total = np.float32(0.0)
+                while p < p_end:
+                    total += smem[p]
+                    p = u32(p + u32(V))
+                if n < u32(N):
+                    out[u32(row * u32(N) + n)] = np.float16(total) if f16_out else total
 
     @inlined
     def end_group(smem, acc, lane, part, flip, slot, r, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N):
@@ -249,13 +275,16 @@ def make_pair_gemv_kernel(spec):
                 row = u32(v - col * u32(M))
                 n = u32(u32(u32(g - u32(u32(r) - rr) * grid) * group_cols) + sl * u32(NCOL) + col)
                 p = u32(u32(PART) + flip + rr * slot + sl * kw * u32(V) + v)
-                p_end = u32(p + kw * u32(V))
-                total = np.float32(0.0)
-                while p < p_end:
-                    total += smem[p]
-                    p = u32(p + u32(V))
-                if n < u32(N):
-                    out[u32(row * u32(N) + n)] = np.float16(total) if f16_out else total
+                if SILU_PAIRS:
+                    silu_pair_out(smem, p, kw, out, row, n, N)
+                else:
+                    p_end = u32(p + kw * u32(V))
+                    total = np.float32(0.0)
+                    while p < p_end:
+                        total += smem[p]
+                        p = u32(p + u32(V))
+                    if n < u32(N):
+                        out[u32(row * u32(N) + n)] = np.float16(total) if f16_out else total
                 i = u32(i + kw * u32(WARP))
             return u32(u32(BATCH) * slot - flip)
         return flip
@@ -448,7 +477,7 @@ def whole_rounds(slices, most, N, spec, kw, regs):
 
 
 def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc=False, cols=None, cta_warps=None,
-         pdl=False):
+         pdl=False, silu_pairs=False):
     """Checked inputs bound into a :class:`launch.Plan` (one launch). ``kc``: KbitCodes (a KbitWeight is
     re-packed with :func:`to_codes`, a copy per call: keep the KbitCodes for repeated use). f16_acc: see
     :func:`make_pair_gemv_kernel` (float16 A only). pdl: a programmatic dependent launch (sm_90; the
@@ -457,7 +486,10 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc
     stream = _arrays.as_stream(stream)
     kc = to_codes(kc, stream)                              # checked device arrays (re-packed if a KbitWeight)
     N, K = kc.shape
-    Ad, a_src, M, out = _arrays.gemv_io(A, kc.shape, out, out_dtype, bf16, stream, "pair gemv", MAX_M)
+    if silu_pairs and N % 2:
+        raise ValueError(f"silu_pairs needs (gate, up) row pairs: an even N, got N={N}")
+    Ad, a_src, M, out = _arrays.gemv_io(A, (N // 2, K) if silu_pairs else kc.shape, out, out_dtype, bf16, stream,
+                                        "pair gemv", MAX_M)
     n_kb = K // BLOCK
     kw = k_warps(K)
     if kw > MAX_KW:
@@ -465,8 +497,8 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc
     _arrays.check_aligned(Ad, 16, "A")
     args = (_arrays.flat_view(Ad, np.uint32), kc.packed, kc.absmax, kc.codebook, _arrays.flat_view(out),
             i32(N), i32(n_kb))
-    spec = PairGemvSpec(kc.k, M, default_cols(M, N, K) if cols is None else cols, kc.absmax_format, a_src,
-                        out.dtype, f16_acc, pdl)
+    cols = default_cols(M, N, K) if cols is None else cols
+    spec = PairGemvSpec(kc.k, M, cols, kc.absmax_format, a_src, out.dtype, f16_acc, pdl, silu_pairs=silu_pairs)
     spec, kern, regs, max_threads = fit_threads(make_pair_gemv_kernel, spec, args, kw * WARP)
     if kw * WARP > max_threads:
         raise ValueError(f"pair gemv with M={M}, cols={spec.cols} fits {max_threads} threads per CTA: K <= "
@@ -498,10 +530,11 @@ def prepare(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_
 
 
 def ptx_specs():
-    """Every (k, M) at the default cols (and f16_acc at M = 1, 4; pdl at M = 1), M = 1 at ``small_cols``, and
-    each other value of cols, absmax format, A type and output type with every k."""
+    """Every (k, M) at the default cols (and f16_acc at M = 1, 4; pdl at M = 1; the silu_pairs epilogue at M = 1, 3),
+    M = 1 at ``small_cols``, and each other value of cols, absmax format, A type and output type with every k."""
     variants = [dict(M=M) for M in (1, 2, 3, 4)] + [dict(M=M, f16_acc=True) for M in (1, 4)]
     variants += [dict(M=1, pdl=True), dict(M=1, f16_acc=True, pdl=True)]
+    variants += [dict(M=1, f16_acc=True, pdl=True, silu_pairs=True), dict(M=3, silu_pairs=True)]   # the epilogue
     variants += [dict(M=1, cols=DEFAULTS["small_cols"])]             # what M = 1 runs on small weights
     variants += [dict(M=2, cols=c) for c in COL_CHOICES if c != DEFAULTS["cols"]]
     variants += [dict(absmax_format="fp32", M=3), dict(a_type="float32", M=2), dict(a_type="bfloat16", M=1),

@@ -206,6 +206,14 @@ def gemv(A, qw, bf16=False, accumulate=np.float64):
     return (A.astype(accumulate) @ W.astype(accumulate).T).astype(np.float32)
 
 
+def silu_pairs(C):
+    """The ``silu_pairs`` epilogue's twin: out[:, j] = silu(C[:, 2j]) * C[:, 2j + 1] (float64), for a gate/up layer
+    whose weight rows are interleaved (gate row j at 2j, up row j at 2j + 1): the SwiGLU MLP's activation."""
+    C = np.asarray(C, np.float64)
+    gate, up = C[..., 0::2], C[..., 1::2]
+    return gate / (1.0 + np.exp(-gate)) * up
+
+
 def mma_round(x, bf16=False):
     """float32 values rounded (to nearest even) to the MMA input type, fp16 or bf16, and back to float32."""
     x = np.asarray(x, np.float32)

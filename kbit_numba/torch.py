@@ -140,10 +140,13 @@ class KbitLinear(nn.Module):
         y = torch.ops.kbit_numba.linear(x, self.handle)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
-    def run(self, x):
+    def run(self, x, silu_pairs=False):
         """The op's body: x [..., K] -> [..., N] through the kernels (``linear`` for kbit, the format's gemv in
-        slices of 4 rows otherwise), on torch's current stream."""
-        K, N = self.in_features, self.out_features
+        slices of 4 rows otherwise), on torch's current stream. ``silu_pairs`` (kbit, where ``runtime.kernel_for`` the
+        call's rows is the pair gemv; a ValueError elsewhere): a gate/up layer whose rows are interleaved (gate row
+        j at 2j, up row j at 2j + 1) returns silu(gate) * up, [..., N / 2], from the pair gemv's epilogue: no
+        [..., N] output and no SiLU kernel (``reference.silu_pairs`` is its twin)."""
+        K, N = self.in_features, self.out_features // 2 if silu_pairs else self.out_features
         if x.shape[-1] != K:
             raise ValueError(f"x has {x.shape[-1]} features, the layer {K}")
         if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -159,15 +162,17 @@ class KbitLinear(nn.Module):
         a = x2.view(torch.int16) if bf16 else x2
         out_dtype, out_np = (torch.float16, np.float16) if x.dtype == torch.float16 else (torch.float32, np.float32)
         if SIMULATOR:                       # CPU tensors: NumPy in, the simulator's device array out
-            y = torch.from_numpy(self._launch(a.numpy(), None, 0, out_np, bf16).copy_to_host())
+            y = torch.from_numpy(self._launch(a.numpy(), None, 0, out_np, bf16, silu_pairs).copy_to_host())
         else:
             y = torch.empty((M, N), dtype=out_dtype, device=x.device)
-            self._launch(a, y, torch.cuda.current_stream(x.device), out_np, bf16)
+            self._launch(a, y, torch.cuda.current_stream(x.device), out_np, bf16, silu_pairs)
         return y.to(x.dtype).reshape(lead + (N,))
 
-    def _launch(self, a, out, stream, out_dtype, bf16):
+    def _launch(self, a, out, stream, out_dtype, bf16, silu_pairs=False):
         if self.format == "kbit":
-            return self.runtime(a, out=out, stream=stream, out_dtype=out_dtype, bf16=bf16)
+            return self.runtime(a, out=out, stream=stream, out_dtype=out_dtype, bf16=bf16, silu_pairs=silu_pairs)
+        if silu_pairs:
+            raise ValueError(f"silu_pairs is the kbit pair gemv's epilogue, not the {self.format} format's")
         gemv = _GEMV[self.format]
         if a.shape[0] <= MAX_M:
             return gemv(a, self.weight, out=out, stream=stream, out_dtype=out_dtype, bf16=bf16,

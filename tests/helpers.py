@@ -27,7 +27,8 @@ FUZZ_FAMILIES = {
         "test_formats.py::test_e4m4_absolute_error_subnormal_range"],
     "gemv (scalar, pair, tensor-core)": [
         "test_gemv.py::test_gemv_flat", "test_gemv.py::test_gemv_tiled", "test_pair_gemv.py::test_pair_gemv",
-        "test_pair_gemv.py::test_pair_gemv_f16_acc", "test_pair_gemv.py::test_warp_reduce_scatter",
+        "test_pair_gemv.py::test_pair_gemv_f16_acc", "test_pair_gemv.py::test_pair_gemv_silu_pairs",
+        "test_pair_gemv.py::test_warp_reduce_scatter",
         "test_mma_gemv.py::test_mma_gemv", "test_mma_gemv.py::test_mma_gemv_fragments"],
     "gemm": ["test_gemm.py::test_gemm", "test_gemm.py::test_gemm_other_activation_types",
              "test_gemm.py::test_gemm_code_layout"],

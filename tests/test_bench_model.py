@@ -26,13 +26,17 @@ def test_projections_are_the_fused_llama_shapes():
                                                               "uniform 4-bit g128"])
 def test_quantized_step_follows_the_fp16_step(variant):
     """The same random weights through fp16 nn.Linear and through a quantized variant: the two steps' outputs
-    agree to the quantization error, and the linear-only pass runs every layer's four projections."""
+    agree to the quantization error, and the linear-only pass runs every layer's four projections. The kbit
+    variants on the code layout interleave their gate/up rows and take the SiLU from the pair gemv's epilogue at
+    this batch (fuses_silu); the fp16 step, on the same interleaved weights, through the SiLU kernel for pairs."""
     if SIM:
         variant = "fp16"
     rng = np.random.default_rng(0)
     base = {name: rng.standard_normal((N, K), dtype=np.float32) * 0.1 for name, N, K in bench_model.projections(TINY)}
     quiet = lambda msg: None  # noqa: E731
-    q = bench_model.build_linears(TINY, variant, base, quiet, DEVICE)
+    fused = bench_model.fuses_silu(TINY, variant)
+    assert fused == (variant in ("kbit k=4", "kbit k=2", "kbit k=4 pdl f16_acc"))
+    q = bench_model.build_linears(TINY, variant, base, quiet, DEVICE, silu_pairs=fused)
     f = bench_model.build_linears(TINY, "fp16", base, quiet, DEVICE)
     for ql, fl in zip(q, f):     # the fp16 step's weights: the quantized layer's own weights, dequantized
         for qlin, flin, (name, _, _) in zip(ql, fl, bench_model.projections(TINY)):
@@ -45,7 +49,7 @@ def test_quantized_step_follows_the_fp16_step(variant):
         assert 0 < bench_model.weight_bytes(q) < bench_model.weight_bytes(f) / 3
     outs = []
     for linears, pdl in ((q, bench_model.uses_pdl(variant)), (f, False)):   # (pdl: the fused kernels too)
-        step = bench_model.DecodeStep(TINY, linears, 2, context=64, device=DEVICE, pdl=pdl)
+        step = bench_model.DecodeStep(TINY, linears, 2, context=64, device=DEVICE, pdl=pdl, silu_pairs=fused)
         with torch.no_grad():
             outs.append(step.step().float().cpu().numpy())
             step.linears_only()
@@ -163,6 +167,10 @@ def test_fused_kernels_equal_their_torch_twins(H, pdl):
     torch.testing.assert_close(h, h2, rtol=2e-3, atol=2e-3)
     gu = torch.randn(3, 2 * 14336, device="cuda", dtype=torch.float16, generator=g) * 4
     torch.testing.assert_close(step.silu_mul(gu), bench_model.silu_mul_torch(gu), rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(step.silu_mul(gu, pairs=True), bench_model.silu_mul_torch(gu, pairs=True), rtol=2e-3,
+                               atol=2e-3)
+    assert torch.equal(bench_model.silu_mul_torch(gu[:, bench_model.interleave_pairs(np.arange(2 * 14336))], pairs=True),
+                       bench_model.silu_mul_torch(gu))      # (interleaved columns: the same activation)
     rows = torch.randn(3 * 8, 2048, device="cuda", dtype=torch.float16, generator=g)
     inv = torch.randperm(3 * 8, device="cuda", generator=g)
     weights = torch.rand(3, 8, device="cuda", generator=g)

@@ -113,6 +113,40 @@ def test_pair_gemv_f16_acc(k_split, fmt_split, seed, v, N, kbn, a_scale):
     check_close_f16_acc(out.copy_to_host(), A, pool, out_dtype, rows)
 
 
+def gemv_bound(A, qw, f16_acc):
+    """The bound on |C - reference| that check_close (float32 sums) or check_close_f16_acc (float16 block sums) holds
+    a pair gemv to, per output."""
+    Af = np.abs(ref.as_float32(A).reshape(A.shape[0], -1).astype(np.float64))
+    scale = Af @ np.abs(ref.dequantize(qw).astype(np.float64)).T
+    if not f16_acc:
+        return 1e-5 * scale + 1e-30
+    tiny = 17 * 2.0 ** -24 * ref.decoded_absmax(qw).reshape(qw.shape[0], -1).astype(np.float64).sum(axis=1)
+    return (17 * 2.0 ** -11 + 1e-5) * scale + tiny[None, :] + 1e-30
+
+
+@settings(max_examples=EXAMPLES)
+@given(seeds, variants((4, 2), (1, 2, 3, 4), (True, False), (np.float16, np.float32), (4, 2, 8)),
+       st.integers(1, MAX_N // 2), KBS)
+def test_pair_gemv_silu_pairs(seed, v, half_n, kbn):
+    """The ``silu_pairs`` epilogue writes silu(C[:, 2j]) * C[:, 2j + 1] of the product C into an [M, N / 2] output
+    (reference.silu_pairs). Its error: the sums' bound e carried through silu (|silu'| <= 1.1) and the product,
+    1.1 e_gate (|up| + e_up) + |silu(gate)| e_up, plus float32 rounding of the exponential and the two operations."""
+    k, M, f16_acc, out_dtype, cols = v
+    rng = np.random.default_rng(seed)
+    N, K = 2 * half_n, 32 * kbn
+    qw = ref.quantize(random_weight(rng, N, K), k=k)
+    A = _activations(rng, M, K, "float16")
+    out = pair_gemv.plan(A, pair_gemv.to_codes(qw), out_dtype=out_dtype, cols=cols, f16_acc=f16_acc,
+                         silu_pairs=True).launch()
+    assert out.shape == (M, N // 2) and out.dtype == np.dtype(out_dtype)
+    C = ref.gemv(A, qw).astype(np.float64)
+    e = gemv_bound(A, qw, f16_acc)
+    gate, up, e_gate, e_up = C[:, 0::2], C[:, 1::2], e[:, 0::2], e[:, 1::2]
+    want = ref.silu_pairs(C)
+    tol = 1.1 * e_gate * (np.abs(up) + e_up) + np.abs(gate / (1 + np.exp(-gate))) * e_up + 1e-6 * np.abs(want) + 1e-30
+    assert_within(out.copy_to_host(), want, tol, out_dtype)
+
+
 def test_pair_gemv_vector_input_out_buffer_and_prepare():
     rng = np.random.default_rng(3)
     qw = ref.quantize(random_weight(rng, 9, 64), k=4)
@@ -168,6 +202,10 @@ def test_pair_gemv_refuses():
         pair_gemv.plan(np.zeros((1, 64), np.float16), qw, cols=3)
     with pytest.raises(ValueError, match="f16_acc needs float16 activations"):
         pair_gemv.plan(np.zeros((1, 64), np.float32), qw, f16_acc=True)
+    with pytest.raises(ValueError, match="silu_pairs needs an even cols"):
+        pair_gemv.plan(np.zeros((1, 64), np.float16), qw, cols=1, silu_pairs=True)
+    with pytest.raises(ValueError, match="even N"):
+        pair_gemv.plan(np.zeros((1, 64), np.float16), ref.quantize(random_weight(rng, 5, 64), k=4), silu_pairs=True)
     with pytest.raises(ValueError, match="code layout"):
         KbitCodes(np.zeros(10, np.uint32), np.zeros(2, np.uint8), np.zeros(32, np.float32), 5, (2, 32))
 
