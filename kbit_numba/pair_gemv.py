@@ -30,7 +30,12 @@ offline and looks weights up several at a time:
   activation loads and the output writes come after it. In a chain of layers the next kernel's prologue
   then overlaps this one's tail.
 
-Reference twin: ``reference.gemv`` (which reads ``KbitCodes`` too). Tests: ``tests/test_pair_gemv.py``.
+* **The SiLU epilogue** (``silu_pairs=True``): for a gate/up weight whose rows are interleaved (gate j at row 2j,
+  up j at 2j + 1) the thread that sums column 2j also sums 2j + 1 and writes silu(gate) * up into an [M, N / 2]
+  output, once per element: a SwiGLU MLP's SiLU kernel and its [M, N] round trip through memory go away.
+
+Reference twin: ``reference.gemv`` (which reads ``KbitCodes`` too; ``reference.silu_pairs`` for the epilogue).
+Tests: ``tests/test_pair_gemv.py``.
 """
 from __future__ import annotations
 
