@@ -102,6 +102,10 @@ if "mma" in families:      # N = 37 (a partial strip), K = 1088 (5 K-warps, the 
     second = mma_gemv.prepare(first.out, kc, pdl=True)
     first.run()
     second.run().copy_to_host()
+    # the silu_pairs epilogue (an [M, N / 2] output): one and two token tiles, a partial last strip (N = 74)
+    kc = pair_gemv.to_codes(kb.quantize(rng.standard_normal((74, 1088)).astype(np.float16), k=4))
+    for M in (3, 12):
+        mma_gemv.plan(rng.standard_normal((M, 1088)).astype(np.float16), kc, silu_pairs=True).launch().copy_to_host()
 if "pdl" in families:      # N = K = 1056: a partial column group, two K-warps; float32 and float16 block sums
 
     from kbit_numba import pair_gemv
@@ -128,10 +132,15 @@ if "grouped" in families:
     from kbit_numba import mma_gemv
     cexperts = kb.stack_experts([kb.reference.to_codes(kb.reference.quantize(
         rng.standard_normal((37, 1088)).astype(np.float32), k=k)) for k in (4, 4, 4, 4)])
+    sexperts = kb.stack_experts([kb.reference.to_codes(kb.reference.quantize(
+        rng.standard_normal((74, 1088)).astype(np.float32), k=4)) for _ in range(4)])
     for offsets in ([0, 0, 2, 2, 3], [0, 3, 3, 8, 12], [0, 9, 9, 10, 10]):
         T = offsets[-1]
-        mma_gemv.grouped_gemv(rng.standard_normal((T, 1088)).astype(np.float16), cexperts,
-                              cuda.to_device(np.array(offsets, np.int32))).copy_to_host()
+        for silu_pairs in (False, True):      # (the epilogue: gate/up experts with interleaved rows, out [T, N / 2])
+            A = rng.standard_normal((T, 1088)).astype(np.float16)
+            e = cexperts if not silu_pairs else sexperts
+            mma_gemv.plan_grouped(A, e, cuda.to_device(np.array(offsets, np.int32)),
+                                  silu_pairs=silu_pairs).launch().copy_to_host()
     fexperts = kb.stack_experts([mma_gemv.to_fragments(kb.reference.to_codes(kb.reference.quantize(
         rng.standard_normal((48, 1024)).astype(np.float32), k=4))) for _ in range(4)])
     for offsets in ([0, 0, 2, 2, 3], [0, 3, 3, 8, 12]):

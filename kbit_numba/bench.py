@@ -623,8 +623,8 @@ def _model_main(args, device, progress):
                       "SDPA above"}[args.attention]
     print(f"device: {device}; model {args.model}, decode step in one CUDA graph, attention stand-in: {kernel} over a "
           f"{args.context}-token fp16 KV cache per layer (bench_model.py)"
-          + ("; kbit variants on the code layout: SiLU in the gate/up pair gemv's epilogue where it runs "
-             "(bench_model.fuses_silu)" if any(r.get("silu_pairs") for r in rows) else ""))
+          + ("; kbit variants on the code layout: SiLU in the gate/up gemv's epilogue where the pair or tensor-core "
+             "gemv runs (bench_model.fuses_silu)" if any(r.get("silu_pairs") for r in rows) else ""))
     print(bench_model.format_rows(rows))
     if args.json:
         with open(args.json, "w") as f:

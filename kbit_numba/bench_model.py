@@ -36,10 +36,11 @@ or, for a mixture-of-experts model (``qwen3-30b-a3b``), the second line per toke
   ``fused_add_rms_norm`` and ``silu_and_mul``): ``add_rmsnorm`` (residual += y; h = rmsnorm(residual) * w)
   and ``silu_mul`` (silu(g) * u); their torch twins run on CPU tensors (the simulator) and test them on the
   GPU. Not in the step: embedding, final norm, lm_head, sampling.
-* **SiLU in the gate/up gemv** (kbit variants on the code layout, dense models: :func:`fuses_silu`): the gate/up
-  weight is quantized with its rows interleaved (gate row j at 2j, up row j at 2j + 1), and where the layer's call
-  runs the pair gemv its epilogue writes silu(g) * u (``KbitLinear.run(x, silu_pairs=True)``): no SiLU kernel
-  and no [B, 2I] output. Batches that run another kernel use ``silu_pairs``, the SiLU kernel for interleaved pairs.
+* **SiLU in the gate/up gemv** (kbit variants on the code layout: :func:`fuses_silu`): the gate/up weight (every
+  gate/up expert) is quantized with its rows interleaved (gate row j at 2j, up row j at 2j + 1), and where the
+  layer's call runs the pair gemv or the tensor-core gemv (grouped for experts) its epilogue writes silu(g) * u
+  (``KbitLinear.run(x, silu_pairs=True)``, ``ExpertsKbit.bind(silu_pairs=True)``): no SiLU kernel and no [B, 2I]
+  output. Batches that run another kernel use ``silu_pairs``, the SiLU kernel for interleaved pairs.
 * **Timing**: the whole step is captured in one CUDA graph (``torch.cuda.graph``) and replayed; the step
   time is the median over replays (CUDA events). The linear-only time is a second graph of the same layers'
   linear calls alone, so "linear share" = linear-only / step.
@@ -618,12 +619,12 @@ def silu_mul_torch(gu, pairs=False):
 
 
 def fuses_silu(cfg, variant):
-    """Whether ``variant``'s step takes its SiLU from the gate/up pair gemv's epilogue (its gate/up rows interleaved):
-    kbit on the code layout (k = 2, 4, the pair gemv's) in a dense model (a MoE model's experts run the grouped
-    kernels). The llama3-8b B = 1 step: k = 4 1888-1903 -> 1875-1877 us, k = 2 1448-1461 -> 1387-1391
+    """Whether ``variant``'s step takes its SiLU from the gate/up gemv's epilogue (its gate/up rows, or every gate/up
+    expert's, interleaved): kbit on the code layout (k = 2, 4: the pair gemv's and the tensor-core gemv's, grouped
+    too). The llama3-8b B = 1 step: k = 4 1871-1886 -> 1850-1869 us, k = 2 1446-1457 -> 1386-1390
     (benchmarks/README.md)."""
     from .formats import CODES_K
-    if is_moe(cfg) or VARIANTS.get(variant) is None:
+    if VARIANTS.get(variant) is None:
         return False
     fmt, opts = VARIANTS[variant]
     return fmt == "kbit" and opts["k"] in CODES_K and opts.get("layout", "codes") == "codes"
@@ -676,15 +677,20 @@ class ExpertsKbit:
         """Bytes of one copy (the one a decode step reads)."""
         return sum(getattr(self.experts, f).nbytes for f in self.experts.ARRAYS)
 
-    def bind(self, A, out, offsets):
+    def bind(self, A, out, offsets, silu_pairs=False):
+        """A callable that runs the experts on A's rows into out; ``silu_pairs`` (gate/up rows interleaved): the
+        tensor-core gemv's SiLU epilogue into out [T, N / 2], or None where this routing runs another kernel."""
         import torch
 
         from . import mma_gemv, scalar_gemv, tensor_gemm
         d_offsets = cuda.to_device(offsets)
         most = int(np.diff(offsets).max())
         if self.codes is not None and most <= mma_gemv.N8:
-            plan = mma_gemv.plan_grouped(A, self.codes, d_offsets, out=out, max_tokens=most, pdl=self.pdl)
+            plan = mma_gemv.plan_grouped(A, self.codes, d_offsets, out=out, max_tokens=most, pdl=self.pdl,
+                                         silu_pairs=silu_pairs)
             kernel = "mma_gemv"
+        elif silu_pairs:
+            return None
         elif most <= scalar_gemv.MAX_M:
             plan, kernel = scalar_gemv.plan_grouped(A, self.experts, d_offsets, out=out, max_tokens=most), "grouped_gemv"
         else:
@@ -696,7 +702,7 @@ class ExpertsKbit:
 
         def run():
             prepared.run(torch.cuda.current_stream())
-        run.kernel = kernel
+        run.kernel, run.silu_pairs = kernel, silu_pairs
         run.buffers = (d_offsets, plan)             # (kept alive with the callable)
         return run
 
@@ -739,7 +745,8 @@ class DecodeStep:
 
     def _bind_experts(self, torch, dev, f16):
         """Per layer a fixed routing, and the expert sets bound to static row buffers (shared by the layers):
-        rows [T = B * top_k, H] -> gate_up -> silu_mul -> down -> [T, H]."""
+        rows [T = B * top_k, H] -> gate_up -> silu_mul -> down -> [T, H] (with ``silu_pairs``, where the tensor-core
+        gemv runs gate/up, its epilogue writes silu_mul's output)."""
         cfg, B = self.cfg, self.B
         (_, N_gu, H), (_, _, I) = projections(cfg)[2:]
         T = B * cfg["top_k"]
@@ -754,7 +761,9 @@ class DecodeStep:
             self.offsets.append(offsets)
             self.routes.append((torch.from_numpy(src).to(dev), torch.from_numpy(inv).to(dev),
                                 torch.from_numpy(weights).to(dev)))
-            self.expert_runs.append((gate_up.bind(self.rows, self.gu, offsets),
+            fused = (gate_up.bind(self.rows, self.act, offsets, silu_pairs=True)
+                     if self.silu_pairs and isinstance(gate_up, ExpertsKbit) else None)
+            self.expert_runs.append((fused or gate_up.bind(self.rows, self.gu, offsets),
                                      down.bind(self.act, self.down_rows, offsets)))
 
     def moe(self, h, layer):
@@ -763,7 +772,8 @@ class DecodeStep:
         gate_up, down = self.expert_runs[layer]
         self.gather_rows(h, src, self.rows)
         gate_up()
-        self.silu_mul(self.gu, out=self.act)
+        if not getattr(gate_up, "silu_pairs", False):          # (else the gate/up epilogue wrote self.act)
+            self.silu_mul(self.gu, out=self.act, pairs=self.silu_pairs)
         down()
         return self.moe_combine(self.down_rows, inv, weights)
 
@@ -821,10 +831,12 @@ class DecodeStep:
         return out
 
     def mlp_activation(self, gate_up, h):
-        """silu(g) * u of the layer's gate/up projection: with ``silu_pairs``, from the pair gemv's epilogue where
-        this batch runs it (one launch less; benchmarks/README.md), else its output through the SiLU kernel."""
+        """silu(g) * u of the layer's gate/up projection: with ``silu_pairs``, from the pair or tensor-core gemv's
+        epilogue where this batch runs one (one launch less; benchmarks/README.md), else its output through the SiLU
+        kernel."""
         runtime = getattr(gate_up, "runtime", None)
-        if self.silu_pairs and h.is_cuda and runtime is not None and runtime.kernel_for(h.shape[0]) == "pair_gemv":
+        if (self.silu_pairs and h.is_cuda and runtime is not None
+                and runtime.kernel_for(h.shape[0]) in ("pair_gemv", "mma_gemv")):
             return gate_up.run(h, silu_pairs=True)
         return self.silu_mul(gate_up(h), pairs=self.silu_pairs)
 
@@ -885,10 +897,11 @@ def graph_us(torch, fn, replays=20, warmup=3):
     return t
 
 
-def build_experts(cfg, variant, name, N, K, base, progress, device="cuda"):
+def build_experts(cfg, variant, name, N, K, base, progress, device="cuda", silu_pairs=False):
     """Per layer, the expert set of projection ``name`` ([N, K] each). fp16: random [E, N, K] per layer; kbit:
     the ``DISTINCT_EXPERTS`` matrices of ``base[name]`` quantized, repacked to the tiled layout, repeated over
-    the E experts and copied into every layer's own buffers."""
+    the E experts and copied into every layer's own buffers. ``silu_pairs``: gate/up matrices with their rows
+    interleaved (:func:`interleave_pairs`)."""
     import torch
 
     from . import reference
@@ -903,7 +916,8 @@ def build_experts(cfg, variant, name, N, K, base, progress, device="cuda"):
     if fmt != "kbit":
         raise ValueError(f"{variant}: kbit_numba has grouped MoE kernels for the kbit format only")
     progress(f"{variant}: quantizing {E} experts of {name} {N}x{K}")
-    flat = [reference.quantize(w, k=opts["k"]) for w in base[name]]
+    flat = [reference.quantize(interleave_pairs(w) if silu_pairs and name == "gate_up" else w, k=opts["k"])
+            for w in base[name]]
     tiled = [reference.repack_tiled(w) for w in flat]
     stacked = stack_experts([tiled[e % len(tiled)] for e in range(E)])
     copies = _device_copies(stacked, L)
@@ -929,7 +943,7 @@ def build_linears(cfg, variant, base, progress, device="cuda", silu_pairs=False)
     per_proj = []
     for name, N, K in projections(cfg):
         if is_moe(cfg) and name in ("gate_up", "down"):
-            per_proj.append(build_experts(cfg, variant, name, N, K, base, progress, device))
+            per_proj.append(build_experts(cfg, variant, name, N, K, base, progress, device, silu_pairs))
             continue
         if VARIANTS[variant] is None:
             mods = []

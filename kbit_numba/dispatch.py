@@ -381,8 +381,8 @@ class KbitLinear:
 
     def plan(self, A, out=None, stream=None, out_dtype=np.float16, bf16=False, kernel=None, silu_pairs=False):
         """``linear``'s :class:`launch.Plan` for this layer's weight and workspace (the table's launch
-        parameters included when the kernel is the table's choice). ``silu_pairs``: the pair gemv's epilogue
-        (``pair_gemv.plan``), an [M, N / 2] output; a ValueError where the call runs another kernel."""
+        parameters included when the kernel is the table's choice). ``silu_pairs``: the pair or tensor-core gemv's
+        epilogue (``pair_gemv.plan``), an [M, N / 2] output; a ValueError where the call runs another kernel."""
         params = {}
         if kernel is None:
             N, K = self.weight.shape
@@ -392,8 +392,8 @@ class KbitLinear:
         if self.pdl and kernel in ("pair_gemv", "mma_gemv"):
             params = dict(params, pdl=True)
         if silu_pairs:
-            if kernel != "pair_gemv":
-                raise ValueError(f"silu_pairs is the pair gemv's epilogue; this call runs {kernel!r} "
+            if kernel not in ("pair_gemv", "mma_gemv"):
+                raise ValueError(f"silu_pairs is the pair and tensor-core gemvs' epilogue; this call runs {kernel!r} "
                                  "(kernel_for(M) says which kernel a batch runs)")
             params = dict(params, silu_pairs=True)
         # f16_acc sums in float16 only float16 activations; float32 and bfloat16 ones keep float32 sums

@@ -31,6 +31,8 @@ and waits on its own dependency chains. This kernel streams the weights the pair
   strips: ``BATCH``).
 * ``pdl=True``: built for a programmatic dependent launch, as the pair gemv (grouped: only the tables before
   the wait; the offsets, and so the weights a CTA loads, come from the kernel before it).
+* ``silu_pairs=True``: the SiLU epilogue of a gate/up weight with interleaved rows, as ``pair_gemv``'s: the thread
+  that sums column 2j's tiles sums 2j + 1's too and writes silu(gate) * up into an [M, N / 2] output.
 * ``grouped=True``: MoE experts (``grouped_gemv``): a grid row (slot) per expert, or per token row when there
   are fewer rows than experts (a decode step: the slot runs the expert whose first row it is, as
   ``scalar_gemv``'s grouped kernel); a CTA takes its expert's rows (up to 8) as its B fragments and walks that
@@ -40,6 +42,7 @@ Reference twin: ``reference.gemm`` (the same weight roundings). Tests: ``tests/t
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
@@ -97,6 +100,7 @@ class MmaGemvSpec(Spec):
     fragments: bool = False         # the weight is a KbitFragments (else KbitCodes): see load_strip
     batch: int = BATCH              # strips per barrier and sum (1: where BATCH's partial tiles do not fit)
     max_registers: object = None
+    silu_pairs: bool = False        # the epilogue silu(C[:, 2j]) * C[:, 2j + 1] into an [M, N / 2] output
 
     def normalise(self):
         if self.k not in CODES_K:
@@ -111,7 +115,8 @@ class MmaGemvSpec(Spec):
         return dict(k=int(self.k), a_type=type_name(self.a_type, "a_type", MMA_TYPES),
                     out_dtype=type_name(self.out_dtype, "out_dtype", OUT_TYPES), pdl=bool(self.pdl),
                     grouped=bool(self.grouped), tiles=int(self.tiles), fragments=bool(self.fragments),
-                    batch=int(self.batch), max_registers=int(self.max_registers) if self.max_registers else None)
+                    batch=int(self.batch), max_registers=int(self.max_registers) if self.max_registers else None,
+                    silu_pairs=bool(self.silu_pairs))
 
 
 @lru_cache(maxsize=None)
@@ -145,6 +150,31 @@ def make_mma_gemv_kernel(spec):
     TILE = STRIP * TOKENS                          # floats of one warp's partial C tile
     ACC = 4 * TILES                                # a lane's C fragment values
     assert BSTRIDE == 1 and CODE_WORDS == 4 or BLOCK_WORDS == 4, "a 16-byte load is one block or a block pair"
+    SILU_PAIRS = spec.silu_pairs
+
+    @ir_inlined
+    def silu_pair_out(smem, p, kw, out, row, n, N):
+        """``silu_pairs`` (as pair_gemv's): column n (even) is gate j = n / 2 of a gate/up weight with interleaved
+        rows and n + 1 (its partial sums TOKENS further on in each tile) up j: write silu(gate) * up to out[row, j]
+        of an [M, N / 2] output. The odd column's thread writes nothing."""
+        if n % u32(2) == u32(0) and n < u32(N):
+            gate, up = np.float32(0.0), np.float32(0.0)
+            p_end = u32(p + kw * u32(TILE))
+            while p < p_end:
+                gate += smem[p]
+                up += smem[u32(p + u32(TOKENS))]
+                p = u32(p + u32(TILE))
+            y = gate / (np.float32(1.0) + math.exp(-gate)) * up
+            out[u32(row * u32(u32(N) // u32(2)) + n // u32(2))] = np.float16(y) if f16_out else y
+
+    @ir_inlined
+    def mark_rows(out, start, count, tid):
+        """NaN into out[start .. start + count - 1] (the rows past the tiles, in the epilogue's [T, N / 2] output)."""
+        nan = u32_as_f32(u32(0x7FC00000))
+        i = tid
+        while i < count:
+            out[u32(start + i)] = np.float16(nan) if f16_out else nan
+            i = u32(i + u32(cuda.blockDim.x))
 
     @ir_inlined
     def pair_bits(v):
@@ -264,6 +294,11 @@ def make_mma_gemv_kernel(spec):
             col = u32(v // M)
             tok = u32(v - col * M)
             p = u32(u32(PART) + flip + r * slot + s_out * kw * u32(TILE) + col * u32(TOKENS) + tok)
+            if SILU_PAIRS:
+                silu_pair_out(smem, p, kw, out, u32(row0 + tok),
+                              u32(u32(u32(grp0 + r * grid) * group_cols) + s_out * u32(STRIP) + col), N)
+                i = u32(i + u32(cuda.blockDim.x))
+                continue
             p_end = u32(p + kw * u32(TILE))
             s0 = np.float32(0.0)                   # four sums, so that four loads are in flight at a time
             s1 = np.float32(0.0)
@@ -311,7 +346,11 @@ def make_mma_gemv_kernel(spec):
             if rows == u32(0):
                 return
             first = u32(u32(expert) * u32(N) * nkb)
-            if rows > u32(TOKENS) and cuda.blockIdx.x == 0:       # more rows than the tiles take: NaN, never
+            if SILU_PAIRS:                                        # (the same into an [T, N / 2] output)
+                if rows > u32(TOKENS) and cuda.blockIdx.x == 0:
+                    half = u32(u32(N) // u32(2))
+                    mark_rows(out, u32(u32(row0 + u32(TOKENS)) * half), u32((rows - u32(TOKENS)) * half), tid)
+            elif rows > u32(TOKENS) and cuda.blockIdx.x == 0:     # more rows than the tiles take: NaN, never
                 nan = u32_as_f32(u32(0x7FC00000))                 # silently wrong (the plan refuses them
                 i = tid                                           # when it can see the offsets)
                 while i < u32((rows - u32(TOKENS)) * u32(N)):
@@ -459,27 +498,35 @@ def part_bytes(slices, kw, tiles=1, batch=BATCH):
     return 4 * (PART - TABLE_FLOATS) + 2 * batch * slices * kw * STRIP * N8 * tiles * 4
 
 
-def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, cta_warps=None, pdl=False):
+def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, cta_warps=None, pdl=False, silu_pairs=False):
     """Checked inputs bound into a :class:`launch.Plan`. ``kc``: KbitCodes (k = 2, 4; K a multiple of 64 up
     to 8192; ``pair_gemv.to_codes`` makes one from a flat KbitWeight) or KbitFragments (:func:`to_fragments`;
     N a multiple of 16, K of 256). A: float16 or
     bfloat16 (``bf16=True``, int16 bits) [M, K] or [K], M = 1..16 (float32 A: use ``tensor_gemm`` or
-    ``pair_gemv``). ``cta_warps`` overrides ``DEFAULTS``; ``pdl``: see ``pair_gemv.plan``."""
+    ``pair_gemv``). ``cta_warps`` overrides ``DEFAULTS``; ``pdl`` and ``silu_pairs`` (an [M, N / 2] output): see
+    ``pair_gemv.plan``."""
     stream = _arrays.as_stream(stream)
     if not isinstance(kc, (KbitCodes, KbitFragments)):
         raise TypeError(f"mma gemv reads the code layout (KbitCodes) or the fragment layout (KbitFragments), got "
                         f"{type(kc).__name__}: convert the weight once with pair_gemv.to_codes(qw) (or to_fragments)")
     kc = device_weight(kc, type(kc), stream)
     N, K = kc.shape
-    Ad, a_src, M, out = _arrays.gemv_io(A, kc.shape, out, out_dtype, bf16, stream, "mma gemv", MAX_TOKENS)
+    _check_pairs(silu_pairs, N)
+    Ad, a_src, M, out = _arrays.gemv_io(A, (N // 2, K) if silu_pairs else kc.shape, out, out_dtype, bf16, stream,
+                                        "mma gemv", MAX_TOKENS)
     _check_inputs(a_src, K)
     n_kb = K // BLOCK
     _arrays.check_aligned(Ad, 16, "A")
     args = (_arrays.flat_view(Ad, np.uint32), kc.packed, kc.absmax, kc.codebook, _arrays.flat_view(out),
             i32(N), i32(n_kb), i32(M), unused_i32())
     spec = MmaGemvSpec(kc.k, kc.absmax_format, a_src, out.dtype, pdl, tiles=tiles_for(M),
-                       fragments=isinstance(kc, KbitFragments))
+                       fragments=isinstance(kc, KbitFragments), silu_pairs=silu_pairs)
     return Plan([_step(spec, args, N, K, cta_warps)], Ad, out, stream)
+
+
+def _check_pairs(silu_pairs, N):
+    if silu_pairs and N % 2:
+        raise ValueError(f"silu_pairs needs (gate, up) row pairs: an even N, got N={N}")
 
 
 def _check_inputs(a_src, K):
@@ -510,11 +557,12 @@ def _step(spec, args, N, K, cta_warps=None, slots=None):
 
 
 def plan_grouped(A, experts, expert_offsets, out=None, stream=None, out_dtype=np.float16, bf16=False,
-                 max_tokens=None, cta_warps=None, pdl=False):
+                 max_tokens=None, cta_warps=None, pdl=False, silu_pairs=False):
     """Checked inputs of :func:`grouped_gemv` bound into a :class:`launch.Plan` (one launch, or none when there
     are no rows or experts). ``pdl``: a programmatic dependent launch (sm_90) whose CTAs fill their tables
     before they wait for the kernel before it; the offsets, activations and weight loads come after the wait
-    (which expert a CTA runs, and so which weights it loads, is the router's output)."""
+    (which expert a CTA runs, and so which weights it loads, is the router's output). ``silu_pairs``: every
+    expert's gate/up rows interleaved, out [T, N / 2] (see ``pair_gemv.plan``)."""
     stream = _arrays.as_stream(stream)
     Ad, a_src, T, offs, experts = check_grouped(A, experts, expert_offsets, bf16, stream)
     if experts.layout not in ("codes", "fragments"):
@@ -527,8 +575,9 @@ def plan_grouped(A, experts, expert_offsets, out=None, stream=None, out_dtype=np
         max_tokens = max_tokens_per_expert(expert_offsets, T)
     if max_tokens is not None and max_tokens > N8:
         raise ValueError(f"the grouped mma gemv handles up to {N8} tokens per expert, got {max_tokens}")
+    _check_pairs(silu_pairs, N)
     out_dtype = _arrays.output_dtype(out, out_dtype)
-    out = _arrays.output(out, "out", (T, N), out_dtype, stream)
+    out = _arrays.output(out, "out", (T, N // 2 if silu_pairs else N), out_dtype, stream)
     _arrays.check_aligned(Ad, 16, "A")
     if T * max(K, N) >= 2**32 or E * N * (K // BLOCK) >= 2**32:
         raise ValueError("the grouped mma gemv uses 32-bit indices: T*K, T*N and E*N*K/32 must stay < 2**32")
@@ -537,7 +586,7 @@ def plan_grouped(A, experts, expert_offsets, out=None, stream=None, out_dtype=np
     args = (_arrays.flat_view(Ad, np.uint32), experts.packed, experts.absmax, experts.codebook,
             _arrays.flat_view(out), i32(N), i32(K // BLOCK), i32(0), offs)
     spec = MmaGemvSpec(experts.k, experts.absmax_format, a_src, out.dtype, pdl, grouped=True,
-                       fragments=experts.layout == "fragments")
+                       fragments=experts.layout == "fragments", silu_pairs=silu_pairs)
     return Plan([_step(spec, args, N, K, cta_warps, slots=min(E, T))], Ad, out, stream)
 
 
@@ -569,14 +618,15 @@ def prepare(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, pdl=
 
 def ptx_specs():
     """Every k with float16 A and E4M4 absmax (plain with one and two token tiles, pdl, grouped, grouped pdl,
-    the fragment layout with one and two tiles and grouped, a sum per strip with two tiles: K > 6656), and each other
-    choice with every k."""
+    the fragment layout with one and two tiles and grouped, a sum per strip with two tiles: K > 6656, the silu_pairs
+    epilogue plain and grouped), and each other choice with every k."""
     variants = [dict(), dict(tiles=2), dict(pdl=True), dict(grouped=True), dict(grouped=True, pdl=True),
                 dict(fragments=True), dict(fragments=True, tiles=2), dict(fragments=True, grouped=True),
                 dict(tiles=2, batch=1),
                 dict(a_type="bfloat16"),
                 dict(absmax_format="fp32"),
-                dict(out_dtype="float32")]
+                dict(out_dtype="float32"),
+                dict(pdl=True, silu_pairs=True), dict(grouped=True, pdl=True, fragments=True, silu_pairs=True)]
     return [MmaGemvSpec(k=k, **v) for k in CODES_K for v in variants]
 
 

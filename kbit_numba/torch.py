@@ -143,9 +143,9 @@ class KbitLinear(nn.Module):
     def run(self, x, silu_pairs=False):
         """The op's body: x [..., K] -> [..., N] through the kernels (``linear`` for kbit, the format's gemv in
         slices of 4 rows otherwise), on torch's current stream. ``silu_pairs`` (kbit, where ``runtime.kernel_for`` the
-        call's rows is the pair gemv; a ValueError elsewhere): a gate/up layer whose rows are interleaved (gate row
-        j at 2j, up row j at 2j + 1) returns silu(gate) * up, [..., N / 2], from the pair gemv's epilogue: no
-        [..., N] output and no SiLU kernel (``reference.silu_pairs`` is its twin)."""
+        call's rows is the pair or the tensor-core gemv; a ValueError elsewhere): a gate/up layer whose rows are
+        interleaved (gate row j at 2j, up row j at 2j + 1) returns silu(gate) * up, [..., N / 2], from the gemv's
+        epilogue: no [..., N] output and no SiLU kernel (``reference.silu_pairs`` is its twin)."""
         K, N = self.in_features, self.out_features // 2 if silu_pairs else self.out_features
         if x.shape[-1] != K:
             raise ValueError(f"x has {x.shape[-1]} features, the layer {K}")
@@ -172,7 +172,7 @@ class KbitLinear(nn.Module):
         if self.format == "kbit":
             return self.runtime(a, out=out, stream=stream, out_dtype=out_dtype, bf16=bf16, silu_pairs=silu_pairs)
         if silu_pairs:
-            raise ValueError(f"silu_pairs is the kbit pair gemv's epilogue, not the {self.format} format's")
+            raise ValueError(f"silu_pairs is the kbit gemvs' epilogue, not the {self.format} format's")
         gemv = _GEMV[self.format]
         if a.shape[0] <= MAX_M:
             return gemv(a, self.weight, out=out, stream=stream, out_dtype=out_dtype, bf16=bf16,

@@ -27,8 +27,8 @@ def test_projections_are_the_fused_llama_shapes():
 def test_quantized_step_follows_the_fp16_step(variant):
     """The same random weights through fp16 nn.Linear and through a quantized variant: the two steps' outputs
     agree to the quantization error, and the linear-only pass runs every layer's four projections. The kbit
-    variants on the code layout interleave their gate/up rows and take the SiLU from the pair gemv's epilogue at
-    this batch (fuses_silu); the fp16 step, on the same interleaved weights, through the SiLU kernel for pairs."""
+    variants on the code layout interleave their gate/up rows and take the SiLU from the pair or tensor-core gemv's
+    epilogue at this batch (fuses_silu); the fp16 step, on the same interleaved weights, through the SiLU kernel for pairs."""
     if SIM:
         variant = "fp16"
     rng = np.random.default_rng(0)
@@ -81,8 +81,9 @@ def test_qwen3_moe_shapes_and_routing():
     np.testing.assert_allclose(weights.sum(1), 1, rtol=1e-6)
 
 
-def _moe_reference(step, layer, h, W_gu, W_d):
-    """sum_j p_j W_d[e_j] (silu(g) * u), (g, u) = W_gu[e_j] h, in float64 from the step's own routing."""
+def _moe_reference(step, layer, h, W_gu, W_d, pairs=False):
+    """sum_j p_j W_d[e_j] (silu(g) * u), (g, u) = W_gu[e_j] h (its halves, or with ``pairs`` its even and odd rows),
+    in float64 from the step's own routing."""
     src, inv, weights = (t.cpu().numpy() for t in step.routes[layer])
     offsets = step.offsets[layer]
     top = step.cfg["top_k"]
@@ -92,7 +93,8 @@ def _moe_reference(step, layer, h, W_gu, W_d):
     for b in range(h.shape[0]):
         for j in range(top):
             e = expert_of_row[inv[b * top + j]]
-            g, u = np.split(W_gu[e] @ h[b], 2)
+            gu = W_gu[e] @ h[b]
+            g, u = (gu[0::2], gu[1::2]) if pairs else np.split(gu, 2)
             y[b] += weights[b, j] * (W_d[e] @ (g / (1 + np.exp(-g)) * u))
     return y
 
@@ -103,14 +105,18 @@ def test_moe_layer_is_the_routed_sum_of_its_experts(variant, B):
     """The MoE block of the step (gather by expert, gate_up experts, silu_mul, down experts, weighted sum) against
     a float64 loop over the routing, with the variant's own (dequantized) expert weights. kbit runs the grouped
     mma gemv (k = 2, 4) or grouped_gemv (k = 3) at B = 3 and grouped_gemm at B = 40 (more than 8 rows per
-    expert); "kbit k=4 pdl" the PDL builds (grouped mma gemv and fused kernels); on the simulator fp16 only."""
+    expert); "kbit k=4 pdl" the PDL builds (grouped mma gemv and fused kernels); on the simulator fp16 only. The
+    k = 2, 4 variants interleave their gate/up experts' rows (fuses_silu): the grouped mma gemv's epilogue computes
+    the SiLU at B = 3, the SiLU kernel for pairs at B = 40."""
     rng = np.random.default_rng(2)
     base = {name: rng.standard_normal((N, K), dtype=np.float32) * 0.1 for name, N, K in bench_model.projections(TINY_MOE)}
     for name, N, K in bench_model.projections(TINY_MOE)[2:]:      # the experts: 3 distinct matrices, repeated
         base[name] = [rng.standard_normal((N, K), dtype=np.float32) * 0.1 for _ in range(3)]
-    linears = bench_model.build_linears(TINY_MOE, variant, base, lambda msg: None, DEVICE)
+    fused = bench_model.fuses_silu(TINY_MOE, variant)
+    assert fused == (variant in ("kbit k=4", "kbit k=2", "kbit k=4 pdl"))
+    linears = bench_model.build_linears(TINY_MOE, variant, base, lambda msg: None, DEVICE, silu_pairs=fused)
     step = bench_model.DecodeStep(TINY_MOE, linears, B, context=64, device=DEVICE,
-                                  pdl=bench_model.uses_pdl(variant))
+                                  pdl=bench_model.uses_pdl(variant), silu_pairs=fused)
     if variant == "fp16":
         kernels = None
         weights = [[lin.W.float().cpu().numpy() for lin in layer[2:]] for layer in linears]
@@ -123,11 +129,12 @@ def test_moe_layer_is_the_routed_sum_of_its_experts(variant, B):
         codes = variant in ("kbit k=4", "kbit k=2", "kbit k=4 pdl")
         want = ("mma_gemv" if codes and most <= 8 else "grouped_gemv" if not codes and most <= 4 else "grouped_gemm")
         assert kernels == {want} and (B == 3) == (want != "grouped_gemm"), (kernels, most)
+        assert all(runs[0].silu_pairs == (fused and want == "mma_gemv") for runs in step.expert_runs)
     h = torch.randn(B, TINY_MOE["hidden"], device=DEVICE, dtype=torch.float16)
     for layer in range(TINY_MOE["layers"]):
         with torch.no_grad():
             got = step.moe(h, layer).double().cpu().numpy()
-        want = _moe_reference(step, layer, h, *weights[layer])
+        want = _moe_reference(step, layer, h, *weights[layer], pairs=fused)
         err = np.abs(got - want).max() / np.abs(want).max()
         assert err <= 0.02, err
     with torch.no_grad():

@@ -8,8 +8,8 @@ from numba import cuda
 import kbit_numba as kb
 from kbit_numba import mma_gemv, pair_gemv, reference as ref
 from kbit_numba.formats import CODES_K
-from helpers import (EXAMPLES, SIM, gpu_examples, gpu_split, kbit_weight, Out, out_modes, random_weight, seeds, sizes,
-                     weight_kinds, variants)
+from helpers import (EXAMPLES, SIM, assert_within, gpu_examples, gpu_split, kbit_weight, Out, out_modes, random_weight,
+                     seeds, sizes, weight_kinds, variants)
 from test_gemm import check_gemm
 from test_gemv import _activations
 
@@ -36,6 +36,57 @@ def test_mma_gemv(k_split, a_split, seed, v, N, kb2, kind, out_mode):
     out = mma_gemv.plan(A, pair_gemv.to_codes(qw), out_dtype=out_dtype, bf16=bf16, **o.kwargs).launch()
     assert out.shape == (M, N) and out.dtype == np.dtype(out_dtype)
     check_gemm(o.host(out), A, pool, bf16, out_dtype, rows)
+
+
+def check_silu_pairs(got, A, qw, out_dtype=np.float32):
+    """The silu_pairs epilogue against reference.silu_pairs of reference.gemm: check_gemm's bound e on the sums,
+    carried through silu (|silu'| <= 1.1) and the product, 1.1 e_gate (|up| + e_up) + |silu(gate)| e_up, plus float32
+    rounding of the exponential and the two operations."""
+    C = ref.gemm(A, qw).astype(np.float64)
+    Af = ref.mma_round(ref.as_float32(A).reshape(C.shape[0], -1)).astype(np.float64)
+    Wg = np.abs(ref.gemm_weights(qw).astype(np.float64))
+    steps = -(-Af.shape[1] // 16) + 2
+    e = steps * 2.0 ** -22 * (np.abs(Af) @ Wg.T) + 2.0 ** -34 * (np.abs(Af) @ ((Wg > 0) & (Wg < 2.0 ** -14)).T)
+    gate, up, e_gate, e_up = C[:, 0::2], C[:, 1::2], e[:, 0::2], e[:, 1::2]
+    want = ref.silu_pairs(C)
+    tol = 1.1 * e_gate * (np.abs(up) + e_up) + np.abs(gate / (1 + np.exp(-gate))) * e_up + 1e-6 * np.abs(want) + 1e-30
+    assert_within(got, want, tol, out_dtype)
+
+
+@settings(max_examples=EXAMPLES)
+@given(seeds, variants((4, 2), range(1, 17), (np.float16, np.float32)), st.integers(1, MAX_N // 2), KB2)
+def test_mma_gemv_silu_pairs(seed, v, half_n, kb2):
+    """The ``silu_pairs`` epilogue (gate/up rows interleaved) writes silu(C[:, 2j]) * C[:, 2j + 1] into an [M, N / 2]
+    output, one and two token tiles."""
+    k, M, out_dtype = v
+    rng = np.random.default_rng(seed)
+    N, K = 2 * half_n, 64 * kb2
+    qw = ref.quantize(random_weight(rng, N, K), k=k)
+    A = _activations(rng, M, K, "float16")
+    out = mma_gemv.plan(A, pair_gemv.to_codes(qw), out_dtype=out_dtype, silu_pairs=True).launch()
+    assert out.shape == (M, N // 2) and out.dtype == np.dtype(out_dtype)
+    check_silu_pairs(out.copy_to_host(), A, qw, out_dtype)
+
+
+@pytest.mark.parametrize("k", CODES_K)
+def test_mma_gemv_grouped_silu_pairs(k):
+    """MoE gate/up experts with interleaved rows: the grouped epilogue's [T, N / 2] output per expert, T >= E (a grid
+    slot per expert) and T < E (a slot per row), code and fragment layouts."""
+    rng = np.random.default_rng(40 + k)
+    N, K = (32, 256) if SIM else (96, 1024)
+    flats = [ref.quantize(random_weight(rng, N, K), k=k) for _ in range(4)]
+    for experts in (kb.stack_experts([ref.to_codes(w) for w in flats]),
+                    kb.stack_experts([mma_gemv.to_fragments(pair_gemv.to_codes(w)) for w in flats])):
+        for counts in ([3, 0, 8, 1], [0, 1, 0, 1]):
+            offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+            A = _activations(rng, int(offsets[-1]), K, "float16")
+            p = mma_gemv.plan_grouped(A, experts, offsets, out_dtype=np.float32, silu_pairs=True)
+            got = p.launch().copy_to_host()
+            assert got.shape == (int(offsets[-1]), N // 2)
+            for e, w in enumerate(flats):
+                if counts[e]:
+                    rows = slice(offsets[e], offsets[e + 1])
+                    check_silu_pairs(got[rows], A[rows], w)
 
 
 @pytest.mark.parametrize("k", CODES_K)
@@ -266,6 +317,9 @@ def test_mma_gemv_grouped_refuses_and_marks_extra_rows():
     assert np.all(np.isnan(got[8]))                   # device offsets: the expert's 9th row (8) comes out NaN
     check_gemm(got[:8], A[:8], flats[0])
     check_gemm(got[9:], A[9:], flats[1])
+    got = mma_gemv.plan_grouped(A, experts, cuda.to_device(offsets), out_dtype=np.float32,    # (the same in the
+                                silu_pairs=True).launch().copy_to_host()                     # epilogue's output)
+    assert got.shape == (10, 10) and np.all(np.isnan(got[8])) and not np.isnan(got[[7, 9]]).any()
     with pytest.raises(ValueError, match="code-layout experts"):
         mma_gemv.grouped_gemv(A, kb.stack_experts(flats), offsets)
     with pytest.raises(ValueError, match="code-layout experts: mma_gemv.grouped_gemv"):

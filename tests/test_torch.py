@@ -127,22 +127,24 @@ def test_quantize_model_replaces_linears_keeps_odd_ones_and_reports_bytes(capsys
 @pytest.mark.parametrize("f16_acc", [False, True])
 def test_run_silu_pairs_is_the_gated_activation_of_interleaved_rows(f16_acc):
     """``run(x, silu_pairs=True)`` on a gate/up layer with interleaved rows: silu(y[:, 2j]) * y[:, 2j + 1] of its own
-    product (reference.silu_pairs), [M, N / 2], from the pair gemv's epilogue; refused where another kernel runs."""
+    product (reference.silu_pairs), [M, N / 2], from the pair gemv's epilogue (M = 2) and on the GPU the tensor-core
+    gemv's (M = 8); refused where another kernel runs (M = 64: the gemm)."""
     K, N = (64, 8) if SIM else (2048, 768)
     lin = _linear(K, N, bias=False)
     layer = KbitLinear.from_linear(lin, k=4, layout="codes", f16_acc=f16_acc)
-    x = torch.randn(2, K, device=DEVICE).half()
-    assert layer.runtime.kernel_for(2) == "pair_gemv"
-    y = layer.run(x, silu_pairs=True)
-    assert y.shape == (2, N // 2) and y.dtype == torch.float16
-    want = ref.silu_pairs(_want(layer, x, lin))
-    assert np.abs(y.float().cpu().numpy() - want).max() <= 1e-2 * (np.abs(want).max() + 1)
-    with pytest.raises(ValueError, match="silu_pairs is the kbit pair gemv's epilogue"):
+    for M, kernel in ((2, "pair_gemv"),) if SIM else ((2, "pair_gemv"), (8, "mma_gemv")):
+        x = torch.randn(M, K, device=DEVICE).half()
+        assert layer.runtime.kernel_for(M) == kernel
+        y = layer.run(x, silu_pairs=True)
+        assert y.shape == (M, N // 2) and y.dtype == torch.float16
+        want = ref.silu_pairs(_want(layer, x, lin))
+        assert np.abs(y.float().cpu().numpy() - want).max() <= 1e-2 * (np.abs(want).max() + 1), kernel
+    with pytest.raises(ValueError, match="silu_pairs is the kbit gemvs' epilogue"):
         KbitLinear.from_linear(lin, "bitnet").run(x.float(), silu_pairs=True)
-    if not SIM:                                  # (the tensor-core gemv from M = 4 at k = 4 with f16_acc)
-        kernel = layer.runtime.kernel_for(16)
+    if not SIM:
+        kernel = layer.runtime.kernel_for(64)
         with pytest.raises(ValueError, match=f"this call runs '{kernel}'"):
-            layer.run(torch.randn(16, K, device=DEVICE).half(), silu_pairs=True)
+            layer.run(torch.randn(64, K, device=DEVICE).half(), silu_pairs=True)
 
 
 def test_errors_name_what_is_known():
