@@ -3,8 +3,11 @@ of the families' ``kernel_specializations()`` to PTX for sm_90, normalise the ma
 {name: sha1 prefix} as JSON. Two revisions' fingerprints show which kernels a change touched: equal
 fingerprints mean equal PTX, so equal speed.
 
-    python benchmarks/ptx_fingerprint.py [--every N] > fp.json      # (slow: seconds per kernel)
+    python benchmarks/ptx_fingerprint.py [--every N] [--families pair_gemv,mma_gemv] > fp.json   # (seconds a kernel)
     python benchmarks/ptx_fingerprint.py --compare a.json b.json
+
+Shared arrays' generated names (``_cudapy_smem_N``) are normalised too, and the module-scope declarations sorted: the
+grouped tensor-core gemv declares its shared arrays in an order that varies from compile to compile.
 """
 import argparse
 import hashlib
@@ -13,28 +16,43 @@ import re
 import sys
 
 
-def fingerprints(every=1):
+FAMILIES = ("codec", "scalar_gemv", "pair_gemv", "mma_gemv", "tensor_gemm", "act_quant", "uniform", "sbvr", "bitnet",
+            "bench_model")
+
+
+def normalise(ptx):
+    """PTX with its generated names replaced by X and its module-scope declarations sorted."""
+    ptx = re.sub(r"\b_?(cudapy|__numba)\w*", "X", re.sub(r"_Z\w+", "_Z", ptx))
+    lines = ptx.splitlines()
+    decls = [i for i, line in enumerate(lines)
+             if re.match(r"\.(common|extern|global|shared|visible\s+\.shared)\b.*;$", line)]
+    for i, line in zip(decls, sorted(lines[i] for i in decls)):
+        lines[i] = line
+    return "\n".join(lines)
+
+
+def fingerprints(every=1, families=FAMILIES):
     from numba import cuda
     import numba.cuda.dispatcher as dispatcher
 
     class _Sm90:                      # no driver: answer the compute-capability query (as tests/conftest.py)
         compute_capability = (9, 0)
     dispatcher.get_current_device = lambda: _Sm90()
-    from kbit_numba import act_quant, bitnet, codec, pair_gemv, sbvr, scalar_gemv, tensor_gemm, uniform
+    import importlib
     specs = []
-    for mod in (codec, scalar_gemv, pair_gemv, tensor_gemm, act_quant, uniform, sbvr, bitnet):
-        specs += mod.kernel_specializations()
+    for family in families:
+        specs += importlib.import_module(f"kbit_numba.{family}").kernel_specializations()
     out = {}
     for name, kernel, argtypes in specs[::every]:
         ptx, _ = cuda.compile_ptx(kernel.py_func, argtypes, cc=(9, 0))
-        ptx = re.sub(r"\b(cudapy|__numba)\w*", "X", re.sub(r"_Z\w+", "_Z", ptx))
-        out[name] = hashlib.sha1(ptx.encode()).hexdigest()[:16]
+        out[name] = hashlib.sha1(normalise(ptx).encode()).hexdigest()[:16]
     return out
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--every", type=int, default=1, help="every N-th specialisation only")
+    ap.add_argument("--families", default=",".join(FAMILIES), help="comma-separated kernel families (modules)")
     ap.add_argument("--compare", nargs=2, metavar=("A", "B"))
     args = ap.parse_args(argv)
     if args.compare:
@@ -43,7 +61,7 @@ def main(argv=None):
         print(f"{len(same)} equal; differ: {sorted(k for k in a if k in b and a[k] != b[k])}; "
               f"only in A: {sorted(set(a) - set(b))}; only in B: {sorted(set(b) - set(a))}")
         return 0
-    json.dump(fingerprints(args.every), sys.stdout, indent=0, sort_keys=True)
+    json.dump(fingerprints(args.every, args.families.split(",")), sys.stdout, indent=0, sort_keys=True)
     return 0
 
 

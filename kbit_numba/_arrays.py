@@ -142,6 +142,12 @@ def check_finite_host(x, name):
         raise ValueError(f"{name} contains NaN or Inf")
 
 
+def check_silu_pairs(silu_pairs, N):
+    """The gemvs' ``silu_pairs`` epilogue reads a gate/up weight's rows as (gate, up) pairs: N must be even."""
+    if silu_pairs and N % 2:
+        raise ValueError(f"silu_pairs needs (gate, up) row pairs: an even N, got N={N}")
+
+
 def check_aligned(arr, nbytes, name):
     """Kernels that use 16-byte loads/stores need the buffer's address aligned (Numba/CuPy/torch
     allocations are; a view into the middle of a buffer may not be)."""

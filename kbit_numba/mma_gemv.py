@@ -42,7 +42,6 @@ Reference twin: ``reference.gemm`` (the same weight roundings). Tests: ``tests/t
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
@@ -53,7 +52,7 @@ from . import _arrays
 from .core import (SHARED_PER_SM, check_grouped, device_weight, fit_threads, max_tokens_per_expert, persistent_grid,
                    unused_i32)
 from .device import (CODEBOOK, PRMT_ROW, TABLE_BYTES, TABLE_FLOATS, WARP, e4m4_decode, f32_to_bf16_bits, i32,
-                     jit_kernel, make_table_fill, slot_expert, u32)
+                     jit_kernel, make_silu_pair_out, make_table_fill, slot_expert, u32)
 from .formats import (ABSMAX_FORMATS, BLOCK, CODES_K, KbitCodes, KbitFragments, check_fragment_shape,
                       fragment_position)
 from .intrinsics import (bmul2, f16x2_as_u32, griddep_launch_dependents, griddep_wait, hmul2, ldg128, lds64,
@@ -152,20 +151,8 @@ def make_mma_gemv_kernel(spec):
     assert BSTRIDE == 1 and CODE_WORDS == 4 or BLOCK_WORDS == 4, "a 16-byte load is one block or a block pair"
     SILU_PAIRS = spec.silu_pairs
 
-    @ir_inlined
-    def silu_pair_out(smem, p, kw, out, row, n, N):
-        """``silu_pairs`` (as pair_gemv's): column n (even) is gate j = n / 2 of a gate/up weight with interleaved
-        rows and n + 1 (its partial sums TOKENS further on in each tile) up j: write silu(gate) * up to out[row, j]
-        of an [M, N / 2] output. The odd column's thread writes nothing."""
-        if n % u32(2) == u32(0) and n < u32(N):
-            gate, up = np.float32(0.0), np.float32(0.0)
-            p_end = u32(p + kw * u32(TILE))
-            while p < p_end:
-                gate += smem[p]
-                up += smem[u32(p + u32(TOKENS))]
-                p = u32(p + u32(TILE))
-            y = gate / (np.float32(1.0) + math.exp(-gate)) * up
-            out[u32(row * u32(u32(N) // u32(2)) + n // u32(2))] = np.float16(y) if f16_out else y
+    # the silu_pairs epilogue (device.make_silu_pair_out): column n's partials a tile apart, n + 1's TOKENS after each
+    silu_pair_out = make_silu_pair_out(TILE, TOKENS, f16_out, ir_inlined)
 
     @ir_inlined
     def mark_rows(out, start, count, tid):
@@ -511,7 +498,7 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, cta_war
                         f"{type(kc).__name__}: convert the weight once with pair_gemv.to_codes(qw) (or to_fragments)")
     kc = device_weight(kc, type(kc), stream)
     N, K = kc.shape
-    _check_pairs(silu_pairs, N)
+    _arrays.check_silu_pairs(silu_pairs, N)
     Ad, a_src, M, out = _arrays.gemv_io(A, (N // 2, K) if silu_pairs else kc.shape, out, out_dtype, bf16, stream,
                                         "mma gemv", MAX_TOKENS)
     _check_inputs(a_src, K)
@@ -522,11 +509,6 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, cta_war
     spec = MmaGemvSpec(kc.k, kc.absmax_format, a_src, out.dtype, pdl, tiles=tiles_for(M),
                        fragments=isinstance(kc, KbitFragments), silu_pairs=silu_pairs)
     return Plan([_step(spec, args, N, K, cta_warps)], Ad, out, stream)
-
-
-def _check_pairs(silu_pairs, N):
-    if silu_pairs and N % 2:
-        raise ValueError(f"silu_pairs needs (gate, up) row pairs: an even N, got N={N}")
 
 
 def _check_inputs(a_src, K):
@@ -575,7 +557,7 @@ def plan_grouped(A, experts, expert_offsets, out=None, stream=None, out_dtype=np
         max_tokens = max_tokens_per_expert(expert_offsets, T)
     if max_tokens is not None and max_tokens > N8:
         raise ValueError(f"the grouped mma gemv handles up to {N8} tokens per expert, got {max_tokens}")
-    _check_pairs(silu_pairs, N)
+    _arrays.check_silu_pairs(silu_pairs, N)
     out_dtype = _arrays.output_dtype(out, out_dtype)
     out = _arrays.output(out, "out", (T, N // 2 if silu_pairs else N), out_dtype, stream)
     _arrays.check_aligned(Ad, 16, "A")

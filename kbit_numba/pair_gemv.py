@@ -42,8 +42,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-import math
-
 import numpy as np
 from numba import cuda
 from numba.cuda.misc.special import literal_unroll
@@ -51,7 +49,7 @@ from numba.cuda.misc.special import literal_unroll
 from . import _arrays
 from .core import MAX_M, device_weight, fit_threads, k_warps, persistent_grid, sm_count
 from .device import (ABSMAX_CODES, CODEBOOK, PRMT_ROW, TABLE_BYTES, TABLE_FLOATS, WARP, e4m4_decode, i32, inlined,
-                     jit_kernel, make_table_fill, make_warp_reduce_scatter, make_word_unpacker, u32)
+                     jit_kernel, make_silu_pair_out, make_table_fill, make_warp_reduce_scatter, make_word_unpacker, u32)
 from .formats import ABSMAX_FORMATS, BLOCK, CODES_K, KbitCodes, KbitFragments, KbitWeight
 from .intrinsics import (SIMULATOR, bar_sync, f16_bits_to_f32, griddep_launch_dependents, griddep_wait, hfma2, ldg128,
                          ldg64_stream, ldg128_stream, lds64, lds128, lds_u32, prmt, shared_addr, u32_as_f32)
@@ -143,21 +141,8 @@ def make_pair_gemv_kernel(spec):
     EARLY_BARRIER = PDL and k == 4
     SILU_PAIRS = spec.silu_pairs
 
-    @inlined
-    def silu_pair_out(smem, p, kw, out, row, n, N):
-        """``silu_pairs``: column n (even) is gate j = n / 2 of a gate/up layer whose rows are interleaved, and
-        n + 1 (its partial sums M further on) is up j: write silu(gate) * up to out[row, j] of an [M, N / 2] output,
-        from the float32 sums (the next layer's input, computed once an element: no SiLU kernel and no [M, N]
-        round trip through memory). The odd column's thread writes nothing."""
-        if n % u32(2) == u32(0) and n < u32(N):
-            gate, up = np.float32(0.0), np.float32(0.0)
-            p_end = u32(p + kw * u32(V))
-            while p < p_end:
-                gate += smem[p]
-                up += smem[u32(p + u32(M))]
-                p = u32(p + u32(V))
-            y = gate / (np.float32(1.0) + math.exp(-gate)) * up
-            out[u32(row * u32(u32(N) // u32(2)) + n // u32(2))] = np.float16(y) if f16_out else y
+    # the silu_pairs epilogue: column n's partial sums V apart, column n + 1's M after each
+    silu_pair_out = make_silu_pair_out(V, M, f16_out)
 
     @inlined
     def load_columns(packed, absmax, n0, kb, last4, n_kb, codes, code_absmax):
@@ -491,8 +476,7 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc
     stream = _arrays.as_stream(stream)
     kc = to_codes(kc, stream)                              # checked device arrays (re-packed if a KbitWeight)
     N, K = kc.shape
-    if silu_pairs and N % 2:
-        raise ValueError(f"silu_pairs needs (gate, up) row pairs: an even N, got N={N}")
+    _arrays.check_silu_pairs(silu_pairs, N)
     Ad, a_src, M, out = _arrays.gemv_io(A, (N // 2, K) if silu_pairs else kc.shape, out, out_dtype, bf16, stream,
                                         "pair gemv", MAX_M)
     n_kb = K // BLOCK
