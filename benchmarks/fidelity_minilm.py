@@ -26,7 +26,8 @@ gemv's float16-activation arithmetic for kbit K, with float32 and with float16 (
 ``kbitK_gptq`` (with ``_mse``: a searched block scale; ``_cb``: the layer's fitted codebook, ``calibrate.fit_codebook``;
 ``_act``: columns in activation order; ``_ref``: ``REFINE_ROUNDS`` rounds of block scales refitted to the output
 error and indices chosen again, ``calibrate.quantize_gptq(refine=...)``; ``_seq``: sequential
-calibration; ``_ln``: the LayerNorms refitted to the quantized linears, ``refit_norms``) quantize through
+calibration; ``_ln``: the LayerNorms refitted to the quantized linears, ``refit_norms``; ``_cd``: ``INDEX_SWEEPS``
+sweeps of coordinate descent over the indices, ``calibrate.refine_indices``) quantize through
 ``kbit_numba.calibrate.quantize_gptq`` (GPTQ-style error feedback into the same kbit bytes), cross-calibrated
 on the two halves of the sentences (``gptq_two_fold``); ``--calibration two-fold+text`` adds the 264 sentences
 of ``data/calibration_sentences.txt``, written for calibration, to each half (``text``: those alone).
@@ -67,6 +68,7 @@ NF4 = np.array([-1.0, -0.6961928009986877, -0.5250730514526367, -0.3949174880981
 
 # ---- files ------------------------------------------------------------------------------------------
 REFINE_ROUNDS = 2                 # ``_ref`` formats: calibrate.quantize_gptq(refine=...)
+INDEX_SWEEPS = 2                  # ``_cd`` formats: calibrate.quantize_gptq(index_sweeps=...)
 
 
 def model_dir():
@@ -271,19 +273,20 @@ def kbit_mse(W, k, grid=np.linspace(0.6, 1.0, 41)):
     return best.reshape(W.shape), len(B) * (4 * k + 1)
 
 
-def kbit_gptq(W, k, H, damp=0.1, scale_search=False, act_order=False, fit=False, refine=0):
+def kbit_gptq(W, k, H, damp=0.1, scale_search=False, act_order=False, fit=False, refine=0, sweeps=0):
     """kbit k through ``kbit_numba.calibrate.quantize_gptq`` (GPTQ-style error feedback through the inverse of
     the layer's input Hessian H; the kbit bytes); ``fit``: with the layer's own codebook
-    (``calibrate.fit_codebook``). Returns (dequantized W, bytes)."""
+    (``calibrate.fit_codebook``); ``sweeps``: ``quantize_gptq(index_sweeps=...)``. Returns (dequantized W, bytes)."""
     from kbit_numba import reference as ref
     from kbit_numba.calibrate import fit_codebook, quantize_gptq
     cb = fit_codebook(W, k, H) if fit else None
-    qw = quantize_gptq(W, H, k=k, damp=damp, act_order=act_order, scale_search=scale_search, codebook=cb, refine=refine)
+    qw = quantize_gptq(W, H, k=k, damp=damp, act_order=act_order, scale_search=scale_search, codebook=cb, refine=refine,
+                       index_sweeps=sweeps)
     return ref.dequantize(qw), qw.nbytes
 
 
 def gptq_weights(p, ids, mask, names, k, damp=0.1, scale_search=False, act_order=False, sequential=False, fit=False,
-                 refine=0):
+                 refine=0, sweeps=0):
     """Every linear quantized by kbit_gptq with its Hessian over the real tokens of the sentences (ids, mask): the
     float32 model's inputs, or with ``sequential`` those of the model whose earlier linears are already quantized
     (GPTQ's order: each layer corrects for the error before it). Returns ({name: dequantized W}, bytes)."""
@@ -292,7 +295,7 @@ def gptq_weights(p, ids, mask, names, k, damp=0.1, scale_search=False, act_order
 
     def quantize(name):
         weights[name], sizes[name] = kbit_gptq(p[name + ".weight"], k, H[name], damp, scale_search, act_order, fit,
-                                               refine)
+                                               refine, sweeps)
 
     def record(name, x):
         X = x.reshape(-1, x.shape[-1])[keep].astype(np.float64)
@@ -345,7 +348,7 @@ def stack_tokens(a, b):
 
 
 def gptq_two_fold(p, ids, mask, names, k, damp=0.1, scale_search=False, act_order=False, sequential=False, fit=False,
-                  extra=None, refine=0, norms=False):
+                  extra=None, refine=0, norms=False, sweeps=0):
     """kbit k with GPTQ, cross-calibrated: the sentences are split in two halves (even, odd); each half is
     embedded with weights whose Hessians came from the other half only (:func:`gptq_weights`), and from ``extra``
     (ids, mask) if given: sentences written for calibration (CALIBRATION). Returns (embeddings in the sentences'
@@ -355,7 +358,8 @@ def gptq_two_fold(p, ids, mask, names, k, damp=0.1, scale_search=False, act_orde
     first = None
     for calib, evaluate in ((slice(0, None, 2), slice(1, None, 2)), (slice(1, None, 2), slice(0, None, 2))):
         text = (ids[calib], mask[calib]) if extra is None else stack_tokens((ids[calib], mask[calib]), extra)
-        weights, nbytes = gptq_weights(p, *text, names, k, damp, scale_search, act_order, sequential, fit, refine)
+        weights, nbytes = gptq_weights(p, *text, names, k, damp, scale_search, act_order, sequential, fit, refine,
+                                       sweeps)
         pf = refit_norms(p, weights, *text) if norms else p
         E[evaluate] = embed(pf, ids[evaluate], mask[evaluate], linear_with(pf, weights))
         first = first or (weights, nbytes)
@@ -594,12 +598,14 @@ def main(argv=None):
         num, den = 0.0, 0.0
         options = ("_mse" in name, "_act" in name, "_seq" in name, "_cb" in name)
         refine = REFINE_ROUNDS if "_ref" in name else 0
+        sweeps = INDEX_SWEEPS if "_cd" in name else 0
         if "_gptq" in name and args.calibration == "text":
-            weights, nbytes = gptq_weights(p, *calibration, names, int(name[4]), args.gptq_damp, *options, refine)
+            weights, nbytes = gptq_weights(p, *calibration, names, int(name[4]), args.gptq_damp, *options, refine,
+                                           sweeps)
             E = embed(p, ids, mask, linear_with(p, weights))
         elif "_gptq" in name:               # kbitK[_mse][_cb]_gptq[_act][_seq]: cross-calibrated, see gptq_two_fold
             E, weights, nbytes = gptq_two_fold(p, ids, mask, names, int(name[4]), args.gptq_damp, *options,
-                                               extra=calibration, refine=refine, norms="_ln" in name)
+                                               extra=calibration, refine=refine, norms="_ln" in name, sweeps=sweeps)
         else:
             weights, nbytes = {}, 0
             for n in names:
