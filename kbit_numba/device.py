@@ -288,6 +288,7 @@ ROW_BYTES = 256                   # one table row per code, so a code byte shift
 TABLE_BYTES = CODES * ROW_BYTES   # 64 KB of dynamic shared memory
 TABLE_FLOATS = TABLE_BYTES // 4
 CHUNK_BYTES = 16                  # the fill writes the table 16 bytes (one st.shared.v4) at a time
+PHASE_BYTES = 128                 # what the 32 shared-memory banks serve at once (a request is split into phases)
 ABSMAX_CODES = 256                # E4M4 bytes, decoded once per CTA into shared memory after the table
 CODEBOOK = TABLE_FLOATS + ABSMAX_CODES   # float offset of the codebook (<= 16 values, staged for the fill)
 # prmt selector for code byte t of a word: result byte 0 <- the lane's copy offset (byte 4 of {b, a}),
@@ -301,15 +302,19 @@ def make_table_fill(k, entry_type):
     array ``smem`` (all threads of the CTA call it; it stages the codebook at float offset ``CODEBOOK`` and
     meets them at one barrier). Entry (code, copy) holds the G = 8 // k codebook values of code byte ``code``
     (element e from bits k*e) as float32 words (``entry_type`` 'float32') or packed pairs of 'float16' or
-    'bfloat16' (low half first); ENTRY is its size in bytes, COPIES the copies per 256-byte row (lane l
-    reads copy l % COPIES at row offset (l % COPIES) * ENTRY). Each thread writes one 16-byte chunk of a row
+    'bfloat16' (low half first); ENTRY is its size in bytes, COPIES the copies in a 256-byte row, which fill
+    its first 128 bytes (lane l reads copy l % COPIES at row offset (l % COPIES) * ENTRY; 32 copies of 8-byte
+    entries, as before 2026-11-26, only made the fill twice as long). Each thread writes one 16-byte chunk of a row
     at a time (one ``st.shared.v4``); a chunk's 4 words are 4 // (ENTRY / 4) copies of the entry. The
     codebook is read from shared memory: 16384 global reads would serialise the fill."""
     G = 8 // k
     packed = entry_type != "float32"
     ENTRY = (2 if packed else 4) * G
-    COPIES = min(WARP, ROW_BYTES // ENTRY)         # 32, or 16 for float32 quads (k = 2)
-    USED_CHUNKS = COPIES * ENTRY // CHUNK_BYTES    # chunks of a row the copies fill (f16, k = 4: half)
+    # Shared memory serves a warp's request 128 bytes (32 banks x 4 bytes) at a time: the lanes of one such phase must
+    # read different banks, so different copies, while lanes of different phases may share one. An 8-byte load
+    # (f16 quads, f32 pairs) is served in two phases of 16 lanes, a 16-byte load (f32 quads) in four of 8.
+    COPIES = min(WARP, PHASE_BYTES // ENTRY)       # 32 for 4-byte entries, 16 for 8-byte, 8 for 16-byte
+    USED_CHUNKS = COPIES * ENTRY // CHUNK_BYTES    # chunks of a row the copies fill: 8, the first half
     WORDS_PER_ENTRY = ENTRY // 4
     CODE_MASK = (1 << k) - 1
     N_CODES = 1 << k

@@ -8,11 +8,13 @@ offline and looks weights up several at a time:
 * **Layout** (``formats.KbitCodes``, made once by :func:`to_codes`): a block's k words hold its indices
   as k-bit fields in element order, so byte c of word w is one *group* of ``G = 8 // k`` consecutive
   elements (a pair at k = 4, a quad at k = 2). Same bytes per weight as the bit planes.
-* **Group table**: 256 entries (one per byte value) of G float32 codebook values, in 64 KB of dynamic
-  shared memory laid out ``[code][copy]`` with one 256-byte row per code and ``64 // G`` copies per row,
-  so that lane l reads copy ``l % copies``: the 32 lanes of an ``ld.shared.v2`` (v4 at k = 2) always hit
-  distinct banks, whatever their codes. Because a row is exactly 256 bytes, the address of code byte c is
-  ``code * 256 + copy * 4G``: **one prmt** drops the byte into bits 8..15 next to the lane's copy offset.
+* **Group table**: 256 entries (one per byte value) of G codebook values (float32, or float16 with
+  ``f16_acc``), in 64 KB of dynamic shared memory laid out ``[code][copy]`` with one 256-byte row per code
+  and 128 bytes of copies in it (``device.make_table_fill``), so that lane l reads copy ``l % copies``: the
+  lanes that one shared-memory phase serves (128 bytes: 32 lanes of 4-byte loads, 16 of 8-byte, 8 of
+  16-byte) always hit distinct banks, whatever their codes. Because a row is exactly 256 bytes, the address
+  of code byte c is ``code * 256 + copy * ENTRY``: **one prmt** drops the byte into bits 8..15 next to the
+  lane's copy offset.
 * **Per group of G weights**: 1 prmt + 1 shared load + G*M float32 FMAs (k = 4, M = 1: 2 instructions
   per weight). The block's sum is scaled by its absmax once.
 * **Geometry**: as in the scalar gemv, lane l of K-warp w owns block kb = 32 w + l for the whole launch
