@@ -303,10 +303,10 @@ def make_table_fill(k, entry_type):
     meets them at one barrier). Entry (code, copy) holds the G = 8 // k codebook values of code byte ``code``
     (element e from bits k*e) as float32 words (``entry_type`` 'float32') or packed pairs of 'float16' or
     'bfloat16' (low half first); ENTRY is its size in bytes, COPIES the copies in a 256-byte row, which fill
-    its first 128 bytes (lane l reads copy l % COPIES at row offset (l % COPIES) * ENTRY; 32 copies of 8-byte
-    entries, as before 2026-11-26, only made the fill twice as long). Each thread writes one 16-byte chunk of a row
-    at a time (one ``st.shared.v4``); a chunk's 4 words are 4 // (ENTRY / 4) copies of the entry. The
-    codebook is read from shared memory: 16384 global reads would serialise the fill."""
+    its first 128 bytes (lane l reads copy l % COPIES at row offset (l % COPIES) * ENTRY; why 128: at COPIES
+    below). Each thread writes one 16-byte chunk of a row at a time (one ``st.shared.v4``); a chunk's 4 words
+    are 4 // (ENTRY / 4) copies of the entry. The codebook is read from shared memory: 16384 global reads would
+    serialise the fill."""
     G = 8 // k
     packed = entry_type != "float32"
     ENTRY = (2 if packed else 4) * G
