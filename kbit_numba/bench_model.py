@@ -55,6 +55,8 @@ import traceback
 import numpy as np
 from numba import cuda, float32, int32, uint32, uint64
 
+from .dispatch import EPILOGUE_GEMVS
+
 # Shapes from the published configs (hidden_size, intermediate_size, heads, kv heads, head_dim, layers).
 MODELS = {
     "llama3-8b": dict(hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128, layers=32),
@@ -836,7 +838,7 @@ class DecodeStep:
         kernel."""
         runtime = getattr(gate_up, "runtime", None)
         if (self.silu_pairs and h.is_cuda and runtime is not None
-                and runtime.kernel_for(h.shape[0]) in ("pair_gemv", "mma_gemv")):
+                and runtime.kernel_for(h.shape[0]) in EPILOGUE_GEMVS):
             return gate_up.run(h, silu_pairs=True)
         return self.silu_mul(gate_up(h), pairs=self.silu_pairs)
 

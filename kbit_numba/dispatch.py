@@ -34,6 +34,7 @@ from .intrinsics import SIMULATOR
 from .launch import HostStep, Plan, stream_handle
 
 KERNELS = ("gemv", "pair_gemv", "mma_gemv", "gemm", "dequant_matmul")
+EPILOGUE_GEMVS = ("pair_gemv", "mma_gemv")   # the code layout's gemvs: built for PDL and the silu_pairs epilogue
 LAYOUTS = ("auto", "tiled", "codes")  # what KbitLinear keeps on the device ("auto": codes where it can)
 FALLBACK = ("gemm", "dequant_matmul", "gemv")
 FALLBACK_CODES = ("gemm", "pair_gemv")   # (the pair gemv reads every code-layout weight)
@@ -382,17 +383,18 @@ class KbitLinear:
     def plan(self, A, out=None, stream=None, out_dtype=np.float16, bf16=False, kernel=None, silu_pairs=False):
         """``linear``'s :class:`launch.Plan` for this layer's weight and workspace (the table's launch
         parameters included when the kernel is the table's choice). ``silu_pairs``: the pair or tensor-core gemv's
-        epilogue (``pair_gemv.plan``), an [M, N / 2] output; a ValueError where the call runs another kernel."""
+        epilogue (``pair_gemv.plan``, ``mma_gemv.plan``), an [M, N / 2] output; a ValueError where the call runs
+        another kernel."""
         params = {}
         if kernel is None:
             N, K = self.weight.shape
             kernel, params = choose_rule(_rows(_arrays.check_array(A, "A")), N, K, self.weight.layout, self.table,
                                          half=half_input(A, bf16), f16_acc=self.f16_acc and f16_input(A, bf16),
                                          k=self.weight.k)
-        if self.pdl and kernel in ("pair_gemv", "mma_gemv"):
+        if self.pdl and kernel in EPILOGUE_GEMVS:
             params = dict(params, pdl=True)
         if silu_pairs:
-            if kernel not in ("pair_gemv", "mma_gemv"):
+            if kernel not in EPILOGUE_GEMVS:
                 raise ValueError(f"silu_pairs is the pair and tensor-core gemvs' epilogue; this call runs {kernel!r} "
                                  "(kernel_for(M) says which kernel a batch runs)")
             params = dict(params, silu_pairs=True)
