@@ -31,22 +31,27 @@ def normalise(ptx):
     return "\n".join(lines)
 
 
-def fingerprints(every=1, families=FAMILIES):
+def sm90_ptx(families, every=1, name=""):
+    """[(name, sm_90 PTX)] of the families' ``kernel_specializations()`` (every ``every``-th, those whose name contains
+    ``name``), compiled without a driver: the compute-capability query is answered as in tests/conftest.py. Also used
+    by ``sass_stats.py``."""
+    import importlib
+
     from numba import cuda
     import numba.cuda.dispatcher as dispatcher
 
-    class _Sm90:                      # no driver: answer the compute-capability query (as tests/conftest.py)
+    class _Sm90:
         compute_capability = (9, 0)
     dispatcher.get_current_device = lambda: _Sm90()
-    import importlib
     specs = []
     for family in families:
         specs += importlib.import_module(f"kbit_numba.{family}").kernel_specializations()
-    out = {}
-    for name, kernel, argtypes in specs[::every]:
-        ptx, _ = cuda.compile_ptx(kernel.py_func, argtypes, cc=(9, 0))
-        out[name] = hashlib.sha1(normalise(ptx).encode()).hexdigest()[:16]
-    return out
+    return [(n, cuda.compile_ptx(kernel.py_func, argtypes, cc=(9, 0))[0])
+            for n, kernel, argtypes in specs[::every] if name in n]
+
+
+def fingerprints(every=1, families=FAMILIES):
+    return {name: hashlib.sha1(normalise(ptx).encode()).hexdigest()[:16] for name, ptx in sm90_ptx(families, every)}
 
 
 def main(argv=None):

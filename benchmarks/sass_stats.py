@@ -4,8 +4,8 @@
     e.g. python benchmarks/sass_stats.py pair_gemv "k=2 M=1 cols=4" --sass-dir /tmp/sass
 
 FAMILY is a kernel module (pair_gemv, mma_gemv, scalar_gemv, tensor_gemm, ...): every specialisation its
-``kernel_specializations()`` lists whose name contains NAME_SUBSTRING is compiled to PTX by Numba (no driver: the
-compute-capability query is answered as in ``ptx_fingerprint.py``), assembled by the local ``ptxas -arch=sm_90 -v``
+``kernel_specializations()`` lists whose name contains NAME_SUBSTRING is compiled to PTX by Numba (no driver:
+``ptx_fingerprint.sm90_ptx``), assembled by the local ``ptxas -arch=sm_90 -v``
 (registers, spill bytes) and disassembled by ``nvdisasm`` (CUDA toolkit, or ``pip install nvidia-cuda-nvdisasm``).
 Each kernel's static instruction count and its ``--top`` opcodes are printed; ``--sass-dir`` keeps each SASS listing.
 Static counts (each instruction once, whether the loop runs it or the prologue) say what a change did to a loop
@@ -16,13 +16,14 @@ lowered to this one (the kernels use no newer instruction; ptxas reports one if 
 """
 import argparse
 import collections
-import importlib
 import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
+
+from ptx_fingerprint import sm90_ptx   # (benchmarks/, the script's folder)
 
 
 def tool(name):
@@ -57,20 +58,12 @@ def main(argv=None):
     ap.add_argument("--ptx-version", default="8.0")
     args = ap.parse_args(argv)
 
-    import numba.cuda.dispatcher as dispatcher
-    from numba import cuda
-
-    class _Sm90:                      # no driver: answer the compute-capability query (as tests/conftest.py)
-        compute_capability = (9, 0)
-    dispatcher.get_current_device = lambda: _Sm90()
-    specs = [s for s in importlib.import_module(f"kbit_numba.{args.family}").kernel_specializations()
-             if args.name in s[0]]
+    ptxas, nvdisasm = tool("ptxas"), tool("nvdisasm")
+    specs = sm90_ptx([args.family], name=args.name)
     if not specs:
         sys.exit(f"no {args.family} specialisation's name contains {args.name!r}")
-    ptxas, nvdisasm = tool("ptxas"), tool("nvdisasm")
     work = tempfile.mkdtemp()
-    for i, (name, kernel, argtypes) in enumerate(specs):
-        ptx, _ = cuda.compile_ptx(kernel.py_func, argtypes, cc=(9, 0))
+    for i, (name, ptx) in enumerate(specs):
         ptx = re.sub(r"^\.version \d+\.\d+", f".version {args.ptx_version}", ptx, count=1, flags=re.M)
         src, cubin = os.path.join(work, f"{i}.ptx"), os.path.join(work, f"{i}.cubin")
         with open(src, "w") as f:
