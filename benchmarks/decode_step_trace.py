@@ -114,7 +114,7 @@ def main():
                 labels, inc = increments(r, first, cfg["layers"], names)
                 for k, v in inc.items():
                     totals[k] += v / len(mine)
-            spans = [r[-1][1] - r[0][0] for r in mine]
+            spans = [max(e[1] for e in r) - r[0][0] for r in mine]    # (with PDL the last to start may not end last)
             print(f"  {fn.__name__}: {size} kernels a replay, span {min(spans):.0f}-{max(spans):.0f} us "
                   f"(untraced {t:.0f} us); total of increments {sum(totals.values()):.0f} us")
             print("    " + "  ".join(f"{k} {totals[k]:.1f}" for k in labels + ["other"]))
