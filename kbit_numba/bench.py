@@ -282,8 +282,8 @@ def matmul_rows(shapes, ks, ms, ceilings, progress, kernels=("gemm", "dequant_ma
                 if "linear" in kernels:               # KbitLinear(layout="tiled")
                     choice = lin.choose(M, N, K, "tiled")
 
-                    def lin_launch(i, s, choice=choice):
-                        lin.linear(A, ws[i % n], out=out, stream=s, workspace=space, kernel=choice)
+                    def lin_launch(i, s):              # (the table's choice, with its rule's launch parameters)
+                        lin.linear(A, ws[i % n], out=out, stream=s, workspace=space)
                     cases.append((f"linear[{choice}]", lin_launch))
                     if choice == "gemv":                # KbitLinear(keep_flat=True): gemv on the flat copy
                         def flat_launch(i, s):
@@ -292,8 +292,8 @@ def matmul_rows(shapes, ks, ms, ceilings, progress, kernels=("gemm", "dequant_ma
                     if codes:                           # KbitLinear's default for k = 2, 4: the code layout
                         cchoice = lin.choose(M, N, K, "codes", k=k)
 
-                        def codes_launch(i, s, cchoice=cchoice):
-                            lin.linear(A, codes[i % n], out=out, stream=s, workspace=space, kernel=cchoice)
+                        def codes_launch(i, s):
+                            lin.linear(A, codes[i % n], out=out, stream=s, workspace=space)
                         cases.append((f"linear+codes[{cchoice}]", codes_launch))
                 for label, fn in cases:
                     progress(f"{label} {K}x{N} k={k} M={M}")
@@ -344,6 +344,138 @@ def tune_table(rows, device):
         general.append((M, min(full, key=lambda c: np.mean(score[c]))))
     return dict(device=device, rules=compress(general), shapes=shapes,
                 note="written by python -m kbit_numba.bench --tune (GPU time, CUDA graphs, L2-cold)")
+
+
+# The pair gemv's launch knobs --tune-codes tries at each point (cols x cta_warps; None = the plan's own choice);
+# knob sets that give the same launch as one before them (same cols, CTA and grid) are timed once
+CODES_TUNE_COLS = (2, 4, 8)
+CODES_TUNE_CTA_WARPS = (None, 8, 12, 16, 24, 32)
+CODES_TUNE_MS = (1, 2, 3, 4)      # tuned where the table's rules run the pair gemv at that M
+CODES_TUNE_REPS = 2               # every knob set timed in turns this many times; the best time counts
+CODES_TUNE_MARGIN = 0.03          # a knob set replaces the default plan only when this much faster
+# (f16_acc, pdl) variants tuned: float32 / float16 block sums, alone or as a PDL chain of launches (each launch's
+# prologue overlapping the one before, as in a model's step: the knobs that win differ)
+CODES_TUNE_VARIANTS = ((False, False), (True, False), (False, True), (True, True))
+
+
+def codes_tune_rows(shapes, ks, ceilings, progress, table=None, reps=CODES_TUNE_REPS, variants=CODES_TUNE_VARIANTS):
+    """``--tune-codes``: the pair gemv on the code layout at every shape x k (2, 4) x variant (``CODES_TUNE_VARIANTS``)
+    x M of ``CODES_TUNE_MS`` where ``table``'s general rules run it, with its default plan (params None) and each
+    knob set of ``CODES_TUNE_COLS`` x ``CODES_TUNE_CTA_WARPS``, timed in turns ``reps`` times (best kept). A knob set
+    whose launch equals an earlier one's (same kernel, CTA and grid) is timed once: its row repeats that time and
+    names the twin under ``same_as``."""
+    from numba import cuda
+
+    from . import dispatch, pair_gemv
+    from ._timing import graph_time_us, rotation_count
+
+    general = {k: v for k, v in (table or dispatch.load_table()).items() if k not in ("codes_shapes", "codes_variants")}
+    knob_sets = [None] + [dict(cols=c, cta_warps=w) if w else dict(cols=c) for c in CODES_TUNE_COLS
+                          for w in CODES_TUNE_CTA_WARPS]
+    rows = []
+    rng = np.random.default_rng(1)
+    for K, N in shapes:
+        for k in [k for k in ks if k in CODES_K]:
+            nbytes = N * K // 32 * (4 * k + 1)
+            n = rotation_count(nbytes)
+            kcs = [pair_gemv.to_codes(w) for w in _rotating_weights(K, N, k, n, rng)]
+            for f16, pdl in variants:
+                for M in [m for m in CODES_TUNE_MS if dispatch.choose(m, N, K, "codes", general, backend=False,
+                                                                   f16_acc=f16, k=k) == "pair_gemv"]:
+                    A = cuda.to_device(rng.standard_normal((M, K)).astype(np.float16))
+                    out = cuda.device_array((M, N), np.float16)
+                    cands, twin, seen = [], {}, {}
+                    for j, knobs in enumerate(knob_sets):
+                        try:
+                            plans = [pair_gemv.plan(A, kc, out, 0, f16_acc=f16, pdl=pdl, **(knobs or {})) for kc in kcs]
+                        except ValueError:             # (e.g. cols = 8 at a long K: the CTA does not fit)
+                            continue
+                        step = plans[0].steps[0]
+                        key = (step.kernel, step.grid, step.block)
+                        if key in seen:
+                            twin[j] = seen[key]
+                        else:
+                            seen[key] = j
+                            cands.append((j, [p.prepare().run for p in plans]))
+                    best = {}
+                    for rep in range(reps):
+                        for j, runs in cands:
+                            progress(f"pair_gemv {knob_sets[j] or 'default'}{' f16' if f16 else ''}"
+                                     f"{' pdl' if pdl else ''} {K}x{N} k={k} M={M}")
+                            t = graph_time_us(lambda i, s, runs=runs: runs[i % n](s), n * max(1, 64 // n))
+                            best[j] = min(t, best.get(j, t))
+                    for j in sorted(set(best) | set(twin)):
+                        knobs = knob_sets[j]
+                        tags = ([f"{a}={b}" for a, b in (knobs or {}).items()] + (["f16"] if f16 else [])
+                                + (["pdl"] if pdl else []))
+                        row = _mm_row("pair_gemv" + (f"[{','.join(tags)}]" if tags else ""), K, N, k, M,
+                                      best[twin.get(j, j)], nbytes, ceilings, knobs)
+                        row["f16_acc"], row["pdl"] = f16, pdl
+                        if j in twin:
+                            row["same_as"] = knob_sets[twin[j]] or "default"
+                        rows.append(row)
+    return rows
+
+
+def tune_codes_table(rows, table, margin=CODES_TUNE_MARGIN):
+    """``table`` with its ``codes_variants`` and ``codes_shapes`` rewritten from ``codes_tune_rows`` rows, per
+    variant (``dispatch.codes_variant``: k, the block sums' type, PDL or not) and tuned M:
+
+    - the general knob set (``codes_variants``, for shapes not measured): the one with the least geometric mean of
+      its time over the fastest one's across the measured shapes, if that mean is ``margin`` below the default
+      plan's; else the default plan;
+    - per shape (``codes_shapes``): the shape's fastest knob set where it is ``margin`` faster than the general
+      one, else the general one; a shape whose knobs are the general ones at every M gets no entry.
+
+    Rules carry the knobs as parameters (none for the default plan) at the tuned Ms, followed by the table's
+    general code-layout rules (``codes_rules``) for larger M."""
+    from . import dispatch
+
+    table = dict(table)
+    tail = table.get("codes_rules", dispatch.CODES_RULES)
+    times = {}                 # variant -> M -> shape -> {knobs as JSON: us}
+    for r in rows:
+        if r["kernel"].startswith("pair_gemv") and "f16_acc" in r:
+            variant = dispatch.codes_variant(r["k"], r["f16_acc"], r.get("pdl", False))
+            point = times.setdefault(variant, {}).setdefault(r["M"], {})
+            point.setdefault(r["shape"], {})[json.dumps(r.get("params") or {}, sort_keys=True)] = r["us"]
+
+    def as_rules(chosen):      # {M: knobs JSON} for Ms 1, 2, .. (stops at a gap) -> rules
+        rules = []
+        for M in sorted(chosen):
+            if rules and M != rules[-1][0] + 1:
+                break
+            knobs = json.loads(chosen[M])
+            rules.append([M, "pair_gemv", knobs] if knobs else [M, "pair_gemv"])
+        return rules + [r for r in tail if r[0] is None or r[0] > rules[-1][0]]
+
+    variants = dict(table.get("codes_variants", {}))
+    shapes = {s: dict(v) for s, v in table.get("codes_shapes", {}).items()}
+    for variant, by_m in sorted(times.items()):
+        general, per_shape = {}, {}
+        n_shapes = max(len(by_shape) for by_shape in by_m.values())
+        for M, by_shape in sorted(by_m.items()):
+            if len(by_shape) == n_shapes:    # (an M where only some shapes run the pair gemv gets no general knobs)
+                everywhere = set.intersection(*(set(t) for t in by_shape.values()))
+                gm = {c: np.mean([np.log(t[c] / min(t.values())) for t in by_shape.values()]) for c in everywhere}
+                best = min(sorted(gm), key=gm.get)
+                general[M] = best if gm[best] < gm["{}"] + np.log(1 - margin) else "{}"
+            for shape, t in by_shape.items():
+                fastest = min(sorted(t), key=t.get)
+                mine = general.get(M, "{}")
+                per_shape.setdefault(shape, {})[M] = fastest if t[fastest] < (1 - margin) * t[mine] else mine
+        variants.pop(variant, None)
+        if any(c != "{}" for c in general.values()):
+            variants[variant] = as_rules(general)
+        for shape, chosen in per_shape.items():
+            entry = shapes.setdefault(shape, {})
+            entry.pop(variant, None)
+            if any(chosen[M] != general.get(M, "{}") for M in chosen):
+                entry[variant] = as_rules(chosen)
+            if not entry:
+                del shapes[shape]
+    table["codes_variants"], table["codes_shapes"] = variants, shapes
+    return table
 
 
 def moe_rows(progress, E=512, batch=32, top_k=8, k=4, shapes=((2048, 512), (512, 2048))):
@@ -553,8 +685,8 @@ def dequantize_rows(shapes, ks, ceilings, progress):
 # ------------------------------------------------------------------------------------------------
 # Output
 # ------------------------------------------------------------------------------------------------
-def format_table(rows):
-    head = (f"{'kernel':<22} {'K x N':>11} {'k':>2} {'M':>3} {'us':>8} {'GB/s':>7} {'%ceil':>6} {'floor us':>8} "
+def format_table(rows, width=22):
+    head = (f"{'kernel':<{width}} {'K x N':>11} {'k':>2} {'M':>3} {'us':>8} {'GB/s':>7} {'%ceil':>6} {'floor us':>8} "
             f"{'%floor':>6} {'cuBLAS us':>9} {'speedup':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -564,7 +696,7 @@ def format_table(rows):
         sp_txt = f"{cb / r['us']:6.2f}x" if cb else "      -"
         fl = r.get("floor_us")
         fl_txt = f"{fl:8.2f} {100 * fl / r['us']:6.1f}" if fl else f"{'-':>8} {'-':>6}"
-        lines.append(f"{r['kernel']:<22} {r['shape']:>11} {r['k']:>2} {m:>3} {r['us']:8.2f} {r['GBps']:7.0f} "
+        lines.append(f"{r['kernel']:<{width}} {r['shape']:>11} {r['k']:>2} {m:>3} {r['us']:8.2f} {r['GBps']:7.0f} "
                      f"{r['pct_ceiling']:6.1f} {fl_txt} {cb_txt} {sp_txt}")
     return "\n".join(lines)
 
@@ -636,6 +768,51 @@ def _model_main(args, device, progress):
     return 0
 
 
+def _read_table(path):
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def _tune_codes_main(args, shapes, ks, variants):
+    """``--tune-codes``: the pair gemv's knob rows (with the read floor and cuBLAS of each point), printed, and
+    the winners written into the table (``tune_codes_table``)."""
+    from numba import cuda
+
+    from .dispatch import DEFAULT_TABLE, TUNING_DIR, device_key
+
+    def progress(msg):
+        print(f"  .. {msg}", file=sys.stderr, flush=True)
+
+    dev = cuda.get_current_device()
+    name = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
+    path = args.tune_codes or os.path.join(TUNING_DIR, device_key(name) + ".json")
+    table = _read_table(path) or dict(DEFAULT_TABLE, device=name)
+    read_bw, copy_bw = measure_ceilings()
+    rows = codes_tune_rows(shapes, ks, dict(read_GBps=read_bw, copy_GBps=copy_bw), progress, table,
+                           variants=variants)
+    floors, cublas = {}, {}
+    for r in rows:
+        b, key = r["floor_bytes"], (r["shape"], r["M"])
+        r["floor_us"] = floors[b] = floors[b] if b in floors else floor_us(b)
+        r["cublas_us"] = cublas[key] = cublas[key] if key in cublas else cublas_row(*_shape(r["shape"]), r["M"])
+    print(f"device: {name}; read ceiling {read_bw:.0f} GB/s; the pair gemv's launch knobs (best of "
+          f"{CODES_TUNE_REPS} turns; the first row of each point is the default plan)")
+    print(format_table([r for r in rows if "same_as" not in r], width=44))
+    table = tune_codes_table(rows, table)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(table, f, indent=1)
+    print(f"linear() table written to {path}: codes_variants {json.dumps(table['codes_variants'])}, codes_shapes "
+          f"{json.dumps(table['codes_shapes'])}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=name, rows=rows, codes_variants=table["codes_variants"],
+                           codes_shapes=table["codes_shapes"]), f, indent=1)
+    return 0
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m kbit_numba.bench", description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default=",".join(SEED_SHAPES), help="K x N list, e.g. 2048x5120,4096x14336")
@@ -661,6 +838,13 @@ def main(argv=None):
                    help="time gemv, gemm and dequant_matmul (k=4 unless --k is given) over --shapes and "
                         "M = %s (unless --m is given) and write the linear() table for this GPU (default: "
                         "kbit_numba/tuning/<gpu>.json)" % ",".join(map(str, TUNE_MS)))
+    p.add_argument("--tune-codes", nargs="?", const="", metavar="FILE",
+                   help="time the pair gemv's launch knobs (cols x cta_warps) on the code layout over --shapes, "
+                        "k = 2, 4 (unless --k is given), float32 and float16 block sums, alone and as PDL chains, at "
+                        "the M its rules give it, and write the winners into this GPU's linear() table (its "
+                        "codes_variants and codes_shapes; the other rules kept)")
+    p.add_argument("--tune-variants", default="fp32,f16,fp32+pdl,f16+pdl",
+                   help="with --tune-codes: the variants to tune (block sums fp32 or f16, +pdl: as a PDL chain)")
     p.add_argument("--model", help="time a whole-model decode step instead of the kernel grid (needs torch): "
                                     "llama3-8b or qwen3-30b-a3b (MoE) (kbit_numba/bench_model.py)")
     p.add_argument("--batch", default="1,4,16", help="with --model: batch sizes (tokens per step)")
@@ -675,6 +859,10 @@ def main(argv=None):
                         f"up to batch {ATT_MAX_BATCH}, where it was faster, SDPA above)")
     p.add_argument("--demo", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    known = {"fp32": (False, False), "f16": (True, False), "fp32+pdl": (False, True), "f16+pdl": (True, True)}
+    if not set(_parse_list(args.tune_variants)) <= set(known):
+        p.error(f"--tune-variants takes any of {','.join(known)}, got {args.tune_variants!r}")
+    tune_variants = [known[v] for v in _parse_list(args.tune_variants)]     # (f16_acc, pdl) pairs
     if args.model:
         from . import bench_model
         try:
@@ -693,6 +881,9 @@ def main(argv=None):
 
     shapes = [_shape(s) for s in _parse_list(args.shapes)]
     given = set(a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:]))
+    if args.tune_codes is not None:
+        return _tune_codes_main(args, shapes, _parse_list(args.k, int) if "--k" in given else list(CODES_K),
+                                tune_variants)
     ks = _parse_list(args.k, int) if "--k" in given or args.tune is None else [4]
     ms = _parse_list(args.m, int) if "--m" in given or args.tune is None else TUNE_MS
     kernels = _parse_list(args.kernels) if args.tune is None else ["gemv", "gemm", "dequant_matmul"]
@@ -761,8 +952,11 @@ def main(argv=None):
     result = dict(device=name, ceilings=ceilings, rows=rows, host_overhead=overhead, moe=moe)
     if args.tune is not None:
         from .dispatch import TUNING_DIR, device_key
-        table = tune_table(rows, name)
         path = args.tune or os.path.join(TUNING_DIR, device_key(name) + ".json")
+        table = tune_table(rows, name)
+        old = _read_table(path)
+        table.update({key: old[key] for key in ("codes_rules", "codes_variants", "codes_shapes")   # (not tuned here)
+                      if key in old})
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
             json.dump(table, f, indent=1)

@@ -9,7 +9,9 @@ A rule is only followed when its kernel applies; otherwise the next applicable o
 ``gemv`` needs M <= 4 (bigger M runs it in slices of 4 rows), ``gemm`` the tiled layout,
 ``dequant_matmul`` torch or CuPy for the cuBLAS call. A weight in the code layout (``KbitCodes``, k = 2, 4)
 is read by ``pair_gemv``, by ``mma_gemv`` (M <= 16, float16/bfloat16 A, K a multiple of 64 up to 8192) and by
-``gemm`` (K a multiple of 64); the table's ``codes_rules`` (default ``CODES_RULES``) choose between them.
+``gemm`` (K a multiple of 64); the table's ``codes_rules`` (default ``CODES_RULES``) choose between them, and its
+``codes_variants`` and ``codes_shapes`` (``python -m kbit_numba.bench --tune-codes``) hold rules with the pair gemv's
+launch knobs measured best on that GPU, for any shape and per shape (``codes_rules()``).
 
 ``KbitLinear`` keeps a weight ready for repeated calls: by default the code layout where it can (k = 2, 4, K a
 multiple of 64: the pair and tensor-core gemvs for decode, the gemm and dequantize + cuBLAS for larger M), else a tiled copy
@@ -96,7 +98,24 @@ def mma_reads(M, K, half=True):
     return half and mma_gemv.reads(M, K)
 
 
-def choose_rule(M, N, K, layout, table=None, backend=None, half=True, f16_acc=False, k=None):
+def codes_variant(k, f16_acc=False, pdl=False):
+    """The key of a code-layout weight's rules in a table's ``codes_variants`` and ``codes_shapes``: its bits,
+    whether the pair gemv sums blocks in float16, and whether it runs as a programmatic dependent launch (the best
+    launch knobs differ: in a PDL chain a launch's prologue overlaps the kernel before it)."""
+    return f"k={k}" + (" f16_acc" if f16_acc else "") + (" pdl" if pdl else "")
+
+
+def codes_rules(table, N, K, k=None, f16_acc=False, pdl=False):
+    """The code layout's rules for an N x K weight of ``k`` bits, from the table that ``bench --tune-codes``
+    wrote on this GPU: its per-shape rules for that variant (``codes_shapes["KxN"][codes_variant(k, f16_acc, pdl)]``:
+    the pair gemv's launch knobs measured best on that shape), else the variant's rules for any shape
+    (``codes_variants``), else its ``codes_rules``, else ``CODES_RULES``."""
+    variant = codes_variant(k, f16_acc, pdl)
+    return (table.get("codes_shapes", {}).get(f"{K}x{N}", {}).get(variant)
+            or table.get("codes_variants", {}).get(variant) or table.get("codes_rules", CODES_RULES))
+
+
+def choose_rule(M, N, K, layout, table=None, backend=None, half=True, f16_acc=False, k=None, pdl=False):
     """(kernel, launch parameters) that ``linear`` runs for an M x K input and an N x K weight of
     ``layout``. A table rule is ``[max_m, kernel]`` or ``[max_m, kernel, {parameter: value}]``: the
     parameters (e.g. ``{"cols": 2}`` for gemv, ``{"split": 4, "m_tile": 2}`` for gemm) go to that
@@ -107,10 +126,11 @@ def choose_rule(M, N, K, layout, table=None, backend=None, half=True, f16_acc=Fa
     gemv would sum its blocks in float16 (float16 activations, ``f16_acc`` asked for): it then stays the choice to
     a longer K at M = 3, 4 (``PAIR_GEMV_MAX_ROW_WARPS_F16``) and, for the weight's bits ``k``, takes M = 3 from the
     tensor-core gemv at k = 4 (``PAIR_GEMV_F16_MAX_M``). The tensor-core gemv takes M up to ``MMA_GEMV_MAX_M`` for
-    ``k`` (8 where k is not in it), the gemm beyond."""
+    ``k`` (8 where k is not in it), the gemm beyond. ``pdl``: the gemv would run as a programmatic dependent launch
+    (``KbitLinear(pdl=True)``; the table's rules for that variant apply: :func:`codes_rules`)."""
     table = table or load_table()
     codes = layout == "codes"      # (pair gemv, tensor-core gemv and gemm where K allows, dequantize + cuBLAS)
-    rules = (table.get("codes_rules", CODES_RULES) if codes
+    rules = (codes_rules(table, N, K, k, f16_acc, pdl) if codes
              else table.get("shapes", {}).get(f"{K}x{N}", table["rules"]))
     want, params = next((r[1], dict(r[2]) if len(r) > 2 else {}) for r in rules if r[0] is None or M <= r[0])
     if codes and want == "mma_gemv" and M > MMA_GEMV_MAX_M.get(k, mma_gemv.N8):
@@ -133,9 +153,9 @@ def choose_rule(M, N, K, layout, table=None, backend=None, half=True, f16_acc=Fa
     return "gemv", {}              # any M, in slices of 4 rows
 
 
-def choose(M, N, K, layout, table=None, backend=None, half=True, f16_acc=False, k=None):
+def choose(M, N, K, layout, table=None, backend=None, half=True, f16_acc=False, k=None, pdl=False):
     """The kernel ``linear`` runs (see :func:`choose_rule`)."""
-    return choose_rule(M, N, K, layout, table, backend, half, f16_acc, k)[0]
+    return choose_rule(M, N, K, layout, table, backend, half, f16_acc, k, pdl)[0]
 
 
 # ---- dequantize + cuBLAS ---------------------------------------------------------------------------
@@ -375,7 +395,7 @@ class KbitLinear:
         """The kernel a call with M rows runs (``half``: float16 or bfloat16 activations; ``bf16``: bfloat16)."""
         N, K = self.weight.shape
         return choose(M, N, K, self.weight.layout, self.table, half=half, f16_acc=self.f16_acc and half and not bf16,
-                      k=self.weight.k)
+                      k=self.weight.k, pdl=self.pdl)
 
     def __call__(self, A, out=None, stream=None, out_dtype=np.float16, bf16=False, kernel=None, silu_pairs=False):
         return self.plan(A, out, stream, out_dtype, bf16, kernel, silu_pairs).launch()
@@ -390,7 +410,7 @@ class KbitLinear:
             N, K = self.weight.shape
             kernel, params = choose_rule(_rows(_arrays.check_array(A, "A")), N, K, self.weight.layout, self.table,
                                          half=half_input(A, bf16), f16_acc=self.f16_acc and f16_input(A, bf16),
-                                         k=self.weight.k)
+                                         k=self.weight.k, pdl=self.pdl)
         if self.pdl and kernel in EPILOGUE_GEMVS:
             params = dict(params, pdl=True)
         if silu_pairs:

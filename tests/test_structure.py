@@ -165,6 +165,49 @@ def test_tune_table_writes_the_winning_parameters():
     assert (kern, params) == ("gemv", {"cols": 4, "max_registers": None})
 
 
+def test_tune_codes_table_writes_per_shape_knobs():
+    """bench --tune-codes: per variant (k, block sums) and M, the knob set with the best geometric mean over the
+    measured shapes becomes the rule for any shape when it beats the default plan by the margin; a shape whose own
+    best beats that by the margin gets its own rules; near-ties keep what is there; linear then passes the knobs on."""
+    from kbit_numba.bench import CODES_TUNE_MARGIN, tune_codes_table
+
+    def row(M, us, params=None, k=4, f16=False, shape="64x128", pdl=False):
+        return dict(kernel="pair_gemv", shape=shape, k=k, M=M, us=us, params=params, f16_acc=f16, pdl=pdl)
+    win, c8 = {"cols": 2, "cta_warps": 12}, {"cols": 8}
+    tie = 12.0 * (1 - CODES_TUNE_MARGIN / 2)
+    rows = [row(1, 10.0), row(1, 9.0, win), row(1, 10.0, c8), row(2, 12.0), row(2, tie, c8),
+            row(1, 10.0, shape="64x256"), row(1, 8.2, win, shape="64x256"), row(1, 7.5, c8, shape="64x256"),
+            row(2, 12.0, shape="64x256"), row(2, tie, c8, shape="64x256"),
+            row(3, 20.0, shape="64x256"), row(3, 15.0, {"cols": 2}, shape="64x256"),   # (M = 3 on one shape only)
+            row(1, 5.0, k=2), row(1, 4.99, {"cols": 2}, k=2),                           # a near-tie: no rules
+            row(1, 10.0, pdl=True), row(1, 8.0, c8, pdl=True)]                          # as a PDL chain
+    tail = [[16, "mma_gemv"], [None, "gemm"]]
+    old = {"rules": [[None, "gemm"]], "codes_rules": [[2, "pair_gemv"]] + tail,
+           "codes_shapes": {"64x128": {"k=2": [[1, "pair_gemv", {"cols": 1}], [None, "gemm"]]}, "9x9": {"k=4": []}}}
+    table = tune_codes_table(rows, old)
+    assert table["rules"] == old["rules"]                                                  # the rest is kept
+    assert table["codes_variants"] == {"k=4": [[1, "pair_gemv", win], [2, "pair_gemv"]] + tail,
+                                       "k=4 pdl": [[1, "pair_gemv", c8], [2, "pair_gemv"]] + tail}
+    assert table["codes_shapes"] == {"9x9": {"k=4": []},     # (64x128's k = 2 entry gave way to the default)
+                                     "64x256": {"k=4": [[1, "pair_gemv", c8], [2, "pair_gemv"],
+                                                        [3, "pair_gemv", {"cols": 2}]] + tail}}
+    choose = lambda M, N, **kw: dispatch.choose_rule(M, N, 64, "codes", table, backend=False, **kw)   # noqa: E731
+    assert choose(1, 128, k=4) == choose(1, 512, k=4) == ("pair_gemv", win)     # any shape: the variant's rules
+    assert choose(1, 256, k=4) == ("pair_gemv", c8) and choose(3, 256, k=4) == ("pair_gemv", {"cols": 2})
+    assert choose(2, 128, k=4) == ("pair_gemv", {}) and choose(3, 128, k=4)[0] == "mma_gemv"
+    assert choose(1, 128, k=2) == choose(1, 128, k=4, f16_acc=True) == ("pair_gemv", {})   # no rules: codes_rules
+    assert choose(1, 128, k=4, pdl=True) == ("pair_gemv", c8)
+    # the knobs reach the kernel through KbitLinear (the simulator's plan: 2 warps a CTA by default, 1 slice)
+    rng = np.random.default_rng(2)
+    qw = ref.quantize(random_weight(rng, 128, 64), k=4)
+    A = rng.standard_normal((1, 64)).astype(np.float16)
+    layer = kb.KbitLinear(qw, table=table)
+    step = layer.plan(A, out_dtype=np.float32).steps[0]
+    assert step.kernel is pair_gemv.make_pair_gemv_kernel(pair_gemv.PairGemvSpec(4, 1, cols=2, out_dtype="float32"))
+    assert step.block == 12 * 32            # cta_warps = 12 at K = 64 (one K-warp): 12 one-warp slices
+    check_close(layer(A, out_dtype=np.float32).copy_to_host(), A, qw)
+
+
 def test_every_property_is_in_a_fuzz_family():
     """KBIT_FUZZ=N runs N examples per kernel family (conftest.py): each hypothesis property (a function decorated
     with ``@given``) is listed in exactly one ``helpers.FUZZ_FAMILIES`` family, and each listed one exists."""
