@@ -226,6 +226,27 @@ def test_pair_gemv_batches_of_groups(monkeypatch, k, cols, N, ctas):
     check_close_f16_acc(p.launch().copy_to_host(), A, qw, np.float32)
 
 
+@pytest.mark.parametrize("k, cols, slices, M, f16_acc", [(4, 2, 2, 1, True), (2, 8, 2, 2, False), (2, 4, 3, 2, True),
+                                                          (4, 2, 4, 3, False)])
+def test_pair_gemv_tuned_knobs(k, cols, slices, M, f16_acc):
+    """The launch knobs that ``bench --tune-codes`` writes into a table (cols, cta_warps; dispatch.codes_rules) make
+    CTAs of fewer slices than the default plan's, each of several K-warps (8-warp CTAs at K = 4096 on the H100): the
+    results do not depend on them."""
+    rng = np.random.default_rng(50 + slices)
+    K, N = (1056, 40) if SIM else (2048, 1000)        # two K-warps a slice
+    kw = -(-K // 1024)
+    qw = ref.quantize(random_weight(rng, N, K), k=k)
+    A = _activations(rng, M, K, "float16")
+    p = pair_gemv.plan(A, pair_gemv.to_codes(qw), out_dtype=np.float32, cols=cols, cta_warps=slices * kw,
+                       f16_acc=f16_acc)
+    assert p.steps[0].block == slices * kw * 32
+    got = p.launch().copy_to_host()
+    if f16_acc:
+        check_close_f16_acc(got, A, qw, np.float32)
+    else:
+        check_close(got, A, qw)
+
+
 def test_whole_rounds_picks_the_slices_with_the_least_work_on_the_busiest_sm(monkeypatch):
     """The plan's slice count on an H100's 132 SMs (registers as the H100 build has them: 72 at M = 1, cols = 2; 94 at
     cols = 4): 2048x5120 M = 1 has 320 groups of 16 columns at the default 8 slices (three rounds for 2.4); 10 slices
