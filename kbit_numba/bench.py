@@ -775,18 +775,11 @@ def _read_table(path):
         return json.load(f)
 
 
-def _tune_codes_main(args, shapes, ks, variants):
-    """``--tune-codes``: the pair gemv's knob rows (with the read floor and cuBLAS of each point), printed, and
-    the winners written into the table (``tune_codes_table``)."""
-    from numba import cuda
-
+def _tune_codes_main(args, name, progress, shapes, ks, variants):
+    """``--tune-codes`` on GPU ``name``: the pair gemv's knob rows (with the read floor and cuBLAS of each point),
+    printed, and the winners written into the table (``tune_codes_table``)."""
     from .dispatch import DEFAULT_TABLE, TUNING_DIR, device_key
 
-    def progress(msg):
-        print(f"  .. {msg}", file=sys.stderr, flush=True)
-
-    dev = cuda.get_current_device()
-    name = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
     path = args.tune_codes or os.path.join(TUNING_DIR, device_key(name) + ".json")
     table = _read_table(path) or dict(DEFAULT_TABLE, device=name)
     read_bw, copy_bw = measure_ceilings()
@@ -881,9 +874,6 @@ def main(argv=None):
 
     shapes = [_shape(s) for s in _parse_list(args.shapes)]
     given = set(a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:]))
-    if args.tune_codes is not None:
-        return _tune_codes_main(args, shapes, _parse_list(args.k, int) if "--k" in given else list(CODES_K),
-                                tune_variants)
     ks = _parse_list(args.k, int) if "--k" in given or args.tune is None else [4]
     ms = _parse_list(args.m, int) if "--m" in given or args.tune is None else TUNE_MS
     kernels = _parse_list(args.kernels) if args.tune is None else ["gemv", "gemm", "dequant_matmul"]
@@ -895,6 +885,9 @@ def main(argv=None):
     name = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
     if args.model:
         return _model_main(args, name, progress)
+    if args.tune_codes is not None:
+        return _tune_codes_main(args, name, progress, shapes,
+                                _parse_list(args.k, int) if "--k" in given else list(CODES_K), tune_variants)
     progress("measuring bandwidth ceilings")
     read_bw, copy_bw = measure_ceilings()
     ceilings = dict(read_GBps=read_bw, copy_GBps=copy_bw)

@@ -7,6 +7,7 @@ from hypothesis import given, settings, strategies as st
 from numba import cuda
 
 from kbit_numba import device, pair_gemv, reference as ref
+from kbit_numba.core import k_warps
 from kbit_numba.formats import CODES_K, KbitCodes
 from helpers import (EXAMPLES, SIM, assert_within, gpu_examples, gpu_split, kbit_weight, Out, out_modes, pick,
                      random_weight, seeds, sizes, weight_kinds, variants)
@@ -234,7 +235,7 @@ def test_pair_gemv_tuned_knobs(k, cols, slices, M, f16_acc):
     results do not depend on them."""
     rng = np.random.default_rng(50 + slices)
     K, N = (1056, 40) if SIM else (2048, 1000)        # two K-warps a slice
-    kw = -(-K // 1024)
+    kw = k_warps(K)
     qw = ref.quantize(random_weight(rng, N, K), k=k)
     A = _activations(rng, M, K, "float16")
     p = pair_gemv.plan(A, pair_gemv.to_codes(qw), out_dtype=np.float32, cols=cols, cta_warps=slices * kw,
@@ -256,7 +257,7 @@ def test_whole_rounds_picks_the_slices_with_the_least_work_on_the_busiest_sm(mon
         work, 132 * max(1, min(65536 // (threads * -(-regs // 8) * 8), (228 * 1024) // (shared + 1024)))))
 
     def pick(K, N, M, regs):
-        kw = -(-K // 1024)
+        kw = k_warps(K)
         spec = pair_gemv.PairGemvSpec(4, M, pair_gemv.default_cols(M, N, K))
         most = min(65536 // (-(-regs // 8) * 8) // (kw * 32), -(-N // spec.cols), pair_gemv.MAX_SLICES)
         return pair_gemv.whole_rounds(max(1, min(16 // kw, most)), most, N, spec, kw, regs)

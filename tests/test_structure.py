@@ -1,5 +1,7 @@
 """The shape every kernel family shares: Specs (normalised cache keys), Plans (launch steps), the core
 (one device_weight, experts), the per-GPU table's parameters, and the refusals of bad user arguments."""
+import json
+
 import numpy as np
 import pytest
 from numba import cuda
@@ -206,6 +208,28 @@ def test_tune_codes_table_writes_per_shape_knobs():
     assert step.kernel is pair_gemv.make_pair_gemv_kernel(pair_gemv.PairGemvSpec(4, 1, cols=2, out_dtype="float32"))
     assert step.block == 12 * 32            # cta_warps = 12 at K = 64 (one K-warp): 12 one-warp slices
     check_close(layer(A, out_dtype=np.float32).copy_to_host(), A, qw)
+
+
+def test_tune_codes_main_writes_the_table(monkeypatch, tmp_path, capsys):
+    """The --tune-codes path after the timings (which need a GPU): rows printed with their floor and cuBLAS, the
+    winners written into the table file, the rows as JSON."""
+    from kbit_numba import bench
+    rows = [dict(kernel="pair_gemv", shape="64x128", k=4, M=1, us=10.0, params=None),
+            dict(kernel="pair_gemv[cols=2]", shape="64x128", k=4, M=1, us=8.0, params={"cols": 2})]
+    for r in rows:
+        r.update(f16_acc=False, pdl=False, floor_bytes=100, GBps=1.0, pct_ceiling=1.0)
+    monkeypatch.setattr(bench, "measure_ceilings", lambda: (1.0, 1.0))
+    monkeypatch.setattr(bench, "codes_tune_rows", lambda *a, **kw: [dict(r) for r in rows])
+    monkeypatch.setattr(bench, "floor_us", lambda nbytes: 1.0)
+    monkeypatch.setattr(bench, "cublas_row", lambda K, N, M: 2.0)
+    path, out = tmp_path / "table.json", tmp_path / "rows.json"
+    args = type("Args", (), dict(tune_codes=str(path), json=str(out)))
+    assert bench._tune_codes_main(args, "Test GPU", lambda msg: None, [(64, 128)], [4], [(False, False)]) == 0
+    table = json.loads(path.read_text())
+    assert table["device"] == "Test GPU" and table["rules"] == dispatch.DEFAULT_TABLE["rules"]
+    assert table["codes_variants"] == {"k=4": [[1, "pair_gemv", {"cols": 2}]] + dispatch.CODES_RULES}   # (M = 2 on)
+    assert [r["cublas_us"] for r in json.loads(out.read_text())["rows"]] == [2.0, 2.0]
+    assert "pair_gemv[cols=2]" in capsys.readouterr().out
 
 
 def test_every_property_is_in_a_fuzz_family():
