@@ -425,7 +425,8 @@ def tune_codes_table(rows, table, margin=CODES_TUNE_MARGIN):
       its time over the fastest one's across the measured shapes, if that mean is ``margin`` below the default
       plan's; else the default plan;
     - per shape (``codes_shapes``): the shape's fastest knob set where it is ``margin`` faster than the general
-      one, else the general one; a shape whose knobs are the general ones at every M gets no entry.
+      one, else the general one. Every measured shape gets its entry, even one equal to the general rules, so that a
+      later tune over other shapes (which rewrites the general rules from its own shapes) leaves it as it was.
 
     Rules carry the knobs as parameters (none for the default plan) at the tuned Ms, followed by the table's
     general code-layout rules (``codes_rules``) for larger M."""
@@ -469,11 +470,7 @@ def tune_codes_table(rows, table, margin=CODES_TUNE_MARGIN):
             variants[variant] = as_rules(general)
         for shape, chosen in per_shape.items():
             entry = shapes.setdefault(shape, {})
-            entry.pop(variant, None)
-            if any(chosen[M] != general.get(M, "{}") for M in chosen):
-                entry[variant] = as_rules(chosen)
-            if not entry:
-                del shapes[shape]
+            entry[variant] = as_rules(chosen)
     table["codes_variants"], table["codes_shapes"] = variants, shapes
     return table
 

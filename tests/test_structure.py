@@ -170,7 +170,8 @@ def test_tune_table_writes_the_winning_parameters():
 def test_tune_codes_table_writes_per_shape_knobs():
     """bench --tune-codes: per variant (k, block sums) and M, the knob set with the best geometric mean over the
     measured shapes becomes the rule for any shape when it beats the default plan by the margin; a shape whose own
-    best beats that by the margin gets its own rules; near-ties keep what is there; linear then passes the knobs on."""
+    best beats that by the margin gets its own rules; near-ties keep what is there; every measured shape keeps its
+    rules through a later tune of other shapes; linear then passes the knobs on."""
     from kbit_numba.bench import CODES_TUNE_MARGIN, tune_codes_table
 
     def row(M, us, params=None, k=4, f16=False, shape="64x128", pdl=False):
@@ -190,9 +191,17 @@ def test_tune_codes_table_writes_per_shape_knobs():
     assert table["rules"] == old["rules"]                                                  # the rest is kept
     assert table["codes_variants"] == {"k=4": [[1, "pair_gemv", win], [2, "pair_gemv"]] + tail,
                                        "k=4 pdl": [[1, "pair_gemv", c8], [2, "pair_gemv"]] + tail}
-    assert table["codes_shapes"] == {"9x9": {"k=4": []},     # (64x128's k = 2 entry gave way to the default)
-                                     "64x256": {"k=4": [[1, "pair_gemv", c8], [2, "pair_gemv"],
-                                                        [3, "pair_gemv", {"cols": 2}]] + tail}}
+    general = table["codes_variants"]["k=4"]
+    assert table["codes_shapes"] == {
+        "9x9": {"k=4": []},
+        "64x128": {"k=2": [[1, "pair_gemv"]] + old["codes_rules"],    # (its old k = 2 entry gave way to the default)
+                   "k=4": general, "k=4 pdl": table["codes_variants"]["k=4 pdl"]},
+        "64x256": {"k=4": [[1, "pair_gemv", c8], [2, "pair_gemv"], [3, "pair_gemv", {"cols": 2}]] + tail}}
+    # a later tune over another shape rewrites the general rules; the shapes measured before keep theirs
+    later = tune_codes_table([row(1, 10.0, shape="64x512"), row(1, 6.0, {"cols": 4}, shape="64x512")], table)
+    assert later["codes_variants"]["k=4"] == [[1, "pair_gemv", {"cols": 4}]] + old["codes_rules"]
+    assert later["codes_shapes"]["64x128"]["k=4"] == general and "64x512" in later["codes_shapes"]
+    assert dispatch.choose_rule(1, 128, 64, "codes", later, backend=False, k=4) == ("pair_gemv", win)
     choose = lambda M, N, **kw: dispatch.choose_rule(M, N, 64, "codes", table, backend=False, **kw)   # noqa: E731
     assert choose(1, 128, k=4) == choose(1, 512, k=4) == ("pair_gemv", win)     # any shape: the variant's rules
     assert choose(1, 256, k=4) == ("pair_gemv", c8) and choose(3, 256, k=4) == ("pair_gemv", {"cols": 2})
