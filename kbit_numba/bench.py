@@ -355,23 +355,29 @@ CODES_TUNE_REPS = 2               # every knob set timed in turns this many time
 CODES_TUNE_MARGIN = 0.03          # a knob set replaces the default plan only when this much faster
 # (f16_acc, pdl) variants tuned: float32 / float16 block sums, alone or as a PDL chain of launches (each launch's
 # prologue overlapping the one before, as in a model's step: the knobs that win differ)
-CODES_TUNE_VARIANTS = ((False, False), (True, False), (False, True), (True, True))
+CODES_TUNE_VARIANT_NAMES = {"fp32": (False, False), "f16": (True, False), "fp32+pdl": (False, True),
+                            "f16+pdl": (True, True)}          # --tune-variants: name -> (f16_acc, pdl)
+CODES_TUNE_VARIANTS = tuple(CODES_TUNE_VARIANT_NAMES.values())
 
 
-def codes_tune_rows(shapes, ks, ceilings, progress, table=None, reps=CODES_TUNE_REPS, variants=CODES_TUNE_VARIANTS):
+def codes_tune_rows(shapes, ks, ceilings, progress, table=None, reps=CODES_TUNE_REPS, variants=CODES_TUNE_VARIANTS,
+                    knob_sets=None, ms=None):
     """``--tune-codes``: the pair gemv on the code layout at every shape x k (2, 4) x variant (``CODES_TUNE_VARIANTS``)
-    x M of ``CODES_TUNE_MS`` where ``table``'s general rules run it, with its default plan (params None) and each
-    knob set of ``CODES_TUNE_COLS`` x ``CODES_TUNE_CTA_WARPS``, timed in turns ``reps`` times (best kept). A knob set
-    whose launch equals an earlier one's (same kernel, CTA and grid) is timed once: its row repeats that time and
-    names the twin under ``same_as``."""
+    x M of ``CODES_TUNE_MS`` where ``table``'s general rules run it (or every M of ``ms``), with its default plan
+    (params None) and each knob set (default: ``CODES_TUNE_COLS`` x ``CODES_TUNE_CTA_WARPS``), timed in turns
+    ``reps`` times: the best counts, every turn's time is under ``turns_us``. A knob set whose launch equals an
+    earlier one's (same kernel, CTA and grid) is timed once: its row repeats that time and names the twin under
+    ``same_as``."""
     from numba import cuda
 
     from . import dispatch, pair_gemv
     from ._timing import graph_time_us, rotation_count
 
     general = {k: v for k, v in (table or dispatch.load_table()).items() if k not in ("codes_shapes", "codes_variants")}
-    knob_sets = [None] + [dict(cols=c, cta_warps=w) if w else dict(cols=c) for c in CODES_TUNE_COLS
-                          for w in CODES_TUNE_CTA_WARPS]
+    if knob_sets is None:
+        knob_sets = [dict(cols=c, cta_warps=w) if w else dict(cols=c) for c in CODES_TUNE_COLS
+                     for w in CODES_TUNE_CTA_WARPS]
+    knob_sets = [None] + list(knob_sets)
     rows = []
     rng = np.random.default_rng(1)
     for K, N in shapes:
@@ -380,8 +386,8 @@ def codes_tune_rows(shapes, ks, ceilings, progress, table=None, reps=CODES_TUNE_
             n = rotation_count(nbytes)
             kcs = [pair_gemv.to_codes(w) for w in _rotating_weights(K, N, k, n, rng)]
             for f16, pdl in variants:
-                for M in [m for m in CODES_TUNE_MS if dispatch.choose(m, N, K, "codes", general, backend=False,
-                                                                   f16_acc=f16, k=k) == "pair_gemv"]:
+                for M in ms or [m for m in CODES_TUNE_MS if dispatch.choose(m, N, K, "codes", general, backend=False,
+                                                                         f16_acc=f16, k=k) == "pair_gemv"]:
                     A = cuda.to_device(rng.standard_normal((M, K)).astype(np.float16))
                     out = cuda.device_array((M, N), np.float16)
                     cands, twin, seen = [], {}, {}
@@ -397,20 +403,20 @@ def codes_tune_rows(shapes, ks, ceilings, progress, table=None, reps=CODES_TUNE_
                         else:
                             seen[key] = j
                             cands.append((j, [p.prepare().run for p in plans]))
-                    best = {}
+                    turns = {}
                     for rep in range(reps):
                         for j, runs in cands:
                             progress(f"pair_gemv {knob_sets[j] or 'default'}{' f16' if f16 else ''}"
                                      f"{' pdl' if pdl else ''} {K}x{N} k={k} M={M}")
-                            t = graph_time_us(lambda i, s, runs=runs: runs[i % n](s), n * max(1, 64 // n))
-                            best[j] = min(t, best.get(j, t))
-                    for j in sorted(set(best) | set(twin)):
+                            turns.setdefault(j, []).append(
+                                graph_time_us(lambda i, s, runs=runs: runs[i % n](s), n * max(1, 64 // n)))
+                    for j in sorted(set(turns) | set(twin)):
                         knobs = knob_sets[j]
                         tags = ([f"{a}={b}" for a, b in (knobs or {}).items()] + (["f16"] if f16 else [])
                                 + (["pdl"] if pdl else []))
                         row = _mm_row("pair_gemv" + (f"[{','.join(tags)}]" if tags else ""), K, N, k, M,
-                                      best[twin.get(j, j)], nbytes, ceilings, knobs)
-                        row["f16_acc"], row["pdl"] = f16, pdl
+                                      min(turns[twin.get(j, j)]), nbytes, ceilings, knobs)
+                        row["f16_acc"], row["pdl"], row["turns_us"] = f16, pdl, turns[twin.get(j, j)]
                         if j in twin:
                             row["same_as"] = knob_sets[twin[j]] or "default"
                         rows.append(row)
@@ -772,6 +778,17 @@ def _read_table(path):
         return json.load(f)
 
 
+def add_floor_and_cublas(rows):
+    """``rows`` with each one's read floor (``floor_us``) and cuBLAS fp16 time (``cublas_us``), each timed once per
+    distinct byte count and shape x M."""
+    floors, cublas = {}, {}
+    for r in rows:
+        b, key = r["floor_bytes"], (r["shape"], r["M"])
+        r["floor_us"] = floors[b] = floors[b] if b in floors else floor_us(b)
+        r["cublas_us"] = cublas[key] = cublas[key] if key in cublas else cublas_row(*_shape(r["shape"]), r["M"])
+    return rows
+
+
 def _tune_codes_main(args, name, progress, shapes, ks, variants):
     """``--tune-codes`` on GPU ``name``: the pair gemv's knob rows (with the read floor and cuBLAS of each point),
     printed, and the winners written into the table (``tune_codes_table``)."""
@@ -780,13 +797,8 @@ def _tune_codes_main(args, name, progress, shapes, ks, variants):
     path = args.tune_codes or os.path.join(TUNING_DIR, device_key(name) + ".json")
     table = _read_table(path) or dict(DEFAULT_TABLE, device=name)
     read_bw, copy_bw = measure_ceilings()
-    rows = codes_tune_rows(shapes, ks, dict(read_GBps=read_bw, copy_GBps=copy_bw), progress, table,
-                           variants=variants)
-    floors, cublas = {}, {}
-    for r in rows:
-        b, key = r["floor_bytes"], (r["shape"], r["M"])
-        r["floor_us"] = floors[b] = floors[b] if b in floors else floor_us(b)
-        r["cublas_us"] = cublas[key] = cublas[key] if key in cublas else cublas_row(*_shape(r["shape"]), r["M"])
+    rows = add_floor_and_cublas(codes_tune_rows(shapes, ks, dict(read_GBps=read_bw, copy_GBps=copy_bw), progress,
+                                                table, variants=variants))
     print(f"device: {name}; read ceiling {read_bw:.0f} GB/s; the pair gemv's launch knobs (best of "
           f"{CODES_TUNE_REPS} turns; the first row of each point is the default plan)")
     print(format_table([r for r in rows if "same_as" not in r], width=44))
@@ -849,7 +861,7 @@ def main(argv=None):
                         f"up to batch {ATT_MAX_BATCH}, where it was faster, SDPA above)")
     p.add_argument("--demo", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    known = {"fp32": (False, False), "f16": (True, False), "fp32+pdl": (False, True), "f16+pdl": (True, True)}
+    known = CODES_TUNE_VARIANT_NAMES
     if not set(_parse_list(args.tune_variants)) <= set(known):
         p.error(f"--tune-variants takes any of {','.join(known)}, got {args.tune_variants!r}")
     tune_variants = [known[v] for v in _parse_list(args.tune_variants)]     # (f16_acc, pdl) pairs
