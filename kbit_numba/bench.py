@@ -38,6 +38,18 @@ def _shape(text):
     return K, N
 
 
+def _parse_shapes(text):
+    """``--shapes``: "KxN" items and model names (``bench_model.dense_shapes``), in order, each shape once."""
+    from . import bench_model
+
+    items = [s for t in _parse_list(text) for s in (bench_model.dense_shapes(t) if t in bench_model.MODELS else [t])]
+    try:
+        return [_shape(s) for s in dict.fromkeys(items)]
+    except ValueError:
+        raise ValueError(f"--shapes takes KxN items (e.g. 2048x5120) or model names ({', '.join(bench_model.MODELS)}), "
+                         f"got {text!r}") from None
+
+
 # ------------------------------------------------------------------------------------------------
 # Ceilings
 # ------------------------------------------------------------------------------------------------
@@ -817,7 +829,9 @@ def _tune_codes_main(args, name, progress, shapes, ks, variants):
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m kbit_numba.bench", description=__doc__.splitlines()[0])
-    p.add_argument("--shapes", default=",".join(SEED_SHAPES), help="K x N list, e.g. 2048x5120,4096x14336")
+    p.add_argument("--shapes", default=",".join(SEED_SHAPES),
+                   help="K x N list, e.g. 2048x5120,4096x14336; a model name (llama3-8b, qwen3-30b-a3b) stands for "
+                        "its linear layers' shapes (of a MoE model: QKV and O)")
     p.add_argument("--k", default=",".join(map(str, KS)))
     p.add_argument("--m", default=",".join(map(str, MS)))
     p.add_argument("--kernels", default=",".join(KERNELS),
@@ -865,6 +879,10 @@ def main(argv=None):
     if not set(_parse_list(args.tune_variants)) <= set(known):
         p.error(f"--tune-variants takes any of {','.join(known)}, got {args.tune_variants!r}")
     tune_variants = [known[v] for v in _parse_list(args.tune_variants)]     # (f16_acc, pdl) pairs
+    try:
+        shapes = _parse_shapes(args.shapes)
+    except ValueError as e:
+        p.error(str(e))
     if args.model:
         from . import bench_model
         try:
@@ -881,7 +899,6 @@ def main(argv=None):
         env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
         return subprocess.call([sys.executable, "-m", "kbit_numba.bench", "--demo"], env=env)
 
-    shapes = [_shape(s) for s in _parse_list(args.shapes)]
     given = set(a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:]))
     ks = _parse_list(args.k, int) if "--k" in given or args.tune is None else [4]
     ms = _parse_list(args.m, int) if "--m" in given or args.tune is None else TUNE_MS

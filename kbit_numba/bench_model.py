@@ -99,6 +99,14 @@ def projections(cfg):
     return [("qkv", q + 2 * kv, H), ("o", H, q), ("gate_up", 2 * I, H), ("down", H, I)]
 
 
+def dense_shapes(model):
+    """The "KxN" shapes of ``model``'s linear layers that run as one weight each (``bench --shapes llama3-8b``):
+    every projection of a dense model; of a MoE model, QKV and O (its experts run in the grouped kernels)."""
+    check_names(model, [])
+    cfg = MODELS[model]
+    return [f"{K}x{N}" for name, N, K in projections(cfg) if not is_moe(cfg) or name in ("qkv", "o")]
+
+
 def layer_params(cfg):
     """Weights of one decoder layer's linear layers (all experts of a MoE layer; no router)."""
     per = [N * K for _, N, K in projections(cfg)]

@@ -7,7 +7,7 @@ import pytest
 from numba import cuda
 
 import kbit_numba as kb
-from kbit_numba import core, dispatch, pair_gemv, scalar_gemv, tensor_gemm
+from kbit_numba import bench, core, dispatch, pair_gemv, scalar_gemv, tensor_gemm
 from kbit_numba import reference as ref
 from kbit_numba.launch import Plan, Prepared, Step
 from helpers import random_weight
@@ -222,7 +222,6 @@ def test_tune_codes_table_writes_per_shape_knobs():
 def test_tune_codes_main_writes_the_table(monkeypatch, tmp_path, capsys):
     """The --tune-codes path after the timings (which need a GPU): rows printed with their floor and cuBLAS, the
     winners written into the table file, the rows as JSON."""
-    from kbit_numba import bench
     rows = [dict(kernel="pair_gemv", shape="64x128", k=4, M=1, us=10.0, params=None),
             dict(kernel="pair_gemv[cols=2]", shape="64x128", k=4, M=1, us=8.0, params={"cols": 2})]
     for r in rows:
@@ -306,3 +305,15 @@ def test_suite_variants_cover_every_value():
     assert got[0] == (4, 1, "e4m4") and len(got) == 16 and got == random_variants(choices, 15, "s1")
     seen = [set(v[i] for seed in range(5) for v in random_variants(choices, 15, seed)) for i in range(3)]
     assert seen == [set(c) for c in choices]
+
+
+def test_shapes_take_model_names():
+    """``bench --shapes`` (the grid, --tune, --tune-codes): a model name stands for its linear layers' shapes, K x N,
+    in step order (of a MoE model: QKV and O; its experts run in the grouped kernels), each shape once."""
+    assert bench._parse_shapes("llama3-8b,4096x4096,2048x512") == [(4096, 6144), (4096, 4096), (4096, 28672),
+                                                                    (14336, 4096), (2048, 512)]
+    assert bench._parse_shapes("qwen3-30b-a3b") == [(2048, 5120), (4096, 2048)]
+    with pytest.raises(ValueError, match="model names .*llama3-8b"):
+        bench._parse_shapes("llama9")
+    with pytest.raises(SystemExit):
+        bench.main(["--shapes", "llama9"])
