@@ -1,7 +1,7 @@
 """Sweep the pair gemv's launch knobs on the GPU at chosen Ms (CUDA-graph timed, L2-cold, the read floor and cuBLAS
 fp16 in the same run); the timing is ``kbit_numba.bench.codes_tune_rows``, the one ``bench --tune-codes`` uses:
 
-    python benchmarks/sweep_pair_gemv.py [K x N list] [k] [M list] [f16|fp32|f16+pdl|fp32+pdl] [knob sets]
+    python benchmarks/sweep_pair_gemv.py [K x N list, or model names] [k] [M list] [f16|fp32|f16+pdl|fp32+pdl] [knob sets]
 
 Knobs: cols (columns per warp per iteration) and cta_warps (warps per CTA aimed at). Prints one row per point and
 knob set; the default plan is the first of each shape/M. ``f16``: block sums in float16 (``f16_acc=True``); ``+pdl``:
@@ -20,7 +20,7 @@ KNOBS = [dict(cols=2), dict(cols=4), dict(cols=8), dict(cta_warps=8), dict(cols=
 
 
 def main(argv):
-    shapes = [bench._shape(s) for s in (argv[0] if argv else "2048x5120,5120x2048,2048x512,4096x14336").split(",")]
+    shapes = bench._parse_shapes(argv[0] if argv else "2048x5120,5120x2048,2048x512,4096x14336")
     k = int(argv[1]) if len(argv) > 1 else 4
     ms = [int(v) for v in (argv[2] if len(argv) > 2 else "1,4").split(",")]
     variant = argv[3] if len(argv) > 3 else "fp32"
