@@ -1,7 +1,9 @@
 r"""Same-run A/B of grouped_gemv at a decode step's routing (E = 128 experts, top-8, B = 1, 4 and 16 tokens; the
 qwen3-30b-a3b expert shapes, k = 4): an older revision's scalar_gemv (if benchmarks/_b_scalar_gemv.py is there)
-against the working tree's, and the tensor-core ``mma_gemv.grouped_gemv`` on the same weights in the code
-layout (mma) and in the fragment layout (mma(f)); best of two alternations each, CUDA graphs, two L2-cold expert sets.
+against the working tree's, the tensor-core ``mma_gemv.grouped_gemv`` on the same weights in the code
+layout (mma) and in the fragment layout (mma(f)), and ``pair_gemv.grouped_gemv`` (a token row a grid slot) on the
+code layout with float32 and float16 block sums (pair, pair f16); best of two alternations each, CUDA graphs, two
+L2-cold expert sets.
 
     git show REV:kbit_numba/scalar_gemv.py | sed 's/^from \. /from kbit_numba /; s/^from \./from kbit_numba./' \
         > benchmarks/_b_scalar_gemv.py
@@ -12,13 +14,15 @@ from numba import cuda
 import kbit_numba as kb
 from kbit_numba import scalar_gemv as new, reference as ref, bench
 from kbit_numba._timing import graph_time_us
-from kbit_numba import mma_gemv
+from kbit_numba import mma_gemv, pair_gemv
 
 try:
     import _b_scalar_gemv as old
 except ImportError:                         # no older revision to compare: the working tree's kernels only
     old = None
 
+# the most rows of one expert each kernel takes (the pair gemv: any number, one a grid slot)
+MAX_ROWS = {mma_gemv: mma_gemv.MAX_TOKENS, new: new.MAX_M, **({old: old.MAX_M} if old is not None else {})}
 rng = np.random.default_rng(3)
 E, top = 128, 8
 for K, N in ((2048, 1536), (768, 2048)):
@@ -38,11 +42,13 @@ for K, N in ((2048, 1536), (768, 2048)):
         out = cuda.device_array((T, N), np.float16)
         d_off = cuda.to_device(offsets)
         res = {}
-        cases = [("old", old, sets), ("new", new, sets), ("mma", mma_gemv, csets), ("mma(f)", mma_gemv, fsets)]
+        cases = [("old", old, sets), ("new", new, sets), ("mma", mma_gemv, csets), ("mma(f)", mma_gemv, fsets),
+                 ("pair", pair_gemv, csets), ("pair f16", pair_gemv, csets)]
         for name, mod, ws in cases + cases:
-            if mod is None or mt > (mma_gemv.MAX_TOKENS if mod is mma_gemv else new.MAX_M):
+            if mod is None or mt > MAX_ROWS.get(mod, mt):
                 continue
-            runs = [mod.plan_grouped(A, w, d_off, out=out, max_tokens=mt).prepare().run for w in ws]
+            runs = [(mod.plan_grouped(A, w, d_off, out=out, f16_acc=name.endswith("f16")) if mod is pair_gemv else
+                     mod.plan_grouped(A, w, d_off, out=out, max_tokens=mt)).prepare().run for w in ws]
             t = graph_time_us(lambda i, s: runs[i % 2](s), 16)
             res[name] = min(res.get(name, t), t)
         nbytes = int((counts > 0).sum()) * N * K // 32 * 17
@@ -52,6 +58,6 @@ for K, N in ((2048, 1536), (768, 2048)):
               + f"  (floor over the active experts' bytes {floor:.2f} us)", flush=True)
     want = ref.grouped_gemv(A.copy_to_host(), sets[0], offsets)
     for name, mod, ws in cases:
-        if mod is not None and mt <= (mma_gemv.MAX_TOKENS if mod is mma_gemv else new.MAX_M):
+        if mod is not None and mt <= MAX_ROWS.get(mod, mt):
             got = mod.grouped_gemv(A, ws[0], d_off, out_dtype=np.float32).copy_to_host()
             print(f"  {name} vs reference (B = {B}) max rel err", float(np.abs(got - want).max() / np.abs(want).max()))

@@ -36,6 +36,11 @@ offline and looks weights up several at a time:
   up j at 2j + 1) the thread that sums column 2j also sums 2j + 1 and writes silu(gate) * up into an [M, N / 2]
   output, once per element: a SwiGLU MLP's SiLU kernel and its [M, N] round trip through memory go away.
 
+* **MoE experts** (``grouped=True``, :func:`grouped_gemv`): a grid row (slot) per token row, M = 1 each. The CTA
+  finds its row's expert in the offsets (a binary search), narrows the weight, the activations and the output
+  to that expert and row, and runs the plain kernel. At a decode step's B = 1 the 8 rows are 8 experts, one
+  launch over their columns; ``mma_gemv.grouped_gemv`` instead takes up to 8 rows of one expert together.
+
 Reference twin: ``reference.gemv`` (which reads ``KbitCodes`` too; ``reference.silu_pairs`` for the epilogue).
 Tests: ``tests/test_pair_gemv.py``.
 """
@@ -49,7 +54,8 @@ from numba import cuda
 from numba.cuda.misc.special import literal_unroll
 
 from . import _arrays
-from .core import MAX_M, device_weight, fit_threads, k_warps, persistent_grid, sm_count
+from .core import (MAX_M, check_grouped, device_weight, fit_threads, k_warps, persistent_grid, sm_count,
+                   unused_i32)
 from .device import (ABSMAX_CODES, CODEBOOK, PRMT_ROW, TABLE_BYTES, TABLE_FLOATS, WARP, e4m4_decode, i32, inlined,
                      jit_kernel, make_silu_pair_out, make_table_fill, make_warp_reduce_scatter, make_word_unpacker, u32)
 from .formats import ABSMAX_FORMATS, BLOCK, CODES_K, KbitCodes, KbitFragments, KbitWeight
@@ -84,12 +90,15 @@ class PairGemvSpec(Spec):
     batch: object = None                    # column groups per barrier, 1 or BATCH (None: BATCH at M = 1 with f16_acc)
     max_registers: object = None            # a per-thread register cap (long K at M = 4), or None
     silu_pairs: bool = False                # the epilogue silu(C[:, 2j]) * C[:, 2j + 1] into an [M, N / 2] output
+    grouped: bool = False                   # MoE experts: blockIdx.y is a token row, M = 1 (see the module docstring)
 
     def normalise(self):
         if self.k not in CODES_K or not 1 <= self.M <= MAX_M:
             raise ValueError(f"pair gemv handles k in {CODES_K} and M = 1..{MAX_M}, got k={self.k}, M={self.M}")
         if self.cols not in COL_CHOICES:
             raise ValueError(f"cols must be one of {COL_CHOICES}, got {self.cols!r}")
+        if self.grouped and self.M != 1:        # (a row a slot: each row its own expert's weights)
+            raise ValueError(f"the grouped pair gemv runs one row a slot (M = 1), got M={self.M}")
         if self.silu_pairs and self.cols % 2:   # (a column pair must stay within one slice's columns)
             raise ValueError(f"silu_pairs needs an even cols, got {self.cols}")
         if self.absmax_format not in ABSMAX_FORMATS:
@@ -104,7 +113,7 @@ class PairGemvSpec(Spec):
                     out_dtype=type_name(self.out_dtype, "out_dtype", OUT_TYPES), f16_acc=bool(self.f16_acc),
                     pdl=bool(self.pdl), batch=int(batch),
                     max_registers=int(self.max_registers) if self.max_registers else None,
-                    silu_pairs=bool(self.silu_pairs))
+                    silu_pairs=bool(self.silu_pairs), grouped=bool(self.grouped))
 
 
 
@@ -121,6 +130,7 @@ def make_pair_gemv_kernel(spec):
     in float32 (error bound: tests/test_pair_gemv.py). pdl: built for a programmatic dependent launch (the
     module docstring)."""
     k, M, NCOL, f16_acc, PDL = spec.k, spec.M, spec.cols, spec.f16_acc, spec.pdl   # (checked by PairGemvSpec)
+    GROUPED = spec.grouped
     BATCH_ = spec.batch                            # column groups per barrier and sum
     absmax_format, a_src, out_dtype = spec.absmax_format, spec.a_type, spec.out_dtype
     G = 8 // k                                     # elements per code byte
@@ -140,7 +150,7 @@ def make_pair_gemv_kernel(spec):
     # made that step 1457 -> 1466 us (the 4096x4096 and 14336x4096 chains slower), so k = 2, and the launches
     # without PDL, keep it after the activation loads, which then overlap it (benchmarks/README.md, "the tables'
     # barrier before the wait").
-    EARLY_BARRIER = PDL and k == 4
+    EARLY_BARRIER = PDL and k == 4 and not GROUPED
     SILU_PAIRS = spec.silu_pairs
 
     # the silu_pairs epilogue: column n's partial sums V apart, column n + 1's M after each
@@ -289,7 +299,16 @@ def make_pair_gemv_kernel(spec):
 
     end = end_group if BATCH_ > 1 else end_each        # how a column group ends (chosen here, not in the kernel)
 
-    def pair_gemv(A, packed, absmax, cb, out, N, n_kb):
+    @inlined
+    def fill_tables(smem, cb, tid):
+        """The group table (make_table_fill) and every E4M4 byte's value (one shared load per block)."""
+        fill_table(smem, cb, tid)
+        i = tid
+        while e4m4 and i < u32(ABSMAX_CODES):
+            smem[u32(u32(TABLE_FLOATS) + i)] = e4m4_decode(np.uint8(i))
+            i = u32(i + u32(cuda.blockDim.x))
+
+    def pair_gemv(A, packed, absmax, cb, out, N, n_kb, offsets):
         smem = cuda.shared.array(0, np.float32)    # [group table][E4M4 table][codebook][partials]
         # Every index below is uint32 (see load_columns): Numba would make them int64.
         tid = u32(cuda.threadIdx.x)
@@ -311,6 +330,25 @@ def make_pair_gemv_kernel(spec):
 
         if PDL:                     # the next kernel may start now: it waits for this one in griddep_wait
             griddep_launch_dependents()
+        if GROUPED:                 # slot = token row r, run by the expert whose rows hold it (offsets: [E + 1])
+            if PDL:                 # the offsets are the router's output, and so are the weights to load: only
+                fill_tables(smem, cb, tid)      # the tables before the wait
+                griddep_wait()
+            r = u32(cuda.blockIdx.y)
+            lo = u32(0)             # the last expert whose first row is <= r (binary search; empty experts skipped)
+            hi = u32(len(offsets) - 1)
+            while hi - lo > u32(1):
+                mid = u32((lo + hi) // u32(2))
+                if u32(offsets[mid]) <= r:
+                    lo = mid
+                else:
+                    hi = mid
+            first = u32(lo * u32(N) * u32(n_kb))         # the expert's first block
+            packed = packed[first * u32(k):]            # from here on the kernel reads one weight, one row
+            absmax = absmax[first:]
+            A = A[r * u32(n_kb * BLOCK // A_PER_WORD):]
+            out = out[r * u32(N // 2 if SILU_PAIRS else N):]
+
         # ---- 1. the first columns' weight loads go out before anything else ----------------------
         # three buffers of NCOL columns' codes and absmax: the loads run two iterations ahead
         codes_a = cuda.local.array((NCOL, k), np.uint32)
@@ -323,17 +361,14 @@ def make_pair_gemv_kernel(spec):
         load_columns(packed, absmax, u32(g * group_cols + col0), kb, last4, nkb, codes_a, absmax_a)
         load_columns(packed, absmax, u32((g + grid) * group_cols + col0), kb, last4, nkb, codes_b, absmax_b)
 
-        # ---- 2. the group table (make_table_fill) and the E4M4 table --------------------------------
-        fill_table(smem, cb, tid)
+        # ---- 2. the group table and the E4M4 table (grouped PDL: filled above) ---------------------
+        if not (GROUPED and PDL):
+            fill_tables(smem, cb, tid)
         table = shared_addr(smem)
-        i = tid
-        while e4m4 and i < u32(ABSMAX_CODES):          # every E4M4 byte's value: one shared load per block
-            smem[u32(u32(TABLE_FLOATS) + i)] = e4m4_decode(np.uint8(i))
-            i = u32(i + u32(cuda.blockDim.x))
 
         if EARLY_BARRIER:           # the tables' barrier before the wait (see EARLY_BARRIER)
             cuda.syncthreads()
-        if PDL:                     # the activations (and out) may be the previous kernel's: wait for it
+        if PDL and not GROUPED:     # the activations (and out) may be the previous kernel's: wait for it
             griddep_wait()
         # ---- 3. this lane's 32 x M activations, element order, 16-byte loads ---------------------
         a = cuda.local.array((M, BLOCK), np.float32)       # (f16_acc: unused)
@@ -487,7 +522,7 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc
         raise ValueError(f"pair gemv handles K <= {MAX_KW * WARP * BLOCK}, got K={K}")
     _arrays.check_aligned(Ad, 16, "A")
     args = (_arrays.flat_view(Ad, np.uint32), kc.packed, kc.absmax, kc.codebook, _arrays.flat_view(out),
-            i32(N), i32(n_kb))
+            i32(N), i32(n_kb), unused_i32())
     cols = default_cols(M, N, K) if cols is None else cols
     spec = PairGemvSpec(kc.k, M, cols, kc.absmax_format, a_src, out.dtype, f16_acc, pdl, silu_pairs=silu_pairs)
     spec, kern, regs, max_threads = fit_threads(make_pair_gemv_kernel, spec, args, kw * WARP)
@@ -502,6 +537,56 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc
     shared = TABLE_BYTES + part_bytes(M, spec.cols, slices, kw, spec.batch)
     grid = persistent_grid(n_groups, slices * kw * WARP, regs, shared)
     return Plan([Step(kern, grid, slices * kw * WARP, args, shared, pdl)], Ad, out, stream)
+
+
+def plan_grouped(A, experts, expert_offsets, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc=False,
+                 cols=None, cta_warps=None, pdl=False, silu_pairs=False):
+    """Checked inputs of :func:`grouped_gemv` bound into a :class:`launch.Plan` (one launch, or none when there are
+    no rows): a grid row (slot) per token row, each the plain kernel at M = 1 on its expert's weight; the CTAs a
+    plain launch would take are shared among the slots. ``pdl``: the CTAs fill their tables before they wait for the
+    kernel before it; the offsets, and so the weights to load, come after the wait. ``cols``, ``cta_warps``,
+    ``silu_pairs`` (every expert's gate/up rows interleaved, out [T, N / 2]): as :func:`plan`."""
+    stream = _arrays.as_stream(stream)
+    Ad, a_src, T, offs, experts = check_grouped(A, experts, expert_offsets, bf16, stream)
+    if experts.layout != "codes":
+        raise ValueError("the grouped pair gemv reads code-layout experts: stack_experts of to_codes(...) weights "
+                         f"(got the {experts.layout} layout)")
+    N, K = experts.expert_shape
+    _arrays.check_silu_pairs(silu_pairs, N)
+    out_dtype = _arrays.output_dtype(out, out_dtype)
+    out = _arrays.output(out, "out", (T, N // 2 if silu_pairs else N), out_dtype, stream)
+    _arrays.check_aligned(Ad, 16, "A")
+    n_kb = K // BLOCK
+    kw = k_warps(K)
+    if kw > MAX_KW:
+        raise ValueError(f"pair gemv handles K <= {MAX_KW * WARP * BLOCK}, got K={K}")
+    if T * max(K, N) >= 2**32 or 4 * experts.n_experts * N * n_kb >= 2**32:
+        raise ValueError("the grouped pair gemv uses 32-bit indices: T*K, T*N and E*N*K/8 must stay < 2**32")
+    if T == 0:
+        return Plan([], Ad, out, stream)
+    args = (_arrays.flat_view(Ad, np.uint32), experts.packed, experts.absmax, experts.codebook,
+            _arrays.flat_view(out), i32(N), i32(n_kb), offs)
+    cols = default_cols(1, N, K) if cols is None else cols
+    spec = PairGemvSpec(experts.k, 1, cols, experts.absmax_format, a_src, out.dtype, f16_acc, pdl,
+                        silu_pairs=silu_pairs, grouped=True)
+    spec, kern, regs, max_threads = fit_threads(make_pair_gemv_kernel, spec, args, kw * WARP)
+    slices = max(1, min((cta_warps or DEFAULTS["cta_warps"]) // kw, max_threads // (kw * WARP),
+                        -(-N // spec.cols), MAX_SLICES))
+    n_groups = -(-N // (slices * spec.cols))
+    shared = TABLE_BYTES + part_bytes(1, spec.cols, slices, kw, spec.batch)
+    resident = persistent_grid(n_groups * T, slices * kw * WARP, regs, shared)
+    grid = (max(1, min(n_groups, -(-resident // T))), T)        # the resident CTAs shared among the slots
+    return Plan([Step(kern, grid, slices * kw * WARP, args, shared, pdl)], Ad, out, stream)
+
+
+def grouped_gemv(A, experts, expert_offsets, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc=False):
+    """MoE experts in one launch: out[t] = A[t] @ W_e^T for every row t of each expert e, one row a slot (a decode
+    step's few rows, each its own expert's weights; ``mma_gemv.grouped_gemv`` takes up to 8 rows of an expert
+    together). A: [T, K] rows sorted by expert (float16 or float32; bfloat16 bits with ``bf16=True``);
+    expert_offsets: int32 [E + 1] (host or device; expert e's rows are offsets[e] .. offsets[e+1]-1); experts:
+    KbitExperts in the code layout (``stack_experts`` of :func:`to_codes` weights, k = 2, 4). Returns out [T, N].
+    With device offsets and ``out`` given it allocates nothing, so it can be captured into a CUDA graph."""
+    return plan_grouped(A, experts, expert_offsets, out, stream, out_dtype, bf16, f16_acc).launch()
 
 
 def gemv(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc=False):
@@ -522,11 +607,13 @@ def prepare(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_
 
 def ptx_specs():
     """Every (k, M) at the default cols (and f16_acc at M = 1, 4; pdl at M = 1; the silu_pairs epilogue at M = 1, 3),
-    M = 1 at ``small_cols``, and each other value of cols, absmax format, A type and output type with every k."""
+    M = 1 at ``small_cols``, grouped (plain, and f16_acc + pdl + silu_pairs), and each other value of cols, absmax
+    format, A type and output type with every k."""
     variants = [dict(M=M) for M in (1, 2, 3, 4)] + [dict(M=M, f16_acc=True) for M in (1, 4)]
     variants += [dict(M=1, pdl=True), dict(M=1, f16_acc=True, pdl=True)]
     variants += [dict(M=1, f16_acc=True, pdl=True, silu_pairs=True), dict(M=3, silu_pairs=True)]   # the epilogue
     variants += [dict(M=1, cols=DEFAULTS["small_cols"])]             # what M = 1 runs on small weights
+    variants += [dict(M=1, grouped=True), dict(M=1, f16_acc=True, pdl=True, grouped=True, silu_pairs=True)]   # MoE
     variants += [dict(M=2, cols=c) for c in COL_CHOICES if c != DEFAULTS["cols"]]
     variants += [dict(absmax_format="fp32", M=3), dict(a_type="float32", M=2), dict(a_type="bfloat16", M=1),
                  dict(out_dtype="float32", M=1)]
@@ -536,7 +623,7 @@ def ptx_specs():
 def argtypes(spec):
     from numba import types as t
     return (t.uint32[::1], t.uint32[::1], t.uint8[::1] if spec.absmax_format == "e4m4" else t.float32[::1],
-            t.float32[::1], NUMBA_TYPES[spec.out_dtype], t.int32, t.int32)
+            t.float32[::1], NUMBA_TYPES[spec.out_dtype], t.int32, t.int32, t.int32[::1])
 
 
 def kernel_specializations():

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from numba import cuda
 
+import kbit_numba as kb
 from kbit_numba import device, pair_gemv, reference as ref
 from kbit_numba.core import k_warps
 from kbit_numba.formats import CODES_K, KbitCodes
@@ -246,6 +247,40 @@ def test_pair_gemv_tuned_knobs(k, cols, slices, M, f16_acc):
         check_close_f16_acc(got, A, qw, np.float32)
     else:
         check_close(got, A, qw)
+
+
+@pytest.mark.parametrize("k, f16_acc, pdl, silu_pairs", [(4, False, False, False), (2, True, True, False),
+                                                        (4, True, True, True)])
+def test_pair_gemv_grouped(k, f16_acc, pdl, silu_pairs):
+    """MoE experts, one token row a grid slot (``grouped_gemv``): each row equals the plain kernel's M = 1 result on
+    its expert's weight bit for bit (the same sums in the same order), whatever the routing: rows spread over the
+    experts, empty experts among them (the first and last too), several rows of one expert, T < E and T > E."""
+    rng = np.random.default_rng(60 + k)
+    N, K = (24, 1056) if SIM else (700, 2048)        # two K-warps a slice
+    flats = [ref.quantize(random_weight(rng, N, K), k=k) for _ in range(4)]
+    codes = [pair_gemv.to_codes(w) for w in flats]
+    experts = kb.stack_experts(codes)
+    for counts in ([0, 2, 0, 1], [1, 0, 3, 0] if SIM else [3, 1, 5, 0]):
+        offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        A = _activations(rng, int(offsets[-1]), K, "float16")
+        p = pair_gemv.plan_grouped(A, experts, cuda.to_device(offsets), out_dtype=np.float32, f16_acc=f16_acc,
+                                   pdl=pdl and not SIM, silu_pairs=silu_pairs)
+        assert p.steps[0].grid[1] == offsets[-1]
+        got = p.launch().copy_to_host()
+        assert got.shape == (offsets[-1], N // 2 if silu_pairs else N)
+        for e in range(len(counts)):
+            for t in range(offsets[e], offsets[e + 1]):
+                want = pair_gemv.plan(A[t:t + 1], codes[e], out_dtype=np.float32, f16_acc=f16_acc,
+                                      silu_pairs=silu_pairs).launch().copy_to_host()
+                assert np.array_equal(got[t:t + 1], want), (counts, e, t)
+    if not silu_pairs and f16_acc:                      # and row 0 (expert 0) against the reference
+        check_close_f16_acc(got[:1], A[:1], flats[0], np.float32)
+    elif not silu_pairs:
+        check_close(got[:1], A[:1], flats[0])
+    with pytest.raises(ValueError, match="code-layout experts"):
+        pair_gemv.plan_grouped(A, kb.stack_experts(flats), offsets)
+    with pytest.raises(ValueError, match="E\\+1"):
+        pair_gemv.plan_grouped(A, experts, offsets[:-1])
 
 
 def test_whole_rounds_picks_the_slices_with_the_least_work_on_the_busiest_sm(monkeypatch):
