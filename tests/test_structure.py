@@ -36,6 +36,7 @@ def test_specs_normalise_so_equal_choices_are_one_key():
     (lambda: tensor_gemm.GemmSpec(4, 1, a_type="float32"), "a_type must be one of"),
     (lambda: pair_gemv.PairGemvSpec(3, 1), "k in"),
     (lambda: pair_gemv.PairGemvSpec(4, 1, a_type="float32", f16_acc=True), "f16_acc needs float16"),
+    (lambda: pair_gemv.PairGemvSpec(4, 2, grouped=True), "one row a slot"),
 ])
 def test_specs_refuse_bad_choices(make, match):
     with pytest.raises(ValueError, match=match):
