@@ -59,5 +59,6 @@ for K, N in ((2048, 1536), (768, 2048)):
     want = ref.grouped_gemv(A.copy_to_host(), sets[0], offsets)
     for name, mod, ws in cases:
         if mod is not None and mt <= MAX_ROWS.get(mod, mt):
-            got = mod.grouped_gemv(A, ws[0], d_off, out_dtype=np.float32).copy_to_host()
+            f16 = dict(f16_acc=True) if name.endswith("f16") else {}
+            got = mod.grouped_gemv(A, ws[0], d_off, out_dtype=np.float32, **f16).copy_to_host()
             print(f"  {name} vs reference (B = {B}) max rel err", float(np.abs(got - want).max() / np.abs(want).max()))

@@ -1,11 +1,12 @@
 """Small launches of every kernel family for compute-sanitizer (memcheck / racecheck) on the device:
 
     compute-sanitizer --tool memcheck python benchmarks/sanitize.py \
-        [codec,gemv,pair,mma,pdl,grouped,gemm,formats,attention]
+        [codec,gemv,pair,mma,pdl,grouped,grouped_pair,gemm,formats,attention]
 
 (default: every family; name some to check only those). ``pdl``: a chain of pair gemvs launched as
 programmatic dependent launches, each reading the previous one's output. ``mma``: the tensor-core gemv (also
 several batches of strips a CTA, on both layouts, and as a PDL chain); ``grouped`` includes fragment-layout experts;
+``grouped_pair``: the grouped pair gemv (a token row a grid slot) at each of its default knob sets;
 ``attention``: ``bench_model``'s ``decode_attention`` (the decode step's attention stand-in).
 """
 import sys
@@ -17,7 +18,7 @@ import kbit_numba as kb
 from kbit_numba.core import sm_count
 
 families = (sys.argv[1].split(",") if len(sys.argv) > 1
-            else ["codec", "gemv", "pair", "mma", "pdl", "grouped", "gemm", "formats", "attention"])
+            else ["codec", "gemv", "pair", "mma", "pdl", "grouped", "grouped_pair", "gemm", "formats", "attention"])
 rng = np.random.default_rng(0)
 for k in (2, 3, 4, 5):
     for layout in ("flat", "tiled"):
@@ -157,6 +158,18 @@ if "grouped" in families:
             first.run()
         grouped.run()
         grouped.out.copy_to_host()
+if "grouped_pair" in families:  # N = 37 (a partial column group), K = 1088 / 512 (two K-warps / one)
+    from kbit_numba import pair_gemv
+    for N, K, k, f16_acc, pdl, silu_pairs, offsets in (
+            (37, 1088, 4, False, False, False, [0, 0, 2, 2, 3]),     # empty experts first and last
+            (74, 1088, 2, True, True, True, [0, 3, 3, 8, 12]),      # the SiLU epilogue after the wait
+            (37, 512, 4, False, True, False, [0, 1, 2, 2, 5]),      # float32 sums, one K-warp: 8 columns, 4 warps
+            (37, 1088, 4, True, False, False, [0, 30, 30, 64, 70])):    # many rows: 8 columns, 16 warps
+        experts = kb.stack_experts([kb.reference.to_codes(kb.reference.quantize(
+            rng.standard_normal((N, K)).astype(np.float32), k=k)) for _ in range(4)])
+        A = rng.standard_normal((offsets[-1], K)).astype(np.float16)
+        pair_gemv.plan_grouped(A, experts, cuda.to_device(np.array(offsets, np.int32)), f16_acc=f16_acc, pdl=pdl,
+                               silu_pairs=silu_pairs).launch().copy_to_host()
 if "formats" in families:  # uniform (every width, fp16/int8, 3-bit padding), SBVR, BitNet; M = 1..4
     for bits in (1, 2, 3, 4, 8):
         for G in (32, 128, None):

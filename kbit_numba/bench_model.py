@@ -18,9 +18,10 @@ or, for a mixture-of-experts model (``qwen3-30b-a3b``), the second line per toke
   weights): the B * top_k (token, expert) rows are gathered in expert order (``gather_rows``, a Numba kernel;
   ``index_select`` on CPU tensors), run through the layer's gate/up experts and down experts, and summed back per token with their weights (``moe_combine``, a
   fused Numba kernel, as an engine's MoE sum; its torch twin on CPU tensors). kbit
-  variants hold every layer's experts as ``KbitExperts`` per projection (see :class:`ExpertsKbit`: the code
-  layout through the tensor-core ``mma_gemv.grouped_gemv`` while no expert has more than 8 rows, else the
-  tiled layout through ``grouped_gemm``; k = 3, 5 the tiled ``grouped_gemv`` up to 4 rows);
+  variants hold every layer's experts as ``KbitExperts`` per projection (see :class:`ExpertsKbit`: with float16 block sums
+  the code layout through the grouped pair gemv while no expert has more than 4 rows; the fragment or code layout
+  through the tensor-core ``mma_gemv.grouped_gemv`` to 8 rows, else the tiled layout through ``grouped_gemm``; k = 3, 5 the tiled
+  ``grouped_gemv`` up to 4 rows);
   fp16 runs one cuBLAS matmul per active expert (``torch.matmul``, as a plain PyTorch MoE does: a baseline
   with one launch per expert, not a fused MoE kernel). The other formats have no grouped kernels: their rows
   report that. All of a layer's experts are in memory (128 at qwen3-30b-a3b: ~58 GB in fp16); a step reads
@@ -38,7 +39,7 @@ or, for a mixture-of-experts model (``qwen3-30b-a3b``), the second line per toke
   GPU. Not in the step: embedding, final norm, lm_head, sampling.
 * **SiLU in the gate/up gemv** (kbit variants on the code layout: :func:`fuses_silu`): the gate/up weight (every
   gate/up expert) is quantized with its rows interleaved (gate row j at 2j, up row j at 2j + 1), and where the
-  layer's call runs the pair gemv or the tensor-core gemv (grouped for experts) its epilogue writes silu(g) * u
+  layer's call runs the pair gemv or the tensor-core gemv (either grouped for experts) its epilogue writes silu(g) * u
   (``KbitLinear.run(x, silu_pairs=True)``, ``ExpertsKbit.bind(silu_pairs=True)``): no SiLU kernel and no [B, 2I]
   output. Batches that run another kernel use ``silu_pairs``, the SiLU kernel for interleaved pairs.
 * **Timing**: the whole step is captured in one CUDA graph (``torch.cuda.graph``) and replayed; the step
@@ -673,15 +674,24 @@ class ExpertsFP16:
 
 
 class ExpertsKbit:
-    """One layer's experts of one projection as ``KbitExperts``: in the code or fragment layout (k = 2, 4) the
-    tensor-core ``mma_gemv.grouped_gemv`` while no expert has more than 8 rows; in the tiled layout ``grouped_gemv``
-    while none has more than 4 (k = 3, 5), else ``grouped_gemm`` (needs CUDA tensors). ``codes``: the code- or
-    fragment-layout copy, or None; the tiled one is kept for batches past those limits (it doubles the experts'
-    memory).
-    ``pdl``: the tensor-core gemv as a programmatic dependent launch (the other kernels have no such build)."""
+    """One layer's experts of one projection as ``KbitExperts``. In the code or fragment layout (k = 2, 4): with
+    ``f16_acc`` (float16 block sums) the grouped pair gemv (``pair_gemv.grouped_gemv``, a token row a grid slot, code
+    layout) while no expert has more than ``PAIR_MAX_ROWS`` rows, then (and without f16_acc) the tensor-core
+    ``mma_gemv.grouped_gemv`` to 8 rows; in the tiled layout ``grouped_gemv`` while none has more than 4 (k = 3, 5),
+    else ``grouped_gemm`` (needs CUDA tensors). ``codes``: the code- or fragment-layout copy, or None; the tiled one
+    is kept for batches past those limits (it doubles the experts' memory).
+    ``pdl``: the pair or tensor-core gemv as a programmatic dependent launch (the other kernels have no such
+    build)."""
 
-    def __init__(self, experts, codes=None, pdl=False):
-        self.experts, self.codes, self.pdl = experts, codes, bool(pdl)
+    # The grouped pair gemv re-reads an expert's weight for each of its rows (from L2 after the first). With float16
+    # block sums it beat the tensor-core gemv on the code layout at qwen3-30b-a3b's expert shapes up to B = 16 (4 rows
+    # an expert), and the fragment layout's to B = 4; with float32 sums it lost from B = 4 on, and at B = 1 on gate/up
+    # without the SiLU epilogue (15.6 vs 12.1 us), so those variants keep the fragment layout's tensor-core gemv
+    # (H100, benchmarks/runs/2026-11-27_h100_grouped_pair_ab.txt).
+    PAIR_MAX_ROWS = 4
+
+    def __init__(self, experts, codes=None, pdl=False, f16_acc=False):
+        self.experts, self.codes, self.pdl, self.f16_acc = experts, codes, bool(pdl), bool(f16_acc)
 
     def weight_bytes(self):
         """Bytes of one copy (the one a decode step reads)."""
@@ -689,13 +699,18 @@ class ExpertsKbit:
 
     def bind(self, A, out, offsets, silu_pairs=False):
         """A callable that runs the experts on A's rows into out; ``silu_pairs`` (gate/up rows interleaved): the
-        tensor-core gemv's SiLU epilogue into out [T, N / 2], or None where this routing runs another kernel."""
+        pair or tensor-core gemv's SiLU epilogue into out [T, N / 2], or None where this routing runs another
+        kernel."""
         import torch
 
-        from . import mma_gemv, scalar_gemv, tensor_gemm
+        from . import mma_gemv, pair_gemv, scalar_gemv, tensor_gemm
         d_offsets = cuda.to_device(offsets)
         most = int(np.diff(offsets).max())
-        if self.codes is not None and most <= mma_gemv.N8:
+        if self.codes is not None and self.f16_acc and most <= self.PAIR_MAX_ROWS:
+            plan = pair_gemv.plan_grouped(A, self.codes, d_offsets, out=out, f16_acc=self.f16_acc, pdl=self.pdl,
+                                          silu_pairs=silu_pairs)
+            kernel = "pair_gemv"
+        elif self.codes is not None and most <= mma_gemv.N8:
             plan = mma_gemv.plan_grouped(A, self.codes, d_offsets, out=out, max_tokens=most, pdl=self.pdl,
                                          silu_pairs=silu_pairs)
             kernel = "mma_gemv"
@@ -933,10 +948,12 @@ def build_experts(cfg, variant, name, N, K, base, progress, device="cuda", silu_
     copies = _device_copies(stacked, L)
     if opts["k"] not in CODES_K:
         return [ExpertsKbit(c) for c in copies]
-    native = reference.to_fragments if fits_fragments(N, K) else reference.to_codes
-    codes = [native(w) for w in flat]           # the fragment layout where the shape allows: 2-12% faster
+    # the pair gemv's code layout for f16_acc (ExpertsKbit), else the fragment layout where the shape allows: 2-12%
+    # faster in the tensor-core gemv
+    native = (reference.to_fragments if fits_fragments(N, K) and not opts.get("f16_acc") else reference.to_codes)
+    codes = [native(w) for w in flat]
     stacked = stack_experts([codes[e % len(codes)] for e in range(E)])
-    return [ExpertsKbit(t, c, opts.get("pdl")) for t, c in zip(copies, _device_copies(stacked, L))]
+    return [ExpertsKbit(t, c, opts.get("pdl"), opts.get("f16_acc")) for t, c in zip(copies, _device_copies(stacked, L))]
 
 
 def build_linears(cfg, variant, base, progress, device="cuda", silu_pairs=False):

@@ -73,6 +73,16 @@ COL_CHOICES = (1, 2, 4, 8)        # columns per warp per iteration a kernel can 
 # weights under small_weight elements (9-12% faster there; see default_cols); cta_warps: warps per CTA
 # the plan aims for (the table is filled once per CTA; 2 on the simulator, which runs threads slowly).
 DEFAULTS = {"cols": 4, "small_cols": 2, "small_weight": 1 << 24, "cta_warps": 2 if SIMULATOR else 16}
+# The grouped kernel's knobs (cols, cta_warps), from the H100 sweep at qwen3-30b-a3b's expert shapes
+# (benchmarks/runs/2026-11-27_h100_grouped_pair_knobs.txt): 4 columns and 8 warps won or came within 9% at B = 1 for
+# k = 2, 4, both block sums, alone and as PDL chains (vs the plain defaults: 30-45% faster on gate/up, 7-40% on
+# down), but for float32 sums at k = 4 with K <= 1024 (one warp a row), where 8 columns and 4 warps took 6.8-8.5 us
+# against 4/8's 9+ in two runs (at k = 2 the other way round: 4/8 7.6 us, 8/4 10.3; why was not measured).
+# With many rows (B = 16 tokens, 128 slots; float16 sums as a PDL chain) 8 columns and 16 warps won instead:
+# 15-21% faster than 4/8 on both shapes at k = 2 and 4 (4/8 had been measured at 8 and 32 rows only).
+GROUPED_DEFAULTS = {"cols": 4, "cta_warps": 8 if not SIMULATOR else 2}
+GROUPED_K4_F32_ONE_WARP = {"cols": 8, "cta_warps": 4 if not SIMULATOR else 2}
+GROUPED_MANY_ROWS, GROUPED_MANY = 64, {"cols": 8, "cta_warps": 16 if not SIMULATOR else 2}
 
 
 @dataclass(frozen=True)
@@ -539,6 +549,14 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc
     return Plan([Step(kern, grid, slices * kw * WARP, args, shared, pdl)], Ad, out, stream)
 
 
+def grouped_knobs(k, K, f16_acc, rows):
+    """The grouped kernel's default cols and cta_warps (``GROUPED_DEFAULTS``) for k bits, K columns, the block sums
+    and the number of rows (grid slots)."""
+    if rows >= GROUPED_MANY_ROWS:
+        return GROUPED_MANY
+    return GROUPED_K4_F32_ONE_WARP if k == 4 and not f16_acc and k_warps(K) == 1 else GROUPED_DEFAULTS
+
+
 def plan_grouped(A, experts, expert_offsets, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc=False,
                  cols=None, cta_warps=None, pdl=False, silu_pairs=False):
     """Checked inputs of :func:`grouped_gemv` bound into a :class:`launch.Plan` (one launch, or none when there are
@@ -566,11 +584,12 @@ def plan_grouped(A, experts, expert_offsets, out=None, stream=None, out_dtype=np
         return Plan([], Ad, out, stream)
     args = (_arrays.flat_view(Ad, np.uint32), experts.packed, experts.absmax, experts.codebook,
             _arrays.flat_view(out), i32(N), i32(n_kb), offs)
-    cols = default_cols(1, N, K) if cols is None else cols
+    knobs = grouped_knobs(experts.k, K, f16_acc, T)
+    cols = knobs["cols"] if cols is None else cols
     spec = PairGemvSpec(experts.k, 1, cols, experts.absmax_format, a_src, out.dtype, f16_acc, pdl,
                         silu_pairs=silu_pairs, grouped=True)
     spec, kern, regs, max_threads = fit_threads(make_pair_gemv_kernel, spec, args, kw * WARP)
-    slices = max(1, min((cta_warps or DEFAULTS["cta_warps"]) // kw, max_threads // (kw * WARP),
+    slices = max(1, min((cta_warps or knobs["cta_warps"]) // kw, max_threads // (kw * WARP),
                         -(-N // spec.cols), MAX_SLICES))
     n_groups = -(-N // (slices * spec.cols))
     shared = TABLE_BYTES + part_bytes(1, spec.cols, slices, kw, spec.batch)
@@ -614,6 +633,7 @@ def ptx_specs():
     variants += [dict(M=1, f16_acc=True, pdl=True, silu_pairs=True), dict(M=3, silu_pairs=True)]   # the epilogue
     variants += [dict(M=1, cols=DEFAULTS["small_cols"])]             # what M = 1 runs on small weights
     variants += [dict(M=1, grouped=True), dict(M=1, f16_acc=True, pdl=True, grouped=True, silu_pairs=True)]   # MoE
+    variants += [dict(M=1, grouped=True, cols=GROUPED_K4_F32_ONE_WARP["cols"], pdl=True)]
     variants += [dict(M=2, cols=c) for c in COL_CHOICES if c != DEFAULTS["cols"]]
     variants += [dict(absmax_format="fp32", M=3), dict(a_type="float32", M=2), dict(a_type="bfloat16", M=1),
                  dict(out_dtype="float32", M=1)]

@@ -99,37 +99,43 @@ def _moe_reference(step, layer, h, W_gu, W_d, pairs=False):
     return y
 
 
-@pytest.mark.parametrize("variant", ["fp16"] if SIM else ["fp16", "kbit k=4", "kbit k=2", "kbit k=3", "kbit k=4 pdl"])
+CODES_VARIANTS = ("kbit k=4", "kbit k=2", "kbit k=4 pdl", "kbit k=4 pdl f16_acc", "kbit k=2 pdl f16_acc")   # k = 2, 4
+
+
+@pytest.mark.parametrize("variant", ["fp16"] if SIM else ["fp16", *CODES_VARIANTS, "kbit k=3"])
 @pytest.mark.parametrize("B", [3] if SIM else [3, 40])
 def test_moe_layer_is_the_routed_sum_of_its_experts(variant, B):
     """The MoE block of the step (gather by expert, gate_up experts, silu_mul, down experts, weighted sum) against
-    a float64 loop over the routing, with the variant's own (dequantized) expert weights. kbit runs the grouped
-    mma gemv (k = 2, 4) or grouped_gemv (k = 3) at B = 3 and grouped_gemm at B = 40 (more than 8 rows per
-    expert); "kbit k=4 pdl" the PDL builds (grouped mma gemv and fused kernels); on the simulator fp16 only. The
-    k = 2, 4 variants interleave their gate/up experts' rows (fuses_silu): the grouped mma gemv's epilogue computes
-    the SiLU at B = 3, the SiLU kernel for pairs at B = 40."""
+    a float64 loop over the routing, with the variant's own (dequantized) expert weights. kbit runs, at B = 3, the
+    grouped mma gemv (k = 2, 4), the grouped pair gemv (with f16_acc, while an expert has at most PAIR_MAX_ROWS
+    rows) or grouped_gemv (k = 3), and grouped_gemm at B = 40 (more than 8 rows per expert); the pdl variants the
+    PDL builds (of the grouped gemvs and the fused kernels); on the simulator fp16 only. The k = 2, 4 variants
+    interleave their gate/up experts' rows (fuses_silu): the grouped gemvs' epilogue computes the SiLU at B = 3,
+    the SiLU kernel for pairs at B = 40."""
     rng = np.random.default_rng(2)
     base = {name: rng.standard_normal((N, K), dtype=np.float32) * 0.1 for name, N, K in bench_model.projections(TINY_MOE)}
     for name, N, K in bench_model.projections(TINY_MOE)[2:]:      # the experts: 3 distinct matrices, repeated
         base[name] = [rng.standard_normal((N, K), dtype=np.float32) * 0.1 for _ in range(3)]
     fused = bench_model.fuses_silu(TINY_MOE, variant)
-    assert fused == (variant in ("kbit k=4", "kbit k=2", "kbit k=4 pdl"))
+    assert fused == (variant in CODES_VARIANTS)
     linears = bench_model.build_linears(TINY_MOE, variant, base, lambda msg: None, DEVICE, silu_pairs=fused)
     step = bench_model.DecodeStep(TINY_MOE, linears, B, context=64, device=DEVICE,
                                   pdl=bench_model.uses_pdl(variant), silu_pairs=fused)
     if variant == "fp16":
-        kernels = None
         weights = [[lin.W.float().cpu().numpy() for lin in layer[2:]] for layer in linears]
     else:
-        kernels = {run.kernel for runs in step.expert_runs for run in runs}
         E = TINY_MOE["experts"]
         weights = [[np.stack([ref.dequantize(lin.experts.expert(e)) for e in range(E)]) for lin in layer[2:]]
                    for layer in linears]
-        most = max(int(np.diff(offsets).max()) for offsets in step.offsets)
-        codes = variant in ("kbit k=4", "kbit k=2", "kbit k=4 pdl")
-        want = ("mma_gemv" if codes and most <= 8 else "grouped_gemv" if not codes and most <= 4 else "grouped_gemm")
-        assert kernels == {want} and (B == 3) == (want != "grouped_gemm"), (kernels, most)
-        assert all(runs[0].silu_pairs == (fused and want == "mma_gemv") for runs in step.expert_runs)
+        codes = variant in CODES_VARIANTS
+        for runs, offsets in zip(step.expert_runs, step.offsets):
+            most = int(np.diff(offsets).max())
+            pair = variant.endswith("f16_acc") and most <= bench_model.ExpertsKbit.PAIR_MAX_ROWS
+            want = ("pair_gemv" if codes and pair else
+                    "mma_gemv" if codes and most <= 8 else "grouped_gemv" if not codes and most <= 4 else
+                    "grouped_gemm")
+            assert [run.kernel for run in runs] == [want] * 2 and (B == 3) == (want != "grouped_gemm"), (want, most)
+            assert runs[0].silu_pairs == (fused and want in ("pair_gemv", "mma_gemv"))
     h = torch.randn(B, TINY_MOE["hidden"], device=DEVICE, dtype=torch.float16)
     for layer in range(TINY_MOE["layers"]):
         with torch.no_grad():

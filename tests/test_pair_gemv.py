@@ -254,13 +254,14 @@ def test_pair_gemv_tuned_knobs(k, cols, slices, M, f16_acc):
 def test_pair_gemv_grouped(k, f16_acc, pdl, silu_pairs):
     """MoE experts, one token row a grid slot (``grouped_gemv``): each row equals the plain kernel's M = 1 result on
     its expert's weight bit for bit (the same sums in the same order), whatever the routing: rows spread over the
-    experts, empty experts among them (the first and last too), several rows of one expert, T < E and T > E."""
+    experts, empty experts among them (the first and last too), several rows of one expert, T < E and T > E; on the
+    GPU also T >= GROUPED_MANY_ROWS (the many-rows knobs)."""
     rng = np.random.default_rng(60 + k)
     N, K = (24, 1056) if SIM else (700, 2048)        # two K-warps a slice
     flats = [ref.quantize(random_weight(rng, N, K), k=k) for _ in range(4)]
     codes = [pair_gemv.to_codes(w) for w in flats]
     experts = kb.stack_experts(codes)
-    for counts in ([0, 2, 0, 1], [1, 0, 3, 0] if SIM else [3, 1, 5, 0]):
+    for counts in [[0, 2, 0, 1], [1, 0, 3, 0]] if SIM else [[0, 2, 0, 1], [3, 1, 5, 0], [40, 0, 30, 2]]:
         offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
         A = _activations(rng, int(offsets[-1]), K, "float16")
         p = pair_gemv.plan_grouped(A, experts, cuda.to_device(offsets), out_dtype=np.float32, f16_acc=f16_acc,
