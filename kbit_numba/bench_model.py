@@ -685,9 +685,11 @@ class ExpertsKbit:
 
     # The grouped pair gemv re-reads an expert's weight for each of its rows (from L2 after the first). With float16
     # block sums it beat the tensor-core gemv on the code layout at qwen3-30b-a3b's expert shapes up to B = 16 (4 rows
-    # an expert), and the fragment layout's to B = 4; with float32 sums it lost from B = 4 on, and at B = 1 on gate/up
-    # without the SiLU epilogue (15.6 vs 12.1 us), so those variants keep the fragment layout's tensor-core gemv
-    # (H100, benchmarks/runs/2026-11-27_h100_grouped_pair_ab.txt).
+    # an expert), and the fragment layout's to B = 4 (H100, benchmarks/runs/2026-11-27_h100_grouped_pair_ab.txt); the
+    # qwen3 step, against the fragment layout's gemv: -17% / -23% at B = 1 (k = 4 / 2), -8% / -4% at B = 4, -4% /
+    # -1.3% at B = 16 (..._qwen3_step_ab_grouped_pair.txt). Past 4 rows those variants run the tensor-core gemv on the
+    # code layout (5-12% slower than on fragments). With float32 sums the pair gemv lost from B = 4 on, and at B = 1
+    # on gate/up without the SiLU epilogue (15.6 vs 12.1 us): those variants keep the fragment layout.
     PAIR_MAX_ROWS = 4
 
     def __init__(self, experts, codes=None, pdl=False, f16_acc=False):
