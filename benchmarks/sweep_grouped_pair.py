@@ -3,7 +3,7 @@ shapes (gate/up 2048 -> 2 x 768 with the SiLU epilogue, down 768 -> 2048), E = 1
 k = 2, 4; float32 and float16 block sums; alone and as a PDL chain. CUDA graphs of 16 launches over two L2-cold
 expert sets; best of two alternations. Prints, per point, the default knobs' time and the fastest knobs.
 
-    python benchmarks/sweep_grouped_pair.py [--batch 1,4] [--k 2,4] [--sums f32,f16] [--pdl 0,1]
+    python benchmarks/sweep_grouped_pair.py [--batch 1,4] [--k 2,4] [--sums f32,f16] [--pdl 0,1] [--max-registers R]
 """
 import argparse
 import itertools
@@ -21,6 +21,7 @@ p.add_argument("--k", default="2,4")
 p.add_argument("--cta-warps", default="4,8,16,32")
 p.add_argument("--sums", default="f32,f16", help="block sums to time: f32, f16")
 p.add_argument("--pdl", default="0,1", help="0: alone, 1: as a PDL chain")
+p.add_argument("--max-registers", type=int, default=None, help="a per-thread register cap for every knob set")
 args = p.parse_args()
 rng = np.random.default_rng(5)
 E, top = 128, 8
@@ -46,12 +47,14 @@ for k in (int(x) for x in args.k.split(",")):
                 res = {}
                 for knob in knobs + knobs:
                     runs = [pair_gemv.plan_grouped(A, w, d_off, out=out, f16_acc=f16, pdl=pdl, silu_pairs=silu,
-                                                   cols=knob[0], cta_warps=knob[1]).prepare().run for w in sets]
+                                                   cols=knob[0], cta_warps=knob[1],
+                                                   max_registers=args.max_registers).prepare().run for w in sets]
                     t = graph_time_us(lambda i, s: runs[i % 2](s), 16)
                     res[knob] = min(res.get(knob, t), t)
                 best = min(res, key=res.get)
                 top3 = sorted(res, key=res.get)[:3]
-                print(f"k={k} {name} {N}x{K} B={B} T={T} {'f16' if f16 else 'f32'}{' pdl' if pdl else ''}: "
+                cap = f" cap {args.max_registers}" if args.max_registers else ""
+                print(f"k={k} {name} {N}x{K} B={B} T={T} {'f16' if f16 else 'f32'}{' pdl' if pdl else ''}{cap}: "
                       f"default {res[(None, None)]:.2f} us  best cols={best[0]} cta_warps={best[1]} "
                       f"{res[best]:.2f} us  (next: " + ", ".join(f"{c}/{w} {res[(c, w)]:.2f}" for c, w in top3[1:])
                       + f")  floor {floor:.2f} us", flush=True)

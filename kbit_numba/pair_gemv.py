@@ -558,12 +558,14 @@ def grouped_knobs(k, K, f16_acc, rows):
 
 
 def plan_grouped(A, experts, expert_offsets, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc=False,
-                 cols=None, cta_warps=None, pdl=False, silu_pairs=False):
+                 cols=None, cta_warps=None, pdl=False, silu_pairs=False, max_registers=None):
     """Checked inputs of :func:`grouped_gemv` bound into a :class:`launch.Plan` (one launch, or none when there are
     no rows): a grid row (slot) per token row, each the plain kernel at M = 1 on its expert's weight; the CTAs a
     plain launch would take are shared among the slots. ``pdl``: the CTAs fill their tables before they wait for the
     kernel before it; the offsets, and so the weights to load, come after the wait. ``cols``, ``cta_warps``,
-    ``silu_pairs`` (every expert's gate/up rows interleaved, out [T, N / 2]): as :func:`plan`."""
+    ``silu_pairs`` (every expert's gate/up rows interleaved, out [T, N / 2]): as :func:`plan`; None: the
+    :func:`grouped_knobs`. ``max_registers``: a per-thread register cap, so that more CTAs fit an SM (an experiment's
+    knob, not yet measured: benchmarks/README.md, "Twenty-ninth session"), or None."""
     stream = _arrays.as_stream(stream)
     Ad, a_src, T, offs, experts = check_grouped(A, experts, expert_offsets, bf16, stream)
     if experts.layout != "codes":
@@ -587,7 +589,7 @@ def plan_grouped(A, experts, expert_offsets, out=None, stream=None, out_dtype=np
     knobs = grouped_knobs(experts.k, K, f16_acc, T)
     cols = knobs["cols"] if cols is None else cols
     spec = PairGemvSpec(experts.k, 1, cols, experts.absmax_format, a_src, out.dtype, f16_acc, pdl,
-                        silu_pairs=silu_pairs, grouped=True)
+                        max_registers=max_registers, silu_pairs=silu_pairs, grouped=True)
     spec, kern, regs, max_threads = fit_threads(make_pair_gemv_kernel, spec, args, kw * WARP)
     slices = max(1, min((cta_warps or knobs["cta_warps"]) // kw, max_threads // (kw * WARP),
                         -(-N // spec.cols), MAX_SLICES))
