@@ -628,8 +628,8 @@ def prepare(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_
 
 def ptx_specs():
     """Every (k, M) at the default cols (and f16_acc at M = 1, 4; pdl at M = 1; the silu_pairs epilogue at M = 1, 3),
-    M = 1 at ``small_cols``, grouped (plain, and f16_acc + pdl + silu_pairs), and each other value of cols, absmax
-    format, A type and output type with every k."""
+    M = 1 at ``small_cols``, grouped (plain, f16_acc + pdl + silu_pairs, and 8 columns + pdl), and each other value of
+    cols, absmax format, A type and output type with every k."""
     variants = [dict(M=M) for M in (1, 2, 3, 4)] + [dict(M=M, f16_acc=True) for M in (1, 4)]
     variants += [dict(M=1, pdl=True), dict(M=1, f16_acc=True, pdl=True)]
     variants += [dict(M=1, f16_acc=True, pdl=True, silu_pairs=True), dict(M=3, silu_pairs=True)]   # the epilogue
