@@ -249,6 +249,37 @@ def test_pair_gemv_tuned_knobs(k, cols, slices, M, f16_acc):
         check_close(got, A, qw)
 
 
+@gpu_split("k_split", CODES_K)
+@settings(max_examples=gpu_examples(EXAMPLES, len(CODES_K)))
+@given(seeds, variants((4, 2), (False, True), (np.float16, np.float32)),
+       st.lists(st.integers(0, 3 if SIM else 9), min_size=1, max_size=4 if SIM else 9),
+       st.integers(1, 16 if SIM else 300), st.sampled_from([1, 3]) if SIM else sizes(140, 512), out_modes)
+def test_pair_gemv_grouped_property(k_split, seed, v, counts, N, kbn, out_mode):
+    """MoE experts through ``grouped_gemv`` (any rows an expert, empty experts included; float32 or float16 block
+    sums; on the GPU up to 81 rows, past GROUPED_MANY_ROWS) against the reference per expert, within the plain
+    kernel's bounds (check_close, check_close_f16_acc)."""
+    k, f16_acc, out_dtype = v
+    k = k_split or k
+    rng = np.random.default_rng(seed)
+    K = 32 * kbn
+    flats = [ref.quantize(random_weight(rng, N, K), k=k) for _ in counts]
+    experts = kb.stack_experts([ref.to_codes(w) for w in flats])
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    T = int(offsets[-1])
+    A = _activations(rng, max(T, 1), K, "float16")[:T]
+    o = Out(out_mode, (T, N), out_dtype)
+    got = pair_gemv.grouped_gemv(A, experts, cuda.to_device(offsets), out_dtype=out_dtype, f16_acc=f16_acc,
+                                 **o.kwargs)
+    assert got.shape == (T, N)
+    got = o.host(got)
+    for e, w in enumerate(flats):
+        rows = slice(offsets[e], offsets[e + 1])
+        if counts[e] and f16_acc:
+            check_close_f16_acc(got[rows], A[rows], w, out_dtype)
+        elif counts[e]:
+            check_close(got[rows], A[rows], w, out_dtype=out_dtype)
+
+
 @pytest.mark.parametrize("k, f16_acc, pdl, silu_pairs", [(4, False, False, False), (2, True, True, False),
                                                         (4, True, True, True)])
 def test_pair_gemv_grouped(k, f16_acc, pdl, silu_pairs):
