@@ -186,6 +186,17 @@ def test_gemv_captured_in_torch_cuda_graph():
 
 
 # ---- grouped expert GEMV (MoE) ---------------------------------------------------------------------
+def routed_case(rng, counts, N, K, k, layout):
+    """A grouped call's inputs: a random [N, K] k-bit weight per entry of ``counts`` (the flat KbitWeights), the
+    experts they make through ``layout`` (e.g. ``ref.to_codes``), stacked; int32 offsets for counts[e] rows of
+    expert e; float16 activations for those rows ([0, K] when there are none). (flats, experts, offsets, A)"""
+    flats = [ref.quantize(random_weight(rng, N, K), k=k) for _ in counts]
+    experts = kb.stack_experts([layout(w) for w in flats])
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    T = int(offsets[-1])
+    return flats, experts, offsets, _activations(rng, max(T, 1), K, "float16")[:T]
+
+
 def _experts(rng, E, N, K, k, layout="flat"):
     ws = [ref.quantize(random_weight(rng, N, K), k=k) for _ in range(E)]
     if layout == "tiled":

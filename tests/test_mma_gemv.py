@@ -11,7 +11,7 @@ from kbit_numba.formats import CODES_K
 from helpers import (EXAMPLES, SIM, assert_within, gpu_examples, gpu_split, kbit_weight, Out, out_modes, random_weight,
                      seeds, sizes, weight_kinds, variants)
 from test_gemm import check_gemm
-from test_gemv import _activations
+from test_gemv import _activations, routed_case
 
 MAX_N = 20 if SIM else 700
 # K = 64 * kb2: one warp with idle lanes (K < 256), a partial K-warp, two K-warps on the simulator; up to the
@@ -216,11 +216,8 @@ def test_mma_gemv_grouped(k_split, seed, v, counts, N, kb2, out_mode):
     k = k_split or k
     rng = np.random.default_rng(seed)
     K = 64 * kb2
-    flats = [ref.quantize(random_weight(rng, N, K), k=k) for _ in counts]
-    experts = kb.stack_experts([ref.to_codes(w) for w in flats])
-    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    flats, experts, offsets, A = routed_case(rng, counts, N, K, k, ref.to_codes)
     T = int(offsets[-1])
-    A = _activations(rng, max(T, 1), K, "float16")[:T]
     o = Out(out_mode, (T, N), out_dtype)
     got = mma_gemv.grouped_gemv(A, experts, cuda.to_device(offsets), out_dtype=out_dtype, max_tokens=8, **o.kwargs)
     assert got.shape == (T, N)

@@ -12,7 +12,7 @@ from kbit_numba.core import k_warps
 from kbit_numba.formats import CODES_K, KbitCodes
 from helpers import (EXAMPLES, SIM, assert_within, gpu_examples, gpu_split, kbit_weight, Out, out_modes, pick,
                      random_weight, seeds, sizes, weight_kinds, variants)
-from test_gemv import _activations, check_close
+from test_gemv import _activations, check_close, routed_case
 
 MAX_N = 12 if SIM else 700
 # K = 32 * kb: past 1024 (two K-warps) on the simulator too, up to several warps on the GPU
@@ -262,11 +262,8 @@ def test_pair_gemv_grouped_property(k_split, seed, v, counts, N, kbn, out_mode):
     k = k_split or k
     rng = np.random.default_rng(seed)
     K = 32 * kbn
-    flats = [ref.quantize(random_weight(rng, N, K), k=k) for _ in counts]
-    experts = kb.stack_experts([ref.to_codes(w) for w in flats])
-    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    flats, experts, offsets, A = routed_case(rng, counts, N, K, k, ref.to_codes)
     T = int(offsets[-1])
-    A = _activations(rng, max(T, 1), K, "float16")[:T]
     o = Out(out_mode, (T, N), out_dtype)
     got = pair_gemv.grouped_gemv(A, experts, cuda.to_device(offsets), out_dtype=out_dtype, f16_acc=f16_acc,
                                  **o.kwargs)
