@@ -10,7 +10,8 @@ of the other file's (B), each at its own default plan, alternating A and B three
 REV must be from commit 35dd0d8 on (plan() returning a launch.Plan); for older revisions, compare the whole
 package with benchmarks/device_ab_bench.sh. ``--mma``: the same for the tensor-core gemv (``mma_gemv.py`` of REV
 as the B file; float16 A only, so one accumulation); ``--fragments`` with it: both on the fragment layout
-(``mma_gemv.to_fragments``; N a multiple of 16, K of 256).
+(``mma_gemv.to_fragments``; N a multiple of 16, K of 256). ``--layouts``: the working tree's pair gemv on the fragment
+layout (A) against itself on the code layout (B); give ``-`` for the B file.
 """
 import importlib.util
 import sys
@@ -23,11 +24,15 @@ from kbit_numba._timing import graph_time_us, rotation_count
 
 mma = "--mma" in sys.argv
 fragments = "--fragments" in sys.argv
-sys.argv = [a for a in sys.argv if a not in ("--mma", "--fragments")]
-spec = importlib.util.spec_from_file_location("gemv_b", sys.argv[1])
-other = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = other               # (its dataclass Spec looks its module up there)
-spec.loader.exec_module(other)
+layouts = "--layouts" in sys.argv
+sys.argv = [a for a in sys.argv if a not in ("--mma", "--fragments", "--layouts")]
+if layouts:
+    other = pair_gemv
+else:
+    spec = importlib.util.spec_from_file_location("gemv_b", sys.argv[1])
+    other = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = other               # (its dataclass Spec looks its module up there)
+    spec.loader.exec_module(other)
 shapes = [tuple(int(v) for v in s.split("x")) for s in (sys.argv[2] if len(sys.argv) > 2 else
                                                          "4096x14336,2048x5120,2048x512").split(",")]
 ks = [int(v) for v in (sys.argv[3] if len(sys.argv) > 3 else "4").split(",")]
@@ -40,8 +45,10 @@ for K, N in shapes:
         nbytes = N * K // 32 * (4 * k + 1)
         n = rotation_count(nbytes)
         kcs = [pair_gemv.to_codes(w) for w in bench._rotating_weights(K, N, k, n, rng)]
-        if fragments:
+        kcs_b = kcs
+        if fragments or layouts:
             kcs = [mma_gemv.to_fragments(kc) for kc in kcs]
+        kcs_b = kcs_b if layouts else kcs
         for M in ms:
             A = cuda.to_device(rng.standard_normal((M, K)).astype(np.float16))
             out = cuda.device_array((M, N), np.float16)
@@ -52,7 +59,8 @@ for K, N in shapes:
                 for rep in range(3):
                     for name, mod in (("A", mma_gemv if mma else pair_gemv), ("B", other)):
                         options = {} if mma else {"f16_acc": f16}
-                        launches = [mod.plan(A, kc, out, 0, **options).prepare().run for kc in kcs]
+                        weights = kcs if name == "A" else kcs_b
+                        launches = [mod.plan(A, kc, out, 0, **options).prepare().run for kc in weights]
                         t = graph_time_us(lambda i, s: launches[i % n](s), n * max(1, 64 // n))
                         ts.setdefault(name, []).append(t)
                 a, b = min(ts["A"]), min(ts["B"])

@@ -73,6 +73,11 @@ if "pair" in families:     # N = 37 (a partial column group), K = 1056 (two K-wa
     for f16_acc in (False, True):
         pair_gemv.plan(rng.standard_normal((1, 1056)).astype(np.float16), kc, f16_acc=f16_acc,
                        pdl=True).launch().copy_to_host()
+    # the fragment layout (N = 80: 5 strips, 3 groups of 32 columns; K = 1280: the second K-warp's last lanes idle)
+    for k in pair_gemv.CODES_K:
+        kf = kb.reference.to_fragments(kb.quantize(rng.standard_normal((80, 1280)).astype(np.float16), k=k))
+        for M, cols in ((1, 8), (4, 2)):
+            pair_gemv.plan(rng.standard_normal((M, 1280)).astype(np.float16), kf, cols=cols).launch().copy_to_host()
     # the silu_pairs epilogue (an [M, N / 2] output): batch 3 with PDL at M = 1, one group a barrier at M = 3
     kc = pair_gemv.to_codes(kb.quantize(rng.standard_normal((2 * 37, 1056)).astype(np.float16), k=4))
     for M, f16_acc, pdl in ((1, True, True), (3, False, False)):
@@ -170,6 +175,12 @@ if "grouped_pair" in families:  # N = 37 (a partial column group), K = 1088 / 51
         A = rng.standard_normal((offsets[-1], K)).astype(np.float16)
         pair_gemv.plan_grouped(A, experts, cuda.to_device(np.array(offsets, np.int32)), f16_acc=f16_acc, pdl=pdl,
                                silu_pairs=silu_pairs).launch().copy_to_host()
+    # the fragment layout: N = 48 (3 strips), K = 1280 (two K-warps, the second's last 24 lanes past the blocks)
+    for k in pair_gemv.CODES_K:
+        experts = kb.stack_experts([kb.reference.to_fragments(kb.reference.quantize(
+            rng.standard_normal((48, 1280)).astype(np.float32), k=k)) for _ in range(3)])
+        pair_gemv.plan_grouped(rng.standard_normal((4, 1280)).astype(np.float16), experts,
+                               cuda.to_device(np.array([0, 2, 2, 4], np.int32)), pdl=True).launch().copy_to_host()
 if "formats" in families:  # uniform (every width, fp16/int8, 3-bit padding), SBVR, BitNet; M = 1..4
     for bits in (1, 2, 3, 4, 8):
         for G in (32, 128, None):

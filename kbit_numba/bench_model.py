@@ -19,7 +19,8 @@ or, for a mixture-of-experts model (``qwen3-30b-a3b``), the second line per toke
   ``index_select`` on CPU tensors), run through the layer's gate/up experts and down experts, and summed back per token with their weights (``moe_combine``, a
   fused Numba kernel, as an engine's MoE sum; its torch twin on CPU tensors). kbit
   variants hold every layer's experts as ``KbitExperts`` per projection (see :class:`ExpertsKbit`: with float16 block sums
-  the code layout through the grouped pair gemv while no expert has more than 4 rows; the fragment or code layout
+  the code layout through the grouped pair gemv while no expert has more than 4 rows (float32 sums at k = 2: while the
+  step has at most 8 rows, on the fragment layout); the fragment or code layout
   through the tensor-core ``mma_gemv.grouped_gemv`` to 8 rows, else the tiled layout through ``grouped_gemm``; k = 3, 5 the tiled
   ``grouped_gemv`` up to 4 rows);
   fp16 runs one cuBLAS matmul per active expert (``torch.matmul``, as a plain PyTorch MoE does: a baseline
@@ -676,7 +677,8 @@ class ExpertsFP16:
 class ExpertsKbit:
     """One layer's experts of one projection as ``KbitExperts``. In the code or fragment layout (k = 2, 4): with
     ``f16_acc`` (float16 block sums) the grouped pair gemv (``pair_gemv.grouped_gemv``, a token row a grid slot, code
-    layout) while no expert has more than ``PAIR_MAX_ROWS`` rows, then (and without f16_acc) the tensor-core
+    layout) while no expert has more than ``PAIR_MAX_ROWS`` rows (float32 sums: at k = 2 while all experts together
+    have at most ``PAIR_F32_MAX_SLOTS[k]`` rows, on the fragment layout), then the tensor-core
     ``mma_gemv.grouped_gemv`` to 8 rows; in the tiled layout ``grouped_gemv`` while none has more than 4 (k = 3, 5),
     else ``grouped_gemm`` (needs CUDA tensors). ``codes``: the code- or fragment-layout copy, or None; the tiled one
     is kept for batches past those limits (it doubles the experts' memory).
@@ -689,8 +691,12 @@ class ExpertsKbit:
     # qwen3 step, against the fragment layout's gemv: -17% / -23% at B = 1 (k = 4 / 2), -8% / -4% at B = 4, -4% /
     # -1.3% at B = 16 (..._qwen3_step_ab_grouped_pair.txt). Past 4 rows those variants run the tensor-core gemv on the
     # code layout (5-12% slower than on fragments). With float32 sums the pair gemv lost from B = 4 on, and at B = 1
-    # on gate/up without the SiLU epilogue (15.6 vs 12.1 us): those variants keep the fragment layout.
+    # on gate/up without the SiLU epilogue (15.6 vs 12.1 us): those variants keep the fragment layout, which the pair
+    # gemv reads 6-25% slower than the code layout. Through it, against the tensor-core gemv (qwen3 step, H100,
+    # ..._qwen3_step_ab_pair_fragments.txt): k = 2 B = 1 (8 rows) 1872 -> 1708 us, but B = 2 +4.8%, and k = 4 B = 1
+    # +4%, B = 2 +9%. So float32 sums take it at k = 2 while the step has at most PAIR_F32_MAX_SLOTS rows.
     PAIR_MAX_ROWS = 4
+    PAIR_F32_MAX_SLOTS = {2: 8}
 
     def __init__(self, experts, codes=None, pdl=False, f16_acc=False):
         self.experts, self.codes, self.pdl, self.f16_acc = experts, codes, bool(pdl), bool(f16_acc)
@@ -708,7 +714,11 @@ class ExpertsKbit:
         from . import mma_gemv, pair_gemv, scalar_gemv, tensor_gemm
         d_offsets = cuda.to_device(offsets)
         most = int(np.diff(offsets).max())
-        if self.codes is not None and self.f16_acc and most <= self.PAIR_MAX_ROWS:
+        if self.codes is not None and self.f16_acc:
+            pair = most <= self.PAIR_MAX_ROWS
+        else:                                       # float32 sums: a B = 1 step's few rows at k = 2 only
+            pair = self.codes is not None and int(offsets[-1]) <= self.PAIR_F32_MAX_SLOTS.get(self.codes.k, 0)
+        if pair:
             plan = pair_gemv.plan_grouped(A, self.codes, d_offsets, out=out, f16_acc=self.f16_acc, pdl=self.pdl,
                                           silu_pairs=silu_pairs)
             kernel = "pair_gemv"
@@ -950,8 +960,8 @@ def build_experts(cfg, variant, name, N, K, base, progress, device="cuda", silu_
     copies = _device_copies(stacked, L)
     if opts["k"] not in CODES_K:
         return [ExpertsKbit(c) for c in copies]
-    # the pair gemv's code layout for f16_acc (ExpertsKbit), else the fragment layout where the shape allows: 2-12%
-    # faster in the tensor-core gemv
+    # the pair gemv's code layout for f16_acc (ExpertsKbit), else the fragment layout where the shape allows (2-12%
+    # faster in the tensor-core gemv; the pair gemv reads it too, 6-25% slower than the code layout)
     native = (reference.to_fragments if fits_fragments(N, K) and not opts.get("f16_acc") else reference.to_codes)
     codes = [native(w) for w in flat]
     stacked = stack_experts([codes[e % len(codes)] for e in range(E)])

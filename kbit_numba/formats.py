@@ -328,7 +328,8 @@ class KbitFragments(_CodeBlocks):
     The code layout's blocks (``KbitCodes``: each block's k words hold its 32 indices as k-bit fields) and
     absmax values, permuted block by block by :func:`fragment_position`; the same bytes. N a multiple of 16
     and K of 256 (no padding). ``reference.to_fragments`` / ``reference.from_fragments`` convert exactly.
-    The pair gemv cannot read it (its lanes read one column at a time), so it suits batched decode (M >= 3).
+    The pair gemv reads it too, 2-25% slower than the code layout (its lanes read one column at a time, so a warp's load
+    meets 8 runs of 64 bytes instead of one of 512): it suits batched decode (M >= 3).
     """
     NAME = "fragment"
     layout = "fragments"

@@ -36,6 +36,11 @@ offline and looks weights up several at a time:
   up j at 2j + 1) the thread that sums column 2j also sums 2j + 1 and writes silu(gate) * up into an [M, N / 2]
   output, once per element: a SwiGLU MLP's SiLU kernel and its [M, N] round trip through memory go away.
 
+* **The fragment layout too** (``formats.KbitFragments``, the tensor-core gemv's; ``fragments=True``): the same blocks
+  permuted, so only a block's address changes (``col_part`` + ``lane_part``). A warp's load then reads 8 runs of
+  64 bytes (k = 4) instead of one of 512, and the kernel is 2-25% slower than on the code layout (H100,
+  ``benchmarks/README.md``, "The pair gemv on the fragment layout"); it lets one fragment-layout copy serve M = 1 too.
+
 * **MoE experts** (``grouped=True``, :func:`grouped_gemv`): a grid row (slot) per token row, M = 1 each. The CTA
   finds its row's expert in the offsets (a binary search), narrows the weight, the activations and the output
   to that expert and row, and runs the plain kernel. At a decode step's B = 1 the 8 rows are 8 experts, one
@@ -101,6 +106,7 @@ class PairGemvSpec(Spec):
     max_registers: object = None            # a per-thread register cap (long K at M = 4), or None
     silu_pairs: bool = False                # the epilogue silu(C[:, 2j]) * C[:, 2j + 1] into an [M, N / 2] output
     grouped: bool = False                   # MoE experts: blockIdx.y is a token row, M = 1 (see the module docstring)
+    fragments: bool = False                 # the weight in the fragment layout (KbitFragments), not the code layout
 
     def normalise(self):
         if self.k not in CODES_K or not 1 <= self.M <= MAX_M:
@@ -123,7 +129,7 @@ class PairGemvSpec(Spec):
                     out_dtype=type_name(self.out_dtype, "out_dtype", OUT_TYPES), f16_acc=bool(self.f16_acc),
                     pdl=bool(self.pdl), batch=int(batch),
                     max_registers=int(self.max_registers) if self.max_registers else None,
-                    silu_pairs=bool(self.silu_pairs), grouped=bool(self.grouped))
+                    silu_pairs=bool(self.silu_pairs), grouped=bool(self.grouped), fragments=bool(self.fragments))
 
 
 
@@ -140,7 +146,12 @@ def make_pair_gemv_kernel(spec):
     in float32 (error bound: tests/test_pair_gemv.py). pdl: built for a programmatic dependent launch (the
     module docstring)."""
     k, M, NCOL, f16_acc, PDL = spec.k, spec.M, spec.cols, spec.f16_acc, spec.pdl   # (checked by PairGemvSpec)
-    GROUPED = spec.grouped
+    GROUPED, FRAGMENTS = spec.grouped, spec.fragments
+    # Where block kb of column n sits (4 x its index, ``w4``): n * n_kb + kb in the code layout; in the fragment
+    # layout (formats.fragment_position) col_part(n) + lane_part(kb), both in :func:`block_parts`. A load_columns
+    # call's columns n0 .. n0 + cols - 1 lie in one aligned group of cols <= 8 columns, where the next column's
+    # block is COL_STEP4 / 4 blocks on (4 at k = 4, 8 at k = 2) in the fragment layout, n_kb in the code layout.
+    COL_STEP4 = 4 * (4 if k == 4 else 8)
     BATCH_ = spec.batch                            # column groups per barrier and sum
     absmax_format, a_src, out_dtype = spec.absmax_format, spec.a_type, spec.out_dtype
     G = 8 // k                                     # elements per code byte
@@ -167,6 +178,28 @@ def make_pair_gemv_kernel(spec):
     silu_pair_out = make_silu_pair_out(V, M, f16_out)
 
     @inlined
+    def col_part(n, n_kb):
+        """Column n's share of a block's index: n * n_kb (code layout), or in the fragment layout the strip of
+        16 columns (n & ~15) * n_kb plus n's place in a tile (k = 4: 64 (n / 8 % 2) + 4 (n % 8); k = 2: 8 (n % 16))."""
+        if not FRAGMENTS:
+            return u32(n * n_kb)
+        strip = u32((n & u32(0xFFFFFFF0)) * n_kb)
+        if k == 4:
+            return u32(strip + u32(u32((n >> u32(3)) & u32(1)) * u32(64)) + u32((n & u32(7)) * u32(4)))
+        return u32(strip + u32((n & u32(15)) * u32(8)))
+
+    @inlined
+    def lane_part(kb):
+        """Block kb's share of its index: kb (code layout), or in the fragment layout its tile along K, 128 (kb / 8),
+        plus its place in the tile (k = 4: 32 (kb / 4 % 2) + kb % 4; k = 2: kb % 8)."""
+        if not FRAGMENTS:
+            return kb
+        tile = u32((kb >> u32(3)) * u32(128))
+        if k == 4:
+            return u32(tile + u32(u32((kb >> u32(2)) & u32(1)) * u32(32)) + u32(kb & u32(3)))
+        return u32(tile + u32(kb & u32(7)))
+
+    @inlined
     def load_columns(packed, absmax, n0, kb, last4, n_kb, codes, code_absmax):
         """Issue the loads of columns n0 .. n0+NCOL-1 of this lane's block (k words in one 16- or 8-byte
         load, and the absmax) into codes / code_absmax. The code words are read once: their loads skip L1
@@ -179,7 +212,7 @@ def make_pair_gemv_kernel(spec):
         All index math is 32-bit and unsigned (Numba's default int64 indexing costs ~20 SASS
         instructions per column: 64-bit multiplies, compares and wraparound checks): w4 (4 x the
         block index, its first word) of column n0 + c is one add after column c - 1's."""
-        w4 = u32(u32(n0 * n_kb + kb) * u32(4))            # Numba widens every sum to 64 bits: u32() narrows
+        w4 = u32(u32(col_part(n0, n_kb) + kb) * u32(4))    # Numba widens every sum to 64 bits: u32() narrows
         for c in range(NCOL):
             i4 = min(w4, last4)
             if k == 4:
@@ -187,7 +220,7 @@ def make_pair_gemv_kernel(spec):
             else:
                 codes[c, 0], codes[c, 1] = ldg64_stream(packed, u32(i4 >> u32(1)))
             code_absmax[c] = absmax[u32(i4 >> u32(2))]
-            w4 = u32(w4 + u32(n_kb * u32(4)))
+            w4 = u32(w4 + (u32(COL_STEP4) if FRAGMENTS else u32(n_kb * u32(4))))
 
     @inlined
     def decode_columns(smem, table, lane_off, codes, code_absmax, a, ah, acc):
@@ -332,6 +365,7 @@ def make_pair_gemv_kernel(spec):
         slice_tid = u32(tid - sl * kw * u32(WARP))
         kb = u32(w * u32(WARP) + lane)
         active = kb < nkb
+        kb_at = lane_part(kb)                            # block kb's share of its index (col_part: the column's)
         group_cols = u32(slices * u32(NCOL))
         col0 = u32(sl * u32(NCOL))                       # the slice's first column in a group
         n_groups = u32((u32(N) + group_cols - u32(1)) // group_cols)
@@ -368,8 +402,8 @@ def make_pair_gemv_kernel(spec):
         absmax_b = cuda.local.array(NCOL, absmax_t)
         absmax_c = cuda.local.array(NCOL, absmax_t)
         grid = u32(cuda.gridDim.x)
-        load_columns(packed, absmax, u32(g * group_cols + col0), kb, last4, nkb, codes_a, absmax_a)
-        load_columns(packed, absmax, u32((g + grid) * group_cols + col0), kb, last4, nkb, codes_b, absmax_b)
+        load_columns(packed, absmax, u32(g * group_cols + col0), kb_at, last4, nkb, codes_a, absmax_a)
+        load_columns(packed, absmax, u32((g + grid) * group_cols + col0), kb_at, last4, nkb, codes_b, absmax_b)
 
         # ---- 2. the group table and the E4M4 table (grouped PDL: filled above) ---------------------
         if not (GROUPED and PDL):
@@ -409,19 +443,19 @@ def make_pair_gemv_kernel(spec):
         #         and its use. With batch = 3 the three groups of a pass share one barrier.
         ahead = u32(u32(2) * grid * group_cols)
         while g < n_groups:
-            load_columns(packed, absmax, u32(g * group_cols + ahead + col0), kb, last4, nkb, codes_c, absmax_c)
+            load_columns(packed, absmax, u32(g * group_cols + ahead + col0), kb_at, last4, nkb, codes_c, absmax_c)
             decode_columns(smem, table, lane_off, codes_a, absmax_a, a, ah, acc)
             flip = end(smem, acc, lane, part, flip, FLIP, 0, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N)
             g = u32(g + grid)
             if g >= n_groups:
                 break
-            load_columns(packed, absmax, u32(g * group_cols + ahead + col0), kb, last4, nkb, codes_a, absmax_a)
+            load_columns(packed, absmax, u32(g * group_cols + ahead + col0), kb_at, last4, nkb, codes_a, absmax_a)
             decode_columns(smem, table, lane_off, codes_b, absmax_b, a, ah, acc)
             flip = end(smem, acc, lane, part, flip, FLIP, 1, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N)
             g = u32(g + grid)
             if g >= n_groups:
                 break
-            load_columns(packed, absmax, u32(g * group_cols + ahead + col0), kb, last4, nkb, codes_b, absmax_b)
+            load_columns(packed, absmax, u32(g * group_cols + ahead + col0), kb_at, last4, nkb, codes_b, absmax_b)
             decode_columns(smem, table, lane_off, codes_c, absmax_c, a, ah, acc)
             flip = end(smem, acc, lane, part, flip, FLIP, 2, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N)
             g = u32(g + grid)
@@ -468,8 +502,8 @@ def to_codes(qw, stream=None):
     if isinstance(qw, KbitCodes):
         return device_weight(qw, KbitCodes, _arrays.as_stream(stream))
     if isinstance(qw, KbitFragments):
-        raise TypeError("the fragment layout (KbitFragments) is mma_gemv's alone: the pair gemv reads KbitCodes "
-                        "(reference.from_fragments converts back)")
+        raise TypeError("to_codes re-packs a flat KbitWeight; a KbitFragments is already packed (the pair gemv reads "
+                        "it as it is; reference.from_fragments converts back)")
     if not isinstance(qw, KbitWeight):
         raise TypeError(f"to_codes needs a KbitWeight, got {type(qw).__name__}")
     if qw.k not in CODES_K:
@@ -515,13 +549,15 @@ def whole_rounds(slices, most, N, spec, kw, regs):
 
 def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc=False, cols=None, cta_warps=None,
          pdl=False, silu_pairs=False):
-    """Checked inputs bound into a :class:`launch.Plan` (one launch). ``kc``: KbitCodes (a KbitWeight is
-    re-packed with :func:`to_codes`, a copy per call: keep the KbitCodes for repeated use). f16_acc: see
+    """Checked inputs bound into a :class:`launch.Plan` (one launch). ``kc``: KbitCodes or KbitFragments (slower:
+    the module docstring; a KbitWeight is re-packed with :func:`to_codes`, a copy per call: keep the KbitCodes for
+    repeated use). f16_acc: see
     :func:`make_pair_gemv_kernel` (float16 A only). pdl: a programmatic dependent launch (sm_90; the
     weights must not be written by the kernel just before it in the stream). ``cols`` (default :func:`default_cols`) and
     ``cta_warps`` (warps per CTA aimed at) override the ``DEFAULTS`` table (``benchmarks/sweep_pair_gemv.py``)."""
     stream = _arrays.as_stream(stream)
-    kc = to_codes(kc, stream)                              # checked device arrays (re-packed if a KbitWeight)
+    kc = (device_weight(kc, KbitFragments, stream) if isinstance(kc, KbitFragments)
+          else to_codes(kc, stream))                       # checked device arrays (re-packed if a KbitWeight)
     N, K = kc.shape
     _arrays.check_silu_pairs(silu_pairs, N)
     Ad, a_src, M, out = _arrays.gemv_io(A, (N // 2, K) if silu_pairs else kc.shape, out, out_dtype, bf16, stream,
@@ -534,7 +570,8 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc
     args = (_arrays.flat_view(Ad, np.uint32), kc.packed, kc.absmax, kc.codebook, _arrays.flat_view(out),
             i32(N), i32(n_kb), unused_i32())
     cols = default_cols(M, N, K) if cols is None else cols
-    spec = PairGemvSpec(kc.k, M, cols, kc.absmax_format, a_src, out.dtype, f16_acc, pdl, silu_pairs=silu_pairs)
+    spec = PairGemvSpec(kc.k, M, cols, kc.absmax_format, a_src, out.dtype, f16_acc, pdl, silu_pairs=silu_pairs,
+                        fragments=isinstance(kc, KbitFragments))
     spec, kern, regs, max_threads = fit_threads(make_pair_gemv_kernel, spec, args, kw * WARP)
     if kw * WARP > max_threads:
         raise ValueError(f"pair gemv with M={M}, cols={spec.cols} fits {max_threads} threads per CTA: K <= "
@@ -568,9 +605,9 @@ def plan_grouped(A, experts, expert_offsets, out=None, stream=None, out_dtype=np
     knob, not yet measured: benchmarks/README.md, "Twenty-ninth session"), or None."""
     stream = _arrays.as_stream(stream)
     Ad, a_src, T, offs, experts = check_grouped(A, experts, expert_offsets, bf16, stream)
-    if experts.layout != "codes":
-        raise ValueError("the grouped pair gemv reads code-layout experts: stack_experts of to_codes(...) weights "
-                         f"(got the {experts.layout} layout)")
+    if experts.layout not in ("codes", "fragments"):
+        raise ValueError("the grouped pair gemv reads code- or fragment-layout experts: stack_experts of to_codes(...) "
+                         f"or to_fragments(...) weights (got the {experts.layout} layout)")
     N, K = experts.expert_shape
     _arrays.check_silu_pairs(silu_pairs, N)
     out_dtype = _arrays.output_dtype(out, out_dtype)
@@ -589,7 +626,8 @@ def plan_grouped(A, experts, expert_offsets, out=None, stream=None, out_dtype=np
     knobs = grouped_knobs(experts.k, K, f16_acc, T)
     cols = knobs["cols"] if cols is None else cols
     spec = PairGemvSpec(experts.k, 1, cols, experts.absmax_format, a_src, out.dtype, f16_acc, pdl,
-                        max_registers=max_registers, silu_pairs=silu_pairs, grouped=True)
+                        max_registers=max_registers, silu_pairs=silu_pairs, grouped=True,
+                        fragments=experts.layout == "fragments")
     spec, kern, regs, max_threads = fit_threads(make_pair_gemv_kernel, spec, args, kw * WARP)
     slices = max(1, min((cta_warps or knobs["cta_warps"]) // kw, max_threads // (kw * WARP),
                         -(-N // spec.cols), MAX_SLICES))
@@ -605,13 +643,14 @@ def grouped_gemv(A, experts, expert_offsets, out=None, stream=None, out_dtype=np
     step's few rows, each its own expert's weights; ``mma_gemv.grouped_gemv`` takes up to 8 rows of an expert
     together). A: [T, K] rows sorted by expert (float16 or float32; bfloat16 bits with ``bf16=True``);
     expert_offsets: int32 [E + 1] (host or device; expert e's rows are offsets[e] .. offsets[e+1]-1); experts:
-    KbitExperts in the code layout (``stack_experts`` of :func:`to_codes` weights, k = 2, 4). Returns out [T, N].
+    KbitExperts in the code layout (``stack_experts`` of :func:`to_codes` weights, k = 2, 4) or the fragment layout
+    (of ``mma_gemv.to_fragments`` ones). Returns out [T, N].
     With device offsets and ``out`` given it allocates nothing, so it can be captured into a CUDA graph."""
     return plan_grouped(A, experts, expert_offsets, out, stream, out_dtype, bf16, f16_acc).launch()
 
 
 def gemv(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc=False):
-    """C[M, N] = A[M, K] @ W^T for M = 1..4 with W a KbitCodes (k = 2 or 4; see :func:`to_codes`).
+    """C[M, N] = A[M, K] @ W^T for M = 1..4 with W a KbitCodes (k = 2 or 4; see :func:`to_codes`) or a KbitFragments.
 
     A: float16/float32 [M, K] or [K] (bfloat16 as int16 bits with ``bf16=True``); returns a device array
     [M, N] (or [N]) of ``out_dtype`` (float16 or float32), or writes into ``out``. ``f16_acc=True``
@@ -628,7 +667,8 @@ def prepare(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_
 
 def ptx_specs():
     """Every (k, M) at the default cols (and f16_acc at M = 1, 4; pdl at M = 1; the silu_pairs epilogue at M = 1, 3),
-    M = 1 at ``small_cols``, grouped (plain, f16_acc + pdl + silu_pairs, and 8 columns + pdl), and each other value of
+    M = 1 at ``small_cols``, grouped (plain, f16_acc + pdl + silu_pairs, and 8 columns + pdl), on the fragment layout
+    (M = 1, M = 2 with f16_acc, grouped with pdl), and each other value of
     cols, absmax format, A type and output type with every k."""
     variants = [dict(M=M) for M in (1, 2, 3, 4)] + [dict(M=M, f16_acc=True) for M in (1, 4)]
     variants += [dict(M=1, pdl=True), dict(M=1, f16_acc=True, pdl=True)]
@@ -636,6 +676,8 @@ def ptx_specs():
     variants += [dict(M=1, cols=DEFAULTS["small_cols"])]             # what M = 1 runs on small weights
     variants += [dict(M=1, grouped=True), dict(M=1, f16_acc=True, pdl=True, grouped=True, silu_pairs=True)]   # MoE
     variants += [dict(M=1, grouped=True, cols=GROUPED_K4_F32_ONE_WARP["cols"], pdl=True)]
+    variants += [dict(M=1, fragments=True), dict(M=2, f16_acc=True, fragments=True),        # the fragment layout
+                 dict(M=1, grouped=True, pdl=True, fragments=True)]
     variants += [dict(M=2, cols=c) for c in COL_CHOICES if c != DEFAULTS["cols"]]
     variants += [dict(absmax_format="fp32", M=3), dict(a_type="float32", M=2), dict(a_type="bfloat16", M=1),
                  dict(out_dtype="float32", M=1)]

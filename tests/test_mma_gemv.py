@@ -336,6 +336,3 @@ def test_mma_gemv_refuses():
         mma_gemv.plan(np.zeros((1, 8256), np.float16), ref.to_codes(ref.quantize(random_weight(rng, 1, 8256), k=2)))
     with pytest.raises(TypeError, match="code layout"):     # a KbitWeight: convert it once with to_codes
         mma_gemv.gemv(np.zeros((1, 64), np.float16), ref.quantize(random_weight(rng, 4, 64), k=4))
-    kf = ref.to_fragments(ref.quantize(random_weight(rng, 16, 256), k=4))
-    with pytest.raises(TypeError, match="KbitCodes"):       # the pair gemv cannot read the fragment layout
-        pair_gemv.gemv(np.zeros((1, 256), np.float16), kf)

@@ -311,10 +311,36 @@ def test_pair_gemv_grouped(k, f16_acc, pdl, silu_pairs):
         check_close_f16_acc(got[:1], A[:1], flats[0], np.float32)
     elif not silu_pairs:
         check_close(got[:1], A[:1], flats[0])
-    with pytest.raises(ValueError, match="code-layout experts"):
+    with pytest.raises(ValueError, match="code- or fragment-layout experts"):
         pair_gemv.plan_grouped(A, kb.stack_experts(flats), offsets)
     with pytest.raises(ValueError, match="E\\+1"):
         pair_gemv.plan_grouped(A, experts, offsets[:-1])
+
+
+@pytest.mark.parametrize("k, M, f16_acc, cols", [(4, 1, True, 4), (4, 3, False, 2), (2, 1, False, 8), (2, 2, True, 1)])
+def test_pair_gemv_reads_the_fragment_layout(k, M, f16_acc, cols):
+    """On the fragment layout (``KbitFragments``: the code layout's blocks permuted for the tensor-core gemv) the
+    pair gemv finds each block where ``formats.fragment_position`` put it: its result equals the code layout's bit for
+    bit (the same sums in the same order), plain and grouped, with two K-warps (the second's last lanes past the
+    weight's blocks) and a grid whose last group runs past N."""
+    rng = np.random.default_rng(80 + k + M)
+    N, K = (48, 1280) if SIM else (720, 4352)          # 3 / 45 strips of 16 columns; n_kb 40 / 136: 2 / 5 K-warps
+    flats = [ref.quantize(random_weight(rng, N, K), k=k) for _ in range(3)]
+    codes = [ref.to_codes(w) for w in flats]
+    frags = [ref.to_fragments(c) for c in codes]
+    A = _activations(rng, M, K, "float16")
+    want = pair_gemv.plan(A, codes[0], out_dtype=np.float32, f16_acc=f16_acc, cols=cols).launch().copy_to_host()
+    p = pair_gemv.plan(A, frags[0], out_dtype=np.float32, f16_acc=f16_acc, cols=cols)
+    assert p.steps[0].kernel is not pair_gemv.plan(A, codes[0], cols=cols, f16_acc=f16_acc).steps[0].kernel
+    assert np.array_equal(p.launch().copy_to_host(), want)
+    if M == 1:                                          # grouped: 3 experts, rows 0, 2, 1 of them (empty expert 1)
+        offsets = np.array([0, 1, 1, 3], np.int32)
+        A3 = _activations(rng, 3, K, "float16")
+        run = [pair_gemv.grouped_gemv(A3, kb.stack_experts(ws), cuda.to_device(offsets), out_dtype=np.float32,
+                                      f16_acc=f16_acc).copy_to_host() for ws in (codes, frags)]
+        assert np.array_equal(run[1], run[0])
+        check_close(run[1][1:], A3[1:], flats[2], out_dtype=np.float32) if not f16_acc else \
+            check_close_f16_acc(run[1][1:], A3[1:], flats[2], np.float32)
 
 
 def test_whole_rounds_picks_the_slices_with_the_least_work_on_the_busiest_sm(monkeypatch):
