@@ -4,7 +4,8 @@
         --section SchedulerStats --section LaunchStats -k regex:gemv python benchmarks/profile_gemv.py K N k M [KERNEL]
 
 KERNEL: ``gemv`` (the scalar gemv, default), ``pair`` or ``pair_f16`` (the pair gemv on the code layout,
-fp32 or ``f16_acc`` sums; k = 2 or 4), ``mma`` (the tensor-core gemv, M <= 8).
+fp32 or ``f16_acc`` sums; k = 2 or 4; ``pair_frag``, ``pair_f16_frag``: on the fragment layout), ``mma`` (the
+tensor-core gemv, M <= 8).
 """
 import sys
 
@@ -23,7 +24,9 @@ if kernel == "gemv":
 elif kernel == "mma":
     prep = kb.mma_gemv.prepare(A, kb.pair_gemv.to_codes(qw))
 else:
-    prep = kb.pair_gemv.prepare(A, kb.pair_gemv.to_codes(qw), f16_acc=kernel == "pair_f16")
+    kc = kb.pair_gemv.to_codes(qw)
+    prep = kb.pair_gemv.prepare(A, kb.mma_gemv.to_fragments(kc) if kernel.endswith("_frag") else kc,
+                                f16_acc=kernel.startswith("pair_f16"))
 for _ in range(3):
     prep.run()
 cuda.synchronize()

@@ -317,7 +317,8 @@ def test_pair_gemv_grouped(k, f16_acc, pdl, silu_pairs):
         pair_gemv.plan_grouped(A, experts, offsets[:-1])
 
 
-@pytest.mark.parametrize("k, M, f16_acc, cols", [(4, 1, True, 4), (4, 3, False, 2), (2, 1, False, 8), (2, 2, True, 1)])
+@pytest.mark.parametrize("k, M, f16_acc, cols", [(4, 1, True, 4), (4, 3, False, 2), (4, 1, False, 8), (4, 2, True, 1),
+                                                 (2, 1, False, 8), (2, 2, True, 4)])
 def test_pair_gemv_reads_the_fragment_layout(k, M, f16_acc, cols):
     """On the fragment layout (``KbitFragments``: the code layout's blocks permuted for the tensor-core gemv) the
     pair gemv finds each block where ``formats.fragment_position`` put it: its result equals the code layout's bit for
