@@ -11,7 +11,8 @@ REV must be from commit 35dd0d8 on (plan() returning a launch.Plan); for older r
 package with benchmarks/device_ab_bench.sh. ``--mma``: the same for the tensor-core gemv (``mma_gemv.py`` of REV
 as the B file; float16 A only, so one accumulation); ``--fragments`` with it: both on the fragment layout
 (``mma_gemv.to_fragments``; N a multiple of 16, K of 256). ``--layouts``: the working tree's pair gemv on the fragment
-layout (A) against itself on the code layout (B); give ``-`` for the B file.
+layout (A) against itself on the code layout (B); give ``-`` for the B file. ``--a-cols=C``, ``--a-warps=W``: A's
+plan with those knobs (cols, cta_warps) instead of the defaults.
 """
 import importlib.util
 import sys
@@ -25,7 +26,9 @@ from kbit_numba._timing import graph_time_us, rotation_count
 mma = "--mma" in sys.argv
 fragments = "--fragments" in sys.argv
 layouts = "--layouts" in sys.argv
-sys.argv = [a for a in sys.argv if a not in ("--mma", "--fragments", "--layouts")]
+a_knobs = {name: int(a.split("=")[1]) for a in sys.argv
+           for flag, name in (("--a-cols=", "cols"), ("--a-warps=", "cta_warps")) if a.startswith(flag)}
+sys.argv = [a for a in sys.argv if a not in ("--mma", "--fragments", "--layouts") and not a.startswith("--a-")]
 if layouts:
     other = pair_gemv
 else:
@@ -59,6 +62,7 @@ for K, N in shapes:
                 for rep in range(3):
                     for name, mod in (("A", mma_gemv if mma else pair_gemv), ("B", other)):
                         options = {} if mma else {"f16_acc": f16}
+                        options.update(a_knobs if name == "A" else {})
                         weights = kcs if name == "A" else kcs_b
                         launches = [mod.plan(A, kc, out, 0, **options).prepare().run for kc in weights]
                         t = graph_time_us(lambda i, s: launches[i % n](s), n * max(1, 64 // n))
