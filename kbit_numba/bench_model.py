@@ -692,9 +692,9 @@ class ExpertsKbit:
     # -1.3% at B = 16 (..._qwen3_step_ab_grouped_pair.txt). Past 4 rows those variants run the tensor-core gemv on the
     # code layout (5-12% slower than on fragments). With float32 sums the pair gemv lost from B = 4 on, and at B = 1
     # on gate/up without the SiLU epilogue (15.6 vs 12.1 us): those variants keep the fragment layout, which the pair
-    # gemv reads 6-25% slower than the code layout. Through it, against the tensor-core gemv (qwen3 step, H100,
-    # ..._qwen3_step_ab_pair_fragments.txt): k = 2 B = 1 (8 rows) 1872 -> 1708 us, but B = 2 +4.8%, and k = 4 B = 1
-    # +4%, B = 2 +9%. So float32 sums take it at k = 2 while the step has at most PAIR_F32_MAX_SLOTS rows.
+    # gemv reads 6-25% slower at M = 1 than the code layout. Through it, against the tensor-core gemv (qwen3 step,
+    # H100, ..._qwen3_step_ab_pair_fragments.txt): k = 2 B = 1 (8 rows) 1872 -> 1708 us, but B = 2 +4.8%, and k = 4
+    # B = 1 +4%, B = 2 +9%. So float32 sums take it at k = 2 while the step has at most PAIR_F32_MAX_SLOTS rows.
     PAIR_MAX_ROWS = 4
     PAIR_F32_MAX_SLOTS = {2: 8}
 
@@ -961,7 +961,7 @@ def build_experts(cfg, variant, name, N, K, base, progress, device="cuda", silu_
     if opts["k"] not in CODES_K:
         return [ExpertsKbit(c) for c in copies]
     # the pair gemv's code layout for f16_acc (ExpertsKbit), else the fragment layout where the shape allows (2-12%
-    # faster in the tensor-core gemv; the pair gemv reads it too, 6-25% slower than the code layout)
+    # faster in the tensor-core gemv; the pair gemv reads it too, 6-25% slower at M = 1)
     native = (reference.to_fragments if fits_fragments(N, K) and not opts.get("f16_acc") else reference.to_codes)
     codes = [native(w) for w in flat]
     stacked = stack_experts([codes[e % len(codes)] for e in range(E)])

@@ -38,8 +38,9 @@ offline and looks weights up several at a time:
 
 * **The fragment layout too** (``formats.KbitFragments``, the tensor-core gemv's; ``fragments=True``): the same blocks
   permuted, so only a block's address changes (``col_part`` + ``lane_part``). A warp's load then reads 8 runs of
-  64 bytes (k = 4) instead of one of 512, and the kernel is 2-25% slower than on the code layout (H100,
-  ``benchmarks/README.md``, "The pair gemv on the fragment layout"); it lets one fragment-layout copy serve M = 1 too.
+  64 bytes (k = 4) instead of one of 512, and the kernel is 2-25% slower than on the code layout (H100;
+  ``benchmarks/README.md``, "Thirtieth session" and "Why the fragment layout costs the pair gemv"); it lets one
+  fragment-layout copy serve M = 1 too.
 
 * **MoE experts** (``grouped=True``, :func:`grouped_gemv`): a grid row (slot) per token row, M = 1 each. The CTA
   finds its row's expert in the offsets (a binary search), narrows the weight, the activations and the output
