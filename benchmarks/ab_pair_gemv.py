@@ -47,11 +47,9 @@ for K, N in shapes:
     for k in ks:
         nbytes = N * K // 32 * (4 * k + 1)
         n = rotation_count(nbytes)
-        kcs = [pair_gemv.to_codes(w) for w in bench._rotating_weights(K, N, k, n, rng)]
-        kcs_b = kcs
-        if fragments or layouts:
-            kcs = [mma_gemv.to_fragments(kc) for kc in kcs]
-        kcs_b = kcs_b if layouts else kcs
+        codes = [pair_gemv.to_codes(w) for w in bench._rotating_weights(K, N, k, n, rng)]
+        kcs = [mma_gemv.to_fragments(kc) for kc in codes] if fragments or layouts else codes     # A's weights
+        kcs_b = codes if layouts else kcs
         for M in ms:
             A = cuda.to_device(rng.standard_normal((M, K)).astype(np.float16))
             out = cuda.device_array((M, N), np.float16)

@@ -73,7 +73,7 @@ if "pair" in families:     # N = 37 (a partial column group), K = 1056 (two K-wa
     for f16_acc in (False, True):
         pair_gemv.plan(rng.standard_normal((1, 1056)).astype(np.float16), kc, f16_acc=f16_acc,
                        pdl=True).launch().copy_to_host()
-    # the fragment layout (N = 80: 5 strips, 3 groups of 32 columns; K = 1280: the second K-warp's last lanes idle)
+    # the fragment layout (N = 80: 5 strips of 16 columns; K = 1280: the second K-warp's last lanes idle)
     for k in pair_gemv.CODES_K:
         kf = kb.reference.to_fragments(kb.quantize(rng.standard_normal((80, 1280)).astype(np.float16), k=k))
         for M, cols in ((1, 8), (4, 2)):

@@ -714,10 +714,12 @@ class ExpertsKbit:
         from . import mma_gemv, pair_gemv, scalar_gemv, tensor_gemm
         d_offsets = cuda.to_device(offsets)
         most = int(np.diff(offsets).max())
-        if self.codes is not None and self.f16_acc:
+        if self.codes is None:
+            pair = False
+        elif self.f16_acc:
             pair = most <= self.PAIR_MAX_ROWS
         else:                                       # float32 sums: a B = 1 step's few rows at k = 2 only
-            pair = self.codes is not None and int(offsets[-1]) <= self.PAIR_F32_MAX_SLOTS.get(self.codes.k, 0)
+            pair = int(offsets[-1]) <= self.PAIR_F32_MAX_SLOTS.get(self.codes.k, 0)
         if pair:
             plan = pair_gemv.plan_grouped(A, self.codes, d_offsets, out=out, f16_acc=self.f16_acc, pdl=self.pdl,
                                           silu_pairs=silu_pairs)

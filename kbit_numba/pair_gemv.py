@@ -149,7 +149,7 @@ def make_pair_gemv_kernel(spec):
     k, M, NCOL, f16_acc, PDL = spec.k, spec.M, spec.cols, spec.f16_acc, spec.pdl   # (checked by PairGemvSpec)
     GROUPED, FRAGMENTS = spec.grouped, spec.fragments
     # Where block kb of column n sits (4 x its index, ``w4``): n * n_kb + kb in the code layout; in the fragment
-    # layout (formats.fragment_position) col_part(n) + lane_part(kb), both in :func:`block_parts`. A load_columns
+    # layout (formats.fragment_position) col_part(n) + lane_part(kb) (the helpers below). A load_columns
     # call's columns n0 .. n0 + cols - 1 lie in one aligned group of cols <= 8 columns, where the next column's
     # block is COL_STEP4 / 4 blocks on (4 at k = 4, 8 at k = 2) in the fragment layout, n_kb in the code layout.
     COL_STEP4 = 4 * (4 if k == 4 else 8)
@@ -552,8 +552,7 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc
          pdl=False, silu_pairs=False):
     """Checked inputs bound into a :class:`launch.Plan` (one launch). ``kc``: KbitCodes or KbitFragments (slower:
     the module docstring; a KbitWeight is re-packed with :func:`to_codes`, a copy per call: keep the KbitCodes for
-    repeated use). f16_acc: see
-    :func:`make_pair_gemv_kernel` (float16 A only). pdl: a programmatic dependent launch (sm_90; the
+    repeated use). f16_acc: see :func:`make_pair_gemv_kernel` (float16 A only). pdl: a programmatic dependent launch (sm_90; the
     weights must not be written by the kernel just before it in the stream). ``cols`` (default :func:`default_cols`) and
     ``cta_warps`` (warps per CTA aimed at) override the ``DEFAULTS`` table (``benchmarks/sweep_pair_gemv.py``)."""
     stream = _arrays.as_stream(stream)
