@@ -24,7 +24,8 @@ from .core import stack_experts  # noqa: E402
 from .launch import Plan, Prepared  # noqa: E402
 from .codec import dequantize, quantize, repack_tiled  # noqa: E402
 from .tensor_gemm import gemm, grouped_gemm  # noqa: E402
-from .dispatch import KbitLinear, Workspace, dequant_matmul, linear  # noqa: E402
+from .dispatch import (KbitExpertsLinear, KbitLinear, Workspace, dequant_matmul, grouped_linear,  # noqa: E402
+                       linear)
 from . import bitnet, calibrate, mma_gemv, pair_gemv, sbvr, scalar_gemv, tensor_gemm, uniform  # noqa: E402
 from .scalar_gemv import gemv, grouped_gemv  # noqa: E402
 from .scalar_gemv import prepare as prepare_gemv  # noqa: E402
@@ -37,6 +38,7 @@ __all__ = ["BLOCK", "K_BITS", "KbitWeight", "KbitCodes", "KbitFragments", "codeb
            "reference",
            "quantize", "dequantize", "repack_tiled", "gemv", "prepare_gemv", "Plan", "Prepared",
            "grouped_gemv", "stack_experts", "KbitExperts", "gemm", "grouped_gemm", "linear", "KbitLinear",
+           "grouped_linear", "KbitExpertsLinear",
            "Workspace", "dequant_matmul", "calibrate", "scalar_gemv", "pair_gemv", "mma_gemv", "tensor_gemm", "uniform",
            "sbvr", "bitnet",
            "SIMULATOR"]

@@ -675,31 +675,18 @@ class ExpertsFP16:
 
 
 class ExpertsKbit:
-    """One layer's experts of one projection as ``KbitExperts``. In the code or fragment layout (k = 2, 4): with
-    ``f16_acc`` (float16 block sums) the grouped pair gemv (``pair_gemv.grouped_gemv``, a token row a grid slot, code
-    layout) while no expert has more than ``PAIR_MAX_ROWS`` rows (float32 sums: at k = 2 while all experts together
-    have at most ``PAIR_F32_MAX_SLOTS[k]`` rows, on the fragment layout), then the tensor-core
-    ``mma_gemv.grouped_gemv`` to 8 rows; in the tiled layout ``grouped_gemv`` while none has more than 4 (k = 3, 5),
-    else ``grouped_gemm`` (needs CUDA tensors). ``codes``: the code- or fragment-layout copy, or None; the tiled one
-    is kept for batches past those limits (it doubles the experts' memory).
-    ``pdl``: the pair or tensor-core gemv as a programmatic dependent launch (the other kernels have no such
-    build)."""
-
-    # The grouped pair gemv re-reads an expert's weight for each of its rows (from L2 after the first). With float16
-    # block sums it beat the tensor-core gemv on the code layout at qwen3-30b-a3b's expert shapes up to B = 16 (4 rows
-    # an expert), and the fragment layout's to B = 4 (H100, benchmarks/runs/2026-11-27_h100_grouped_pair_ab.txt); the
-    # qwen3 step, against the fragment layout's gemv: -17% / -23% at B = 1 (k = 4 / 2), -8% / -4% at B = 4, -4% /
-    # -1.3% at B = 16 (..._qwen3_step_ab_grouped_pair.txt). Past 4 rows those variants run the tensor-core gemv on the
-    # code layout (5-12% slower than on fragments). With float32 sums the pair gemv lost from B = 4 on, and at B = 1
-    # on gate/up without the SiLU epilogue (15.6 vs 12.1 us): those variants keep the fragment layout, which the pair
-    # gemv reads 6-25% slower at M = 1 than the code layout. Through it, against the tensor-core gemv (qwen3 step,
-    # H100, ..._qwen3_step_ab_pair_fragments.txt): k = 2 B = 1 (8 rows) 1872 -> 1708 us, but B = 2 +4.8%, and k = 4
-    # B = 1 +4%, B = 2 +9%. So float32 sums take it at k = 2 while the step has at most PAIR_F32_MAX_SLOTS rows.
-    PAIR_MAX_ROWS = 4
-    PAIR_F32_MAX_SLOTS = {2: 8}
+    """One layer's experts of one projection as ``KbitExperts``, run by ``dispatch.KbitExpertsLinear``: the grouped
+    kernel its rule picks per routing (``dispatch.choose_grouped``: with ``f16_acc`` the grouped pair gemv while no
+    expert has more than 4 rows, with float32 sums at k = 2 while the step has at most 8 rows, then the tensor-core
+    gemv to 8 rows an expert, then the scalar grouped gemv or the grouped gemm on the tiled copy). ``codes``: the
+    code- or fragment-layout copy, or None (k = 3, 5); the tiled one is kept for batches past those limits (it
+    doubles the experts' memory). ``pdl``: the pair or tensor-core gemv as a programmatic dependent launch (the
+    other kernels have no such build)."""
 
     def __init__(self, experts, codes=None, pdl=False, f16_acc=False):
+        from .dispatch import KbitExpertsLinear
         self.experts, self.codes, self.pdl, self.f16_acc = experts, codes, bool(pdl), bool(f16_acc)
+        self.layer = KbitExpertsLinear(experts, codes, f16_acc=f16_acc, pdl=pdl)
 
     def weight_bytes(self):
         """Bytes of one copy (the one a decode step reads)."""
@@ -711,32 +698,13 @@ class ExpertsKbit:
         kernel."""
         import torch
 
-        from . import mma_gemv, pair_gemv, scalar_gemv, tensor_gemm
+        from .dispatch import EPILOGUE_GEMVS
         d_offsets = cuda.to_device(offsets)
-        most = int(np.diff(offsets).max())
-        if self.codes is None:
-            pair = False
-        elif self.f16_acc:
-            pair = most <= self.PAIR_MAX_ROWS
-        else:                                       # float32 sums: a B = 1 step's few rows at k = 2 only
-            pair = int(offsets[-1]) <= self.PAIR_F32_MAX_SLOTS.get(self.codes.k, 0)
-        if pair:
-            plan = pair_gemv.plan_grouped(A, self.codes, d_offsets, out=out, f16_acc=self.f16_acc, pdl=self.pdl,
-                                          silu_pairs=silu_pairs)
-            kernel = "pair_gemv"
-        elif self.codes is not None and most <= mma_gemv.N8:
-            plan = mma_gemv.plan_grouped(A, self.codes, d_offsets, out=out, max_tokens=most, pdl=self.pdl,
-                                         silu_pairs=silu_pairs)
-            kernel = "mma_gemv"
-        elif silu_pairs:
+        most, rows = int(np.diff(offsets).max()), int(offsets[-1])
+        kernel = self.layer.kernel_for(most, rows)
+        if silu_pairs and kernel not in EPILOGUE_GEMVS:
             return None
-        elif most <= scalar_gemv.MAX_M:
-            plan, kernel = scalar_gemv.plan_grouped(A, self.experts, d_offsets, out=out, max_tokens=most), "grouped_gemv"
-        else:
-            sums = tensor_gemm.new_workspace(*out.shape)
-            plan = tensor_gemm.plan_grouped(A, self.experts, d_offsets, out=out, workspace=sums,
-                                            m_tile=tensor_gemm.m_tile_for(most))
-            kernel = "grouped_gemm"
+        plan = self.layer.plan(A, d_offsets, out=out, kernel=kernel, silu_pairs=silu_pairs, max_tokens=most)
         prepared = plan.prepare()
 
         def run():

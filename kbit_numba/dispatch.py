@@ -13,6 +13,10 @@ is read by ``pair_gemv``, by ``mma_gemv`` (M <= 16, float16/bfloat16 A, K a mult
 ``codes_variants`` and ``codes_shapes`` (``python -m kbit_numba.bench --tune-codes``) hold rules with the pair gemv's
 launch knobs measured best on that GPU, for any shape and per shape (``codes_rules()``).
 
+For MoE experts (``KbitExperts``), ``grouped_linear`` and ``KbitExpertsLinear`` pick one of the grouped kernels per
+routing (``choose_grouped``: the grouped pair gemv, the tensor-core gemv, the scalar grouped gemv or the grouped gemm),
+by a rule measured on the H100 rather than a per-GPU table.
+
 ``KbitLinear`` keeps a weight ready for repeated calls: by default the code layout where it can (k = 2, 4, K a
 multiple of 64: the pair and tensor-core gemvs for decode, the gemm and dequantize + cuBLAS for larger M), else a tiled copy
 (which serves gemv and gemm); a ``Workspace`` (split-K sums, the dequantized weight) and prepared launches
@@ -429,3 +433,139 @@ class KbitLinear:
         one driver call each and no argument checking (CUDA-graph capturable; write new inputs into the
         bound ``A``)."""
         return self.plan(A, out, stream, out_dtype, bf16, kernel).prepare()
+
+
+# ---- MoE experts: one entry that picks the grouped kernel per routing ------------------------------
+GROUPED_KERNELS = ("pair_gemv", "mma_gemv", "grouped_gemv", "grouped_gemm")
+# The rule between the grouped kernels (H100, qwen3-30b-a3b's expert shapes; benchmarks/README.md, twenty-ninth and
+# thirtieth sessions). The grouped pair gemv runs a row a grid slot and re-reads an expert's weight for each of its
+# rows (from L2 after the first). With float16 block sums it beat the tensor-core gemv while no expert had more than
+# 4 rows (runs/2026-11-27_h100_grouped_pair_ab.txt; the qwen3 step -17% / -23% at B = 1 for k = 4 / 2, -8% / -4% at
+# B = 4, -4% / -1.3% at B = 16). With float32 sums it won only at k = 2 on a B = 1 step's 8 rows (1872 -> 1708 us;
+# B = 2 +4.8%, and k = 4 +4% at B = 1: runs/2026-11-27_h100_qwen3_step_ab_pair_fragments.txt).
+PAIR_GROUPED_MAX_ROWS = 4           # f16_acc: the pair gemv while the largest expert has at most this many rows
+PAIR_GROUPED_F32_MAX_ROWS = {2: 8}  # float32 sums: k -> the pair gemv while all experts have at most this many rows
+
+
+def choose_grouped(most, rows, k, K, codes_layout=None, layout=None, half=True, f16_acc=False):
+    """The grouped kernel for a routing whose largest expert has ``most`` of the ``rows`` rows, or None where none
+    applies. ``codes_layout``: the layout of a code- or fragment-layout copy of the experts (None: no such copy);
+    ``layout``: that of a flat or tiled copy (None: none); ``half``: float16 or bfloat16 activations; ``f16_acc``:
+    float16 activations summed in float16 blocks (the pair gemv's ``f16_acc``). In order: the grouped pair gemv
+    (the rule above), the tensor-core gemv (at most ``mma_gemv.N8`` rows an expert, half activations, K a multiple
+    of 64 up to ``mma_gemv.MAX_K``), the scalar grouped gemv (at most ``MAX_M`` rows an expert), the grouped gemm
+    (tiled), and last the pair gemv for any routing (a slot a row: correct, not fast, past 8 rows an expert)."""
+    if codes_layout is not None:
+        pair = most <= PAIR_GROUPED_MAX_ROWS if f16_acc else rows <= PAIR_GROUPED_F32_MAX_ROWS.get(k, 0)
+        if pair:
+            return "pair_gemv"
+        if half and most <= mma_gemv.N8 and K % 64 == 0 and K <= mma_gemv.MAX_K:
+            return "mma_gemv"
+    if layout is not None and most <= MAX_M:
+        return "grouped_gemv"
+    if layout == "tiled":
+        return "grouped_gemm"
+    return "pair_gemv" if codes_layout is not None else None
+
+
+class KbitExpertsLinear:
+    """MoE experts of one projection (``KbitExperts``) kept ready for grouped calls: ``layer(A, offsets)`` is
+    out[t] = A[t] @ W_e^T for the rows t of each expert e, by the grouped kernel :func:`choose_grouped` picks for
+    that routing (``kernel_for``), as ``KbitLinear`` does for one weight and M.
+
+    ``experts``: KbitExperts in any layout; ``codes``: optionally a second copy in the code or fragment layout
+    (``stack_experts`` of ``pair_gemv.to_codes`` / ``mma_gemv.to_fragments`` weights) beside a tiled ``experts``: the
+    decode kernels read it and the grouped gemm the tiled one (twice the experts' memory, for batches of any size).
+    Code- or fragment-layout experts alone serve every routing (past 8 rows an expert by the pair gemv, slowly);
+    flat ones at most 4 rows an expert. ``f16_acc``: the pair gemv's float16 block sums (float16 activations);
+    ``pdl``: the pair and tensor-core gemvs as programmatic dependent launches (sm_90).
+
+    A: [T, K] rows sorted by expert; offsets: int32 [E + 1] (expert e's rows are offsets[e] .. offsets[e + 1] - 1).
+    The kernel is chosen from the offsets' largest expert: host offsets are read as they are, device ones are copied
+    to the host unless ``max_tokens`` (at most that many rows an expert) says it. With device offsets and ``out``
+    given, ``plan(...).prepare()`` allocates nothing at ``run()`` (CUDA-graph capturable)."""
+
+    def __init__(self, experts, codes=None, f16_acc=False, pdl=False, stream=None):
+        from .formats import KbitExperts
+        for name, x in (("experts", experts), ("codes", codes)):
+            if x is not None and not isinstance(x, KbitExperts):
+                raise TypeError(f"{name} must be KbitExperts (stack_experts(...)), got {type(x).__name__}")
+        native = experts.layout in ("codes", "fragments")
+        if codes is not None and (native or codes.layout not in ("codes", "fragments")
+                                  or (codes.n_experts, codes.expert_shape, codes.k)
+                                  != (experts.n_experts, experts.expert_shape, experts.k)):
+            raise ValueError("codes is a second copy of flat or tiled experts (the same experts, shape and k) in the code "
+                             f"or fragment layout; got {codes.layout} experts beside {experts.layout} ones")
+        stream = _arrays.as_stream(stream)
+        self.codes = experts if native else codes
+        self.experts = None if native else experts
+        self.f16_acc, self.pdl = bool(f16_acc), bool(pdl)
+        self.k = experts.k
+        self.expert_shape = experts.expert_shape
+        self.workspace = Workspace()
+        if self.pdl and stream:     # a programmatic launch may load weights before the kernel before it ends
+            stream.synchronize()
+        elif self.pdl:
+            cuda.synchronize()
+
+    def kernel_for(self, most, rows, half=True, f16=True):
+        """The kernel a routing with ``most`` rows in its largest expert and ``rows`` in all runs (``half``: float16
+        or bfloat16 activations; ``f16``: float16)."""
+        return choose_grouped(most, rows, self.k, self.expert_shape[1],
+                              None if self.codes is None else self.codes.layout,
+                              None if self.experts is None else self.experts.layout, half, self.f16_acc and f16)
+
+    def __call__(self, A, offsets, out=None, stream=None, out_dtype=np.float16, bf16=False, kernel=None,
+                 silu_pairs=False, max_tokens=None):
+        return self.plan(A, offsets, out, stream, out_dtype, bf16, kernel, silu_pairs, max_tokens).launch()
+
+    def plan(self, A, offsets, out=None, stream=None, out_dtype=np.float16, bf16=False, kernel=None, silu_pairs=False,
+             max_tokens=None):
+        """The chosen kernel's :class:`launch.Plan` (``kernel``: one of ``GROUPED_KERNELS`` instead). ``silu_pairs``:
+        every expert's gate/up rows interleaved, out [T, N / 2], by the pair or tensor-core gemv's epilogue; a
+        ValueError where the routing runs another kernel."""
+        from .core import max_tokens_per_expert
+        stream = _arrays.as_stream(stream)
+        A = _arrays.check_array(A, "A")
+        T = _rows(A)
+        if max_tokens is None:
+            most = max_tokens_per_expert(_arrays.to_host(offsets).astype(np.int64), T)
+        else:
+            most = int(max_tokens)
+        f16 = f16_input(A, bf16)
+        if kernel is None:
+            kernel = self.kernel_for(most, T, half_input(A, bf16), f16)
+            if kernel is None:
+                raise ValueError(f"flat experts serve at most {MAX_M} rows an expert (the scalar grouped gemv); "
+                                 f"this routing has {most}: stack repack_tiled(...) weights")
+        if kernel not in GROUPED_KERNELS:
+            raise ValueError(f"kernel must be one of {GROUPED_KERNELS}, got {kernel!r}")
+        weight = self.codes if kernel in EPILOGUE_GEMVS else self.experts
+        if weight is None:
+            raise ValueError(f"kernel {kernel!r} reads " + ("code- or fragment-layout experts"
+                                                            if kernel in EPILOGUE_GEMVS else "flat or tiled experts")
+                             + ", which this layer does not keep")
+        if silu_pairs and kernel not in EPILOGUE_GEMVS:
+            raise ValueError(f"silu_pairs is the pair and tensor-core gemvs' epilogue; this routing runs {kernel!r} "
+                             "(kernel_for says which kernel a routing runs)")
+        if kernel == "pair_gemv":
+            return pair_gemv.plan_grouped(A, weight, offsets, out, stream, out_dtype, bf16, f16_acc=self.f16_acc and f16,
+                                          pdl=self.pdl, silu_pairs=silu_pairs)
+        if kernel == "mma_gemv":
+            return mma_gemv.plan_grouped(A, weight, offsets, out, stream, out_dtype, bf16, max_tokens=most,
+                                         pdl=self.pdl, silu_pairs=silu_pairs)
+        if kernel == "grouped_gemv":
+            return scalar_gemv.plan_grouped(A, weight, offsets, out, stream, out_dtype, bf16, max_tokens=most)
+        N = self.expert_shape[0]
+        return tensor_gemm.plan_grouped(A, weight, offsets, out, stream, out_dtype, bf16,
+                                        workspace=self.workspace.sums(T * N, stream),
+                                        m_tile=tensor_gemm.m_tile_for(max(1, most)))
+
+
+def grouped_linear(A, experts, offsets, out=None, stream=None, out_dtype=np.float16, bf16=False, kernel=None,
+                   f16_acc=False, max_tokens=None):
+    """MoE experts in one call: out[t] = A[t] @ W_e^T for the rows t of each expert e, by the grouped kernel
+    :func:`choose_grouped` picks for the experts' layout and the routing (``KbitExpertsLinear(experts)(A, offsets)``).
+    Returns a device array [T, N] of ``out_dtype``, or ``out``."""
+    return KbitExpertsLinear(experts, f16_acc=f16_acc)(A, offsets, out, stream, out_dtype, bf16, kernel,
+                                                       max_tokens=max_tokens)

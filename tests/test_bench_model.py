@@ -5,7 +5,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="kbit_numba.torch tests need torch (CI installs none)")
 
-from kbit_numba import bench, bench_model, reference as ref  # noqa: E402
+from kbit_numba import bench, bench_model, dispatch, reference as ref  # noqa: E402
 from helpers import SIM  # noqa: E402
 
 DEVICE = "cpu" if SIM else "cuda"
@@ -107,8 +107,8 @@ CODES_VARIANTS = ("kbit k=4", "kbit k=2", "kbit k=4 pdl", "kbit k=4 pdl f16_acc"
 def test_moe_layer_is_the_routed_sum_of_its_experts(variant, B):
     """The MoE block of the step (gather by expert, gate_up experts, silu_mul, down experts, weighted sum) against
     a float64 loop over the routing, with the variant's own (dequantized) expert weights. kbit runs, at B = 3, the
-    grouped mma gemv (k = 2, 4), the grouped pair gemv (with f16_acc, while an expert has at most PAIR_MAX_ROWS
-    rows; float32 sums at k = 2 while there are at most PAIR_F32_MAX_SLOTS rows: gate/up on the fragment layout, down
+    grouped mma gemv (k = 2, 4), the grouped pair gemv (with f16_acc, while an expert has at most PAIR_GROUPED_MAX_ROWS
+    rows; float32 sums at k = 2 while there are at most PAIR_GROUPED_F32_MAX_ROWS rows: gate/up on the fragment layout, down
     on the code layout) or grouped_gemv (k = 3), and grouped_gemm at B = 40 (more than 8 rows per expert); the pdl
     variants the PDL builds (of the grouped gemvs and the fused kernels); on the simulator fp16 only. The k = 2, 4 variants
     interleave their gate/up experts' rows (fuses_silu): the grouped gemvs' epilogue computes the SiLU at B = 3,
@@ -131,9 +131,9 @@ def test_moe_layer_is_the_routed_sum_of_its_experts(variant, B):
         codes = variant in CODES_VARIANTS
         for runs, offsets in zip(step.expert_runs, step.offsets):
             most = int(np.diff(offsets).max())
-            rule, k = bench_model.ExpertsKbit, bench_model.VARIANTS[variant][1]["k"]
-            pair = (most <= rule.PAIR_MAX_ROWS if variant.endswith("f16_acc") else
-                    int(offsets[-1]) <= rule.PAIR_F32_MAX_SLOTS.get(k, 0))
+            k = bench_model.VARIANTS[variant][1]["k"]
+            pair = (most <= dispatch.PAIR_GROUPED_MAX_ROWS if variant.endswith("f16_acc") else
+                    int(offsets[-1]) <= dispatch.PAIR_GROUPED_F32_MAX_ROWS.get(k, 0))
             want = ("pair_gemv" if codes and pair else
                     "mma_gemv" if codes and most <= 8 else "grouped_gemv" if not codes and most <= 4 else
                     "grouped_gemm")

@@ -266,3 +266,68 @@ def test_linear_rejects_bad_input():
         kb.linear(np.ones((2, 64), np.float16), flat, kernel="magic")
     with pytest.raises(ValueError, match="K=32"):
         kb.linear(np.ones((8, 32), np.float16), flat)
+
+
+def test_choose_grouped_follows_the_rule():
+    """The grouped kernel per routing (largest expert's rows, all rows), copies kept, activations and block sums."""
+    N8 = kb.mma_gemv.N8
+    cases = [   # (most, rows, k, K, codes layout, other layout, half, f16_acc) -> kernel
+        ((1, 8, 4, 2048, "codes", "tiled", True, True), "pair_gemv"),
+        ((L.PAIR_GROUPED_MAX_ROWS, 40, 4, 2048, "codes", "tiled", True, True), "pair_gemv"),
+        ((L.PAIR_GROUPED_MAX_ROWS + 1, 40, 4, 2048, "codes", "tiled", True, True), "mma_gemv"),
+        ((1, 8, 4, 2048, "fragments", "tiled", True, False), "mma_gemv"),        # float32 sums at k = 4
+        ((1, 8, 2, 2048, "fragments", "tiled", True, False), "pair_gemv"),       # ... at k = 2, <= 8 rows
+        ((1, 9, 2, 2048, "fragments", "tiled", True, False), "mma_gemv"),
+        ((N8, 64, 4, 2048, "codes", "tiled", True, True), "mma_gemv"),
+        ((N8 + 1, 64, 4, 2048, "codes", "tiled", True, True), "grouped_gemm"),
+        ((2, 16, 4, 2048, "codes", "tiled", False, False), "grouped_gemv"),      # float32 A: no tensor-core gemv
+        ((2, 16, 4, 96, "codes", "tiled", True, False), "grouped_gemv"),          # K % 64
+        ((2, 16, 4, 2048, None, "tiled", True, False), "grouped_gemv"),
+        ((5, 16, 4, 2048, None, "tiled", True, False), "grouped_gemm"),
+        ((5, 16, 4, 2048, None, "flat", True, False), None),                      # flat: the scalar gemv's 4 rows
+        ((N8 + 1, 64, 4, 2048, "codes", None, True, True), "pair_gemv"),          # code layout alone: any routing
+    ]
+    for args, want in cases:
+        assert L.choose_grouped(*args) == want, (args, want)
+
+
+@pytest.mark.parametrize("keep, f16_acc, counts, want", [
+    ("both", True, [1, 0, 2], "pair_gemv"),
+    ("both", True, [5, 0, 1], "mma_gemv"),
+    ("both", False, [9, 0, 1], "grouped_gemm"),
+    ("tiled", False, [2, 0, 1], "grouped_gemv"),
+    ("codes", False, [9, 0, 1], "pair_gemv"),
+])
+def test_kbit_experts_linear_runs_the_chosen_kernel(keep, f16_acc, counts, want):
+    """``KbitExpertsLinear`` (and ``grouped_linear``) on a routing that each grouped kernel serves: the kernel
+    ``kernel_for`` names runs (its plan's first step is that family's build), and every expert's rows equal the
+    reference within that kernel's bound; host and device offsets (with ``max_tokens``) choose alike."""
+    rng = np.random.default_rng(len(counts) + sum(counts))
+    N, K, k = 16 if keep == "codes" and SIM else 128, 64, 4       # (the tiled layout: N a multiple of 128)
+    flats = [ref.quantize(random_weight(rng, N, K), k=k) for _ in counts]
+    tiled = kb.stack_experts([ref.repack_tiled(w) for w in flats]) if keep != "codes" else None
+    codes = kb.stack_experts([ref.to_codes(w) for w in flats]) if keep != "tiled" else None
+    layer = kb.KbitExpertsLinear(tiled if tiled is not None else codes, codes if keep == "both" else None,
+                                 f16_acc=f16_acc)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    T, most = int(offsets[-1]), max(counts)
+    A = _activations(rng, T, K, "float16")
+    assert layer.kernel_for(most, T) == want
+    plan = layer.plan(A, offsets, out_dtype=np.float32)
+    family = {"pair_gemv": "pair_gemv", "mma_gemv": "mma_gemv", "grouped_gemv": "scalar_gemv",
+              "grouped_gemm": "tensor_gemm"}[want]
+    kernels = [getattr(s, "kernel", None) for s in plan.steps]
+    assert any(getattr(kern, "py_func", None).__module__ == f"kbit_numba.{family}" for kern in kernels), want
+    on_device = layer.plan(A, cuda.to_device(offsets), out_dtype=np.float32, max_tokens=most)
+    assert [getattr(s, "kernel", None) for s in on_device.steps] == kernels
+    got = plan.prepare().run().copy_to_host()      # (prepared: the buffers as a CUDA graph would bind them)
+    if keep != "both" and not SIM:                # (the same launch again: on the GPU only)
+        assert np.array_equal(kb.grouped_linear(A, tiled if tiled is not None else codes, cuda.to_device(offsets),
+                                                out_dtype=np.float32).copy_to_host(), got)
+    for e, w in enumerate(flats):
+        rows = slice(offsets[e], offsets[e + 1])
+        if counts[e] and want == "pair_gemv" and f16_acc:
+            check_close_f16_acc(got[rows], A[rows], w, np.float32)
+        elif counts[e]:
+            check_close(got[rows], A[rows], w)
+
