@@ -26,7 +26,8 @@ gemv's float16-activation arithmetic for kbit K, with float32 and with float16 (
 ``kbitK_gptq`` (with ``_mse``: a searched block scale; ``_cb``: the layer's fitted codebook, ``calibrate.fit_codebook``;
 ``_act``: columns in activation order; ``_ref``: ``REFINE_ROUNDS`` rounds of block scales refitted to the output
 error and indices chosen again, ``calibrate.quantize_gptq(refine=...)``; ``_seq``: sequential
-calibration; ``_ln``: the LayerNorms refitted to the quantized linears, ``refit_norms``; ``_cd``: ``INDEX_SWEEPS``
+calibration; ``_asym`` (with ``_seq``): each linear aimed at the float32 model's output from its quantized inputs,
+``asym_target``; ``_ln``: the LayerNorms refitted to the quantized linears, ``refit_norms``; ``_cd``: ``INDEX_SWEEPS``
 sweeps of coordinate descent over the indices, ``calibrate.refine_indices``) quantize through
 ``kbit_numba.calibrate.quantize_gptq`` (GPTQ-style error feedback into the same kbit bytes), cross-calibrated
 on the two halves of the sentences (``gptq_two_fold``); ``--calibration two-fold+text`` adds the 264 sentences
@@ -285,21 +286,45 @@ def kbit_gptq(W, k, H, damp=0.1, scale_search=False, act_order=False, fit=False,
     return ref.dequantize(qw), qw.nbytes
 
 
+def asym_target(W, Xf, X, damp):
+    """The weight GPTQ should approach when the layer's inputs X [rows, K] are the quantized model's and Xf the float32
+    model's on the same tokens (``_asym`` formats): W* = argmin |Xf W^T - X W*^T|^2 + lambda |W* - W|^2, i.e.
+    W + W (Xf - X)^T X (X^T X + lambda)^-1, with GPTQ's damping lambda = damp * mean(diag(X^T X)). Then the quantized
+    layer's output on its own inputs aims at the float32 model's output, not at W's on those inputs: it corrects the
+    error the earlier layers left (as GPTAQ does), and with X = Xf it is W. (The ridge is toward W, not toward zero:
+    the plain least-squares W Xf^T X (X^T X + lambda)^-1 shrinks W along the inputs' weak directions; on MiniLM that
+    doubled the weight error and gave 0.990, runs/2026-11-27_cpu_fidelity_minilm_asymmetric.txt.)"""
+    W, Xf, X = (np.asarray(a, np.float64) for a in (W, Xf, X))
+    H = X.T @ X
+    H += damp * np.mean(np.diag(H)) * np.eye(len(H))
+    return W + np.linalg.solve(H, (W @ ((Xf - X).T @ X)).T).T
+
+
 def gptq_weights(p, ids, mask, names, k, damp=0.1, scale_search=False, act_order=False, sequential=False, fit=False,
-                 refine=0, sweeps=0):
+                 refine=0, sweeps=0, asym=False):
     """Every linear quantized by kbit_gptq with its Hessian over the real tokens of the sentences (ids, mask): the
     float32 model's inputs, or with ``sequential`` those of the model whose earlier linears are already quantized
-    (GPTQ's order: each layer corrects for the error before it). Returns ({name: dequantized W}, bytes)."""
-    weights, sizes, H = {}, {}, {}
+    (GPTQ's order: each layer corrects for the error before it). ``asym`` (with ``sequential``): each linear aims at
+    the float32 model's output of that layer from its quantized inputs (:func:`asym_target`). Returns
+    ({name: dequantized W}, bytes)."""
+    weights, sizes, H, target = {}, {}, {}, {}
     keep = mask.reshape(-1) > 0
+    rows = lambda x: x.reshape(-1, x.shape[-1])[keep].astype(np.float64)
+    if asym:                            # the float32 model's inputs of every linear
+        def record_float(name, x):
+            target[name] = rows(x)
+            return linear_with(p, {})(name, x)
+        embed(p, ids, mask, record_float)
 
     def quantize(name):
-        weights[name], sizes[name] = kbit_gptq(p[name + ".weight"], k, H[name], damp, scale_search, act_order, fit,
-                                               refine, sweeps)
+        weights[name], sizes[name] = kbit_gptq(target.get(name, p[name + ".weight"]), k, H[name], damp, scale_search,
+                                               act_order, fit, refine, sweeps)
 
     def record(name, x):
-        X = x.reshape(-1, x.shape[-1])[keep].astype(np.float64)
+        X = rows(x)
         H[name] = X.T @ X
+        if asym:
+            target[name] = asym_target(p[name + ".weight"], target[name], X, damp)
         if sequential:                  # quantize it now: the linears after it see its output
             quantize(name)
         return linear_with(p, weights)(name, x)
@@ -348,7 +373,7 @@ def stack_tokens(a, b):
 
 
 def gptq_two_fold(p, ids, mask, names, k, damp=0.1, scale_search=False, act_order=False, sequential=False, fit=False,
-                  extra=None, refine=0, norms=False, sweeps=0):
+                  extra=None, refine=0, norms=False, sweeps=0, asym=False):
     """kbit k with GPTQ, cross-calibrated: the sentences are split in two halves (even, odd); each half is
     embedded with weights whose Hessians came from the other half only (:func:`gptq_weights`), and from ``extra``
     (ids, mask) if given: sentences written for calibration (CALIBRATION). Returns (embeddings in the sentences'
@@ -359,7 +384,7 @@ def gptq_two_fold(p, ids, mask, names, k, damp=0.1, scale_search=False, act_orde
     for calib, evaluate in ((slice(0, None, 2), slice(1, None, 2)), (slice(1, None, 2), slice(0, None, 2))):
         text = (ids[calib], mask[calib]) if extra is None else stack_tokens((ids[calib], mask[calib]), extra)
         weights, nbytes = gptq_weights(p, *text, names, k, damp, scale_search, act_order, sequential, fit, refine,
-                                       sweeps)
+                                       sweeps, asym)
         pf = refit_norms(p, weights, *text) if norms else p
         E[evaluate] = embed(pf, ids[evaluate], mask[evaluate], linear_with(pf, weights))
         first = first or (weights, nbytes)
@@ -605,7 +630,8 @@ def main(argv=None):
             E = embed(p, ids, mask, linear_with(p, weights))
         elif "_gptq" in name:               # kbitK[_mse][_cb]_gptq[_act][_seq]: cross-calibrated, see gptq_two_fold
             E, weights, nbytes = gptq_two_fold(p, ids, mask, names, int(name[4]), args.gptq_damp, *options,
-                                               extra=calibration, refine=refine, norms="_ln" in name, sweeps=sweeps)
+                                               extra=calibration, refine=refine, norms="_ln" in name, sweeps=sweeps,
+                                               asym="_asym" in name)
         else:
             weights, nbytes = {}, 0
             for n in names:

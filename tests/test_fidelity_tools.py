@@ -131,16 +131,16 @@ def test_torch_path_replaces_the_linears_through_quantize_model():
 
 def test_gptq_two_fold_runs_every_variant_on_a_tiny_bert():
     """gptq_two_fold on a tiny random BERT: each half of the sentences is embedded (unit norm) by weights
-    calibrated on the other half, and every variant (scale search, activation order, sequential, refined scales)
-    runs."""
+    calibrated on the other half, and every variant (scale search, activation order, sequential, refined scales,
+    asymmetric targets) runs."""
     rng = np.random.default_rng(4)
     p = _tiny_bert(rng, H=96, I=192)                  # (K a multiple of the kbit block, H of the 12 heads)
     names = [f"encoder.layer.{i}.{n}" for i in range(sum(1 for k in p if k.endswith("query.weight")))
              for n in F.LINEARS]
     ids = rng.integers(4, 20, size=(6, 5))
     mask = np.ones(ids.shape, np.float32)
-    for search, act, seq, refine in ((False, False, False, 0), (True, True, True, 1)):
-        E, weights, nbytes = F.gptq_two_fold(p, ids, mask, names, 4, 0.1, search, act, seq, refine=refine)
+    for search, act, seq, refine, asym in ((False, False, False, 0, False), (True, True, True, 1, True)):
+        E, weights, nbytes = F.gptq_two_fold(p, ids, mask, names, 4, 0.1, search, act, seq, refine=refine, asym=asym)
         assert E.shape == (6, p["embeddings.word_embeddings.weight"].shape[1])
         assert np.allclose(np.linalg.norm(E, axis=1), 1, atol=1e-5)
         assert set(weights) == set(names) and nbytes == sum(p[n + ".weight"].size for n in names) // 32 * 17
@@ -206,3 +206,21 @@ def test_refit_norms_recovers_the_float_model_and_never_fits_worse():
     F.embed(refit, ids, mask, F.linear_with(refit, weights), first_norm(refit, "after"))
     err = {k: float(((outputs[k] - outputs["float"]) ** 2).sum()) for k in ("before", "after")}
     assert 0 < err["after"] <= err["before"], err
+
+
+def test_asym_target_aims_at_the_float_models_output():
+    """``asym_target`` (the ``_asym`` formats): with the float32 model's inputs it is W; otherwise it solves its ridge
+    problem (the gradient of |Xf W^T - X W*^T|^2 + lambda |W* - W|^2 vanishes there) and its output on the quantized
+    inputs is closer to the float32 model's than W's is."""
+    rng = np.random.default_rng(9)
+    W = rng.standard_normal((24, 64))
+    Xf = rng.standard_normal((300, 64)) * np.linspace(0.1, 3, 64)      # anisotropic inputs, as a model's are
+    X = Xf + 0.2 * rng.standard_normal(Xf.shape)                       # what the quantized layers before it give
+    assert np.allclose(F.asym_target(W, Xf, Xf, 0.01), W)
+    for damp in (0.01, 0.1):
+        Ws = F.asym_target(W, Xf, X, damp)
+        lam = damp * np.mean(np.sum(X * X, axis=0))
+        grad = (X @ Ws.T - Xf @ W.T).T @ X + lam * (Ws - W)
+        assert np.abs(grad).max() < 1e-8 * np.abs(Xf @ W.T).max() * np.abs(X).max() * len(X)
+        err = lambda V: np.linalg.norm(Xf @ W.T - X @ V.T)
+        assert err(Ws) < 0.9 * err(W)
