@@ -18,7 +18,9 @@ written by ``--export-f16 DIR``: the weights rounded to float16 (45 MB), small e
 that cannot install the package; both paths of a ``--gpu`` run then start from the same rounded weights.
 
 ``--gpu`` also runs the kbit formats through ``kb.linear`` (the kernels, float16 activations) and reports
-how far their embeddings are from the reference path's. ``--torch`` runs every format kbit_numba has a layer
+how far their embeddings are from the reference path's. For a calibrated format, ``--save-calibrated FILE.npz``
+keeps its kbit bytes, LayerNorms and embeddings (and what the forward needs, ~15 MB), and ``--check-calibrated
+FILE.npz`` runs them through ``kb.KbitLinear`` on a GPU machine that lacks the model package. ``--torch`` runs every format kbit_numba has a layer
 for the way a PyTorch user would: the 36 ``nn.Linear`` layers in a module, replaced by
 ``kbit_numba.torch.quantize_model``, float16 activations (on a GPU; on the simulator only for tiny tests). ``--accumulation K`` instead emulates the pair
 gemv's float16-activation arithmetic for kbit K, with float32 and with float16 (``f16_acc``) block sums.
@@ -277,13 +279,14 @@ def kbit_mse(W, k, grid=np.linspace(0.6, 1.0, 41)):
 def kbit_gptq(W, k, H, damp=0.1, scale_search=False, act_order=False, fit=False, refine=0, sweeps=0):
     """kbit k through ``kbit_numba.calibrate.quantize_gptq`` (GPTQ-style error feedback through the inverse of
     the layer's input Hessian H; the kbit bytes); ``fit``: with the layer's own codebook
-    (``calibrate.fit_codebook``); ``sweeps``: ``quantize_gptq(index_sweeps=...)``. Returns (dequantized W, bytes)."""
+    (``calibrate.fit_codebook``); ``sweeps``: ``quantize_gptq(index_sweeps=...)``. Returns (dequantized W, the
+    KbitWeight)."""
     from kbit_numba import reference as ref
     from kbit_numba.calibrate import fit_codebook, quantize_gptq
     cb = fit_codebook(W, k, H) if fit else None
     qw = quantize_gptq(W, H, k=k, damp=damp, act_order=act_order, scale_search=scale_search, codebook=cb, refine=refine,
                        index_sweeps=sweeps)
-    return ref.dequantize(qw), qw.nbytes
+    return ref.dequantize(qw), qw
 
 
 def asym_target(W, Xf, X, damp):
@@ -301,13 +304,14 @@ def asym_target(W, Xf, X, damp):
 
 
 def gptq_weights(p, ids, mask, names, k, damp=0.1, scale_search=False, act_order=False, sequential=False, fit=False,
-                 refine=0, sweeps=0, asym=False):
+                 refine=0, sweeps=0, asym=False, store=None):
     """Every linear quantized by kbit_gptq with its Hessian over the real tokens of the sentences (ids, mask): the
     float32 model's inputs, or with ``sequential`` those of the model whose earlier linears are already quantized
     (GPTQ's order: each layer corrects for the error before it). ``asym`` (with ``sequential``): each linear aims at
-    the float32 model's output of that layer from its quantized inputs (:func:`asym_target`). Returns
-    ({name: dequantized W}, bytes)."""
-    weights, sizes, H, target = {}, {}, {}, {}
+    the float32 model's output of that layer from its quantized inputs (:func:`asym_target`). ``store``: a dict
+    that receives {name: KbitWeight}. Returns ({name: dequantized W}, bytes)."""
+    weights, H, target = {}, {}, {}
+    store = {} if store is None else store
     keep = mask.reshape(-1) > 0
     rows = lambda x: x.reshape(-1, x.shape[-1])[keep].astype(np.float64)
     if asym:                            # the float32 model's inputs of every linear
@@ -317,7 +321,7 @@ def gptq_weights(p, ids, mask, names, k, damp=0.1, scale_search=False, act_order
         embed(p, ids, mask, record_float)
 
     def quantize(name):
-        weights[name], sizes[name] = kbit_gptq(target.get(name, p[name + ".weight"]), k, H[name], damp, scale_search,
+        weights[name], store[name] = kbit_gptq(target.get(name, p[name + ".weight"]), k, H[name], damp, scale_search,
                                                act_order, fit, refine, sweeps)
 
     def record(name, x):
@@ -332,7 +336,7 @@ def gptq_weights(p, ids, mask, names, k, damp=0.1, scale_search=False, act_order
     for n in names:
         if n not in weights:
             quantize(n)
-    return weights, sum(sizes.values())
+    return weights, sum(store[n].nbytes for n in weights)
 
 
 def refit_norms(p, weights, ids, mask):
@@ -373,19 +377,23 @@ def stack_tokens(a, b):
 
 
 def gptq_two_fold(p, ids, mask, names, k, damp=0.1, scale_search=False, act_order=False, sequential=False, fit=False,
-                  extra=None, refine=0, norms=False, sweeps=0, asym=False):
+                  extra=None, refine=0, norms=False, sweeps=0, asym=False, store=None):
     """kbit k with GPTQ, cross-calibrated: the sentences are split in two halves (even, odd); each half is
     embedded with weights whose Hessians came from the other half only (:func:`gptq_weights`), and from ``extra``
     (ids, mask) if given: sentences written for calibration (CALIBRATION). Returns (embeddings in the sentences'
     order, dequantized weights of the first fold, bytes). ``norms``: the LayerNorms refitted on the same calibration
-    sentences (:func:`refit_norms`)."""
+    sentences (:func:`refit_norms`). ``store``: a list that receives, per fold, (the evaluated rows, {name: KbitWeight},
+    the fold's parameters with its LayerNorms)."""
     E = np.zeros((len(ids), p["embeddings.word_embeddings.weight"].shape[1]), np.float32)
     first = None
     for calib, evaluate in ((slice(0, None, 2), slice(1, None, 2)), (slice(1, None, 2), slice(0, None, 2))):
         text = (ids[calib], mask[calib]) if extra is None else stack_tokens((ids[calib], mask[calib]), extra)
+        qws = {}
         weights, nbytes = gptq_weights(p, *text, names, k, damp, scale_search, act_order, sequential, fit, refine,
-                                       sweeps, asym)
+                                       sweeps, asym, qws)
         pf = refit_norms(p, weights, *text) if norms else p
+        if store is not None:
+            store.append((evaluate, qws, pf))
         E[evaluate] = embed(pf, ids[evaluate], mask[evaluate], linear_with(pf, weights))
         first = first or (weights, nbytes)
     return E, first[0], first[1]
@@ -443,7 +451,14 @@ def gpu_linear(p, names, k):
     """``linear(name, x)`` through the kernels: each weight quantized on the GPU into a ``kb.KbitLinear``,
     float16 activations, the float32 bias added on the host."""
     import kbit_numba as kb
-    layers = {n: kb.KbitLinear(kb.quantize(p[n + ".weight"], k=k)) for n in names}
+    return kernel_linear(p, {n: kb.quantize(p[n + ".weight"], k=k) for n in names})
+
+
+def kernel_linear(p, qws):
+    """``linear(name, x)`` through the kernels for the KbitWeights ``qws[name]`` (``kb.KbitLinear``, float16
+    activations, the float32 bias added on the host)."""
+    import kbit_numba as kb
+    layers = {n: kb.KbitLinear(qw) for n, qw in qws.items()}
 
     def linear(name, x):
         A = np.ascontiguousarray(x.reshape(-1, x.shape[-1]).astype(np.float16))
@@ -529,6 +544,54 @@ def pair_gemv_linear(p, names, k, f16_acc, rows):
     return linear
 
 
+def save_calibrated(path, p, names, ids, mask, E0, E, folds):
+    """``--save-calibrated``: what a GPU machine without the model package needs to run one calibrated format through
+    the kernels (``check_calibrated``): per fold its evaluated rows, every linear's kbit bytes and the fold's
+    LayerNorms; the other parameters with the word embedding table cut to the tokens used (ids renumbered); the float32
+    model's embeddings E0 and the reference path's E."""
+    used = np.unique(ids)
+    arrays = {"ids": np.searchsorted(used, ids).astype(np.int32), "mask": mask, "E0": E0, "E": E}
+    for key, v in p.items():
+        if key.endswith(".weight") and key[:-len(".weight")] in names:
+            continue
+        arrays["p/" + key] = v[used] if key == "embeddings.word_embeddings.weight" else v
+    for f, (rows, qws, pf) in enumerate(folds):
+        arrays[f"fold{f}/rows"] = np.arange(len(ids))[rows]
+        for n, qw in qws.items():
+            qw = qw.to_host() if hasattr(qw, "to_host") else qw
+            for a in ("packed", "absmax", "codebook"):
+                arrays[f"fold{f}/{n}/{a}"] = np.asarray(getattr(qw, a))
+            arrays[f"fold{f}/{n}/k"] = np.int32(qw.k)
+        for key in pf:
+            if "LayerNorm" in key:
+                arrays[f"fold{f}/ln/{key}"] = pf[key]
+    np.savez_compressed(path, **arrays)
+
+
+def check_calibrated(path, linear_for=None):
+    """``--check-calibrated``: the saved calibrated format (``save_calibrated``) through the kernels on this GPU
+    (``linear_for(p, {name: KbitWeight})``, default :func:`kernel_linear`). Returns (E0, the reference path's E, this
+    path's E)."""
+    linear_for = linear_for or kernel_linear
+    from kbit_numba.formats import KbitWeight
+    z = np.load(path)
+    p = {key[2:]: z[key] for key in z.files if key.startswith("p/")}
+    ids, mask = z["ids"], z["mask"]
+    E = np.zeros_like(z["E"])
+    for f in range(2):
+        pf = dict(p, **{key[len(f"fold{f}/ln/"):]: z[key] for key in z.files if key.startswith(f"fold{f}/ln/")})
+        names = sorted({key.split("/")[1] for key in z.files if key.startswith(f"fold{f}/encoder.")})
+        pf.update({n + ".weight": None for n in names})     # (embed counts the layers by their query weights)
+        qws = {}
+        for n in names:
+            packed, absmax, cb = (z[f"fold{f}/{n}/{a}"] for a in ("packed", "absmax", "codebook"))
+            N = len(pf[n + ".bias"])
+            qws[n] = KbitWeight(packed, absmax, cb, int(z[f"fold{f}/{n}/k"]), (N, absmax.size * 32 // N))
+        rows = z[f"fold{f}/rows"]
+        E[rows] = embed(pf, ids[rows], mask[rows], linear_for(pf, qws))
+    return z["E0"], z["E"], E
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--formats", help="comma-separated subset of the formats (default: all)")
@@ -555,8 +618,21 @@ def main(argv=None):
     ap.add_argument("--gptq-damp", type=float, default=0.1, metavar="D",
                     help="kbitK_gptq: D x the mean of the Hessian's diagonal is added to its diagonal (default 0.1, "
                          "the best of 0.01, 0.05, 0.1, 0.2, 1 for kbit4 on MiniLM)")
+    ap.add_argument("--save-calibrated", metavar="FILE.npz",
+                    help="with one cross-calibrated kbitK_..._gptq format: also save its kbit bytes, LayerNorms and "
+                         "embeddings, and what the forward needs, for --check-calibrated on a GPU machine")
+    ap.add_argument("--check-calibrated", metavar="FILE.npz",
+                    help="instead: run a --save-calibrated format through the kernels (needs a GPU, not the model "
+                         "package) and compare with the float32 model and with the reference path")
     args = ap.parse_args(argv)
 
+    if args.check_calibrated:
+        E0, E_ref, E = check_calibrated(args.check_calibrated)
+        mean_cos, min_cos, rho = compare(E, E0)
+        print(f"{args.check_calibrated} through the kernels: mean cos {mean_cos:.5f}, min cos {min_cos:.5f}, "
+              f"spearman {rho:.5f} (the reference path: mean cos {compare(E_ref, E0)[0]:.5f}); kernels vs reference "
+              f"path min cos {float(np.sum(E * E_ref, axis=1).min()):.6f}")
+        return 0
     d = args.model_dir or model_dir()
     p = {k: v.astype(np.float32) if v.dtype.kind == "f" else v
          for k, v in read_safetensors(os.path.join(d, "model.safetensors")).items()}
@@ -629,9 +705,12 @@ def main(argv=None):
                                            sweeps)
             E = embed(p, ids, mask, linear_with(p, weights))
         elif "_gptq" in name:               # kbitK[_mse][_cb]_gptq[_act][_seq]: cross-calibrated, see gptq_two_fold
+            folds = []
             E, weights, nbytes = gptq_two_fold(p, ids, mask, names, int(name[4]), args.gptq_damp, *options,
                                                extra=calibration, refine=refine, norms="_ln" in name, sweeps=sweeps,
-                                               asym="_asym" in name)
+                                               asym="_asym" in name, store=folds)
+            if args.save_calibrated:
+                save_calibrated(args.save_calibrated, p, names, ids, mask, E0, E, folds)
         else:
             weights, nbytes = {}, 0
             for n in names:

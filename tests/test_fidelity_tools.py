@@ -129,16 +129,21 @@ def test_torch_path_replaces_the_linears_through_quantize_model():
     np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
 
 
+def _tiny_calibration_case(rng):
+    """A tiny BERT whose K fit the kbit block (and H its 12 heads), its linears' names, and 6 sentences of 5 tokens."""
+    p = _tiny_bert(rng, H=96, I=192)
+    names = [f"encoder.layer.{i}.{n}" for i in range(sum(1 for k in p if k.endswith("query.weight")))
+             for n in F.LINEARS]
+    ids = rng.integers(4, 20, size=(6, 5))
+    return p, names, ids, np.ones(ids.shape, np.float32)
+
+
 def test_gptq_two_fold_runs_every_variant_on_a_tiny_bert():
     """gptq_two_fold on a tiny random BERT: each half of the sentences is embedded (unit norm) by weights
     calibrated on the other half, and every variant (scale search, activation order, sequential, refined scales,
     asymmetric targets) runs."""
     rng = np.random.default_rng(4)
-    p = _tiny_bert(rng, H=96, I=192)                  # (K a multiple of the kbit block, H of the 12 heads)
-    names = [f"encoder.layer.{i}.{n}" for i in range(sum(1 for k in p if k.endswith("query.weight")))
-             for n in F.LINEARS]
-    ids = rng.integers(4, 20, size=(6, 5))
-    mask = np.ones(ids.shape, np.float32)
+    p, names, ids, mask = _tiny_calibration_case(rng)
     for search, act, seq, refine, asym in ((False, False, False, 0, False), (True, True, True, 1, True)):
         E, weights, nbytes = F.gptq_two_fold(p, ids, mask, names, 4, 0.1, search, act, seq, refine=refine, asym=asym)
         assert E.shape == (6, p["embeddings.word_embeddings.weight"].shape[1])
@@ -152,11 +157,7 @@ def test_calibration_text_is_added_to_each_fold_and_kept_apart_from_the_evaluati
     nor one close to it (word-set Jaccard >= 0.6), with the evaluation sentences."""
     import re
     rng = np.random.default_rng(5)
-    p = _tiny_bert(rng, H=96, I=192)
-    names = [f"encoder.layer.{i}.{n}" for i in range(sum(1 for k in p if k.endswith("query.weight")))
-             for n in F.LINEARS]
-    ids = rng.integers(4, 20, size=(6, 5))
-    mask = np.ones(ids.shape, np.float32)
+    p, names, ids, mask = _tiny_calibration_case(rng)
     extra = (rng.integers(4, 20, size=(3, 7)), np.ones((3, 7), np.float32))
     both = F.stack_tokens((ids, mask), extra)
     assert both[0].shape == (9, 7) and both[1][:6, 5:].sum() == 0 and np.array_equal(both[0][6:], extra[0])
@@ -224,3 +225,24 @@ def test_asym_target_aims_at_the_float_models_output():
         assert np.abs(grad).max() < 1e-8 * np.abs(Xf @ W.T).max() * np.abs(X).max() * len(X)
         err = lambda V: np.linalg.norm(Xf @ W.T - X @ V.T)
         assert err(Ws) < 0.9 * err(W)
+
+
+def test_saved_calibration_reproduces_its_embeddings(tmp_path):
+    """``--save-calibrated`` / ``--check-calibrated``: a cross-calibrated format's kbit bytes, LayerNorms and the cut
+    word embedding table, read back and run through the references, give the embeddings it saved (so what the kernels
+    run on a GPU machine is that format, fold by fold)."""
+    from kbit_numba import reference as ref
+    rng = np.random.default_rng(6)
+    p, names, ids, mask = _tiny_calibration_case(rng)
+    mask[1, 3:] = 0
+    folds = []
+    E, _, _ = F.gptq_two_fold(p, ids, mask, names, 4, 0.1, True, True, True, fit=True, norms=True, asym=True,
+                              store=folds)
+    assert [len(q) for _, q, _ in folds] == [len(names)] * 2
+    E0 = F.embed(p, ids, mask, F.linear_with(p, {}))
+    path = str(tmp_path / "calibrated.npz")
+    F.save_calibrated(path, p, names, ids, mask, E0, E, folds)
+    by_reference = lambda pf, qws: F.linear_with(pf, {n: ref.dequantize(q) for n, q in qws.items()})
+    E0_read, E_read, E_again = F.check_calibrated(path, by_reference)
+    assert np.array_equal(E0_read, E0) and np.array_equal(E_read, E)
+    np.testing.assert_allclose(E_again, E, rtol=0, atol=1e-5)
