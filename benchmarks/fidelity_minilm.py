@@ -29,7 +29,7 @@ gemv's float16-activation arithmetic for kbit K, with float32 and with float16 (
 ``_act``: columns in activation order; ``_ref``: ``REFINE_ROUNDS`` rounds of block scales refitted to the output
 error and indices chosen again, ``calibrate.quantize_gptq(refine=...)``; ``_seq``: sequential
 calibration; ``_asym`` (with ``_seq``): each linear aimed at the float32 model's output from its quantized inputs,
-``asym_target``; ``_ln``: the LayerNorms refitted to the quantized linears, ``refit_norms``; ``_cd``: ``INDEX_SWEEPS``
+``calibrate.asymmetric_target``; ``_ln``: the LayerNorms refitted to the quantized linears, ``refit_norms``; ``_cd``: ``INDEX_SWEEPS``
 sweeps of coordinate descent over the indices, ``calibrate.refine_indices``) quantize through
 ``kbit_numba.calibrate.quantize_gptq`` (GPTQ-style error feedback into the same kbit bytes), cross-calibrated
 on the two halves of the sentences (``gptq_two_fold``); ``--calibration two-fold+text`` adds the 264 sentences
@@ -289,27 +289,14 @@ def kbit_gptq(W, k, H, damp=0.1, scale_search=False, act_order=False, fit=False,
     return ref.dequantize(qw), qw
 
 
-def asym_target(W, Xf, X, damp):
-    """The weight GPTQ should approach when the layer's inputs X [rows, K] are the quantized model's and Xf the float32
-    model's on the same tokens (``_asym`` formats): W* = argmin |Xf W^T - X W*^T|^2 + lambda |W* - W|^2, i.e.
-    W + W (Xf - X)^T X (X^T X + lambda)^-1, with GPTQ's damping lambda = damp * mean(diag(X^T X)). Then the quantized
-    layer's output on its own inputs aims at the float32 model's output, not at W's on those inputs: it corrects the
-    error the earlier layers left (as GPTAQ does), and with X = Xf it is W. (The ridge is toward W, not toward zero:
-    the plain least-squares W Xf^T X (X^T X + lambda)^-1 shrinks W along the inputs' weak directions; on MiniLM that
-    doubled the weight error and gave 0.990, runs/2026-11-27_cpu_fidelity_minilm_asymmetric.txt.)"""
-    W, Xf, X = (np.asarray(a, np.float64) for a in (W, Xf, X))
-    H = X.T @ X
-    H += damp * np.mean(np.diag(H)) * np.eye(len(H))
-    return W + np.linalg.solve(H, (W @ ((Xf - X).T @ X)).T).T
-
-
 def gptq_weights(p, ids, mask, names, k, damp=0.1, scale_search=False, act_order=False, sequential=False, fit=False,
                  refine=0, sweeps=0, asym=False, store=None):
     """Every linear quantized by kbit_gptq with its Hessian over the real tokens of the sentences (ids, mask): the
     float32 model's inputs, or with ``sequential`` those of the model whose earlier linears are already quantized
     (GPTQ's order: each layer corrects for the error before it). ``asym`` (with ``sequential``): each linear aims at
-    the float32 model's output of that layer from its quantized inputs (:func:`asym_target`). ``store``: a dict
+    the float32 model's output of that layer from its quantized inputs (``calibrate.asymmetric_target``). ``store``: a dict
     that receives {name: KbitWeight}. Returns ({name: dequantized W}, bytes)."""
+    from kbit_numba.calibrate import asymmetric_target
     weights, H, target = {}, {}, {}
     store = {} if store is None else store
     keep = mask.reshape(-1) > 0
@@ -328,7 +315,7 @@ def gptq_weights(p, ids, mask, names, k, damp=0.1, scale_search=False, act_order
         X = rows(x)
         H[name] = X.T @ X
         if asym:
-            target[name] = asym_target(p[name + ".weight"], target[name], X, damp)
+            target[name] = asymmetric_target(p[name + ".weight"], target[name], X, damp)
         if sequential:                  # quantize it now: the linears after it see its output
             quantize(name)
         return linear_with(p, weights)(name, x)

@@ -161,3 +161,22 @@ def test_fitted_codebook_is_valid_and_lowers_the_weighted_error(k):
     assert weighted_error(cb) < weighted_error(None)
     qw = quantize_gptq(W, H, k=k, codebook=cb)
     assert np.array_equal(qw.codebook, cb) and np.isfinite(ref.dequantize(qw)).all()
+
+
+def test_asymmetric_target_aims_at_the_float_models_output():
+    """``asymmetric_target``: with the float model's inputs it is W; otherwise it solves its ridge problem (the
+    gradient of |Xf W^T - X W*^T|^2 + lambda |W* - W|^2 vanishes there) and its output on the quantized inputs is
+    closer to the float model's than W's is (its refusals: tests/test_refusals.py)."""
+    from kbit_numba.calibrate import asymmetric_target
+    rng = np.random.default_rng(9)
+    W = rng.standard_normal((24, 64))
+    Xf = rng.standard_normal((300, 64)) * np.linspace(0.1, 3, 64)      # anisotropic inputs, as a model's are
+    X = Xf + 0.2 * rng.standard_normal(Xf.shape)                       # what the quantized layers before it give
+    assert np.allclose(asymmetric_target(W, Xf, Xf, 0.01), W)
+    for damp in (0.01, 0.1):
+        Ws = asymmetric_target(W, Xf, X, damp)
+        lam = damp * np.mean(np.sum(X * X, axis=0))
+        grad = (X @ Ws.T - Xf @ W.T).T @ X + lam * (Ws - W)
+        assert np.abs(grad).max() < 1e-8 * np.abs(Xf @ W.T).max() * np.abs(X).max() * len(X)
+        err = lambda V: np.linalg.norm(Xf @ W.T - X @ V.T)
+        assert err(Ws) < 0.9 * err(W)

@@ -209,24 +209,6 @@ def test_refit_norms_recovers_the_float_model_and_never_fits_worse():
     assert 0 < err["after"] <= err["before"], err
 
 
-def test_asym_target_aims_at_the_float_models_output():
-    """``asym_target`` (the ``_asym`` formats): with the float32 model's inputs it is W; otherwise it solves its ridge
-    problem (the gradient of |Xf W^T - X W*^T|^2 + lambda |W* - W|^2 vanishes there) and its output on the quantized
-    inputs is closer to the float32 model's than W's is."""
-    rng = np.random.default_rng(9)
-    W = rng.standard_normal((24, 64))
-    Xf = rng.standard_normal((300, 64)) * np.linspace(0.1, 3, 64)      # anisotropic inputs, as a model's are
-    X = Xf + 0.2 * rng.standard_normal(Xf.shape)                       # what the quantized layers before it give
-    assert np.allclose(F.asym_target(W, Xf, Xf, 0.01), W)
-    for damp in (0.01, 0.1):
-        Ws = F.asym_target(W, Xf, X, damp)
-        lam = damp * np.mean(np.sum(X * X, axis=0))
-        grad = (X @ Ws.T - Xf @ W.T).T @ X + lam * (Ws - W)
-        assert np.abs(grad).max() < 1e-8 * np.abs(Xf @ W.T).max() * np.abs(X).max() * len(X)
-        err = lambda V: np.linalg.norm(Xf @ W.T - X @ V.T)
-        assert err(Ws) < 0.9 * err(W)
-
-
 def test_saved_calibration_reproduces_its_embeddings(tmp_path):
     """``--save-calibrated`` / ``--check-calibrated``: a cross-calibrated format's kbit bytes, LayerNorms and the cut
     word embedding table, read back and run through the references, give the embeddings it saved (so what the kernels

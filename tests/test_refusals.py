@@ -138,6 +138,10 @@ ROWS = [
     ("calibrate.quantize_gptq", "a `hessian` that is not a finite K x K matrix", ValueError, "hessian",
      lambda: kb.calibrate.quantize_gptq(W, np.eye(K + 32))),
     ("calibrate.quantize_gptq", "`damp` <= 0", ValueError, "damp", lambda: kb.calibrate.quantize_gptq(W, np.eye(K), damp=0)),
+    ("calibrate.asymmetric_target", "`X` and `X_float` of different shapes, or of other K than W", ValueError,
+     "one shape", lambda: kb.calibrate.asymmetric_target(W, np.ones((3, K)), np.ones((3, K + 32)))),
+    ("calibrate.asymmetric_target", "`damp` <= 0", ValueError, "damp",
+     lambda: kb.calibrate.asymmetric_target(W, np.ones((3, K)), np.ones((3, K)), damp=0)),
     ("pair_gemv.plan", "`silu_pairs=True` with an odd N or an odd `cols`", ValueError, "silu_pairs needs",
      lambda: kb.pair_gemv.plan(A1, ref.to_codes(FLAT), cols=1, silu_pairs=True)),
 ]
