@@ -685,7 +685,7 @@ class ExpertsKbit:
 
     def __init__(self, experts, codes=None, pdl=False, f16_acc=False):
         from .dispatch import KbitExpertsLinear
-        self.experts, self.codes, self.pdl, self.f16_acc = experts, codes, bool(pdl), bool(f16_acc)
+        self.experts = experts
         self.layer = KbitExpertsLinear(experts, codes, f16_acc=f16_acc, pdl=pdl)
 
     def weight_bytes(self):
