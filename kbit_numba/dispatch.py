@@ -323,6 +323,15 @@ def linear(A, qw, out=None, stream=None, workspace=None, out_dtype=np.float16, b
     return plan(A, qw, out, stream, workspace, out_dtype, bf16, kernel, table, f16_acc).launch()
 
 
+def _weights_ready(stream):
+    """Wait until weights just made or copied on ``stream`` (or any stream) are written: a programmatic dependent
+    launch may load its weights before the kernel before it ends."""
+    if stream:
+        stream.synchronize()
+    else:
+        cuda.synchronize()
+
+
 class KbitLinear:
     """A kbit weight kept ready for repeated ``linear`` calls (decode and prefill steps), one copy of it.
 
@@ -364,10 +373,8 @@ class KbitLinear:
                                  f"k={getattr(qw, 'k', None)}")
             self.weight, self.flat_weight = pair_gemv.to_codes(qw, stream), None
             self.table, self.workspace, self.f16_acc, self.pdl = table, Workspace(), bool(f16_acc), bool(pdl)
-            if self.pdl and stream:   # a programmatic launch may load weights before the kernel before it ends
-                stream.synchronize()
-            elif self.pdl:
-                cuda.synchronize()
+            if self.pdl:
+                _weights_ready(stream)
             return
         if f16_acc or pdl:
             raise ValueError(f"f16_acc and pdl apply to the gemvs that read the code layout (k in {CODES_K}, "
@@ -503,10 +510,8 @@ class KbitExpertsLinear:
         self.k = experts.k
         self.expert_shape = experts.expert_shape
         self.workspace = Workspace()
-        if self.pdl and stream:     # a programmatic launch may load weights before the kernel before it ends
-            stream.synchronize()
-        elif self.pdl:
-            cuda.synchronize()
+        if self.pdl:
+            _weights_ready(stream)
 
     def kernel_for(self, most, rows, half=True, f16=True):
         """The kernel a routing with ``most`` rows in its largest expert and ``rows`` in all runs (``half``: float16
