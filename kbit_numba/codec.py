@@ -2,9 +2,13 @@
 
 quantize:   one warp per 32-element block. Lane j holds element j; the absmax is a warp max; each lane
             picks its nearest codebook entry; bit plane b is one ``ballot_sync`` and lane b stores it.
-dequantize: one thread per 8 consecutive outputs (a quarter block), so a warp writes 512 contiguous
-            bytes of float16 with one 16-byte store per thread; the codebook sits in shared memory
-            (at most 32 float32 words in distinct banks: any lookup pattern is conflict-free).
+dequantize: a thread writes 8 consecutive outputs (a quarter block) in each of ``chunks`` chunks, so a
+            warp writes 512 contiguous bytes of float16 with one 16-byte store per thread and chunk. Every
+            chunk's weight loads are issued before the first decode (bytes in flight hide DRAM latency).
+            Flat and tiled layouts: the thread's 8 bits of each bit plane are spread into 8 index bytes by
+            one multiply per 4 bits (``spread_nibble``), ~1 instruction per output and plane instead of ~3
+            for a bit-by-bit gather. The codebook sits in shared memory (at most 32 float32 words in
+            distinct banks: any lookup pattern is conflict-free).
 repack:     one thread per (block, bit-plane) word.
 
 Reference twins: ``reference.quantize``, ``reference.dequantize``, ``reference.repack_tiled``.
@@ -20,16 +24,20 @@ from numba import cuda
 from . import _arrays
 from .core import device_weight
 from .launch import ELEMENT_TYPES, NUMBA_TYPES, OUT_TYPES, Plan, Spec, Step, type_name
-from .device import (F32_MAX, FULL_MASK, WARP, e4m4_decode, e4m4_encode, i32, jit_kernel, make_loader, tiled_block, u32,
-                     warp_max)
+from .device import (F32_MAX, FULL_MASK, WARP, e4m4_decode, e4m4_encode, i32, inlined, jit_kernel, make_loader,
+                     tiled_block, u32, warp_max)
 from .formats import (ABSMAX_FORMATS, BLOCK, CODES_K, K_BITS, LAYOUTS, MAX_CODES, TILE_N, KbitCodes, KbitWeight,
                       check_codebook, check_k, padded_k)
-from .intrinsics import f16x2_as_u32, f32_as_u32, stg128
+from .intrinsics import f16x2_as_u32, f32_as_u32, ldg64_stream, ldg128_stream, lds_f32, prmt, shared_addr, stg128
 
 QUANT_THREADS = 256          # 8 warps = 8 blocks per CTA
-DEQUANT_THREADS = 256        # 64 blocks per CTA
-ELEMS_PER_THREAD = 8         # dequantize: 8 outputs = 16 bytes of float16 per thread
+DEQUANT_THREADS = 256        # 64 blocks per CTA and chunk
+ELEMS_PER_THREAD = 8         # dequantize: 8 outputs = 16 bytes of float16 per thread and chunk
 THREADS_PER_BLOCK = BLOCK // ELEMS_PER_THREAD
+DEQUANT_CHUNKS = 4           # chunks a thread: 4 x (k words + absmax) of loads in flight before the first decode
+SPREAD = u32(0x00204081)     # nibble * SPREAD puts bit i on bit 8i (+7i overlaps no other partial product: no carry)
+BYTE_LSB = u32(0x01010101)   # bit 0 of each byte
+LOW_BYTE = u32(0x4440)       # prmt selector + j: byte j of a word, zero-extended
 
 
 # ------------------------------------------------------------------------------------------------
@@ -59,18 +67,22 @@ class QuantizeSpec(_BlocksSpec):
     FAMILY = "quantize"
 
 
+@dataclass(frozen=True)
 class DequantizeSpec(_BlocksSpec):
-    """The dequantizer's choices (``dtype``: the output type): the key of :func:`make_dequantize_kernel`.
-    It also reads the code layout (``KbitCodes``, k = 2, 4)."""
+    """The dequantizer's choices (``dtype``: the output type; ``chunks``: 8-output chunks a thread): the key of
+    :func:`make_dequantize_kernel`. It also reads the code layout (``KbitCodes``, k = 2, 4)."""
     FAMILY = "dequantize"
     DTYPES = OUT_TYPES
+    chunks: int = DEQUANT_CHUNKS
 
     def normalise(self):
+        if int(self.chunks) < 1:
+            raise ValueError(f"chunks must be >= 1, got {self.chunks}")
         if self.layout == "codes":
             if self.k not in CODES_K:
                 raise ValueError(f"the code layout holds k in {CODES_K}, got k={self.k}")
-            return dict(replace(self, layout="flat").normalise(), layout="codes")
-        return super().normalise()
+            return dict(replace(self, layout="flat").normalise(), layout="codes", chunks=int(self.chunks))
+        return dict(super().normalise(), chunks=int(self.chunks))
 
 
 @dataclass(frozen=True)
@@ -136,59 +148,102 @@ def make_quantize_kernel(spec):
     return jit_kernel(quantize_kernel)
 
 
+@inlined
+def spread_nibble(x, b):
+    """Bits 0..3 of x on bit b + 2 of bytes 0..3 (one multiply, one mask). OR-ed over a block's k planes, byte j
+    becomes 4 x the index of output j: a byte offset into the shared float32 codebook. Twin:
+    ``reference.unpack_bitplanes`` (tests/test_codec.py checks the dequantizer against the reference for every k)."""
+    return (x * (SPREAD << u32(b + 2))) & (BYTE_LSB << u32(b + 2))
+
+
 @lru_cache(maxsize=None)
 def make_dequantize_kernel(spec):
     """Kernel(packed u32, absmax, codebook f32[2**k], out u32 view, N, K) for a :class:`DequantizeSpec`.
-    Thread g writes outputs 8g .. 8g+7 of the row-major [N, K] result."""
-    k, layout, absmax_format, out_dtype = spec.k, spec.layout, spec.absmax_format, spec.dtype
+    Chunk q of the row-major [N, K] result is outputs 8q .. 8q+7; CTA c's thread t writes chunks
+    (c * chunks + i) * DEQUANT_THREADS + t, i < chunks, so each chunk of a warp is 512 contiguous bytes."""
+    k, layout, absmax_format, out_dtype, chunks = spec.k, spec.layout, spec.absmax_format, spec.dtype, spec.chunks
     n_codes = 1 << k
     tiled = layout == "tiled"
     codes = layout == "codes"           # a thread's 8 elements: 8k bits of one word, at bit 8k * (g % 4) % 32
     e4m4 = absmax_format == "e4m4"
+    am_type = np.uint8 if e4m4 else np.float32
     f16 = np.dtype(out_dtype) == np.float16
+    n_words = 1 if codes else k         # words a chunk loads
+    vector = 0 if codes else {4: 4, 2: 2}.get(k, 0)     # the planes as one 16- or 8-byte load (k = 3, 5: k loads)
 
     def dequantize_kernel(packed, absmax, cb, out, N, K):
         cb_sh = cuda.shared.array(MAX_CODES, np.float32)
         tid = cuda.threadIdx.x
+        part = u32(tid % THREADS_PER_BLOCK)      # which quarter of its block: the same in every chunk
+        # 32-bit index math (u32 wraps let LLVM narrow Numba's 64-bit arithmetic); N * K < 2**32 outputs
+        first = u32(u32(cuda.blockIdx.x) * u32(chunks * DEQUANT_THREADS) + u32(tid))
+        n_chunks = u32(u32(N) * u32(K // ELEMS_PER_THREAD))
+        words = cuda.local.array((chunks, n_words), np.uint32)
+        raw = cuda.local.array(chunks, am_type)
+        # 1. every chunk's loads, before the codebook's barrier and before any decode
+        for c in range(chunks):
+            q = u32(first + u32(c * DEQUANT_THREADS))
+            if q < n_chunks:
+                blk = q >> u32(2)                # THREADS_PER_BLOCK = 4 chunks a block
+                if tiled:
+                    kbr = u32(K // BLOCK)
+                    n = u32(blk // kbr)
+                    slot = u32(tiled_block(i32(n), i32(blk - n * kbr), N))
+                else:
+                    slot = blk
+                raw[c] = absmax[slot]
+                if codes:
+                    words[c, 0] = packed[u32(slot * u32(k) + (part * u32(ELEMS_PER_THREAD * k)) // u32(32))]
+                elif vector == 4:
+                    words[c, 0], words[c, 1], words[c, 2], words[c, 3] = ldg128_stream(packed, u32(slot * u32(4)))
+                elif vector == 2:
+                    words[c, 0], words[c, 1] = ldg64_stream(packed, u32(slot * u32(2)))
+                else:
+                    for b in range(k):
+                        words[c, b] = packed[u32(slot * u32(k) + u32(b))]
         if tid < n_codes:
             cb_sh[tid] = cb[tid]
         cuda.syncthreads()
-        g = cuda.blockIdx.x * cuda.blockDim.x + tid
-        kbr = K // BLOCK
-        blk = g // THREADS_PER_BLOCK
-        if blk < N * kbr:
-            n = blk // kbr
-            kb = blk - n * kbr
-            slot = tiled_block(n, kb, N) if tiled else blk
-            scale = e4m4_decode(absmax[slot]) if e4m4 else absmax[slot]
-            part = g % THREADS_PER_BLOCK
-            vals = cuda.local.array(ELEMS_PER_THREAD, np.float32)
-            if codes:
-                bit = part * (ELEMS_PER_THREAD * k)
-                word = packed[slot * k + bit // 32] >> u32(bit % 32)
-                for j in range(ELEMS_PER_THREAD):
-                    vals[j] = cb_sh[(word >> u32(j * k)) & u32(n_codes - 1)] * scale
-            else:
-                shift = u32(part * ELEMS_PER_THREAD)
-                planes = cuda.local.array(k, np.uint32)
-                for b in range(k):
-                    planes[b] = packed[slot * k + b] >> shift
-                for j in range(ELEMS_PER_THREAD):
-                    idx = u32(0)
+        base = shared_addr(cb_sh)
+        # 2. decode and store, chunk by chunk. lo / hi: 4 x the indices of 4 outputs each, one a byte
+        for c in range(chunks):
+            q = u32(first + u32(c * DEQUANT_THREADS))
+            if q < n_chunks:
+                scale = e4m4_decode(raw[c]) if e4m4 else raw[c]
+                if codes and k == 4:             # the thread's word: output j in bits 4j .. 4j+3
+                    x = words[c, 0]
+                    lo = (x << u32(2)) & u32(0x3C3C3C3C)         # outputs 0, 2, 4, 6
+                    hi = (x >> u32(2)) & u32(0x3C3C3C3C)         # outputs 1, 3, 5, 7
+                    lo, hi = prmt(lo, hi, u32(0x5140)), prmt(lo, hi, u32(0x7362))   # outputs 0..3, 4..7
+                elif codes:                       # k = 2: output j in bits 2j, 2j+1 of the word's half
+                    x = (words[c, 0] >> ((part & u32(1)) * u32(16))) & u32(0xFFFF)
+                    x = (x | (x << u32(8))) & u32(0x00FF00FF)     # outputs 0..3 in byte 0, 4..7 in byte 2
+                    x = (x | (x << u32(4))) & u32(0x0F0F0F0F)     # outputs 2m, 2m+1 in byte m
+                    lo = (x << u32(2)) & u32(0x0C0C0C0C)          # outputs 0, 2, 4, 6
+                    hi = x & u32(0x0C0C0C0C)                      # outputs 1, 3, 5, 7
+                    lo, hi = prmt(lo, hi, u32(0x5140)), prmt(lo, hi, u32(0x7362))   # outputs 0..3, 4..7
+                else:                             # flat / tiled: output j's bit b is bit 8 * part + j of plane b
+                    lo = u32(0)
+                    hi = u32(0)
                     for b in range(k):
-                        idx |= ((planes[b] >> u32(j)) & u32(1)) << u32(b)
-                    vals[j] = cb_sh[idx] * scale
-            if f16:
-                stg128(out, g * 4,
-                       f16x2_as_u32(np.float16(vals[0]), np.float16(vals[1])),
-                       f16x2_as_u32(np.float16(vals[2]), np.float16(vals[3])),
-                       f16x2_as_u32(np.float16(vals[4]), np.float16(vals[5])),
-                       f16x2_as_u32(np.float16(vals[6]), np.float16(vals[7])))
-            else:
-                stg128(out, g * 8, f32_as_u32(vals[0]), f32_as_u32(vals[1]),
-                       f32_as_u32(vals[2]), f32_as_u32(vals[3]))
-                stg128(out, g * 8 + 4, f32_as_u32(vals[4]), f32_as_u32(vals[5]),
-                       f32_as_u32(vals[6]), f32_as_u32(vals[7]))
+                        x = prmt(words[c, b], u32(0), LOW_BYTE + part)
+                        lo |= spread_nibble(x & u32(15), b)       # outputs 0..3
+                        hi |= spread_nibble(x >> u32(4), b)       # outputs 4..7
+                vals = cuda.local.array(ELEMS_PER_THREAD, np.float32)
+                for j in range(4):               # byte j of lo / hi: 4 x the index of output j / 4 + j
+                    vals[j] = lds_f32(cb_sh, base + prmt(lo, u32(0), LOW_BYTE + u32(j))) * scale
+                    vals[4 + j] = lds_f32(cb_sh, base + prmt(hi, u32(0), LOW_BYTE + u32(j))) * scale
+                if f16:
+                    stg128(out, u32(q * u32(4)),
+                           f16x2_as_u32(np.float16(vals[0]), np.float16(vals[1])),
+                           f16x2_as_u32(np.float16(vals[2]), np.float16(vals[3])),
+                           f16x2_as_u32(np.float16(vals[4]), np.float16(vals[5])),
+                           f16x2_as_u32(np.float16(vals[6]), np.float16(vals[7])))
+                else:
+                    stg128(out, u32(q * u32(8)), f32_as_u32(vals[0]), f32_as_u32(vals[1]),
+                           f32_as_u32(vals[2]), f32_as_u32(vals[3]))
+                    stg128(out, u32(q * u32(8) + u32(4)), f32_as_u32(vals[4]), f32_as_u32(vals[5]),
+                           f32_as_u32(vals[6]), f32_as_u32(vals[7]))
 
     return jit_kernel(dequantize_kernel)
 
@@ -259,17 +314,19 @@ def quantize(W, k=4, codebook=None, absmax_format="e4m4", layout="flat", bf16=Fa
     return KbitWeight(packed, absmax, cb_d, k, (N, K), layout, absmax_format)
 
 
-def plan_dequantize(qw, dtype=np.float16, out=None, stream=None):
-    """Checked inputs of :func:`dequantize` bound into a :class:`launch.Plan` (one launch; ``A`` is None)."""
+def plan_dequantize(qw, dtype=np.float16, out=None, stream=None, chunks=DEQUANT_CHUNKS):
+    """Checked inputs of :func:`dequantize` bound into a :class:`launch.Plan` (one launch; ``A`` is None).
+    ``chunks``: 8-output chunks a thread (:class:`DequantizeSpec`; a benchmark knob)."""
     dtype = _arrays.output_dtype(out, dtype, "dtype")        # a given out decides the type
     stream = _arrays.as_stream(stream)
     qw = device_weight(qw, KbitCodes if isinstance(qw, KbitCodes) else KbitWeight, stream)
     N, K = qw.shape
     out = _arrays.output(out, "out", (N, K), dtype, stream)
     _arrays.check_aligned(out, 16, "out")
-    kern = make_dequantize_kernel(DequantizeSpec(qw.k, qw.layout, qw.absmax_format, dtype))
-    n_threads = N * K // ELEMS_PER_THREAD
-    return Plan([Step(kern, _grid(n_threads, DEQUANT_THREADS), DEQUANT_THREADS,
+    spec = DequantizeSpec(qw.k, qw.layout, qw.absmax_format, dtype, chunks)
+    kern = make_dequantize_kernel(spec)
+    n_chunks = N * K // ELEMS_PER_THREAD
+    return Plan([Step(kern, _grid(n_chunks, DEQUANT_THREADS * spec.chunks), DEQUANT_THREADS,
                       (qw.packed, qw.absmax, qw.codebook, _arrays.flat_view(out, np.uint32), i32(N),
                        i32(K)))], None, out, stream)
 

@@ -83,6 +83,18 @@ def test_dequantize_code_layout(seed, k, N, kbn, fmt, dtype):
     np.testing.assert_array_equal(got, ref.dequantize(flat).astype(dtype))
 
 
+@pytest.mark.parametrize("layout, k", [("flat", 5), ("codes", 2)])
+def test_dequantize_chunks_of_a_thread(layout, k):
+    """A thread writes several 8-output chunks (``chunks``), all loaded before any is decoded. 480 chunks in a
+    CTA of 3 x 256: the second chunk is partly written, the third not at all. (Larger draws of the tests
+    above cover full CTAs on the GPU; the tiled layout's examples cover it on the simulator.)"""
+    rng = np.random.default_rng(k)
+    flat = ref.quantize(random_weight(rng, 40, 96), k=k)
+    qw = ref.to_codes(flat) if layout == "codes" else flat
+    got = kb.codec.plan_dequantize(qw, np.float16, chunks=3).launch().copy_to_host()
+    np.testing.assert_array_equal(got, ref.dequantize(flat).astype(np.float16))
+
+
 def test_user_codebook_and_zero_blocks():
     cb = np.array([-1, -0.1, 0.2, 0.9], np.float32)
     W = np.zeros((3, 64), np.float32)
