@@ -291,6 +291,11 @@ def matmul_rows(shapes, ks, ms, ceilings, progress, kernels=("gemm", "dequant_ma
                         codec.dequantize(ws[i % n], out=wbuf, stream=s)
                         torch.matmul(At, Wt.t(), out=Ot)      # torch's current stream is the capture stream
                     cases.append(("dequant_matmul", dq_launch))
+                    if codes:                           # the same from the code layout
+                        def cdq_launch(i, s, At=At, Ot=Ot, Wt=Wt):
+                            codec.dequantize(codes[i % n], out=wbuf, stream=s)
+                            torch.matmul(At, Wt.t(), out=Ot)
+                        cases.append(("dequant_matmul+codes", cdq_launch))
                 if "linear" in kernels:               # KbitLinear(layout="tiled")
                     choice = lin.choose(M, N, K, "tiled")
 
@@ -318,15 +323,26 @@ def tune_table(rows, device):
     """The ``linear`` table from measured rows: per shape, the fastest kernel at each measured M (a rule
     covers the Ms up to the next measured one); the general rules pick, per M, the kernel with the best
     geometric-mean time relative to the per-shape best. A row run with non-default parameters (``--sweep``)
-    competes as its own candidate; when it wins, its parameters go into the rule (``[max_m, kernel, params]``)."""
-    times = {}
+    competes as its own candidate; when it wins, its parameters go into the rule (``[max_m, kernel, params]``).
+    Rows on the code layout (``gemm+codes``, ``dequant_matmul+codes``) give the same for that layout's
+    choice between the gemm and dequantize + cuBLAS: ``codes_mm_rules`` and ``codes_mm_shapes``."""
+    by_layout = {"": {}, "codes": {}}
     for r in rows:
-        kern = r["kernel"].split("[")[0]
-        if kern in ("gemv", "gemm", "dequant_matmul") and r["M"]:
+        kern, _, layout = r["kernel"].split("[")[0].partition("+")
+        if kern in ("gemv", "gemm", "dequant_matmul") and r["M"] and layout in by_layout:
             cand = (kern, json.dumps(r.get("params") or {}, sort_keys=True))
-            point = times.setdefault((r["shape"], r["M"]), {})
+            point = by_layout[layout].setdefault((r["shape"], r["M"]), {})
             point[cand] = min(r["us"], point.get(cand, r["us"]))
+    rules, shapes = _fastest_rules(by_layout[""])
+    table = dict(device=device, rules=rules, shapes=shapes,
+                 note="written by python -m kbit_numba.bench --tune (GPU time, CUDA graphs, L2-cold)")
+    if by_layout["codes"]:
+        table["codes_mm_rules"], table["codes_mm_shapes"] = _fastest_rules(by_layout["codes"])
+    return table
 
+
+def _fastest_rules(times):
+    """(general rules, {shape: rules}) from ``times[(shape, M)][(kernel, params json)] = us``: see tune_table."""
     def rule(M, cand):
         params = json.loads(cand[1])
         return [M, cand[0], params] if params else [M, cand[0]]
@@ -354,8 +370,7 @@ def tune_table(rows, device):
                     score.setdefault(cand, []).append(np.log(us / best))
         full = [c for c, v in score.items() if len(v) == max(len(x) for x in score.values())]
         general.append((M, min(full, key=lambda c: np.mean(score[c]))))
-    return dict(device=device, rules=compress(general), shapes=shapes,
-                note="written by python -m kbit_numba.bench --tune (GPU time, CUDA graphs, L2-cold)")
+    return compress(general), shapes
 
 
 # The pair gemv's launch knobs --tune-codes tries at each point (cols x cta_warps; None = the plan's own choice);
@@ -902,7 +917,7 @@ def main(argv=None):
     given = set(a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:]))
     ks = _parse_list(args.k, int) if "--k" in given or args.tune is None else [4]
     ms = _parse_list(args.m, int) if "--m" in given or args.tune is None else TUNE_MS
-    kernels = _parse_list(args.kernels) if args.tune is None else ["gemv", "gemm", "dequant_matmul"]
+    kernels = _parse_list(args.kernels) if args.tune is None else ["gemv", "gemm", "dequant_matmul"]   # (+ codes)
 
     def progress(msg):
         print(f"  .. {msg}", file=sys.stderr, flush=True)
@@ -974,8 +989,8 @@ def main(argv=None):
         path = args.tune or os.path.join(TUNING_DIR, device_key(name) + ".json")
         table = tune_table(rows, name)
         old = _read_table(path)
-        table.update({key: old[key] for key in ("codes_rules", "codes_variants", "codes_shapes")   # (not tuned here)
-                      if key in old})
+        table.update({key: old[key] for key in ("codes_rules", "codes_variants", "codes_shapes",  # (not tuned here)
+                                                "codes_mm_rules", "codes_mm_shapes") if key in old and key not in table})
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
             json.dump(table, f, indent=1)

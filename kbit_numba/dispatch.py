@@ -11,7 +11,8 @@ A rule is only followed when its kernel applies; otherwise the next applicable o
 is read by ``pair_gemv``, by ``mma_gemv`` (M <= 16, float16/bfloat16 A, K a multiple of 64 up to 8192) and by
 ``gemm`` (K a multiple of 64); the table's ``codes_rules`` (default ``CODES_RULES``) choose between them, and its
 ``codes_variants`` and ``codes_shapes`` (``python -m kbit_numba.bench --tune-codes``) hold rules with the pair gemv's
-launch knobs measured best on that GPU, for any shape and per shape (``codes_rules()``).
+launch knobs measured best on that GPU, for any shape and per shape (``codes_rules()``). Where those rules give the
+gemm or dequantize + cuBLAS, ``codes_mm_rules`` / ``codes_mm_shapes`` (``--tune``) pick between the two.
 
 For MoE experts (``KbitExperts``), ``grouped_linear`` and ``KbitExpertsLinear`` pick one of the grouped kernels per
 routing (``choose_grouped``: the grouped pair gemv, the tensor-core gemv, the scalar grouped gemv or the grouped gemm),
@@ -139,6 +140,10 @@ def choose_rule(M, N, K, layout, table=None, backend=None, half=True, f16_acc=Fa
     want, params = next((r[1], dict(r[2]) if len(r) > 2 else {}) for r in rules if r[0] is None or M <= r[0])
     if codes and want == "mma_gemv" and M > MMA_GEMV_MAX_M.get(k, mma_gemv.N8):
         want, params = "gemm", {}
+    if codes and want in ("gemm", "dequant_matmul"):   # past the gemvs: the crossover --tune measured for this layout
+        mm = table.get("codes_mm_shapes", {}).get(f"{K}x{N}") or table.get("codes_mm_rules")
+        if mm:
+            want, params = next((r[1], dict(r[2]) if len(r) > 2 else {}) for r in mm if r[0] is None or M <= r[0])
     gemm_ok = gemm_reads(layout, K)
     mma_ok = codes and mma_reads(M, K, half)
     f16_pair = f16_acc and M <= PAIR_GEMV_F16_MAX_M.get(k, 0)

@@ -168,6 +168,27 @@ def test_tune_table_writes_the_winning_parameters():
     assert (kern, params) == ("gemv", {"cols": 4, "max_registers": None})
 
 
+def test_tune_table_picks_the_code_layouts_crossover():
+    """bench --tune: the code layout's gemm and dequantize + cuBLAS rows give that layout's crossover per shape
+    (``codes_mm_shapes``) and for any shape (``codes_mm_rules``); linear follows it only past the gemvs."""
+    from kbit_numba.bench import tune_table
+    row = lambda kern, M, us, shape="64x128": dict(kernel=kern, shape=shape, M=M, us=us)  # noqa: E731
+    rows = [row("gemm", 32, 5.0), row("dequant_matmul", 32, 9.0), row("gemm+codes", 32, 6.0),
+            row("dequant_matmul+codes", 32, 4.0), row("gemm+codes", 128, 20.0), row("dequant_matmul+codes", 128, 8.0),
+            row("gemm+codes", 32, 3.0, "64x256"), row("dequant_matmul+codes", 32, 4.0, "64x256"),
+            row("gemm+codes", 128, 9.0, "64x256"), row("dequant_matmul+codes", 128, 8.0, "64x256"),
+            row("linear+codes[gemm]", 32, 1.0)]
+    table = tune_table(rows, "test")
+    assert table["shapes"]["64x128"] == [[None, "gemm"]]                    # the tiled rows alone
+    assert table["codes_mm_shapes"] == {"64x128": [[None, "dequant_matmul"]],
+                                        "64x256": [[32, "gemm"], [None, "dequant_matmul"]]}
+    assert table["codes_mm_rules"] == [[None, "dequant_matmul"]]           # (64x256's gemm at 32: 0.75x, 64x128's 1.5x)
+    choose = lambda M, N: dispatch.choose_rule(M, N, 64, "codes", table, backend="torch", k=4)[0]  # noqa: E731
+    assert [choose(M, 256) for M in (1, 16, 32, 33)] == ["pair_gemv", "mma_gemv", "gemm", "dequant_matmul"]
+    assert [choose(M, 128) for M in (1, 32)] == ["pair_gemv", "dequant_matmul"]
+    assert choose(32, 512) == "dequant_matmul"                                # an untuned shape: the general rules
+
+
 def test_tune_codes_table_writes_per_shape_knobs():
     """bench --tune-codes: per variant (k, block sums) and M, the knob set with the best geometric mean over the
     measured shapes becomes the rule for any shape when it beats the default plan by the margin; a shape whose own
