@@ -16,6 +16,7 @@ from numba import cuda
 
 import kbit_numba as kb
 from kbit_numba.core import sm_count
+from kbit_numba.pair_gemv import to_codes
 
 families = (sys.argv[1].split(",") if len(sys.argv) > 1
             else ["codec", "gemv", "pair", "mma", "pdl", "grouped", "grouped_pair", "gemm", "formats", "attention"])
@@ -29,6 +30,8 @@ for k in (2, 3, 4, 5):
                 kb.dequantize(qw, dtype=dt).copy_to_host()
             if layout == "flat":
                 kb.repack_tiled(qw)
+                if k in (2, 4):              # the code layout's dequantize (KbitLinear's default at large M)
+                    kb.dequantize(to_codes(qw)).copy_to_host()
         if "gemv" in families:
             for M in (1, 2, 3, 4):
                 kb.gemv(rng.standard_normal((M, 96)).astype(np.float16), qw).copy_to_host()
