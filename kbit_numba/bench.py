@@ -692,7 +692,7 @@ def host_overhead_rows(progress, K=2048, N=5120, k=4, calls=3000):
 def dequantize_rows(shapes, ks, ceilings, progress):
     from numba import cuda
 
-    from . import codec
+    from . import codec, pair_gemv
     from ._timing import graph_time_us, rotation_count
 
     rows = []
@@ -704,11 +704,16 @@ def dequantize_rows(shapes, ks, ceilings, progress):
             nbytes = N * K // 32 * (4 * k + 1)
             n = rotation_count(nbytes)
             ws = _rotating_weights(K, N, k, n, rng)
-            t = graph_time_us(lambda i, s: codec.dequantize(ws[i % n], out=out, stream=s), n * max(1, 64 // n))
             moved = nbytes + N * K * 2
-            rows.append(dict(kernel="dequantize", shape=f"{K}x{N}", k=k, M=None, us=t,
-                             GBps=moved / t / 1e3, pct_ceiling=100 * moved / t / 1e3 / ceilings["copy_GBps"],
-                             ceiling="copy (read+write)"))
+            layouts = [("dequantize", ws)]
+            if k in CODES_K and K % 64 == 0:     # KbitLinear's default layout (dequantize + cuBLAS at large M)
+                layouts.append(("dequantize+codes", [pair_gemv.to_codes(w) for w in ws]))
+            for label, weights in layouts:
+                t = graph_time_us(lambda i, s: codec.dequantize(weights[i % n], out=out, stream=s),
+                                  n * max(1, 64 // n))
+                rows.append(dict(kernel=label, shape=f"{K}x{N}", k=k, M=None, us=t,
+                                 GBps=moved / t / 1e3, pct_ceiling=100 * moved / t / 1e3 / ceilings["copy_GBps"],
+                                 ceiling="copy (read+write)"))
     return rows
 
 
