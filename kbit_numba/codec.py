@@ -24,8 +24,8 @@ from numba import cuda
 from . import _arrays
 from .core import device_weight
 from .launch import ELEMENT_TYPES, NUMBA_TYPES, OUT_TYPES, Plan, Spec, Step, type_name
-from .device import (F32_MAX, FULL_MASK, WARP, e4m4_decode, e4m4_encode, i32, inlined, jit_kernel, make_loader,
-                     tiled_block, u32, warp_max)
+from .device import (F32_MAX, FULL_MASK, WARP, e4m4_decode, e4m4_encode, f32_to_bf16_bits, i32, inlined, jit_kernel,
+                     make_loader, tiled_block, u32, warp_max)
 from .formats import (ABSMAX_FORMATS, BLOCK, CODES_K, K_BITS, LAYOUTS, MAX_CODES, TILE_N, KbitCodes, KbitWeight,
                       check_codebook, check_k, padded_k)
 from .intrinsics import f16x2_as_u32, f32_as_u32, ldg64_stream, ldg128_stream, lds_f32, prmt, shared_addr, stg128
@@ -69,10 +69,11 @@ class QuantizeSpec(_BlocksSpec):
 
 @dataclass(frozen=True)
 class DequantizeSpec(_BlocksSpec):
-    """The dequantizer's choices (``dtype``: the output type; ``chunks``: 8-output chunks a thread): the key of
-    :func:`make_dequantize_kernel`. It also reads the code layout (``KbitCodes``, k = 2, 4)."""
+    """The dequantizer's choices (``dtype``: the output type, bfloat16 written as int16 bits; ``chunks``: 8-output
+    chunks a thread): the key of :func:`make_dequantize_kernel`. It also reads the code layout (``KbitCodes``,
+    k = 2, 4)."""
     FAMILY = "dequantize"
-    DTYPES = OUT_TYPES
+    DTYPES = OUT_TYPES + ("bfloat16",)
     chunks: int = DEQUANT_CHUNKS
 
     def normalise(self):
@@ -167,7 +168,7 @@ def make_dequantize_kernel(spec):
     codes = layout == "codes"           # a thread's 8 elements: 8k bits of one word, at bit 8k * (g % 4) % 32
     e4m4 = absmax_format == "e4m4"
     am_type = np.uint8 if e4m4 else np.float32
-    f16 = np.dtype(out_dtype) == np.float16
+    f16, bf16 = out_dtype == "float16", out_dtype == "bfloat16"      # (else float32)
     n_words = 1 if codes else k         # words a chunk loads
     vector = 0 if codes else {4: 4, 2: 2}.get(k, 0)     # the planes as one 16- or 8-byte load (k = 3, 5: k loads)
 
@@ -239,6 +240,12 @@ def make_dequantize_kernel(spec):
                            f16x2_as_u32(np.float16(vals[2]), np.float16(vals[3])),
                            f16x2_as_u32(np.float16(vals[4]), np.float16(vals[5])),
                            f16x2_as_u32(np.float16(vals[6]), np.float16(vals[7])))
+                elif bf16:                       # each value rounded to nearest even, two a word
+                    stg128(out, u32(q * u32(4)),
+                           f32_to_bf16_bits(vals[0]) | (f32_to_bf16_bits(vals[1]) << u32(16)),
+                           f32_to_bf16_bits(vals[2]) | (f32_to_bf16_bits(vals[3]) << u32(16)),
+                           f32_to_bf16_bits(vals[4]) | (f32_to_bf16_bits(vals[5]) << u32(16)),
+                           f32_to_bf16_bits(vals[6]) | (f32_to_bf16_bits(vals[7]) << u32(16)))
                 else:
                     stg128(out, u32(q * u32(8)), f32_as_u32(vals[0]), f32_as_u32(vals[1]),
                            f32_as_u32(vals[2]), f32_as_u32(vals[3]))
@@ -317,13 +324,16 @@ def quantize(W, k=4, codebook=None, absmax_format="e4m4", layout="flat", bf16=Fa
 def plan_dequantize(qw, dtype=np.float16, out=None, stream=None, chunks=DEQUANT_CHUNKS):
     """Checked inputs of :func:`dequantize` bound into a :class:`launch.Plan` (one launch; ``A`` is None).
     ``chunks``: 8-output chunks a thread (:class:`DequantizeSpec`; a benchmark knob)."""
-    dtype = _arrays.output_dtype(out, dtype, "dtype")        # a given out decides the type
+    bits = isinstance(dtype, str) and dtype == "bfloat16"
+    if out is not None and not isinstance(out, np.ndarray) and getattr(out, "dtype", None) == np.int16:
+        bits = True                                          # an int16 out: bfloat16 bits
+    dtype = np.dtype(np.int16) if bits else _arrays.output_dtype(out, dtype, "dtype")   # a given out decides
     stream = _arrays.as_stream(stream)
     qw = device_weight(qw, KbitCodes if isinstance(qw, KbitCodes) else KbitWeight, stream)
     N, K = qw.shape
     out = _arrays.output(out, "out", (N, K), dtype, stream)
     _arrays.check_aligned(out, 16, "out")
-    spec = DequantizeSpec(qw.k, qw.layout, qw.absmax_format, dtype, chunks)
+    spec = DequantizeSpec(qw.k, qw.layout, qw.absmax_format, "bfloat16" if bits else dtype, chunks)
     kern = make_dequantize_kernel(spec)
     n_chunks = N * K // ELEMS_PER_THREAD
     return Plan([Step(kern, _grid(n_chunks, DEQUANT_THREADS * spec.chunks), DEQUANT_THREADS,
@@ -333,7 +343,8 @@ def plan_dequantize(qw, dtype=np.float16, out=None, stream=None, chunks=DEQUANT_
 
 def dequantize(qw, dtype=np.float16, out=None, stream=None):
     """KbitWeight (flat or tiled, E4M4 or fp32 absmax) or KbitCodes -> device array [N, K] of float16/float32
-    (``dtype``; a preallocated ``out`` device array decides the type itself)."""
+    (``dtype``; a preallocated ``out`` device array decides the type itself), or of bfloat16 bits as int16
+    (``dtype="bfloat16"``, or an int16 ``out``): each value rounded once, to nearest even."""
     return plan_dequantize(qw, dtype, out, stream).launch()
 
 
@@ -362,9 +373,10 @@ def ptx_specs():
         for layout in LAYOUTS:
             for fmt in ABSMAX_FORMATS:
                 specs += [QuantizeSpec(k, layout, fmt, w) for w in ELEMENT_TYPES]
-                specs += [DequantizeSpec(k, layout, fmt, od) for od in OUT_TYPES]
+                specs += [DequantizeSpec(k, layout, fmt, od) for od in DequantizeSpec.DTYPES]
         specs += [RepackSpec(k, fmt) for fmt in ABSMAX_FORMATS]
-    specs += [DequantizeSpec(k, "codes", fmt, od) for k in CODES_K for fmt in ABSMAX_FORMATS for od in OUT_TYPES]
+    specs += [DequantizeSpec(k, "codes", fmt, od) for k in CODES_K for fmt in ABSMAX_FORMATS
+              for od in DequantizeSpec.DTYPES]
     return specs
 
 

@@ -204,24 +204,32 @@ class Workspace:
         return self._weights[key]
 
 
-def _cublas_matmul(Ad, Wd, out, stream):
-    """out = Ad @ Wd^T with torch or CuPy on ``stream`` (all device arrays, same float dtype)."""
+def _cublas_matmul(Ad, Wd, out, stream, bf16=False):
+    """out = Ad @ Wd^T with torch or CuPy on ``stream`` (all device arrays, same float dtype; ``bf16``: Ad and Wd
+    hold bfloat16 bits as int16, torch only, the product rounded to bfloat16 before ``out``'s type)."""
     backend = matmul_backend()
     if backend == "host":             # the simulator (synchronous: every stream is in order); its arrays wrap
         a, w, o = (x._ary for x in (Ad, Wd, out))     # NumPy arrays (._ary)
+        if bf16:
+            from .reference import bf16_bits_to_float32, float32_to_bf16_bits
+            prod = bf16_bits_to_float32(a) @ bf16_bits_to_float32(w).T
+            o[...] = bf16_bits_to_float32(float32_to_bf16_bits(prod.astype(np.float32))).astype(o.dtype)
+            return
         o[...] = (a.astype(np.float32) @ w.astype(np.float32).T).astype(o.dtype)
         return
     handle = stream_handle(stream)
     if backend == "torch":
         import torch
         a, w, o = (torch.as_tensor(x, device="cuda") for x in (Ad, Wd, out))
+        if bf16:
+            a, w = a.view(torch.bfloat16), w.view(torch.bfloat16)
         s = torch.cuda.ExternalStream(handle) if handle else torch.cuda.default_stream()
         with torch.cuda.stream(s):
             if o.dtype == a.dtype:
                 torch.matmul(a, w.t(), out=o)
             else:
                 o.copy_(torch.matmul(a, w.t()))
-    elif backend == "cupy":
+    elif backend == "cupy" and not bf16:
         import cupy
         a, w, o = (cupy.asarray(x) for x in (Ad, Wd, out))
         with cupy.cuda.ExternalStream(handle) if handle else cupy.cuda.Stream.null:
@@ -229,30 +237,40 @@ def _cublas_matmul(Ad, Wd, out, stream):
                 cupy.matmul(a, w.T, out=o)
             else:
                 o[...] = cupy.matmul(a, w.T)
+    elif backend == "cupy":
+        raise RuntimeError("dequant_matmul takes bfloat16 activations through torch only (CuPy has no bfloat16)")
     else:
         raise RuntimeError("dequant_matmul needs torch or CuPy for the cuBLAS call; neither is installed")
 
 
-def plan_dequant_matmul(A, qw, out=None, stream=None, out_dtype=np.float16, workspace=None):
+def bf16_matmul_backend():
+    """Whether the cuBLAS call takes bfloat16 (torch, or NumPy on the simulator; not CuPy)."""
+    return matmul_backend() in ("torch", "host")
+
+
+def plan_dequant_matmul(A, qw, out=None, stream=None, out_dtype=np.float16, workspace=None, bf16=False):
     """Checked inputs of :func:`dequant_matmul` bound into a :class:`launch.Plan`: the dequantize launch
     and the cuBLAS call (a ``HostStep``)."""
     stream = _arrays.as_stream(stream)
-    Ad = _arrays.device_array(A, "A", _arrays.FLOAT_DTYPES, (1, 2), stream)
+    if bf16 and not bf16_matmul_backend():
+        raise ValueError("dequant_matmul takes bfloat16 activations through torch only (CuPy has no bfloat16)")
+    Ad, _ = _arrays.float_input(A, "A", bf16, (1, 2), stream)
     N, K = qw.shape
     if tuple(Ad.shape)[-1] != K:
         raise ValueError(f"A has K={tuple(Ad.shape)[-1]}, the weight has K={K}")
     out_dtype = _arrays.output_dtype(out, out_dtype)
     out = _arrays.output(out, "out", tuple(Ad.shape)[:-1] + (N,), out_dtype, stream)
     ws = workspace or Workspace()
-    dq = plan_dequantize(qw, Ad.dtype, ws.weight((N, K), Ad.dtype, stream), stream)
+    w_dtype = np.dtype(np.int16) if bf16 else Ad.dtype             # (bfloat16 bits as int16)
+    dq = plan_dequantize(qw, "bfloat16" if bf16 else Ad.dtype, ws.weight((N, K), w_dtype, stream), stream)
     Wd = dq.out
-    return Plan(dq.steps + [HostStep(partial(_cublas_matmul, Ad, Wd, out))], Ad, out, stream)
+    return Plan(dq.steps + [HostStep(partial(_cublas_matmul, Ad, Wd, out, bf16=bf16))], Ad, out, stream)
 
 
-def dequant_matmul(A, qw, out=None, stream=None, out_dtype=np.float16, workspace=None):
+def dequant_matmul(A, qw, out=None, stream=None, out_dtype=np.float16, workspace=None, bf16=False):
     """C = A @ W^T as ``dequantize`` into a reusable buffer, then cuBLAS (torch or CuPy). A float16 or
-    float32; the weight is dequantized to A's type."""
-    return plan_dequant_matmul(A, qw, out, stream, out_dtype, workspace).launch()
+    float32, or bfloat16 bits as int16 with ``bf16=True`` (torch only); the weight is dequantized to A's type."""
+    return plan_dequant_matmul(A, qw, out, stream, out_dtype, workspace, bf16).launch()
 
 
 # ---- the entry point -------------------------------------------------------------------------------
@@ -293,14 +311,14 @@ def plan(A, qw, out=None, stream=None, workspace=None, out_dtype=np.float16, bf1
                          "(pair_gemv and mma_gemv read KbitCodes, gemv KbitWeight, gemm and dequant_matmul both)")
     if f16_acc and kernel != "pair_gemv":
         raise ValueError(f"f16_acc applies to the pair gemv (KbitCodes), not to kernel {kernel!r}")
-    if bf16 and kernel == "dequant_matmul":       # cuBLAS through torch/CuPy takes no int16 bf16 bits
+    if bf16 and kernel == "dequant_matmul" and not bf16_matmul_backend():   # (CuPy has no bfloat16)
         kernel, params = ("gemm" if gemm_reads(qw.layout, K) else "pair_gemv" if qw.layout == "codes"
                           else "gemv"), {}
     if kernel == "gemm":      # (without a Workspace, gemm allocates split-K sums only when it splits)
         sums = workspace.sums(M * N, stream) if workspace is not None else None
         return tensor_gemm.plan(A, qw, out, stream, out_dtype, bf16, sums, **params)
     if kernel == "dequant_matmul":
-        return plan_dequant_matmul(A, qw, out, stream, out_dtype, workspace)
+        return plan_dequant_matmul(A, qw, out, stream, out_dtype, workspace, bf16)
     if kernel == "mma_gemv":
         return mma_gemv.plan(A, qw, out, stream, out_dtype, bf16, **params)
     gemv_plan = (partial(pair_gemv.plan, f16_acc=f16_acc, **params) if kernel == "pair_gemv"

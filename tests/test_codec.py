@@ -95,6 +95,23 @@ def test_dequantize_chunks_of_a_thread(layout, k):
     np.testing.assert_array_equal(got, ref.dequantize(flat).astype(np.float16))
 
 
+@pytest.mark.parametrize("layout, k", [("flat", 3), ("tiled", 5), ("codes", 4), ("codes", 2)])
+def test_dequantize_to_bfloat16(layout, k):
+    """dtype="bfloat16": each reference value rounded once to the nearest bfloat16, as int16 bits (dequantize +
+    cuBLAS for bfloat16 activations); an int16 out asks for the same."""
+    rng = np.random.default_rng(k)
+    W = random_weight(rng, 128 if layout == "tiled" else 24, 64)
+    flat = ref.quantize(W, k=k)
+    qw = ref.to_codes(flat) if layout == "codes" else ref.repack_tiled(flat) if layout == "tiled" else flat
+    want = ref.float32_to_bf16_bits(ref.dequantize(flat))
+    got = kb.dequantize(qw, dtype="bfloat16")
+    assert got.dtype == np.int16
+    np.testing.assert_array_equal(got.copy_to_host(), want)
+    out = cuda.device_array(W.shape, np.int16)
+    kb.dequantize(qw, out=out)
+    np.testing.assert_array_equal(out.copy_to_host(), want)
+
+
 def test_user_codebook_and_zero_blocks():
     cb = np.array([-1, -0.1, 0.2, 0.9], np.float32)
     W = np.zeros((3, 64), np.float32)

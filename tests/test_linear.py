@@ -107,6 +107,24 @@ def test_kbit_linear_any_shape(k_split, seed, v, M, N, kbn, out_mode):
     check_close(o.host(out), A, pool, bf16, out_dtype, rows)
 
 
+@pytest.mark.parametrize("layout", ["codes", "tiled"])
+def test_dequant_matmul_takes_bfloat16(layout):
+    """bfloat16 activations (int16 bits) through dequantize + cuBLAS: the weight dequantized to bfloat16, the product
+    within the MMA paths' bfloat16 bound, whether forced or the table's choice at a large M."""
+    rng = np.random.default_rng(7)
+    flat = ref.quantize(random_weight(rng, 128, 128), k=4)
+    A = ref.float32_to_bf16_bits(rng.standard_normal((5, 128)).astype(np.float32))
+    layer = kb.KbitLinear(flat, layout=layout)
+    got = layer(A, out_dtype=np.float32, bf16=True, kernel="dequant_matmul")
+    check_close(got.copy_to_host(), A, flat, bf16=True)
+    table = {"device": "test", "rules": [[None, "dequant_matmul"]], "codes_rules": [[None, "dequant_matmul"]]}
+    step = L.plan(A, layer.weight, bf16=True, table=table).steps[0]
+    assert step.kernel is kb.codec.make_dequantize_kernel(kb.codec.DequantizeSpec(4, layer.weight.layout, "e4m4",
+                                                                                  "bfloat16"))
+    got = L.linear(A[:3], layer.weight, out_dtype=np.float16, bf16=True, table=table)
+    check_close(got.copy_to_host(), A[:3], flat, bf16=True, out_dtype=np.float16)
+
+
 @pytest.mark.parametrize("M", [1, 6, 17] if SIM else [1, 2, 4, 5, 16, 33, 64, 200, 600])
 def test_kbit_linear_auto_keeps_the_code_layout(M):
     """The default KbitLinear on k = 4, K a multiple of 64: the code layout, every M (pair gemv, gemm,
