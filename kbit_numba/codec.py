@@ -38,6 +38,7 @@ DEQUANT_CHUNKS = 4           # chunks a thread: 4 x (k words + absmax) of loads 
 SPREAD = u32(0x00204081)     # nibble * SPREAD puts bit i on bit 8i (+7i overlaps no other partial product: no carry)
 BYTE_LSB = u32(0x01010101)   # bit 0 of each byte
 LOW_BYTE = u32(0x4440)       # prmt selector + j: byte j of a word, zero-extended
+DEQUANT_MAX_OUTPUTS = 2**32  # the dequantizer's index math is 32-bit: N * K below this
 
 
 # ------------------------------------------------------------------------------------------------
@@ -328,6 +329,9 @@ def plan_dequantize(qw, dtype=np.float16, out=None, stream=None, chunks=DEQUANT_
     if out is not None and not isinstance(out, np.ndarray) and getattr(out, "dtype", None) == np.int16:
         bits = True                                          # an int16 out: bfloat16 bits
     dtype = np.dtype(np.int16) if bits else _arrays.output_dtype(out, dtype, "dtype")   # a given out decides
+    if isinstance(qw, (KbitWeight, KbitCodes)) and qw.shape[0] * qw.shape[1] >= DEQUANT_MAX_OUTPUTS:
+        raise ValueError(f"dequantize handles fewer than 2**32 outputs (32-bit index math), got N x K = "
+                         f"{qw.shape[0]} x {qw.shape[1]}: dequantize it in slices of rows")
     stream = _arrays.as_stream(stream)
     qw = device_weight(qw, KbitCodes if isinstance(qw, KbitCodes) else KbitWeight, stream)
     N, K = qw.shape

@@ -22,6 +22,13 @@ def _nan_weight():
     return w
 
 
+def _huge_weight():
+    """A 65536 x 65536 k = 2 weight whose arrays are zero-stride views (no memory behind them)."""
+    n_blocks = 2**32 // 32
+    return kb.KbitWeight(np.broadcast_to(np.uint32(0), (2 * n_blocks,)), np.broadcast_to(np.uint8(0), (n_blocks,)),
+                         FLAT.codebook[:4], 2, (2**16, 2**16))
+
+
 # (entry, refused input, error type, message fragment, the call)
 ROWS = [
     ("quantize", "W not float16/float32 (e.g. int32, float64)", TypeError, "dtype",
@@ -130,6 +137,8 @@ ROWS = [
      lambda: kb.stack_experts([FLAT, ref.quantize(W, k=2)])),
     ("dequantize", "`out` of the wrong shape", ValueError, "shape",
      lambda: kb.dequantize(FLAT, out=cuda.device_array((N, K + 32), np.float16))),
+    ("dequantize", "a weight of 2**32 or more elements (the kernel's index math is 32-bit)", ValueError,
+     "fewer than 2\\*\\*32", lambda: kb.dequantize(_huge_weight())),
     ("uniform.quantize", "`bits` outside 1, 2, 3, 4, 8 or `group_size` outside 32, 64, 128, None", ValueError,
      "bits must be one of", lambda: kb.uniform.quantize(W, bits=5)),
     ("bitnet.quantize", "N not a multiple of 16 or K not a multiple of 32", ValueError, "BitNet needs",
