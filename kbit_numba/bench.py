@@ -14,7 +14,7 @@ import json
 import os
 import subprocess
 import sys
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import numpy as np
 
@@ -287,15 +287,12 @@ def matmul_rows(shapes, ks, ms, ceilings, progress, kernels=("gemm", "dequant_ma
                 if "dequant_matmul" in kernels and torch is not None:
                     At, Ot, Wt = (torch.as_tensor(x, device="cuda") for x in (A, out, wbuf))
 
-                    def dq_launch(i, s, At=At, Ot=Ot, Wt=Wt):
-                        codec.dequantize(ws[i % n], out=wbuf, stream=s)
+                    def dq_launch(i, s, weights, At=At, Ot=Ot, Wt=Wt):
+                        codec.dequantize(weights[i % n], out=wbuf, stream=s)
                         torch.matmul(At, Wt.t(), out=Ot)      # torch's current stream is the capture stream
-                    cases.append(("dequant_matmul", dq_launch))
+                    cases.append(("dequant_matmul", partial(dq_launch, weights=ws)))
                     if codes:                           # the same from the code layout
-                        def cdq_launch(i, s, At=At, Ot=Ot, Wt=Wt):
-                            codec.dequantize(codes[i % n], out=wbuf, stream=s)
-                            torch.matmul(At, Wt.t(), out=Ot)
-                        cases.append(("dequant_matmul+codes", cdq_launch))
+                        cases.append(("dequant_matmul+codes", partial(dq_launch, weights=codes)))
                 if "linear" in kernels:               # KbitLinear(layout="tiled")
                     choice = lin.choose(M, N, K, "tiled")
 

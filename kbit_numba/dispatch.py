@@ -120,6 +120,11 @@ def codes_rules(table, N, K, k=None, f16_acc=False, pdl=False):
             or table.get("codes_variants", {}).get(variant) or table.get("codes_rules", CODES_RULES))
 
 
+def _first_rule(rules, M):
+    """(kernel, launch parameters) of the first rule ``[max_m, kernel(, params)]`` with M <= max_m (None: any M)."""
+    return next((r[1], dict(r[2]) if len(r) > 2 else {}) for r in rules if r[0] is None or M <= r[0])
+
+
 def choose_rule(M, N, K, layout, table=None, backend=None, half=True, f16_acc=False, k=None, pdl=False):
     """(kernel, launch parameters) that ``linear`` runs for an M x K input and an N x K weight of
     ``layout``. A table rule is ``[max_m, kernel]`` or ``[max_m, kernel, {parameter: value}]``: the
@@ -137,13 +142,13 @@ def choose_rule(M, N, K, layout, table=None, backend=None, half=True, f16_acc=Fa
     codes = layout == "codes"      # (pair gemv, tensor-core gemv and gemm where K allows, dequantize + cuBLAS)
     rules = (codes_rules(table, N, K, k, f16_acc, pdl) if codes
              else table.get("shapes", {}).get(f"{K}x{N}", table["rules"]))
-    want, params = next((r[1], dict(r[2]) if len(r) > 2 else {}) for r in rules if r[0] is None or M <= r[0])
+    want, params = _first_rule(rules, M)
     if codes and want == "mma_gemv" and M > MMA_GEMV_MAX_M.get(k, mma_gemv.N8):
         want, params = "gemm", {}
     if codes and want in ("gemm", "dequant_matmul"):   # past the gemvs: the crossover --tune measured for this layout
         mm = table.get("codes_mm_shapes", {}).get(f"{K}x{N}") or table.get("codes_mm_rules")
         if mm:
-            want, params = next((r[1], dict(r[2]) if len(r) > 2 else {}) for r in mm if r[0] is None or M <= r[0])
+            want, params = _first_rule(mm, M)
     gemm_ok = gemm_reads(layout, K)
     mma_ok = codes and mma_reads(M, K, half)
     f16_pair = f16_acc and M <= PAIR_GEMV_F16_MAX_M.get(k, 0)
@@ -206,7 +211,8 @@ class Workspace:
 
 def _cublas_matmul(Ad, Wd, out, stream, bf16=False):
     """out = Ad @ Wd^T with torch or CuPy on ``stream`` (all device arrays, same float dtype; ``bf16``: Ad and Wd
-    hold bfloat16 bits as int16, torch only, the product rounded to bfloat16 before ``out``'s type)."""
+    hold bfloat16 bits as int16, torch only (:func:`bf16_matmul_backend`), the product rounded to bfloat16 before
+    ``out``'s type)."""
     backend = matmul_backend()
     if backend == "host":             # the simulator (synchronous: every stream is in order); its arrays wrap
         a, w, o = (x._ary for x in (Ad, Wd, out))     # NumPy arrays (._ary)
@@ -229,7 +235,7 @@ def _cublas_matmul(Ad, Wd, out, stream, bf16=False):
                 torch.matmul(a, w.t(), out=o)
             else:
                 o.copy_(torch.matmul(a, w.t()))
-    elif backend == "cupy" and not bf16:
+    elif backend == "cupy":            # (never with bf16: plan_dequant_matmul refuses it first)
         import cupy
         a, w, o = (cupy.asarray(x) for x in (Ad, Wd, out))
         with cupy.cuda.ExternalStream(handle) if handle else cupy.cuda.Stream.null:
@@ -237,8 +243,6 @@ def _cublas_matmul(Ad, Wd, out, stream, bf16=False):
                 cupy.matmul(a, w.T, out=o)
             else:
                 o[...] = cupy.matmul(a, w.T)
-    elif backend == "cupy":
-        raise RuntimeError("dequant_matmul takes bfloat16 activations through torch only (CuPy has no bfloat16)")
     else:
         raise RuntimeError("dequant_matmul needs torch or CuPy for the cuBLAS call; neither is installed")
 
