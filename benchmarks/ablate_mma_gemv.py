@@ -20,6 +20,10 @@ Variants (``+`` combines them, e.g. ``no_lds+no_mma``):
   codes_linear, absmax_linear  the same for the code words alone, or the absmax bytes alone
   one_block  (k = 4; not an ablation: a correct kernel) a lane holds one block of each column instead of two: a
              warp takes 128 k of a strip, twice the K-warps a strip (K <= 4096), half the loads in flight a warp
+  no_a       the activations (the B fragments) not loaded: each lane makes its words from its addresses, so the
+             time without the prologue's M x K activation reads (every CTA reads all of A from the L2)
+  codes_first  (not an ablation) a never-taken branch right after the first two strips' weight loads, so that ptxas
+             issues them before the table fill and the activations' loads (it sinks them below both otherwise)
   cap64      (not an ablation) every build capped at 64 registers a thread (``one_block+cap64``: two CTAs an SM)
 
 Each line also gives the largest difference of the variant's output from the unchanged kernel's (over one launch):
@@ -78,6 +82,11 @@ ABLATIONS = {
          "            lin = u32(chunk + u32(2 * WARP * c) + lane_i)"),
         ("                    am[c, b] = absmax[blk]", "                    am[c, b] = absmax[min(u32(lin + u32(b * WARP)), last)]")],
     "one_block": [("KB_WARP = 8 ", "KB_WARP = 4 "), ("KB_LANE = 2\n", "KB_LANE = 1\n")],
+    "no_a": [("                    w4 = ldg128(A, u32(base + u32(4 * q)))",
+              "                    w4 = (u32(base + u32(4 * q)), u32(base ^ u32(q)), u32(base + u32(7)), u32(tok))")],
+    "codes_first": [("        load_strip(packed, absmax, first, u32((grp + grid) * group_cols + col0), kb0, last, nkb, codes_b, am_b)\n",
+                     "        load_strip(packed, absmax, first, u32((grp + grid) * group_cols + col0), kb0, last, nkb, codes_b, am_b)\n"
+                     "        if nkb == u32(0):\n            out[0] = out[1]\n")],
     "cap64": [("    max_registers: object = None\n", "    max_registers: object = 64\n")],
     "no_fill": [("            fill_tables(smem, cb, tid)\n        table = shared_addr(smem)",
                  "            pass\n        table = shared_addr(smem)")],

@@ -190,10 +190,13 @@ def _kernel(name, width=0, pdl=False, cluster=False):
     if key not in _KERNELS:
         from .device import inlined, jit_kernel
         from .intrinsics import (cluster_arrive, cluster_rank, cluster_wait, f16_bits_to_f32, f16x2_as_u32,
-                                 griddep_launch_dependents, griddep_wait, ldg128, lds128, mbar_expect_tx,
+                                 griddep_launch_dependents, griddep_wait, ld128, ldg128, lds128, mbar_expect_tx,
                                  mbar_init_cluster, mbar_try_wait, mma_f16, prmt, shared_addr, st_async_x2, st_async_x4,
                                  stg128, u32_as_f32)
         PDL, CLUSTER = pdl, cluster
+        # what the kernel before writes: with PDL an ordinary load after the wait (an ld.global.nc may be moved above
+        # it by ptxas: tests/test_pdl_reads.py); what no kernel writes (norm weights, the cache) keeps ldg128
+        load_prev = ld128 if PDL else ldg128
 
         @inlined
         def pdl_start():
@@ -224,8 +227,8 @@ def _kernel(name, width=0, pdl=False, cluster=False):
                 for i in range(CPT):
                     c = t + i * NORM_THREADS
                     if c < CHUNKS:
-                        rw[4 * i], rw[4 * i + 1], rw[4 * i + 2], rw[4 * i + 3] = ldg128(res, b * WORDS + 4 * c)
-                        yw[4 * i], yw[4 * i + 1], yw[4 * i + 2], yw[4 * i + 3] = ldg128(y, b * WORDS + 4 * c)
+                        rw[4 * i], rw[4 * i + 1], rw[4 * i + 2], rw[4 * i + 3] = load_prev(res, b * WORDS + 4 * c)
+                        yw[4 * i], yw[4 * i + 1], yw[4 * i + 2], yw[4 * i + 3] = load_prev(y, b * WORDS + 4 * c)
                 acc = float32(0)
                 for i in range(CPT):
                     c = t + i * NORM_THREADS
@@ -360,7 +363,7 @@ def _kernel(name, width=0, pdl=False, cluster=False):
                     for j in range(4):
                         qw[4 * kk + j] = uint32(0)
                     if g < G:
-                        qw[4 * kk], qw[4 * kk + 1], qw[4 * kk + 2], qw[4 * kk + 3] = ldg128(
+                        qw[4 * kk], qw[4 * kk + 1], qw[4 * kk + 2], qw[4 * kk + 3] = load_prev(
                             qkv, b * QROW + (kvh * G + g) * HW + 16 * kk + 4 * tq)
                 c0, c1, c2, c3 = float32(0), float32(0), float32(0), float32(0)
                 for kk in range(K_LOADS):

@@ -15,7 +15,8 @@ from numba import cuda
 
 from . import _cache
 from .formats import E4M4_BIAS, TILE_N
-from .intrinsics import SIMULATOR, f16_bits_to_f32, f16x2_as_u32, f32_as_u32, shared_addr, sts128, u32_as_f32
+from .intrinsics import (SIMULATOR, cp_async4, cp_async_commit, cp_async_wait, f16_bits_to_f32, f16x2_as_u32, f32_as_u32,
+                         shared_addr, sts128, u32_as_f32)
 
 # Numba types plain Python ints as int64 and widens every integer sum to 64 bits: kernels write their
 # 32-bit integer math explicitly, through these two names.
@@ -296,12 +297,25 @@ CODEBOOK = TABLE_FLOATS + ABSMAX_CODES   # float offset of the codebook (<= 16 v
 PRMT_ROW = 0x5504
 
 
+@inlined
+def stage_codebook(smem, cb, tid):
+    """Copy the codebook (float32, up to 16 values) to float offset ``CODEBOOK`` of ``smem`` by ``cp.async``, for
+    a ``make_table_fill(..., staged=True)`` fill, which waits for it. A kernel that issues its first weight loads
+    before the fill (mma_gemv's PDL build) calls this before them: the fill's one global read is then not queued
+    behind the weights, and as a copy into shared memory it holds no register that a later instruction waits on
+    (a plain load and store there made every warp wait for the codebook before its first weight load)."""
+    if tid < u32(len(cb)):
+        cp_async4(smem, u32(shared_addr(smem) + u32(4) * u32(u32(CODEBOOK) + tid)), cb, tid, u32(4))
+    cp_async_commit()
+
+
 @lru_cache(maxsize=None)
-def make_table_fill(k, entry_type):
+def make_table_fill(k, entry_type, staged=False):
     """(fill, ENTRY, COPIES): ``fill(smem, cb, tid)`` builds the group table at the start of the dynamic shared
-    array ``smem`` (all threads of the CTA call it; it stages the codebook at float offset ``CODEBOOK`` and
-    meets them at one barrier). Entry (code, copy) holds the G = 8 // k codebook values of code byte ``code``
-    (element e from bits k*e) as float32 words (``entry_type`` 'float32') or packed pairs of 'float16' or
+    array ``smem`` (all threads of the CTA call it; it stages the codebook ``cb`` at float offset ``CODEBOOK`` and
+    meets them at one barrier; ``staged``: the kernel copied it there earlier with :func:`stage_codebook`, and
+    the fill only waits for that copy). Entry (code, copy) holds the G = 8 // k codebook values of code byte
+    ``code`` (element e from bits k*e) as float32 words (``entry_type`` 'float32') or packed pairs of 'float16' or
     'bfloat16' (low half first); ENTRY is its size in bytes, COPIES the copies in a 256-byte row, which fill
     its first 128 bytes (lane l reads copy l % COPIES at row offset (l % COPIES) * ENTRY; why 128: at COPIES
     below). Each thread writes one 16-byte chunk of a row at a time (one ``st.shared.v4``); a chunk's 4 words
@@ -322,7 +336,9 @@ def make_table_fill(k, entry_type):
 
     @inlined
     def fill(smem, cb, tid):
-        if tid < u32(N_CODES):
+        if staged:
+            cp_async_wait(0)                    # the codebook, staged by stage_codebook
+        elif tid < u32(N_CODES):
             smem[u32(CODEBOOK) + tid] = cb[tid]
         cuda.syncthreads()
         table = shared_addr(smem)

@@ -90,12 +90,16 @@ def _asm_args(builder, context, args, argtys):
 # ---------------------------------------------------------------------------------------------
 # Memory
 # ---------------------------------------------------------------------------------------------
-def make_ldg(words, hint=""):
+def make_ldg(words, hint="", nc=True):
     """A read-only global load of ``words`` (2 or 4) consecutive u32, ``ld.global.nc<hint>.v<words>.u32``, as an
     intrinsic (arr, index) -> tuple (index % words == 0). ``hint``: PTX cache qualifiers, e.g. ``.L1::no_allocate``
-    for weights that are read once."""
+    for weights that are read once.
+    ``nc=False``: ``ld.global<hint>.v<words>.u32``, an ordinary (coherent) load, kept in order with the memory
+    operations around it. A programmatic dependent launch must read what the kernel before it writes this way:
+    ptxas takes ``.nc`` data as written by no one while the kernel runs, and moved such loads above
+    ``griddepcontrol.wait`` (tests/test_pdl_reads.py)."""
     regs = ", ".join(f"${i}" for i in range(words))
-    text = f"ld.global.nc{hint}.v{words}.u32 {{{regs}}}, [${words}];"
+    text = f"ld.global{'.nc' if nc else ''}{hint}.v{words}.u32 {{{regs}}}, [${words}];"
 
     @intrinsic
     def ldg(typingctx, arr, index):
@@ -105,7 +109,8 @@ def make_ldg(words, hint=""):
         def codegen(context, builder, sig, args):
             ptr = _element_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
             fty = ir.FunctionType(ir.LiteralStructType([_i32] * words), [ptr.type])
-            asm = ir.InlineAsm(fty, text, ",".join(["=r"] * words + ["l"]))
+            asm = ir.InlineAsm(fty, text, ",".join(["=r"] * words + ["l"]) + ("" if nc else ",~{memory}"),
+                               side_effect=not nc)      # (a coherent load stays after griddep_wait in LLVM too)
             res = builder.call(asm, [ptr])
             return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, i) for i in range(words)])
 
@@ -119,6 +124,8 @@ ptx_ldg64 = make_ldg(2)
 # the same for weights streamed once: not kept in L1 (kept for what is read again: activations, tables)
 ptx_ldg128_stream = make_ldg(4, STREAM_HINT)
 ptx_ldg64_stream = make_ldg(2, STREAM_HINT)
+# 16 bytes another kernel may still be writing when this one starts (a PDL launch's activations, after griddep_wait)
+ptx_ld128 = make_ldg(4, nc=False)
 
 
 @intrinsic
@@ -150,6 +157,7 @@ def py_ldg64(arr, index):
 
 
 py_ldg128_stream, py_ldg64_stream = py_ldg128, py_ldg64     # (a cache hint changes no value)
+py_ld128 = py_ldg128
 
 
 def py_stg128(arr, index, a, b, c, d):
@@ -320,8 +328,8 @@ def ptx_cp_async4(typingctx, dst, dst_addr, src, src_index, src_bytes):
     must be 4-byte aligned) to the shared byte address dst_addr (cp.async.ca: the .cg form copies only 16
     bytes); only ``src_bytes`` (0..4) are read, the rest is zero-filled (compute-sanitizer still counts a
     shortened copy as a 4-byte read: do not let one run past the end of an array)."""
-    if not (isinstance(src, types.Array) and src.ndim == 1 and src.dtype in (types.uint8, types.uint32)):
-        raise TypeError(f"cp_async4 needs a 1-D uint8/uint32 array, got {src}")
+    if not (isinstance(src, types.Array) and src.ndim == 1 and src.dtype in (types.uint8, types.uint32, types.float32)):
+        raise TypeError(f"cp_async4 needs a 1-D uint8/uint32/float32 array, got {src}")
     return types.void(dst, dst_addr, src, src_index, src_bytes), _cp_async_codegen("cp.async.ca.shared.global", 4)
 
 
@@ -873,7 +881,7 @@ def py_f16x2_as_u32(lo, hi):
 # ---------------------------------------------------------------------------------------------
 # The names kernels use
 # ---------------------------------------------------------------------------------------------
-NAMES = ("ldg128", "ldg64", "ldg128_stream", "ldg64_stream", "stg128", "shared_addr", "lds_f32", "lds_u32", "lds128",
+NAMES = ("ldg128", "ldg64", "ldg128_stream", "ldg64_stream", "ld128", "stg128", "shared_addr", "lds_f32", "lds_u32", "lds128",
          "lds64", "sts128", "cp_async16", "cp_async4", "cp_async_commit", "cp_async_wait", "griddep_wait",
          "griddep_launch_dependents", "cluster_arrive", "cluster_wait", "cluster_rank", "mbar_init_cluster", "mbar_expect_tx", "mbar_try_wait", "st_async_x2", "st_async_x4",
          "bar_sync", "ldmatrix_x4",
@@ -882,7 +890,7 @@ NAMES = ("ldg128", "ldg64", "ldg128_stream", "ldg64_stream", "stg128", "shared_a
 PAIRS = {name: (globals()["ptx_" + name], globals()["py_" + name]) for name in NAMES}
 
 _pick = 1 if SIMULATOR else 0
-(ldg128, ldg64, ldg128_stream, ldg64_stream, stg128, shared_addr, lds_f32, lds_u32, lds128, lds64, sts128, cp_async16,
+(ldg128, ldg64, ldg128_stream, ldg64_stream, ld128, stg128, shared_addr, lds_f32, lds_u32, lds128, lds64, sts128, cp_async16,
  cp_async4, cp_async_commit, cp_async_wait, griddep_wait, griddep_launch_dependents, cluster_arrive,
  cluster_wait, cluster_rank, mbar_init_cluster, mbar_expect_tx, mbar_try_wait,
  st_async_x2, st_async_x4, bar_sync, ldmatrix_x4, mma_f16, mma_bf16, hmul2, hfma2, bmul2, dp4a, lop3, prmt, rotr, u32_as_f32,

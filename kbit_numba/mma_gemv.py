@@ -52,10 +52,10 @@ from . import _arrays
 from .core import (SHARED_PER_SM, check_grouped, device_weight, fit_threads, max_tokens_per_expert, persistent_grid,
                    unused_i32)
 from .device import (CODEBOOK, PRMT_ROW, TABLE_BYTES, TABLE_FLOATS, WARP, e4m4_decode, f32_to_bf16_bits, i32,
-                     jit_kernel, make_silu_pair_out, make_table_fill, slot_expert, u32)
+                     jit_kernel, make_silu_pair_out, make_table_fill, slot_expert, stage_codebook, u32)
 from .formats import (ABSMAX_FORMATS, BLOCK, CODES_K, KbitCodes, KbitFragments, check_fragment_shape,
                       fragment_position)
-from .intrinsics import (bmul2, f16x2_as_u32, griddep_launch_dependents, griddep_wait, hmul2, ldg128, lds64,
+from .intrinsics import (bmul2, f16x2_as_u32, griddep_launch_dependents, griddep_wait, hmul2, ld128, ldg128, lds64,
                          lds_u32, mma_bf16, mma_f16, prmt, shared_addr, u32_as_f32)
 from .launch import NUMBA_TYPES, OUT_TYPES, Plan, Spec, Step, launch_step, type_name
 
@@ -131,7 +131,11 @@ def make_mma_gemv_kernel(spec):
     # 2825-2830 -> 2808-2813 us; at k = 2 it lost (2274-2291 -> 2302-2304), and the grouped build (qwen3) did not move
     # (benchmarks/README.md, "the tables' barrier before the wait")
     EARLY_BARRIER = PDL and k == 4 and not GROUPED
-    fill_table, ENTRY, COPIES = make_table_fill(k, spec.a_type)
+    load_a = ld128 if PDL else ldg128     # the activations: as pair_gemv's (an ordinary load after griddep_wait)
+    # PDL (not grouped): the codebook staged by cp.async before the first weight loads, which are ordinary loads so that
+    # ptxas keeps them before the tables and griddep_wait (see load_first)
+    EARLY_LOADS = PDL and not GROUPED
+    fill_table, ENTRY, COPIES = make_table_fill(k, spec.a_type, staged=EARLY_LOADS)
     mma = mma_bf16 if bf16 else mma_f16
     mul2 = bmul2 if bf16 else hmul2
     e4m4 = absmax_format == "e4m4"
@@ -171,39 +175,51 @@ def make_mma_gemv_kernel(spec):
             return h | (h << u32(16))
         return f16x2_as_u32(np.float16(v), np.float16(v))
 
-    @ir_inlined
-    def load_strip(packed, absmax, first, n0, kb0, last, n_kb, codes, am):
-        """Issue the loads of this lane's two blocks kb0 and kb0 + BSTRIDE of columns n0 + g and n0 + g + 8
-        (g: the lane's quad; n0 includes it) of the weight whose blocks start at ``first`` into codes[c, :] /
-        am[c, :]. Unconditional: a block past ``last`` (the weight's last block; at k = 2 its last pair's
-        first) reads that one instead, whose sums are never written or meet zero activations. 32-bit index
-        math (see pair_gemv).
-        The code layout (KbitCodes) keeps a column's blocks together, so a load instruction of the warp reads 64
-        bytes of each of 8 columns (8 cache lines); the fragment layout (KbitFragments) stores the warp's tile of
-        the strip in load order, so the same instruction reads 512 contiguous bytes (4 lines), and the absmax
-        bytes 32 contiguous ones: 5-11% faster (benchmarks/README.md, "fragment layout")."""
-        if FRAGMENTS:   # tile (strip n0 // 16, chunk kb0 // 8) of n_kb // 8 a strip; piece i of lane l at 32i + l
-            lane = u32(u32(4) * (n0 & u32(STRIP - 1)) + (kb0 & u32(KB_WARP - 1)) // u32(TSTRIDE))
-            tile = u32(first + u32(u32(u32(n0 // u32(STRIP)) * u32(n_kb // u32(KB_WARP)) + kb0 // u32(KB_WARP))
-                                   * u32(STRIP * KB_WARP)))
-        for c in range(2):
-            col = u32(first + u32(n0 + u32(8 * c)) * n_kb + kb0)
-            if BSTRIDE == 1:                       # k = 2: both blocks in one 16-byte load
-                if FRAGMENTS:
-                    col = u32(tile + u32(PIECE_BLOCKS) * u32(u32(WARP * c) + lane))
-                blk = min(col, last)
-                codes[c, 0], codes[c, 1], codes[c, 2], codes[c, 3] = ldg128(packed, u32(blk * u32(BLOCK_WORDS)))
-                am[c, 0] = absmax[blk]
-                am[c, 1] = absmax[u32(blk + u32(1))]
-            else:                                  # k = 4: one 16-byte load per block
-                for b in range(KB_LANE):
+    def make_load_strip(load128):
+        """load_strip with the given 16-byte weight load (see load_first below)."""
+        @ir_inlined
+        def load_strip(packed, absmax, first, n0, kb0, last, n_kb, codes, am):
+            """Issue the loads of this lane's two blocks kb0 and kb0 + BSTRIDE of columns n0 + g and n0 + g + 8
+            (g: the lane's quad; n0 includes it) of the weight whose blocks start at ``first`` into codes[c, :] /
+            am[c, :]. Unconditional: a block past ``last`` (the weight's last block; at k = 2 its last pair's
+            first) reads that one instead, whose sums are never written or meet zero activations. 32-bit index
+            math (see pair_gemv).
+            The code layout (KbitCodes) keeps a column's blocks together, so a load instruction of the warp reads 64
+            bytes of each of 8 columns (8 cache lines); the fragment layout (KbitFragments) stores the warp's tile of
+            the strip in load order, so the same instruction reads 512 contiguous bytes (4 lines), and the absmax
+            bytes 32 contiguous ones: 5-11% faster (benchmarks/README.md, "fragment layout")."""
+            if FRAGMENTS:   # tile (strip n0 // 16, chunk kb0 // 8) of n_kb // 8 a strip; piece i of lane l at 32i + l
+                lane = u32(u32(4) * (n0 & u32(STRIP - 1)) + (kb0 & u32(KB_WARP - 1)) // u32(TSTRIDE))
+                tile = u32(first + u32(u32(u32(n0 // u32(STRIP)) * u32(n_kb // u32(KB_WARP)) + kb0 // u32(KB_WARP))
+                                       * u32(STRIP * KB_WARP)))
+            for c in range(2):
+                col = u32(first + u32(n0 + u32(8 * c)) * n_kb + kb0)
+                if BSTRIDE == 1:                       # k = 2: both blocks in one 16-byte load
                     if FRAGMENTS:
-                        blk = min(u32(tile + u32(WARP * (KB_LANE * c + b)) + lane), last)
-                    else:
-                        blk = min(u32(col + u32(b * BSTRIDE)), last)
-                    codes[c, 4 * b], codes[c, 4 * b + 1], codes[c, 4 * b + 2], codes[c, 4 * b + 3] = \
-                        ldg128(packed, u32(blk * u32(BLOCK_WORDS)))
-                    am[c, b] = absmax[blk]
+                        col = u32(tile + u32(PIECE_BLOCKS) * u32(u32(WARP * c) + lane))
+                    blk = min(col, last)
+                    codes[c, 0], codes[c, 1], codes[c, 2], codes[c, 3] = load128(packed, u32(blk * u32(BLOCK_WORDS)))
+                    am[c, 0] = absmax[blk]
+                    am[c, 1] = absmax[u32(blk + u32(1))]
+                else:                                  # k = 4: one 16-byte load per block
+                    for b in range(KB_LANE):
+                        if FRAGMENTS:
+                            blk = min(u32(tile + u32(WARP * (KB_LANE * c + b)) + lane), last)
+                        else:
+                            blk = min(u32(col + u32(b * BSTRIDE)), last)
+                        codes[c, 4 * b], codes[c, 4 * b + 1], codes[c, 4 * b + 2], codes[c, 4 * b + 3] = \
+                            load128(packed, u32(blk * u32(BLOCK_WORDS)))
+                        am[c, b] = absmax[blk]
+
+        return load_strip
+
+    load_strip = make_load_strip(ldg128)
+    # The first two strips' loads in a PDL build: ordinary (coherent) loads, which ptxas keeps where the source puts
+    # them, before the table fill's barriers and griddep_wait, so that they overlap the kernel before. As
+    # ld.global.nc loads ptxas moved them below both (SASS, 2026-11-27). Measured (H200, benchmarks/README.md,
+    # "Thirty-third session"): the PDL chain 4.8-12% faster at M = 4; the same in the plain kernel and the pair gemv
+    # was 3-8% slower, so they keep the read-only loads.
+    load_first = make_load_strip(ld128) if EARLY_LOADS else load_strip
 
     @ir_inlined
     def decode_strip(smem, table, lane_off, codes, am, bx, acc):
@@ -321,8 +337,10 @@ def make_mma_gemv_kernel(spec):
         nkb = u32(n_kb)
         if PDL:                     # the next kernel may start now: it waits for this one in griddep_wait
             griddep_launch_dependents()
+        if EARLY_LOADS:
+            stage_codebook(smem, cb, tid)   # the table fill's one global read goes out first
         if GROUPED and PDL:         # the offsets are the router's output, and the weights to load follow from
-            fill_tables(smem, cb, tid)      # them: before the wait only the tables (the plain kernel loads first)
+            fill_tables(smem, cb, tid)     # them: before the wait only the tables (the plain kernel loads first)
             griddep_wait()
         if GROUPED:                 # this CTA's expert (its blocks start at `first`) and its rows
             expert = slot_expert(offsets)
@@ -371,8 +389,8 @@ def make_mma_gemv_kernel(spec):
         am_a = cuda.local.array((2, KB_LANE), absmax_t)
         am_b = cuda.local.array((2, KB_LANE), absmax_t)
         am_c = cuda.local.array((2, KB_LANE), absmax_t)
-        load_strip(packed, absmax, first, u32(grp * group_cols + col0), kb0, last, nkb, codes_a, am_a)
-        load_strip(packed, absmax, first, u32((grp + grid) * group_cols + col0), kb0, last, nkb, codes_b, am_b)
+        load_first(packed, absmax, first, u32(grp * group_cols + col0), kb0, last, nkb, codes_a, am_a)
+        load_first(packed, absmax, first, u32((grp + grid) * group_cols + col0), kb0, last, nkb, codes_b, am_b)
 
         # ---- 2. the group table and the E4M4 table (grouped PDL: filled above) -------------------------
         if not (GROUPED and PDL):
@@ -391,7 +409,7 @@ def make_mma_gemv_kernel(spec):
                 live = tok < m and (kb0 if BSTRIDE == 1 else kb) < nkb      # k = 2: n_kb and kb0 are even
                 base = u32(u32(u32(row0 + tok) * nkb + kb) * u32(A_WORDS)) if live else u32(0)
                 for q in range(A_WORDS // 4):      # words 4q .. 4q+3: MMAs 2q and 2q + 1
-                    w4 = ldg128(A, u32(base + u32(4 * q)))
+                    w4 = load_a(A, u32(base + u32(4 * q)))
                     for h in range(4):
                         bx[j, b, 2 * q + h // 2, h % 2] = w4[h] if live else u32(0)
         lane_off = u32((lane % u32(COPIES)) * u32(ENTRY))

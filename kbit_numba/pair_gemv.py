@@ -65,8 +65,8 @@ from .core import (MAX_M, check_grouped, device_weight, fit_threads, k_warps, pe
 from .device import (ABSMAX_CODES, CODEBOOK, PRMT_ROW, TABLE_BYTES, TABLE_FLOATS, WARP, e4m4_decode, i32, inlined,
                      jit_kernel, make_silu_pair_out, make_table_fill, make_warp_reduce_scatter, make_word_unpacker, u32)
 from .formats import ABSMAX_FORMATS, BLOCK, CODES_K, KbitCodes, KbitFragments, KbitWeight
-from .intrinsics import (SIMULATOR, bar_sync, f16_bits_to_f32, griddep_launch_dependents, griddep_wait, hfma2, ldg128,
-                         ldg64_stream, ldg128_stream, lds64, lds128, lds_u32, prmt, shared_addr, u32_as_f32)
+from .intrinsics import (SIMULATOR, bar_sync, f16_bits_to_f32, griddep_launch_dependents, griddep_wait, hfma2, ld128,
+                         ldg128, ldg64_stream, ldg128_stream, lds64, lds128, lds_u32, prmt, shared_addr, u32_as_f32)
 from .launch import NUMBA_TYPES, OUT_TYPES, Plan, Spec, Step, launch_step, type_name
 
 MAX_KW = 32                       # K-warps per slice: K <= 32 * 32 * 32 = 32768
@@ -174,6 +174,9 @@ def make_pair_gemv_kernel(spec):
     # barrier before the wait").
     EARLY_BARRIER = PDL and k == 4 and not GROUPED
     SILU_PAIRS = spec.silu_pairs
+    # The activations: with PDL the kernel before may still be writing them when this one starts, so an ordinary load
+    # (ptxas moved ld.global.nc ones above griddep_wait: tests/test_pdl_reads.py); else the read-only path.
+    load_a = ld128 if PDL else ldg128
 
     # the silu_pairs epilogue: column n's partial sums V apart, column n + 1's M after each
     silu_pair_out = make_silu_pair_out(V, M, f16_out)
@@ -422,7 +425,7 @@ def make_pair_gemv_kernel(spec):
             a_base = (m * n_kb * BLOCK + kb * BLOCK) // A_PER_WORD if active else 0
             a_live = np.float32(1.0) if active else np.float32(0.0)
             for q in range(BLOCK // A_PER_WORD // 4):
-                w4 = ldg128(A, a_base + 4 * q)
+                w4 = load_a(A, a_base + 4 * q)
                 for h in range(4):
                     if f16_acc:
                         ah[m, 4 * q + h] = w4[h] if active else u32(0)

@@ -56,7 +56,8 @@ def _alu_kernel(a, b, c, out):
 
 @cuda.jit
 def _mem_kernel(src, dst, dst_stream):
-    """The plain loads into dst, the streaming ones (cache qualifiers: the same values) into dst_stream."""
+    """The plain loads into dst, the streaming ones (cache qualifiers: the same values) and the coherent ld128 into
+    dst_stream."""
     i = cuda.grid(1) * 4
     if i < src.size:
         w0, w1, w2, w3 = I.ldg128(src, i)
@@ -64,7 +65,8 @@ def _mem_kernel(src, dst, dst_stream):
         I.stg128(dst, i, w3 ^ v1, w2 ^ v0, w1, w0)
         w0, w1, w2, w3 = I.ldg128_stream(src, i)
         v0, v1 = I.ldg64_stream(src, i + 2)
-        I.stg128(dst_stream, i, w3 ^ v1, w2 ^ v0, w1, w0)
+        x0, x1, x2, x3 = I.ld128(src, i)                # the coherent load (word 1 of it)
+        I.stg128(dst_stream, i, w3 ^ v1, w2 ^ v0, x1, w0)
 
 
 @pytest.mark.skipif(SIM or PTX_ONLY, reason="the PTX versions run on a GPU only (the simulator runs the twins)")

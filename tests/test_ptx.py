@@ -105,6 +105,10 @@ def _requirements(name):
             must += ["griddepcontrol.launch_dependents", "griddepcontrol.wait"]
         else:
             never += ["griddepcontrol"]
+    if "pdl=True" in name and name.startswith(("pair_gemv", "mma_gemv", "decode_attention")):
+        must += ["ld.global.v4.u32"]     # what the kernel before writes, by ordinary loads (tests/test_pdl_reads.py)
+    if name.startswith("mma_gemv") and "pdl=True" in name and "grouped=False" in name:
+        must += ["cp.async.ca.shared.global"]               # the codebook staged before the first weight loads
     return must, never
 
 
@@ -165,7 +169,7 @@ else:
                 assert f", {lut};" in ptx
             ptx, _ = cuda.compile_ptx(_mem_kernel.py_func, (u32, u32, u32), cc=CC)
             for s in ("ld.global.nc.v4.u32", "ld.global.nc.v2.u32", "st.global.v4.u32",
-                      f"ld.global.nc{I.STREAM_HINT}.v4.u32", f"ld.global.nc{I.STREAM_HINT}.v2.u32"):
+                      f"ld.global.nc{I.STREAM_HINT}.v4.u32", f"ld.global.nc{I.STREAM_HINT}.v2.u32", "ld.global.v4.u32"):
                 assert s in ptx, s
             ptx, _ = cuda.compile_ptx(_named_barrier_kernel.py_func, (u32, u32), cc=CC)
             assert "bar.sync %r" in ptx                        # bar_sync: id and count in registers
