@@ -293,6 +293,14 @@ def f16_input(A, bf16=False):
     return not bf16 and str(A.dtype) in ("float16", "torch.float16")
 
 
+def _bf16_runnable(kernel, params, layout, K, bf16):
+    """(kernel, params) as a call runs them: bfloat16 activations cannot take dequantize + cuBLAS without torch (CuPy
+    has no bfloat16), so there the gemm runs instead (or a gemv where the gemm does not read the layout)."""
+    if bf16 and kernel == "dequant_matmul" and not bf16_matmul_backend():
+        return ("gemm" if gemm_reads(layout, K) else "pair_gemv" if layout == "codes" else "gemv"), {}
+    return kernel, params
+
+
 def plan(A, qw, out=None, stream=None, workspace=None, out_dtype=np.float16, bf16=False, kernel=None,
          table=None, f16_acc=False, params=None):
     """Checked inputs of :func:`linear` bound into a :class:`launch.Plan` for the kernel it chooses (M > 4
@@ -315,9 +323,7 @@ def plan(A, qw, out=None, stream=None, workspace=None, out_dtype=np.float16, bf1
                          "(pair_gemv and mma_gemv read KbitCodes, gemv KbitWeight, gemm and dequant_matmul both)")
     if f16_acc and kernel != "pair_gemv":
         raise ValueError(f"f16_acc applies to the pair gemv (KbitCodes), not to kernel {kernel!r}")
-    if bf16 and kernel == "dequant_matmul" and not bf16_matmul_backend():   # (CuPy has no bfloat16)
-        kernel, params = ("gemm" if gemm_reads(qw.layout, K) else "pair_gemv" if qw.layout == "codes"
-                          else "gemv"), {}
+    kernel, params = _bf16_runnable(kernel, params, qw.layout, K, bf16)
     if kernel == "gemm":      # (without a Workspace, gemm allocates split-K sums only when it splits)
         sums = workspace.sums(M * N, stream) if workspace is not None else None
         return tensor_gemm.plan(A, qw, out, stream, out_dtype, bf16, sums, **params)
@@ -432,8 +438,9 @@ class KbitLinear:
     def kernel_for(self, M, half=True, bf16=False):
         """The kernel a call with M rows runs (``half``: float16 or bfloat16 activations; ``bf16``: bfloat16)."""
         N, K = self.weight.shape
-        return choose(M, N, K, self.weight.layout, self.table, half=half, f16_acc=self.f16_acc and half and not bf16,
-                      k=self.weight.k, pdl=self.pdl)
+        kernel = choose(M, N, K, self.weight.layout, self.table, half=half, f16_acc=self.f16_acc and half and not bf16,
+                        k=self.weight.k, pdl=self.pdl)
+        return _bf16_runnable(kernel, {}, self.weight.layout, K, bf16)[0]
 
     def __call__(self, A, out=None, stream=None, out_dtype=np.float16, bf16=False, kernel=None, silu_pairs=False):
         return self.plan(A, out, stream, out_dtype, bf16, kernel, silu_pairs).launch()

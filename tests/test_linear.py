@@ -125,6 +125,22 @@ def test_dequant_matmul_takes_bfloat16(layout):
     check_close(got.copy_to_host(), A[:3], flat, bf16=True, out_dtype=np.float16)
 
 
+def test_kernel_for_names_the_bfloat16_fallback(monkeypatch):
+    """Where the table picks dequantize + cuBLAS but the cuBLAS call cannot take bfloat16 (CuPy), a bfloat16 call runs
+    the gemm, and ``kernel_for(M, bf16=True)`` says so (it named dequant_matmul before 2026-11-27)."""
+    rng = np.random.default_rng(8)
+    flat = ref.quantize(random_weight(rng, 64, 128), k=4)
+    table = {"device": "test", "rules": [[None, "dequant_matmul"]], "codes_rules": [[None, "dequant_matmul"]],
+             "codes_mm_rules": [[None, "dequant_matmul"]]}
+    layer = kb.KbitLinear(flat, table=table)
+    A = ref.float32_to_bf16_bits(rng.standard_normal((40, 128)).astype(np.float32))
+    assert layer.kernel_for(40, bf16=True) == "dequant_matmul"     # (torch, or NumPy on the simulator, take it)
+    monkeypatch.setattr(L, "bf16_matmul_backend", lambda: False)
+    assert layer.kernel_for(40, bf16=True) == "gemm" and layer.kernel_for(40) == "dequant_matmul"
+    step = layer.plan(A, bf16=True).steps[0]
+    assert step.kernel.py_func.__module__ == "kbit_numba.tensor_gemm"
+
+
 @pytest.mark.parametrize("M", [1, 6, 17] if SIM else [1, 2, 4, 5, 16, 33, 64, 200, 600])
 def test_kbit_linear_auto_keeps_the_code_layout(M):
     """The default KbitLinear on k = 4, K a multiple of 64: the code layout, every M (pair gemv, gemm,
