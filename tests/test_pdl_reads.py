@@ -78,3 +78,31 @@ def test_mma_gemv_pdl_reads_activations_after_the_wait(k, M):
     step = mma_gemv.prepare(A, pair_gemv.to_codes(qw), pdl=True)
     got = run_after_late_writer(step, A, A_new)
     check_gemm(got, A_new, qw, False, np.float16)
+
+
+def test_add_rmsnorm_pdl_reads_its_inputs_after_the_wait():
+    """The decode step's fused residual add + RMSNorm as a PDL launch (``bench_model``): it must read the residual and
+    the layer output after the late writer has written them."""
+    torch = pytest.importorskip("torch")
+    from kbit_numba import bench_model
+    from test_bench_model import TINY
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    H = 4096
+    res_new, y_new = (torch.randn(2, H, device="cuda", dtype=torch.float16, generator=g) for _ in range(2))
+    w = torch.rand(H, device="cuda", dtype=torch.float16, generator=g) + 0.5
+    step = bench_model.DecodeStep(TINY, [], 2, context=64, pdl=True)
+    src = cuda.as_cuda_array(torch.cat([res_new, y_new]).reshape(-1)).view(np.uint32)
+    buf = torch.zeros(4, H, device="cuda", dtype=torch.float16)        # res, y: rows 0-1, 2-3
+    stream = cuda.external_stream(torch.cuda.current_stream().cuda_stream)
+    writer = PreparedLaunch(late_writer, 1, 256, (src, cuda.as_cuda_array(buf.reshape(-1)).view(np.uint32)), stream)
+    for _ in range(2):
+        buf.zero_()
+        writer()
+        res, y = buf[:2], buf[2:]
+        h = step.add_rmsnorm(res, y, w)
+        torch.cuda.synchronize()
+    res2 = res_new.clone()
+    want = bench_model.add_rmsnorm_torch(res2, y_new, w)
+    assert torch.equal(res, res2)
+    torch.testing.assert_close(h, want, rtol=2e-3, atol=2e-3)
