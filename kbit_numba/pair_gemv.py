@@ -28,9 +28,11 @@ offline and looks weights up several at a time:
   The plan takes S from ~16 warps a CTA up to where the persistent grid's rounds come out whole
   (:func:`whole_rounds`).
 * **Programmatic dependent launch** (``pdl=True``, sm_90; ``launch.py``): a CTA lets the next kernel start
-  at once, and issues its first weight loads and fills its tables *before* ``griddep_wait``; only the
-  activation loads and the output writes come after it. In a chain of layers the next kernel's prologue
-  then overlaps this one's tail.
+  at once and fills its tables *before* ``griddep_wait``; the activation loads (ordinary loads: ptxas moved
+  ``ld.global.nc`` ones above the wait, a race; tests/test_pdl_reads.py) and the output writes come after it. In a
+  chain of layers the next kernel's prologue then overlaps this one's tail. The source puts the first weight loads
+  before the wait too, but ptxas sinks those read-only loads below it; keeping them early (as ordinary loads, as the
+  tensor-core gemv's PDL build does) did not pay here (benchmarks/README.md, "Thirty-third session").
 
 * **The SiLU epilogue** (``silu_pairs=True``): for a gate/up weight whose rows are interleaved (gate j at row 2j,
   up j at 2j + 1) the thread that sums column 2j also sums 2j + 1 and writes silu(gate) * up into an [M, N / 2]
