@@ -15,8 +15,8 @@ from numba import cuda
 
 from . import _cache
 from .formats import E4M4_BIAS, TILE_N
-from .intrinsics import (SIMULATOR, cp_async4, cp_async_commit, cp_async_wait, f16_bits_to_f32, f16x2_as_u32, f32_as_u32,
-                         shared_addr, sts128, u32_as_f32)
+from .intrinsics import (SIMULATOR, cp_async4, cp_async_commit, cp_async_wait, f16_bits_to_f32, f16x2_as_u32,
+                         f32_as_u32, shared_addr, sts128, u32_as_f32)
 
 # Numba types plain Python ints as int64 and widens every integer sum to 64 bits: kernels write their
 # 32-bit integer math explicitly, through these two names.

@@ -328,7 +328,8 @@ def ptx_cp_async4(typingctx, dst, dst_addr, src, src_index, src_bytes):
     must be 4-byte aligned) to the shared byte address dst_addr (cp.async.ca: the .cg form copies only 16
     bytes); only ``src_bytes`` (0..4) are read, the rest is zero-filled (compute-sanitizer still counts a
     shortened copy as a 4-byte read: do not let one run past the end of an array)."""
-    if not (isinstance(src, types.Array) and src.ndim == 1 and src.dtype in (types.uint8, types.uint32, types.float32)):
+    if not (isinstance(src, types.Array) and src.ndim == 1
+            and src.dtype in (types.uint8, types.uint32, types.float32)):
         raise TypeError(f"cp_async4 needs a 1-D uint8/uint32/float32 array, got {src}")
     return types.void(dst, dst_addr, src, src_index, src_bytes), _cp_async_codegen("cp.async.ca.shared.global", 4)
 
@@ -881,8 +882,8 @@ def py_f16x2_as_u32(lo, hi):
 # ---------------------------------------------------------------------------------------------
 # The names kernels use
 # ---------------------------------------------------------------------------------------------
-NAMES = ("ldg128", "ldg64", "ldg128_stream", "ldg64_stream", "ld128", "stg128", "shared_addr", "lds_f32", "lds_u32", "lds128",
-         "lds64", "sts128", "cp_async16", "cp_async4", "cp_async_commit", "cp_async_wait", "griddep_wait",
+NAMES = ("ldg128", "ldg64", "ldg128_stream", "ldg64_stream", "ld128", "stg128", "shared_addr", "lds_f32", "lds_u32",
+         "lds128", "lds64", "sts128", "cp_async16", "cp_async4", "cp_async_commit", "cp_async_wait", "griddep_wait",
          "griddep_launch_dependents", "cluster_arrive", "cluster_wait", "cluster_rank", "mbar_init_cluster", "mbar_expect_tx", "mbar_try_wait", "st_async_x2", "st_async_x4",
          "bar_sync", "ldmatrix_x4",
          "mma_f16", "mma_bf16", "hmul2", "hfma2", "bmul2", "dp4a", "lop3", "prmt", "rotr", "u32_as_f32", "f32_as_u32",
@@ -890,8 +891,8 @@ NAMES = ("ldg128", "ldg64", "ldg128_stream", "ldg64_stream", "ld128", "stg128", 
 PAIRS = {name: (globals()["ptx_" + name], globals()["py_" + name]) for name in NAMES}
 
 _pick = 1 if SIMULATOR else 0
-(ldg128, ldg64, ldg128_stream, ldg64_stream, ld128, stg128, shared_addr, lds_f32, lds_u32, lds128, lds64, sts128, cp_async16,
- cp_async4, cp_async_commit, cp_async_wait, griddep_wait, griddep_launch_dependents, cluster_arrive,
+(ldg128, ldg64, ldg128_stream, ldg64_stream, ld128, stg128, shared_addr, lds_f32, lds_u32, lds128, lds64, sts128,
+ cp_async16, cp_async4, cp_async_commit, cp_async_wait, griddep_wait, griddep_launch_dependents, cluster_arrive,
  cluster_wait, cluster_rank, mbar_init_cluster, mbar_expect_tx, mbar_try_wait,
  st_async_x2, st_async_x4, bar_sync, ldmatrix_x4, mma_f16, mma_bf16, hmul2, hfma2, bmul2, dp4a, lop3, prmt, rotr, u32_as_f32,
  f32_as_u32, f16x2_as_u32, f16_bits_to_f32) = (PAIRS[n][_pick] for n in NAMES)

@@ -219,8 +219,8 @@ def make_mma_gemv_kernel(spec):
     # The first two strips' loads in a PDL build: ordinary (coherent) loads, which ptxas keeps where the source puts
     # them, before the table fill's barriers and griddep_wait, so that they overlap the kernel before. As
     # ld.global.nc loads ptxas moved them below both (SASS, 2026-11-27). Measured (H200, benchmarks/README.md,
-    # "Thirty-third session"): the PDL chain 4.8-12% faster at M = 4; the same in the plain kernel and the pair gemv
-    # was 3-8% slower, so they keep the read-only loads.
+    # "Thirty-third session"): its PDL chains 4.4-13% faster at M = 4; the same in the plain kernel and the pair gemv
+    # was up to 8% slower, so they keep the read-only loads.
     load_first = make_load_strip(ld128) if EARLY_LOADS else load_strip
 
     @ir_inlined
@@ -342,7 +342,7 @@ def make_mma_gemv_kernel(spec):
         if EARLY_LOADS:
             stage_codebook(smem, cb, tid)   # the table fill's one global read goes out first
         if GROUPED and PDL:         # the offsets are the router's output, and the weights to load follow from
-            fill_tables(smem, cb, tid)     # them: before the wait only the tables (the plain kernel loads first)
+            fill_tables(smem, cb, tid)      # them: before the wait only the tables (the plain kernel loads first)
             griddep_wait()
         if GROUPED:                 # this CTA's expert (its blocks start at `first`) and its rows
             expert = slot_expert(offsets)
