@@ -22,8 +22,6 @@ Variants (``+`` combines them, e.g. ``no_lds+no_mma``):
              warp takes 128 k of a strip, twice the K-warps a strip (K <= 4096), half the loads in flight a warp
   no_a       the activations (the B fragments) not loaded: each lane makes its words from its addresses, so the
              time without the prologue's M x K activation reads (every CTA reads all of A from the L2)
-  codes_first  (not an ablation) a never-taken branch right after the first two strips' weight loads, so that ptxas
-             issues them before the table fill and the activations' loads (it sinks them below both otherwise)
   cap64      (not an ablation) every build capped at 64 registers a thread (``one_block+cap64``: two CTAs an SM)
 
 Each line also gives the largest difference of the variant's output from the unchanged kernel's (over one launch):
@@ -51,6 +49,12 @@ SINK = '''    @ir_inlined
 MMA_CALL = '''                    acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3] = mma(
                         a0, a1, a2, a3, bx[j, b, s, 0], bx[j, b, s, 1],
                         acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3])'''
+# load_strip's text that the *_linear variants replace (inside make_load_strip: 16 spaces)
+COL = "                col = u32(first + u32(n0 + u32(8 * c)) * n_kb + kb0)"
+LANE_CHUNK = ("                lane_i = u32(cuda.threadIdx.x) % u32(WARP)\n"
+              "                chunk = u32(first + u32(n0 - (lane_i >> u32(2))) * n_kb + u32(kb0 - (lane_i & u32(3))) * "
+              "u32(STRIP))\n")
+LIN = "                lin = u32(chunk + u32(2 * WARP * c) + lane_i)"
 ABLATIONS = {
     "no_lds": [("lds_u32(smem, table + prmt(", "(table + prmt(")],
     "no_mma": [(MMA_CALL, "                    acc[4 * j] += u32_as_f32(((a0 ^ a1) ^ (a2 ^ a3)) ^ "
@@ -60,33 +64,20 @@ ABLATIONS = {
                   ("    @ir_inlined\n    def fill_tables(", SINK)],
     "no_sync": [("            cuda.syncthreads()\n            sum_tiles(", "            sum_tiles(")],
     "lane_linear": [
-        ("            col = u32(first + u32(n0 + u32(8 * c)) * n_kb + kb0)",
-         "            lane_i = u32(cuda.threadIdx.x) % u32(WARP)\n"
-         "            chunk = u32(first + u32(n0 - (lane_i >> u32(2))) * n_kb + u32(kb0 - (lane_i & u32(3))) * u32(STRIP))\n"
-         "            col = u32(chunk + u32(2 * WARP * c) + lane_i)"),
-        ("                    blk = min(u32(col + u32(b * BSTRIDE)), last)",
-         "                    blk = min(u32(col + u32(b * WARP)), last)")],
+        (COL, LANE_CHUNK + "                col = u32(chunk + u32(2 * WARP * c) + lane_i)"),
+        ("                        blk = min(u32(col + u32(b * BSTRIDE)), last)",
+         "                        blk = min(u32(col + u32(b * WARP)), last)")],
     "codes_linear": [
-        ("            col = u32(first + u32(n0 + u32(8 * c)) * n_kb + kb0)",
-         "            col = u32(first + u32(n0 + u32(8 * c)) * n_kb + kb0)\n"
-         "            lane_i = u32(cuda.threadIdx.x) % u32(WARP)\n"
-         "            chunk = u32(first + u32(n0 - (lane_i >> u32(2))) * n_kb + u32(kb0 - (lane_i & u32(3))) * u32(STRIP))\n"
-         "            lin = u32(chunk + u32(2 * WARP * c) + lane_i)"),
-        ("                        ldg128(packed, u32(blk * u32(BLOCK_WORDS)))",
-         "                        ldg128(packed, u32(min(u32(lin + u32(b * WARP)), last) * u32(BLOCK_WORDS)))")],
+        (COL, COL + "\n" + LANE_CHUNK + LIN),
+        ("                            load128(packed, u32(blk * u32(BLOCK_WORDS)))",
+         "                            load128(packed, u32(min(u32(lin + u32(b * WARP)), last) * u32(BLOCK_WORDS)))")],
     "absmax_linear": [
-        ("            col = u32(first + u32(n0 + u32(8 * c)) * n_kb + kb0)",
-         "            col = u32(first + u32(n0 + u32(8 * c)) * n_kb + kb0)\n"
-         "            lane_i = u32(cuda.threadIdx.x) % u32(WARP)\n"
-         "            chunk = u32(first + u32(n0 - (lane_i >> u32(2))) * n_kb + u32(kb0 - (lane_i & u32(3))) * u32(STRIP))\n"
-         "            lin = u32(chunk + u32(2 * WARP * c) + lane_i)"),
-        ("                    am[c, b] = absmax[blk]", "                    am[c, b] = absmax[min(u32(lin + u32(b * WARP)), last)]")],
+        (COL, COL + "\n" + LANE_CHUNK + LIN),
+        ("                        am[c, b] = absmax[blk]",
+         "                        am[c, b] = absmax[min(u32(lin + u32(b * WARP)), last)]")],
     "one_block": [("KB_WARP = 8 ", "KB_WARP = 4 "), ("KB_LANE = 2\n", "KB_LANE = 1\n")],
-    "no_a": [("                    w4 = ldg128(A, u32(base + u32(4 * q)))",
+    "no_a": [("                    w4 = load_a(A, u32(base + u32(4 * q)))",
               "                    w4 = (u32(base + u32(4 * q)), u32(base ^ u32(q)), u32(base + u32(7)), u32(tok))")],
-    "codes_first": [("        load_strip(packed, absmax, first, u32((grp + grid) * group_cols + col0), kb0, last, nkb, codes_b, am_b)\n",
-                     "        load_strip(packed, absmax, first, u32((grp + grid) * group_cols + col0), kb0, last, nkb, codes_b, am_b)\n"
-                     "        if nkb == u32(0):\n            out[0] = out[1]\n")],
     "cap64": [("    max_registers: object = None\n", "    max_registers: object = 64\n")],
     "no_fill": [("            fill_tables(smem, cb, tid)\n        table = shared_addr(smem)",
                  "            pass\n        table = shared_addr(smem)")],
