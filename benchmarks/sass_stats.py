@@ -11,6 +11,10 @@ Each kernel's static instruction count and its ``--top`` opcodes are printed; ``
 Static counts (each instruction once, whether the loop runs it or the prologue) say what a change did to a loop
 body; what executes is Nsight Compute's (``stall_profile.py``). Used for benchmarks/README.md, "Twenty-sixth session".
 
+``--loop``: also the instruction count of each kernel's main loop (the longest span from a label to a backward branch
+to it: for the gemvs their persistent loop, whose pass the reader divides by its weights, e.g. the pair gemv's 3 column
+groups x cols x 32 x lane_blocks weights a lane).
+
 ``--ptx-version``: Numba may write a newer PTX ISA version than the local ptxas takes; the ``.version`` line is then
 lowered to this one (the kernels use no newer instruction; ptxas reports one if they do).
 """
@@ -49,12 +53,28 @@ def opcode(line):
     return m.group(1) if m else None
 
 
+def main_loop(sass):
+    """(instructions, opcode counts) of the longest span of ``sass`` from a label to a branch back to it."""
+    body, label_at, best = [], {}, (0, 0, -1)
+    for line in sass.splitlines():
+        label = re.match(r"\s*\.L_x_(\d+):", line)
+        if label:
+            label_at[label.group(1)] = len(body)
+        elif opcode(line):
+            body.append(line)
+            back = re.search(r"BRA\S*\s+`\(\.L_x_(\d+)\)", line)
+            if back and back.group(1) in label_at and len(body) - label_at[back.group(1)] > best[0]:
+                best = (len(body) - label_at[back.group(1)], label_at[back.group(1)], len(body))
+    return best[0], collections.Counter(map(opcode, body[best[1]:best[2]]))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("family")
     ap.add_argument("name", nargs="?", default="", help="only the specialisations whose name contains this")
     ap.add_argument("--top", type=int, default=25, help="opcodes to print per kernel")
     ap.add_argument("--sass-dir", help="write each kernel's SASS listing here")
+    ap.add_argument("--loop", action="store_true", help="also count each kernel's main loop")
     ap.add_argument("--ptx-version", default="8.0")
     args = ap.parse_args(argv)
 
@@ -79,6 +99,10 @@ def main(argv=None):
         print(f"{name}: {regs[0] if regs else '?'} registers, {spills[0] if spills else 0} bytes spilled, "
               f"{sum(ops.values())} SASS instructions")
         print("   " + ", ".join(f"{op} {n}" for op, n in ops.most_common(args.top)))
+        if args.loop:
+            count, loop_ops = main_loop(sass)
+            print(f"   main loop: {count} instructions: " + ", ".join(f"{op} {n}" for op, n in
+                                                                     loop_ops.most_common(args.top)))
         if args.sass_dir:
             os.makedirs(args.sass_dir, exist_ok=True)
             with open(os.path.join(args.sass_dir, re.sub(r"[^\w.=-]+", "_", name) + ".sass"), "w") as f:
