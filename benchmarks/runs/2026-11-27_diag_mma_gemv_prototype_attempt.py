@@ -8,7 +8,8 @@ each block j of rows g and g + 8, the elements 8t .. 8t + 7 (k = 2: bytes 2t, 2t
 The weights are re-laid on the host (``to_diag``: the "diag layout") so that a lane's words for a strip are
 contiguous (k = 4: 4, k = 2: 2 sixteen-byte loads) and its 4 absmax bytes one word. Knobs (environment):
 DIAG_K2 = lds64 (8-byte lookups, moved into the MMA's register order; default) | lds32 | lds32x32 (4-byte lookups,
-16 or 32 table copies); DIAG_CHAINS = independent accumulators of a strip's 16 MMAs; DIAG_HINT = load cache hint.
+16 or 32 table copies); DIAG_CHAINS = independent accumulators of a strip's 16 MMAs; DIAG_SPI = strips a slice an iteration (one barrier);
+DIAG_MODE = a (weights in A, the runs) | b (weights in B, built, not run); DIAG_HINT = load cache hint.
 Run from the repository root (it was scratch/diag_proto.py):
 
     python benchmarks/runs/2026-11-27_diag_mma_gemv_prototype_attempt.py [K x N list] [k list]
@@ -70,6 +71,7 @@ ldg8_at = _make_ld("u8", None)
 
 K2_MODE = os.environ.get("DIAG_K2", "lds64")       # lds32 (16 copies), lds32x32 (32 copies), lds64
 CHAINS = int(os.environ.get("DIAG_CHAINS", "1"))    # independent accumulators of a strip's 16 MMAs
+SPI = int(os.environ.get("DIAG_SPI", "1"))          # strips of 16 columns a slice takes an iteration (one barrier)
 
 
 def make_diag_kernel(k):
@@ -92,21 +94,25 @@ def make_diag_kernel(k):
                 i = u32(i + u32(cuda.blockDim.x))
             cuda.syncthreads()
     W = 16 if k == 4 else 8                     # code words a lane reads a strip (diag layout)
+    SCOLS = STRIP * SPI                         # columns a slice takes an iteration
+    WS, V2 = W * SPI, 2 * SPI                   # (local array sizes: constants)
 
     ir = cuda.jit(device=True, inline="always")
 
     @ir
     def load_strip(packed, absmax, strip, w, lane, last_strip, n_tiles, codes, am):
-        """The diag layout: lane l of K-warp w reads W contiguous words of (strip, tile w) and one absmax word."""
-        st = min(strip, last_strip)
-        slot = u32(u32(u32(st * n_tiles + w) * u32(WARP)) + lane)
-        for q in range(W // 4):
-            codes[4 * q], codes[4 * q + 1], codes[4 * q + 2], codes[4 * q + 3] = ldg128_stream(
-                packed, u32(u32(slot * u32(W)) + u32(4 * q)))
-        am[0] = ldg32_at(absmax, slot, 0)
+        """The diag layout: lane l of K-warp w reads W contiguous words of (strip, tile w) and one absmax word, for
+        each of the SPI strips strip * SPI + i."""
+        for i in range(SPI):
+            st = min(u32(strip * u32(SPI) + u32(i)), last_strip)
+            slot = u32(u32(u32(st * n_tiles + w) * u32(WARP)) + lane)
+            for q in range(W // 4):
+                (codes[i * W + 4 * q], codes[i * W + 4 * q + 1], codes[i * W + 4 * q + 2],
+                 codes[i * W + 4 * q + 3]) = ldg128_stream(packed, u32(u32(slot * u32(W)) + u32(4 * q)))
+            am[i] = ldg32_at(absmax, slot, 0)
 
     @ir
-    def decode_strip(smem, table, lane_off, codes, am, bx, v):
+    def decode_strip(smem, table, lane_off, codes, am, bx, v, i):
         acc = cuda.local.array((CHAINS, 4), np.float32)    # independent MMA chains (DIAG_CHAINS), summed at the end
         for q in range(CHAINS):
             for e in range(4):
@@ -115,12 +121,12 @@ def make_diag_kernel(k):
             for h in range(2):
                 if k == 2 and K2_MODE == "lds64":
                     sel = u32(PRMT_ROW | ((2 * (j % 2) + h) << 4))
-                    x0, x2 = lds64(smem, table + prmt(codes[j // 2], lane_off, sel))
-                    x1, x3 = lds64(smem, table + prmt(codes[4 + j // 2], lane_off, sel))
+                    x0, x2 = lds64(smem, table + prmt(codes[i * W + j // 2], lane_off, sel))
+                    x1, x3 = lds64(smem, table + prmt(codes[i * W + 4 + j // 2], lane_off, sel))
                 elif k == 2:    # word (c, j // 2): blocks j & ~1 (bytes 0, 1) and j | 1 (bytes 2, 3); byte h of the block
                     sel = u32(PRMT_ROW | ((2 * (j % 2) + h) << 4))
-                    r0 = table + prmt(codes[j // 2], lane_off, sel)
-                    r1 = table + prmt(codes[4 + j // 2], lane_off, sel)
+                    r0 = table + prmt(codes[i * W + j // 2], lane_off, sel)
+                    r1 = table + prmt(codes[i * W + 4 + j // 2], lane_off, sel)
                     x0 = lds_u32(smem, r0)
                     x2 = lds_u32(smem, u32(r0 + u32(4)))
                     x1 = lds_u32(smem, r1)
@@ -128,10 +134,10 @@ def make_diag_kernel(k):
                 else:
                     s0 = u32(PRMT_ROW | ((2 * h) << 4))
                     s1 = u32(PRMT_ROW | ((2 * h + 1) << 4))
-                    x0 = lds_u32(smem, table + prmt(codes[j], lane_off, s0))
-                    x2 = lds_u32(smem, table + prmt(codes[j], lane_off, s1))
-                    x1 = lds_u32(smem, table + prmt(codes[8 + j], lane_off, s0))
-                    x3 = lds_u32(smem, table + prmt(codes[8 + j], lane_off, s1))
+                    x0 = lds_u32(smem, table + prmt(codes[i * W + j], lane_off, s0))
+                    x2 = lds_u32(smem, table + prmt(codes[i * W + j], lane_off, s1))
+                    x1 = lds_u32(smem, table + prmt(codes[i * W + 8 + j], lane_off, s0))
+                    x3 = lds_u32(smem, table + prmt(codes[i * W + 8 + j], lane_off, s1))
                 q = (2 * j + h) % CHAINS
                 acc[q, 0], acc[q, 1], acc[q, 2], acc[q, 3] = mma_f16(x0, x1, x2, x3, bx[j, h, 0], bx[j, h, 1],
                                                                      acc[q, 0], acc[q, 1], acc[q, 2], acc[q, 3])
@@ -140,7 +146,7 @@ def make_diag_kernel(k):
                 acc[0, e] += acc[q, e]
         c0, c1, c2, c3 = acc[0, 0], acc[0, 1], acc[0, 2], acc[0, 3]
         # C[g, 2t], C[g, 2t + 1], C[g + 8, 2t], C[g + 8, 2t + 1]: blocks 2t, 2t + 1 of rows g, g + 8
-        a = am[0]
+        a = am[i]
         r0 = (c0 * smem[u32(TABLE_FLOATS + (a & u32(0xFF)))]
               + c1 * smem[u32(TABLE_FLOATS + ((a >> u32(8)) & u32(0xFF)))])
         r1 = (c2 * smem[u32(TABLE_FLOATS + ((a >> u32(16)) & u32(0xFF)))]
@@ -149,27 +155,33 @@ def make_diag_kernel(k):
         r1 += cuda.shfl_xor_sync(0xFFFFFFFF, r1, 1)
         r0 += cuda.shfl_xor_sync(0xFFFFFFFF, r0, 2)
         r1 += cuda.shfl_xor_sync(0xFFFFFFFF, r1, 2)
-        v[0] = r0
-        v[1] = r1
+        v[2 * i] = r0
+        v[2 * i + 1] = r1
 
     @ir
     def end_strip(smem, v, g, t, tid, part, flip, grp, slices, kw, out, N):
         if t == u32(0):
-            smem[u32(part + flip + g)] = v[0]
-            smem[u32(part + flip + g + u32(8))] = v[1]
+            for i in range(SPI):
+                smem[u32(part + flip + u32(STRIP * i) + g)] = v[2 * i]
+                smem[u32(part + flip + u32(STRIP * i) + g + u32(8))] = v[2 * i + 1]
         cuda.syncthreads()
-        if tid < u32(slices * u32(STRIP)):
-            s = u32(tid // u32(STRIP))
-            col = u32(tid - s * u32(STRIP))
-            p = u32(u32(PART) + flip + s * kw * u32(STRIP) + col)
-            p_end = u32(p + kw * u32(STRIP))
+        if tid < u32(slices * u32(SCOLS)):
+            s_ = u32(tid // u32(SCOLS))
+            col = u32(tid - s_ * u32(SCOLS))
+            p = u32(u32(PART) + flip + s_ * kw * u32(SCOLS) + col)
+            p_end = u32(p + kw * u32(SCOLS))
             total = np.float32(0.0)
             while p < p_end:
                 total += smem[p]
-                p = u32(p + u32(STRIP))
-            n = u32(u32(grp * slices + s) * u32(STRIP) + col)
+                p = u32(p + u32(SCOLS))
+            n = u32(u32(grp * slices + s_) * u32(SCOLS) + col)
             if n < u32(N):
                 out[n] = np.float16(total)
+
+    @ir
+    def decode_strip_all(smem, table, lane_off, codes, am, bx, v):
+        for i in range(SPI):
+            decode_strip(smem, table, lane_off, codes, am, bx, v, i)
 
     def diag_gemv(A, packed, absmax, cb, out, N, n_kb):
         smem = cuda.shared.array(0, np.float32)
@@ -184,16 +196,16 @@ def make_diag_kernel(k):
         sl = u32(warp // kw)
         w = u32(warp - sl * kw)
         kb0 = u32(w * u32(KB_WARP))
-        group_cols = u32(slices * u32(STRIP))
+        group_cols = u32(slices * u32(SCOLS))
         n_groups = u32((u32(N) + group_cols - u32(1)) // group_cols)
         grp = u32(cuda.blockIdx.x)
         grid = u32(cuda.gridDim.x)
-        codes_a = cuda.local.array(W, np.uint32)
-        codes_b = cuda.local.array(W, np.uint32)
-        codes_c = cuda.local.array(W, np.uint32)
-        am_a = cuda.local.array(1, np.uint32)
-        am_b = cuda.local.array(1, np.uint32)
-        am_c = cuda.local.array(1, np.uint32)
+        codes_a = cuda.local.array(WS, np.uint32)
+        codes_b = cuda.local.array(WS, np.uint32)
+        codes_c = cuda.local.array(WS, np.uint32)
+        am_a = cuda.local.array(SPI, np.uint32)
+        am_b = cuda.local.array(SPI, np.uint32)
+        am_c = cuda.local.array(SPI, np.uint32)
         n_tiles = kw
         last_strip = u32(u32(N) // u32(STRIP) - u32(1))
         load_strip(packed, absmax, u32(grp * slices + sl), w, lane, last_strip, n_tiles, codes_a, am_a)
@@ -216,32 +228,190 @@ def make_diag_kernel(k):
             sel[h] = u32(u32(PRMT_ROW) | u32(u32(u32(2) * (t & u32(1)) + u32(h)) << u32(4)))
         lane_off = u32((lane % u32(COPIES)) * u32(ENTRY))
         cuda.syncthreads()
-        part = u32(u32(PART) + (sl * kw + w) * u32(STRIP))
+        part = u32(u32(PART) + (sl * kw + w) * u32(SCOLS))
         flip = u32(0)
-        FLIP = u32(slices * kw * u32(STRIP))
-        v = cuda.local.array(2, np.float32)
+        FLIP = u32(slices * kw * u32(SCOLS))
+        v = cuda.local.array(V2, np.float32)
         while grp < n_groups:
             load_strip(packed, absmax, u32(u32(grp + u32(2) * grid) * slices + sl), w, lane, last_strip, n_tiles, codes_c, am_c)
-            decode_strip(smem, table, lane_off, codes_a, am_a, bx, v)
+            decode_strip_all(smem, table, lane_off, codes_a, am_a, bx, v)
             end_strip(smem, v, g, t, tid, part, flip, grp, slices, kw, out, N)
             flip = u32(FLIP - flip)
             grp = u32(grp + grid)
             if grp >= n_groups:
                 break
             load_strip(packed, absmax, u32(u32(grp + u32(2) * grid) * slices + sl), w, lane, last_strip, n_tiles, codes_a, am_a)
-            decode_strip(smem, table, lane_off, codes_b, am_b, bx, v)
+            decode_strip_all(smem, table, lane_off, codes_b, am_b, bx, v)
             end_strip(smem, v, g, t, tid, part, flip, grp, slices, kw, out, N)
             flip = u32(FLIP - flip)
             grp = u32(grp + grid)
             if grp >= n_groups:
                 break
             load_strip(packed, absmax, u32(u32(grp + u32(2) * grid) * slices + sl), w, lane, last_strip, n_tiles, codes_b, am_b)
-            decode_strip(smem, table, lane_off, codes_c, am_c, bx, v)
+            decode_strip_all(smem, table, lane_off, codes_c, am_c, bx, v)
             end_strip(smem, v, g, t, tid, part, flip, grp, slices, kw, out, N)
             flip = u32(FLIP - flip)
             grp = u32(grp + grid)
 
     return jit_kernel(diag_gemv)
+
+
+# ---- the other orientation: weights in the B operand (8 columns), the blocks' activations on A's diagonal ---------
+MODE = os.environ.get("DIAG_MODE", "a")          # "a": weights in A (16 columns a strip); "b": weights in B (8)
+BSTRIP = 8
+
+
+def make_bdiag_kernel(k):
+    """Weights as the MMA's B operand: lane (g, t) holds column g of an 8-column strip, elements 8t .. 8t + 7 of each
+    of the warp's 8 blocks: one 8-byte lookup (k = 2) or two 4-byte ones (k = 4) fill b0, b1 in the MMA's order.
+    A[m, kslot] = block m's activations for the MMA of block m, else 0 (rows 8..15 unused): C[m = block, n = column]."""
+    fill_table, ENTRY, COPIES = make_table_fill(k, "float16")
+    W = 8 if k == 4 else 4                      # code words a lane reads a strip (one column, 8 blocks)
+    ir = cuda.jit(device=True, inline="always")
+
+    @ir
+    def load_strip(packed, absmax, strip, w, lane, last_strip, n_tiles, codes, am):
+        st = min(strip, last_strip)
+        slot = u32(u32(u32(st * n_tiles + w) * u32(WARP)) + lane)
+        for q in range(W // 4):
+            codes[4 * q], codes[4 * q + 1], codes[4 * q + 2], codes[4 * q + 3] = ldg128_stream(
+                packed, u32(u32(slot * u32(W)) + u32(4 * q)))
+        am[0] = ldg32_at(absmax, slot, 0)
+
+    @ir
+    def decode_strip(smem, table, lane_off, codes, am, ax, v):
+        c0 = np.float32(0.0)
+        c1 = np.float32(0.0)
+        c2 = np.float32(0.0)
+        c3 = np.float32(0.0)
+        zero = u32(0)
+        for j in range(KB_WARP):
+            for h in range(2):
+                if k == 2:      # word j // 2: blocks 2m (bytes 0, 1), 2m + 1 (bytes 2, 3); byte h of the block
+                    sel = u32(PRMT_ROW | ((2 * (j % 2) + h) << 4))
+                    b0, b1 = lds64(smem, table + prmt(codes[j // 2], lane_off, sel))
+                else:
+                    b0 = lds_u32(smem, table + prmt(codes[j], lane_off, u32(PRMT_ROW | ((2 * h) << 4))))
+                    b1 = lds_u32(smem, table + prmt(codes[j], lane_off, u32(PRMT_ROW | ((2 * h + 1) << 4))))
+                c0, c1, c2, c3 = mma_f16(ax[j, h, 0], zero, ax[j, h, 1], zero, b0, b1, c0, c1, c2, c3)
+        a = am[0]           # columns 2t, 2t + 1 of block g
+        r0 = c0 * smem[u32(TABLE_FLOATS + (a & u32(0xFF)))]
+        r1 = c1 * smem[u32(TABLE_FLOATS + ((a >> u32(8)) & u32(0xFF)))]
+        for x in (4, 8, 16):                    # over the 8 blocks (lanes g)
+            r0 += cuda.shfl_xor_sync(0xFFFFFFFF, r0, x)
+            r1 += cuda.shfl_xor_sync(0xFFFFFFFF, r1, x)
+        v[0] = r0
+        v[1] = r1
+
+    @ir
+    def end_strip(smem, v, g, t, tid, part, flip, grp, slices, kw, out, N):
+        if g == u32(0):
+            smem[u32(part + flip + u32(2) * t)] = v[0]
+            smem[u32(part + flip + u32(2) * t + u32(1))] = v[1]
+        cuda.syncthreads()
+        if tid < u32(slices * u32(BSTRIP)):
+            s_ = u32(tid // u32(BSTRIP))
+            col = u32(tid - s_ * u32(BSTRIP))
+            p = u32(u32(PART) + flip + s_ * kw * u32(BSTRIP) + col)
+            p_end = u32(p + kw * u32(BSTRIP))
+            total = np.float32(0.0)
+            while p < p_end:
+                total += smem[p]
+                p = u32(p + u32(BSTRIP))
+            n = u32(u32(grp * slices + s_) * u32(BSTRIP) + col)
+            if n < u32(N):
+                out[n] = np.float16(total)
+
+    def bdiag_gemv(A, packed, absmax, cb, out, N, n_kb):
+        smem = cuda.shared.array(0, np.float32)
+        tid = u32(cuda.threadIdx.x)
+        lane = tid % u32(WARP)
+        warp = tid // u32(WARP)
+        g = lane >> u32(2)
+        t = lane & u32(3)
+        nkb = u32(n_kb)
+        kw = u32(nkb // u32(KB_WARP))
+        slices = u32(u32(cuda.blockDim.x) // u32(u32(WARP) * kw))
+        sl = u32(warp // kw)
+        w = u32(warp - sl * kw)
+        kb0 = u32(w * u32(KB_WARP))
+        n_groups = u32((u32(N) + slices * u32(BSTRIP) - u32(1)) // (slices * u32(BSTRIP)))
+        grp = u32(cuda.blockIdx.x)
+        grid = u32(cuda.gridDim.x)
+        codes_a = cuda.local.array(W, np.uint32)
+        codes_b = cuda.local.array(W, np.uint32)
+        codes_c = cuda.local.array(W, np.uint32)
+        am_a = cuda.local.array(1, np.uint32)
+        am_b = cuda.local.array(1, np.uint32)
+        am_c = cuda.local.array(1, np.uint32)
+        last_strip = u32(u32(N) // u32(BSTRIP) - u32(1))
+        load_strip(packed, absmax, u32(grp * slices + sl), w, lane, last_strip, kw, codes_a, am_a)
+        load_strip(packed, absmax, u32((grp + grid) * slices + sl), w, lane, last_strip, kw, codes_b, am_b)
+        fill_table(smem, cb, tid)
+        i = tid
+        while i < u32(256):
+            smem[u32(TABLE_FLOATS + i)] = e4m4_decode(np.uint8(i))
+            i = u32(i + u32(cuda.blockDim.x))
+        table = shared_addr(smem)
+        w4 = ldg128(A, u32(u32(u32(kb0 + g) * u32(16)) + u32(4) * t))   # block g's elements 8t .. 8t + 7
+        ax = cuda.local.array((KB_WARP, 2, 2), np.uint32)
+        for j in range(KB_WARP):
+            for h in range(2):
+                for e in range(2):
+                    ax[j, h, e] = w4[2 * h + e] if g == u32(j) else u32(0)
+        lane_off = u32((lane % u32(COPIES)) * u32(ENTRY))
+        cuda.syncthreads()
+        part = u32(u32(PART) + (sl * kw + w) * u32(BSTRIP))
+        flip = u32(0)
+        FLIP = u32(slices * kw * u32(BSTRIP))
+        v = cuda.local.array(2, np.float32)
+        while grp < n_groups:
+            load_strip(packed, absmax, u32(u32(grp + u32(2) * grid) * slices + sl), w, lane, last_strip, kw, codes_c,
+                       am_c)
+            decode_strip(smem, table, lane_off, codes_a, am_a, ax, v)
+            end_strip(smem, v, g, t, tid, part, flip, grp, slices, kw, out, N)
+            flip = u32(FLIP - flip)
+            grp = u32(grp + grid)
+            if grp >= n_groups:
+                break
+            load_strip(packed, absmax, u32(u32(grp + u32(2) * grid) * slices + sl), w, lane, last_strip, kw, codes_a,
+                       am_a)
+            decode_strip(smem, table, lane_off, codes_b, am_b, ax, v)
+            end_strip(smem, v, g, t, tid, part, flip, grp, slices, kw, out, N)
+            flip = u32(FLIP - flip)
+            grp = u32(grp + grid)
+            if grp >= n_groups:
+                break
+            load_strip(packed, absmax, u32(u32(grp + u32(2) * grid) * slices + sl), w, lane, last_strip, kw, codes_b,
+                       am_b)
+            decode_strip(smem, table, lane_off, codes_c, am_c, ax, v)
+            end_strip(smem, v, g, t, tid, part, flip, grp, slices, kw, out, N)
+            flip = u32(FLIP - flip)
+            grp = u32(grp + grid)
+
+    return jit_kernel(bdiag_gemv)
+
+
+def to_bdiag(kc_host, k):
+    """(packed words, absmax words) of the B-orientation layout: [strip of 8 columns][tile][g][t] lanes, each one
+    column's (g) 8 blocks, elements 8t .. 8t + 7 (k = 4: word t of each block; k = 2: half t % 2 of word t // 2, two
+    blocks a word); absmax word: bytes (column 2t, block g), (column 2t + 1, block g)."""
+    N, K = kc_host.shape
+    n_kb = K // 32
+    T = n_kb // KB_WARP
+    codes = np.asarray(kc_host.packed).reshape(N // BSTRIP, 8, T, KB_WARP, k)        # [s, g, tile, j, word]
+    if k == 4:
+        d = codes.transpose(0, 2, 1, 4, 3)                          # [s, tile, g, t, j]
+    else:
+        halves = np.stack([codes & 0xFFFF, codes >> 16], axis=-1).reshape(N // BSTRIP, 8, T, KB_WARP, 4)
+        h = halves.transpose(0, 2, 1, 4, 3)                          # [s, tile, g, t, j]
+        d = h[..., 0::2] | (h[..., 1::2] << 16)
+    packed = np.ascontiguousarray(d, dtype=np.uint32).reshape(-1)
+    ab = np.asarray(kc_host.absmax).reshape(N // BSTRIP, 8, T, KB_WARP).astype(np.uint32)   # [s, col, tile, blk]
+    ab = ab.transpose(0, 2, 3, 1)                                    # [s, tile, blk (= lane g), col]
+    lo, hi = ab[..., 0::2], ab[..., 1::2]                            # columns 2t, 2t + 1: [s, tile, g, t]
+    words = lo | (hi << 8)
+    return packed, np.ascontiguousarray(words, dtype=np.uint32).reshape(-1)
 
 
 def argtypes():
@@ -275,8 +445,9 @@ def launch_args(A, kc, out, cta_warps=16):
     kw = n_kb // KB_WARP
     slices = max(1, cta_warps // kw)
     threads = slices * kw * WARP
-    shared = TABLE_BYTES + 4 * (PART - TABLE_FLOATS) + 2 * slices * kw * STRIP * 4
-    groups = -(-N // (slices * STRIP))
+    strip = BSTRIP if MODE == "b" else STRIP * SPI
+    shared = TABLE_BYTES + 4 * (PART - TABLE_FLOATS) + 2 * slices * kw * strip * 4
+    groups = -(-N // (slices * strip))
     return threads, shared, groups
 
 
@@ -286,7 +457,7 @@ class _Host:
 
 
 def diag_device(kc, k):
-    p, a = to_diag(_Host(kc), k)
+    p, a = (to_bdiag if MODE == "b" else to_diag)(_Host(kc), k)
     return cuda.to_device(p), cuda.to_device(a)
 
 
@@ -296,7 +467,7 @@ def main(argv):
     rng = np.random.default_rng(1)
     for K, N in shapes:
         for k in ks:
-            kern = make_diag_kernel(k)
+            kern = make_bdiag_kernel(k) if MODE == "b" else make_diag_kernel(k)
             # correctness first, against the reference
             qw = ref.quantize((rng.standard_normal((N, K)) * 0.02).astype(np.float32), k=k)
             kc = pair_gemv.to_codes(qw)
