@@ -55,7 +55,7 @@ def opcode(line):
 
 def main_loop(sass):
     """(instructions, opcode counts) of the longest span of ``sass`` from a label to a branch back to it."""
-    body, label_at, best = [], {}, (0, 0, -1)
+    body, label_at, best = [], {}, (0, 0, 0)         # (no loop: 0 instructions, no opcodes)
     for line in sass.splitlines():
         label = re.match(r"\s*\.L_x_(\d+):", line)
         if label:
