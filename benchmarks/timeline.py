@@ -199,7 +199,7 @@ def instrumented(module, variants=(), stamps=True):
     name = module.__name__.rsplit(".", 1)[1]
     label = "_".join(variants) + ("_stamped" if stamps else "_plain")
     src = Path(module.__file__).read_text()
-    dev_src = Path(device.__file__).read_text()
+    dev_src = dev_orig = Path(device.__file__).read_text()
     for v in variants:
         if not any(fam in (name, "device") for fam, _, _ in VARIANTS[v]):
             raise SystemExit(f"timeline: variant {v} changes nothing in {name}.py")
@@ -211,7 +211,7 @@ def instrumented(module, variants=(), stamps=True):
     for anchor, text, where in (INSERTS[name] if stamps else []):
         src = _substitute(src, anchor, text + anchor if where == "before" else anchor + text, name)
     mod = _module(name, src, label)
-    if dev_src != Path(device.__file__).read_text():     # the kernels' table fill from the changed device.py
+    if dev_src != dev_orig:     # the kernels' table fill from the changed device.py
         mod.make_table_fill = _module("device", dev_src, label).make_table_fill
     mod.stamp, mod.stamp_entry, mod.stamp_group = stamp, stamp_entry, stamp_group    # (read when the kernel compiles)
     mod.PROLOGUE, mod.EXIT = PROLOGUE, EXIT
