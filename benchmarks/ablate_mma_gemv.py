@@ -49,6 +49,7 @@ SINK = '''    @ir_inlined
 MMA_CALL = '''                    acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3] = mma(
                         a0, a1, a2, a3, bx[j, b, s, 0], bx[j, b, s, 1],
                         acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3])'''
+TILE_LINE = "        tile = u32(part + flip + u32(r) * slot + u32(4) * lane)\n"   # end_strip's first line
 # load_strip's text that the *_linear variants replace (inside make_load_strip: 16 spaces)
 COL = "                col = u32(first + u32(n0 + u32(8 * c)) * n_kb + kb0)"
 LANE_CHUNK = ("                lane_i = u32(cuda.threadIdx.x) % u32(WARP)\n"
@@ -59,8 +60,7 @@ ABLATIONS = {
     "no_lds": [("lds_u32(smem, table + prmt(", "(table + prmt(")],
     "no_mma": [(MMA_CALL, "                    acc[4 * j] += u32_as_f32(((a0 ^ a1) ^ (a2 ^ a3)) ^ "
                           "(bx[j, b, s, 0] ^ bx[j, b, s, 1]))")],
-    "no_reduce": [("        tile = u32(part + flip + u32(r) * slot)\n",
-                   "        sink(acc, out)\n        return flip\n        tile = u32(part + flip + u32(r) * slot)\n"),
+    "no_reduce": [(TILE_LINE, "        sink(acc, out)\n        return flip\n" + TILE_LINE),
                   ("    @ir_inlined\n    def fill_tables(", SINK)],
     "no_sync": [("            cuda.syncthreads()\n            sum_tiles(", "            sum_tiles(")],
     "lane_linear": [

@@ -257,17 +257,22 @@ def py_warp_reduce_scatter(acc):
     return acc.sum(axis=0)[v_idx], v_idx, lanes % (WARP >> V_LOG) == 0
 
 
-@lru_cache(maxsize=None)
-def make_silu_pair_out(stride, partner, f16_out, inline=inlined):
-    """Device function ``silu_pair_out(smem, p, kw, out, row, n, N)``: the gemvs' ``silu_pairs`` epilogue
-    (``pair_gemv``, ``mma_gemv``). Column n (even) is gate j = n / 2 of a gate/up weight whose rows are interleaved,
-    and n + 1 is up j: write silu(gate) * up to out[row, j] of an [M, N / 2] output (float16 if ``f16_out``) from
-    the float32 partial sums, once an element: no SiLU kernel and no [M, N] round trip through memory. Column n's
-    kw partial sums are smem[p], smem[p + stride], ...; column n + 1's sit ``partner`` floats after each. The odd
-    column's thread writes nothing. ``inline``: how the caller inlines its helpers (``inlined``, or the tensor-core
-    gemv's IR inliner). Twin: ``reference.silu_pairs``."""
+@inlined
+def silu_mul(gate, up):
+    """silu(gate) * up in float32: the gemvs' ``silu_pairs`` epilogues (twin: ``reference.silu_pairs``)."""
+    return gate / (np.float32(1.0) + math.exp(-gate)) * up
 
-    @inline
+
+@lru_cache(maxsize=None)
+def make_silu_pair_out(stride, partner, f16_out):
+    """Device function ``silu_pair_out(smem, p, kw, out, row, n, N)``: the pair gemv's ``silu_pairs`` epilogue. Column
+    n (even) is gate j = n / 2 of a gate/up weight whose rows are interleaved, and n + 1 is up j: write silu(gate) * up
+    to out[row, j] of an [M, N / 2] output (float16 if ``f16_out``) from the float32 partial sums, once an element: no
+    SiLU kernel and no [M, N] round trip through memory. Column n's kw partial sums are smem[p], smem[p + stride], ...;
+    column n + 1's sit ``partner`` floats after each. The odd column's thread writes nothing. (The tensor-core gemv
+    sums its fragment-order tiles its own way, with the same ``silu_mul``.) Twin: ``reference.silu_pairs``."""
+
+    @inlined
     def silu_pair_out(smem, p, kw, out, row, n, N):
         if n % u32(2) == u32(0) and n < u32(N):
             gate, up = np.float32(0.0), np.float32(0.0)
@@ -276,7 +281,7 @@ def make_silu_pair_out(stride, partner, f16_out, inline=inlined):
                 gate += smem[p]
                 up += smem[u32(p + u32(partner))]
                 p = u32(p + u32(stride))
-            y = gate / (np.float32(1.0) + math.exp(-gate)) * up
+            y = silu_mul(gate, up)
             out[u32(row * u32(u32(N) // u32(2)) + n // u32(2))] = np.float16(y) if f16_out else y
 
     return silu_pair_out

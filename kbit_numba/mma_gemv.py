@@ -28,7 +28,7 @@ and waits on its own dependency chains. This kernel streams the weights the pair
 * **Geometry** as the pair gemv's: a CTA holds ``S`` slices of ``KW = ceil(K / 256)`` warps (K <= 8192),
   a persistent grid walks 16-column strips, loads run two iterations ahead in three register buffers,
   and the KW warps' partial C tiles are summed in shared memory, three strips at a time (one barrier per three
-  strips: ``BATCH``).
+  strips: ``BATCH``), stored in fragment order (a lane's 4 values of a token tile: one 16-byte store).
 * ``pdl=True``: built for a programmatic dependent launch, as the pair gemv, but its first two strips' weight loads
   really go out before the tables and the wait: ordinary loads, which ptxas keeps there, after the codebook's
   ``cp.async`` (``EARLY_LOADS``; M = 4 chains 4-13% faster, H200). Grouped: only the tables before the wait (the
@@ -54,11 +54,11 @@ from . import _arrays
 from .core import (SHARED_PER_SM, check_grouped, device_weight, fit_threads, max_tokens_per_expert, persistent_grid,
                    unused_i32)
 from .device import (CODEBOOK, PRMT_ROW, TABLE_BYTES, TABLE_FLOATS, WARP, e4m4_decode, f32_to_bf16_bits, i32,
-                     jit_kernel, make_silu_pair_out, make_table_fill, slot_expert, stage_codebook, u32)
+                     jit_kernel, make_table_fill, silu_mul, slot_expert, stage_codebook, u32)
 from .formats import (ABSMAX_FORMATS, BLOCK, CODES_K, KbitCodes, KbitFragments, check_fragment_shape,
                       fragment_position)
-from .intrinsics import (bmul2, f16x2_as_u32, griddep_launch_dependents, griddep_wait, hmul2, ld128, ldg128, lds64,
-                         lds_u32, mma_bf16, mma_f16, prmt, shared_addr, u32_as_f32)
+from .intrinsics import (bmul2, f16x2_as_u32, f32_as_u32, griddep_launch_dependents, griddep_wait, hmul2, ld128,
+                         ldg128, lds64, lds128, lds_u32, mma_bf16, mma_f16, prmt, shared_addr, sts128, u32_as_f32)
 from .launch import NUMBA_TYPES, OUT_TYPES, Plan, Spec, Step, launch_step, type_name
 
 N8 = 8                            # the MMA's n8: tokens per tile
@@ -68,6 +68,7 @@ STRIP = 16                        # columns per warp per iteration: the MMA's m1
 KB_WARP = 8                       # blocks per warp (256 k): 2 per lane of a quad
 KB_LANE = 2
 MMAS_PER_BLOCK = BLOCK // 4       # MMA s takes elements 4s .. 4s+3 of a lane's block
+FRAG_FLOATS = 4 * WARP            # a warp's C fragments of one token tile: 4 floats a lane, in lane order
 MAX_KW = 32                       # warps per slice (1024 threads): K <= 32 * 256 = 8192
 MAX_K = MAX_KW * KB_WARP * BLOCK
 K_STEP = KB_LANE * BLOCK          # K a multiple of 64 (at k = 2 a lane's two blocks are one 16-byte piece)
@@ -154,11 +155,13 @@ def make_mma_gemv_kernel(spec):
     TOKENS = N8 * TILES                            # rows of A a CTA takes
     TILE = STRIP * TOKENS                          # floats of one warp's partial C tile
     ACC = 4 * TILES                                # a lane's C fragment values
+    FRAG_SLOTS = TILES * WARP                      # 4-float slots of a warp's tile (token tile j, lane l)
+    # The summing threads' loads in flight (sum_tiles: every warp waits at the next barrier for the slowest sum, a
+    # chain of KW 16-byte loads). Two tiles keep one: the loop's registers exceed the 128 a 512-thread CTA may have,
+    # and each more set spilled more of them (H200: 4096x14336 M = 16 18.3 us with one, 20.8 with two, 21.0 with four).
+    SUM_SETS = 4 if TILES == 1 else 1
     assert BSTRIDE == 1 and CODE_WORDS == 4 or BLOCK_WORDS == 4, "a 16-byte load is one block or a block pair"
     SILU_PAIRS = spec.silu_pairs
-
-    # the silu_pairs epilogue (device.make_silu_pair_out): column n's partials a tile apart, n + 1's TOKENS after each
-    silu_pair_out = make_silu_pair_out(TILE, TOKENS, f16_out, ir_inlined)
 
     @ir_inlined
     def mark_rows(out, start, count, tid):
@@ -260,68 +263,104 @@ def make_mma_gemv_kernel(spec):
                         acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3])
 
     @ir_inlined
-    def end_strip(smem, acc, g, t, tid, part, flip, slot, r, grp, grid, n_groups, slices, kw, group_cols, out, N, M,
-                  row0):
-        """Put this lane's valid C values (tokens < M) of the strip in its warp's tile of slot r (of BATCH) of
-        the shared buffer half ``flip``. After a batch's last strip (or the CTA's), meet the CTA at one barrier
+    def end_strip(smem, table, acc, lane, tid, part, flip, slot, r, grp, grid, n_groups, slices, kw, group_cols, out,
+                  N, M, row0):
+        """Put this lane's C fragment of the strip in its warp's tile of slot r (of BATCH) of the shared buffer half
+        ``flip``: the tile in fragment order (tile j's lane l at floats 128 j + 4 l), so that a lane stores its 4 values
+        of a token tile with one 16-byte store (the 32 lanes' 512 bytes in 4 bank phases, no conflict) and the summing
+        threads read them back the same way. After a batch's last strip (or the CTA's), meet the CTA at one barrier
         and sum the batch's tiles over the K-warps (:func:`sum_tiles`); return the half the next batch writes.
         One barrier per BATCH strips: each barrier and each summing chain is a wait on every warp's critical
         path, now shared by three strips (benchmarks/README.md, "Batched reduction")."""
-        tile = u32(part + flip + u32(r) * slot)
+        tile = u32(part + flip + u32(r) * slot + u32(4) * lane)
         for j in range(TILES):
-            for h in range(2):                     # c0, c1: column g; c2, c3: column g + 8
-                for e in range(2):
-                    tok = u32(u32(N8 * j) + u32(2) * t + u32(e))
-                    if tok < M:
-                        smem[u32(tile + u32(u32(g + u32(8 * h)) * u32(TOKENS) + tok))] = acc[4 * j + 2 * h + e]
+            sts128(smem, table + u32(4) * u32(tile + u32(FRAG_FLOATS * j)), f32_as_u32(acc[4 * j]),
+                   f32_as_u32(acc[4 * j + 1]), f32_as_u32(acc[4 * j + 2]), f32_as_u32(acc[4 * j + 3]))
         if r == BATCH_ - 1 or u32(grp + grid) >= n_groups:
             cuda.syncthreads()
-            sum_tiles(smem, tid, flip, slot, u32(r + 1), u32(grp - u32(r) * grid), grid, slices, kw, group_cols,
-                      out, N, M, row0)
+            sum_tiles(smem, table, tid, flip, slot, u32(r + 1), u32(grp - u32(r) * grid), grid, slices, kw,
+                      group_cols, out, N, M, row0)
             return u32(u32(BATCH_) * slot - flip)
         return flip
 
     @ir_inlined
-    def sum_tiles(smem, tid, flip, slot, count, grp0, grid, slices, kw, group_cols, out, N, M, row0):
-        """One thread per (strip, slice, column, token) of the batch's ``count`` strips (strip r is column group
-        grp0 + r * grid) adds the slice's KW tiles and writes column n + column of row row0 + token (a loop: a
-        CTA of one warp has fewer threads than 16 M outputs). The other threads go on to the next strip
-        meanwhile (sharing each sum among several threads with shuffles was slower: everyone waited for it).
-        KW is up to 32: a thread keeps four sums, so that its loads do not wait on each other's adds."""
-        per_slice = u32(u32(STRIP) * M)
-        per_strip = u32(slices * per_slice)
+    def sum_fragment(smem, table, p, p_end):
+        """The sums of the four values at float p, p + TILE, ... (< p_end) of the partial tiles: one 16-byte load a
+        tile, SUM_SETS loads in flight (as many sets of sums, so that a load does not wait for another's adds)."""
+        s = cuda.local.array((SUM_SETS, 4), np.float32)
+        for a in range(SUM_SETS):
+            for e in range(4):
+                s[a, e] = np.float32(0.0)
+        while p + u32((SUM_SETS - 1) * TILE) < p_end:
+            for a in range(SUM_SETS):
+                v = lds128(smem, table + u32(4) * u32(p + u32(a * TILE)))
+                for e in range(4):
+                    s[a, e] += u32_as_f32(v[e])
+            p = u32(p + u32(SUM_SETS * TILE))
+        while p < p_end:
+            v = lds128(smem, table + u32(4) * p)
+            for e in range(4):
+                s[0, e] += u32_as_f32(v[e])
+            p = u32(p + u32(TILE))
+        for a in range(1, SUM_SETS):
+            for e in range(4):
+                s[0, e] += s[a, e]
+        return s[0, 0], s[0, 1], s[0, 2], s[0, 3]
+
+    @ir_inlined
+    def store_out(out, row, n, N, v):
+        if n < u32(N):
+            out[u32(row * u32(N) + n)] = np.float16(v) if f16_out else v
+
+    @ir_inlined
+    def store_silu(out, row, n, N, gate, up):
+        """silu(gate) * up of gate/up column pair (n, n + 1) into out[row, n / 2] of an [M, N / 2] output."""
+        if n < u32(N):
+            y = silu_mul(gate, up)
+            out[u32(row * u32(u32(N) // u32(2)) + n // u32(2))] = np.float16(y) if f16_out else y
+
+    @ir_inlined
+    def sum_tiles(smem, table, tid, flip, slot, count, grp0, grid, slices, kw, group_cols, out, N, M, row0):
+        """One thread per (strip, slice, token tile, lane slot) of the batch's ``count`` strips (strip r is column
+        group grp0 + r * grid) adds the slot's four values over the slice's KW tiles (:func:`sum_fragment`) and writes
+        them: columns g and g + 8 of the strip (g, t: the slot's lane quad and place) x tokens 8j + 2t and + 1 of rows
+        row0 + token. Slots whose tokens are all past M are skipped. A loop: a CTA of one warp has fewer threads than
+        the slots. The other threads go on to the next strip meanwhile (sharing each sum among several threads
+        with shuffles was slower: everyone waited for it).
+        silu_pairs: gate column 2i's slot (lane quad g even) also sums up column 2i + 1's, quad g + 1's, 16 floats
+        on, and writes silu(gate) * up of both token rows and both column pairs; the odd quads write nothing."""
+        per_strip = u32(slices * u32(FRAG_SLOTS))
         i = tid
         while i < u32(count * per_strip):
-            r = u32(i // per_strip)
-            v = u32(i - r * per_strip)
-            s_out = u32(v // per_slice)
-            v = u32(v - s_out * per_slice)
-            col = u32(v // M)
-            tok = u32(v - col * M)
-            p = u32(u32(PART) + flip + r * slot + s_out * kw * u32(TILE) + col * u32(TOKENS) + tok)
-            if SILU_PAIRS:
-                silu_pair_out(smem, p, kw, out, u32(row0 + tok),
-                              u32(u32(u32(grp0 + r * grid) * group_cols) + s_out * u32(STRIP) + col), N)
-                i = u32(i + u32(cuda.blockDim.x))
-                continue
-            p_end = u32(p + kw * u32(TILE))
-            s0 = np.float32(0.0)                   # four sums, so that four loads are in flight at a time
-            s1 = np.float32(0.0)
-            s2 = np.float32(0.0)
-            s3 = np.float32(0.0)
-            while p + u32(3 * TILE) < p_end:
-                s0 += smem[p]
-                s1 += smem[u32(p + u32(TILE))]
-                s2 += smem[u32(p + u32(2 * TILE))]
-                s3 += smem[u32(p + u32(3 * TILE))]
-                p = u32(p + u32(4 * TILE))
-            while p < p_end:
-                s0 += smem[p]
-                p = u32(p + u32(TILE))
-            total = (s0 + s1) + (s2 + s3)
-            n = u32(u32(u32(grp0 + r * grid) * group_cols) + s_out * u32(STRIP) + col)
-            if n < u32(N):
-                out[u32(u32(row0 + tok) * u32(N) + n)] = np.float16(total) if f16_out else total
+            q = u32(i // u32(FRAG_SLOTS))          # (strip r, slice) of the batch
+            slot_j = u32(i - q * u32(FRAG_SLOTS))  # (token tile j, lane l): 4 floats at 4 slot_j of each tile
+            r = u32(0)
+            for b in range(1, BATCH_):
+                if q >= u32(b * slices):
+                    r = u32(r + u32(1))
+            s_out = u32(q - r * slices)
+            lane = slot_j % u32(WARP)
+            g = lane >> u32(2)
+            tok = u32(u32(N8) * (slot_j // u32(WARP)) + u32(2) * (lane & u32(3)))
+            if tok < M and (not SILU_PAIRS or g % u32(2) == u32(0)):
+                p = u32(u32(PART) + flip + r * slot + s_out * kw * u32(TILE) + u32(4) * slot_j)
+                p_end = u32(p + kw * u32(TILE))
+                n = u32(u32(u32(grp0 + r * grid) * group_cols) + s_out * u32(STRIP) + g)
+                row = u32(row0 + tok)
+                v0, v1, v2, v3 = sum_fragment(smem, table, p, p_end)   # (n, tok), (n, tok + 1), (n + 8, tok), ...
+                if SILU_PAIRS:                                         # up: the next quad's slot, 4 lanes on
+                    u0, u1, u2, u3 = sum_fragment(smem, table, u32(p + u32(16)), u32(p_end + u32(16)))
+                    store_silu(out, row, n, N, v0, u0)
+                    store_silu(out, row, u32(n + u32(8)), N, v2, u2)
+                    if u32(tok + u32(1)) < M:
+                        store_silu(out, u32(row + u32(1)), n, N, v1, u1)
+                        store_silu(out, u32(row + u32(1)), u32(n + u32(8)), N, v3, u3)
+                else:
+                    store_out(out, row, n, N, v0)
+                    store_out(out, row, u32(n + u32(8)), N, v2)
+                    if u32(tok + u32(1)) < M:
+                        store_out(out, u32(row + u32(1)), n, N, v1)
+                        store_out(out, u32(row + u32(1)), u32(n + u32(8)), N, v3)
             i = u32(i + u32(cuda.blockDim.x))
 
     @ir_inlined
@@ -427,21 +466,21 @@ def make_mma_gemv_kernel(spec):
         while grp < n_groups:
             load_strip(packed, absmax, first, u32(grp * group_cols + ahead + col0), kb0, last, nkb, codes_c, am_c)
             decode_strip(smem, table, lane_off, codes_a, am_a, bx, acc)
-            flip = end_strip(smem, acc, g, t, tid, part, flip, slot, 0 % BATCH_, grp, grid, n_groups, slices, kw,
+            flip = end_strip(smem, table, acc, lane, tid, part, flip, slot, 0 % BATCH_, grp, grid, n_groups, slices, kw,
                              group_cols, out, N, m, row0)
             grp = u32(grp + grid)
             if grp >= n_groups:
                 break
             load_strip(packed, absmax, first, u32(grp * group_cols + ahead + col0), kb0, last, nkb, codes_a, am_a)
             decode_strip(smem, table, lane_off, codes_b, am_b, bx, acc)
-            flip = end_strip(smem, acc, g, t, tid, part, flip, slot, 1 % BATCH_, grp, grid, n_groups, slices, kw,
+            flip = end_strip(smem, table, acc, lane, tid, part, flip, slot, 1 % BATCH_, grp, grid, n_groups, slices, kw,
                              group_cols, out, N, m, row0)
             grp = u32(grp + grid)
             if grp >= n_groups:
                 break
             load_strip(packed, absmax, first, u32(grp * group_cols + ahead + col0), kb0, last, nkb, codes_b, am_b)
             decode_strip(smem, table, lane_off, codes_c, am_c, bx, acc)
-            flip = end_strip(smem, acc, g, t, tid, part, flip, slot, 2 % BATCH_, grp, grid, n_groups, slices, kw,
+            flip = end_strip(smem, table, acc, lane, tid, part, flip, slot, 2 % BATCH_, grp, grid, n_groups, slices, kw,
                              group_cols, out, N, m, row0)
             grp = u32(grp + grid)
 
@@ -501,7 +540,8 @@ def tiles_for(M):
 
 def part_bytes(slices, kw, tiles=1, batch=BATCH):
     """Dynamic shared bytes after the group table: the E4M4 table, the codebook and the double-buffered
-    partial C tiles [2, batch, slices, kw, STRIP x 8 tiles] float32."""
+    partial C tiles [2, batch, slices, kw, tiles, 32 lanes, 4] float32 (a warp's 16 x 8 C tile a token tile, in fragment
+    order)."""
     return 4 * (PART - TABLE_FLOATS) + 2 * batch * slices * kw * STRIP * N8 * tiles * 4
 
 
