@@ -49,7 +49,8 @@ SINK = '''    @ir_inlined
 MMA_CALL = '''                    acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3] = mma(
                         a0, a1, a2, a3, bx[j, b, s, 0], bx[j, b, s, 1],
                         acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3])'''
-TILE_LINE = "        tile = u32(part + flip + u32(r) * slot + u32(4) * lane)\n"   # end_strip's first line
+# end_strip's first line (no_reduce returns before it)
+TILE_LINE = "        tile = u32(part + flip + u32(r) * slot + u32(4) * lane)\n"
 # load_strip's text that the *_linear variants replace (inside make_load_strip: 16 spaces)
 COL = "                col = u32(first + u32(n0 + u32(8 * c)) * n_kb + kb0)"
 LANE_CHUNK = ("                lane_i = u32(cuda.threadIdx.x) % u32(WARP)\n"
