@@ -12,7 +12,8 @@ package with benchmarks/device_ab_bench.sh. ``--mma``: the same for the tensor-c
 as the B file; float16 A only, so one accumulation); ``--fragments`` with it: both on the fragment layout
 (``mma_gemv.to_fragments``; N a multiple of 16, K of 256). ``--layouts``: the working tree's pair gemv on the fragment
 layout (A) against itself on the code layout (B); give ``-`` for the B file. ``--a-cols=C``, ``--a-warps=W``: A's
-plan with those knobs (cols, cta_warps) instead of the defaults.
+plan with those knobs (cols, cta_warps) instead of the defaults. ``--silu`` with ``--mma``: both with the SiLU
+epilogue (``silu_pairs=True``, an [M, N / 2] output; give N as the interleaved gate/up width, e.g. 4096x28672).
 """
 import importlib.util
 import sys
@@ -26,9 +27,11 @@ from kbit_numba._timing import graph_time_us, rotation_count
 mma = "--mma" in sys.argv
 fragments = "--fragments" in sys.argv
 layouts = "--layouts" in sys.argv
+silu = "--silu" in sys.argv
 a_knobs = {name: int(a.split("=")[1]) for a in sys.argv
            for flag, name in (("--a-cols=", "cols"), ("--a-warps=", "cta_warps")) if a.startswith(flag)}
-sys.argv = [a for a in sys.argv if a not in ("--mma", "--fragments", "--layouts") and not a.startswith("--a-")]
+FLAGS = ("--mma", "--fragments", "--layouts", "--silu")
+sys.argv = [a for a in sys.argv if a not in FLAGS and not a.startswith("--a-")]
 if layouts:
     other = pair_gemv
 else:
@@ -52,14 +55,14 @@ for K, N in shapes:
         kcs_b = codes if layouts else kcs
         for M in ms:
             A = cuda.to_device(rng.standard_normal((M, K)).astype(np.float16))
-            out = cuda.device_array((M, N), np.float16)
-            floor = bench.floor_us(nbytes + M * K * 2 + M * N * 2)
+            out = cuda.device_array((M, N // 2 if silu else N), np.float16)
+            floor = bench.floor_us(nbytes + M * K * 2 + M * out.shape[1] * 2)
             cub = bench.cublas_row(K, N, M) or 0.0
             for f16 in (False,) if mma else (False, True):
                 ts = {}
                 for rep in range(3):
                     for name, mod in (("A", mma_gemv if mma else pair_gemv), ("B", other)):
-                        options = {} if mma else {"f16_acc": f16}
+                        options = {"silu_pairs": True} if silu else {} if mma else {"f16_acc": f16}
                         options.update(a_knobs if name == "A" else {})
                         weights = kcs if name == "A" else kcs_b
                         launches = [mod.plan(A, kc, out, 0, **options).prepare().run for kc in weights]

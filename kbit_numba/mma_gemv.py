@@ -308,6 +308,21 @@ def make_mma_gemv_kernel(spec):
         return s[0, 0], s[0, 1], s[0, 2], s[0, 3]
 
     @ir_inlined
+    def sum_gate_up(smem, table, p, p_end):
+        """silu_pairs: the sums of the two values at float p (gate column, tokens tok and tok + 1) and the two at
+        p + 16 (its up column, the next quad's slot) of each of the tiles TILE floats apart below p_end."""
+        g0, g1, u0, u1 = np.float32(0.0), np.float32(0.0), np.float32(0.0), np.float32(0.0)
+        while p < p_end:
+            x0, x1 = lds64(smem, table + u32(4) * p)
+            y0, y1 = lds64(smem, table + u32(4) * u32(p + u32(16)))
+            g0 += u32_as_f32(x0)
+            g1 += u32_as_f32(x1)
+            u0 += u32_as_f32(y0)
+            u1 += u32_as_f32(y1)
+            p = u32(p + u32(TILE))
+        return g0, g1, u0, u1
+
+    @ir_inlined
     def store_out(out, row, n, N, v):
         if n < u32(N):
             out[u32(row * u32(N) + n)] = np.float16(v) if f16_out else v
@@ -327,8 +342,9 @@ def make_mma_gemv_kernel(spec):
         row0 + token. Slots whose tokens are all past M are skipped. A loop: a CTA of one warp has fewer threads than
         the slots. The other threads go on to the next strip meanwhile (sharing each sum among several threads
         with shuffles was slower: everyone waited for it).
-        silu_pairs: gate column 2i's slot (lane quad g even) also sums up column 2i + 1's, quad g + 1's, 16 floats
-        on, and writes silu(gate) * up of both token rows and both column pairs; the odd quads write nothing."""
+        silu_pairs: the slots of quads g (even: gate columns n, n + 8) and g + 1 (up columns n + 1, n + 9) make two
+        gate/up pairs; the even quad's thread writes silu(gate) * up of pair n, the odd one's of pair n + 8, for both
+        token rows (:func:`sum_gate_up`: 8-byte loads, as few registers as the plain sums)."""
         per_strip = u32(slices * u32(FRAG_SLOTS))
         i = tid
         while i < u32(count * per_strip):
@@ -342,20 +358,24 @@ def make_mma_gemv_kernel(spec):
             lane = slot_j % u32(WARP)
             g = lane >> u32(2)
             tok = u32(u32(N8) * (slot_j // u32(WARP)) + u32(2) * (lane & u32(3)))
-            if tok < M and (not SILU_PAIRS or g % u32(2) == u32(0)):
+            if tok < M:
                 p = u32(u32(PART) + flip + r * slot + s_out * kw * u32(TILE) + u32(4) * slot_j)
                 p_end = u32(p + kw * u32(TILE))
                 n = u32(u32(u32(grp0 + r * grid) * group_cols) + s_out * u32(STRIP) + g)
                 row = u32(row0 + tok)
-                v0, v1, v2, v3 = sum_fragment(smem, table, p, p_end)   # (n, tok), (n, tok + 1), (n + 8, tok), ...
-                if SILU_PAIRS:                                         # up: the next quad's slot, 4 lanes on
-                    u0, u1, u2, u3 = sum_fragment(smem, table, u32(p + u32(16)), u32(p_end + u32(16)))
-                    store_silu(out, row, n, N, v0, u0)
-                    store_silu(out, row, u32(n + u32(8)), N, v2, u2)
+                if SILU_PAIRS:
+                    # gate/up column pairs (n, n + 1) sit in the slots of quads g and g + 1 (16 floats on): an even
+                    # quad's thread takes its slot's column n (floats 0, 1: tokens tok, tok + 1), an odd quad's the
+                    # even neighbour's column n - 1 + 8 (floats 2, 3)
+                    odd = g % u32(2)
+                    p = u32(p - odd * u32(14))
+                    gate0, gate1, up0, up1 = sum_gate_up(smem, table, p, u32(p_end - odd * u32(14)))
+                    pair = u32(n + odd * u32(7))
+                    store_silu(out, row, pair, N, gate0, up0)
                     if u32(tok + u32(1)) < M:
-                        store_silu(out, u32(row + u32(1)), n, N, v1, u1)
-                        store_silu(out, u32(row + u32(1)), u32(n + u32(8)), N, v3, u3)
+                        store_silu(out, u32(row + u32(1)), pair, N, gate1, up1)
                 else:
+                    v0, v1, v2, v3 = sum_fragment(smem, table, p, p_end)   # (n, tok), (n, tok + 1), (n + 8, tok), ..
                     store_out(out, row, n, N, v0)
                     store_out(out, row, u32(n + u32(8)), N, v2)
                     if u32(tok + u32(1)) < M:
