@@ -20,7 +20,8 @@ import sys
 import numpy as np
 
 KERNELS = ("gemv", "pair_gemv", "pair_gemv_f16", "mma_gemv")   # pair_gemv_f16: f16_acc=True
-# also: mma_gemv_f, the tensor-core gemv on the fragment layout (mma_gemv.to_fragments)
+# also: mma_gemv_f, the tensor-core gemv on the fragment layout (mma_gemv.to_fragments); mma_gemv_silu, the
+# tensor-core gemv's SiLU epilogue (silu_pairs=True, code layout: the decode step's gate/up; N = the gate/up width)
 INST = "smsp__inst_executed.sum"
 
 
@@ -30,7 +31,7 @@ def _points(argv):
     ms = [int(v) for v in (argv[2] if len(argv) > 2 else "1,4").split(",")]
     kernels = argv[3].split(",") if len(argv) > 3 else KERNELS
     return [(K, N, k, M, kern) for K, N in shapes for k in ks for M in ms for kern in kernels
-            if M <= 4 or kern in ("mma_gemv", "mma_gemv_f", "floor")]
+            if M <= 4 or kern in ("mma_gemv", "mma_gemv_f", "mma_gemv_silu", "floor")]
 
 
 def launch(points):
@@ -60,6 +61,8 @@ def launch(points):
             mma_gemv.prepare(A, pair_gemv.to_codes(qw)).run()
         elif kern == "mma_gemv_f":
             mma_gemv.prepare(A, mma_gemv.to_fragments(pair_gemv.to_codes(qw))).run()
+        elif kern == "mma_gemv_silu":
+            mma_gemv.plan(A, pair_gemv.to_codes(qw), silu_pairs=True).launch()
         else:
             pair_gemv.prepare(A, pair_gemv.to_codes(qw), f16_acc=kern == "pair_gemv_f16").run()
         cuda.synchronize()

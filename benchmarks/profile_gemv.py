@@ -5,7 +5,8 @@
 
 KERNEL: ``gemv`` (the scalar gemv, default), ``pair`` or ``pair_f16`` (the pair gemv on the code layout,
 fp32 or ``f16_acc`` sums; k = 2 or 4; ``pair_frag``, ``pair_f16_frag``: on the fragment layout), ``mma`` (the
-tensor-core gemv, M <= 8).
+tensor-core gemv, M <= 16; ``mma_frag``: on the fragment layout; ``mma_silu``: its SiLU epilogue, N the gate/up
+width).
 """
 import sys
 
@@ -23,6 +24,10 @@ if kernel == "gemv":
     prep = kb.prepare_gemv(A, qw)
 elif kernel == "mma":
     prep = kb.mma_gemv.prepare(A, kb.pair_gemv.to_codes(qw))
+elif kernel == "mma_frag":
+    prep = kb.mma_gemv.prepare(A, kb.mma_gemv.to_fragments(kb.pair_gemv.to_codes(qw)))
+elif kernel == "mma_silu":
+    prep = kb.mma_gemv.plan(A, kb.pair_gemv.to_codes(qw), silu_pairs=True).prepare()
 else:
     kc = kb.pair_gemv.to_codes(qw)
     prep = kb.pair_gemv.prepare(A, kb.mma_gemv.to_fragments(kc) if kernel.endswith("_frag") else kc,
