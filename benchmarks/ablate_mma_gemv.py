@@ -1,9 +1,9 @@
 """Where the tensor-core gemv's time goes: the kernel timed with parts of it taken out (an ablation).
 
-    python benchmarks/ablate_mma_gemv.py [K x N list] [M list] [variant list]
+    python benchmarks/ablate_mma_gemv.py [K x N list] [M list] [variant list] [k]
 
 Each variant is ``kbit_numba/mma_gemv.py`` with text substitutions (``ABLATIONS``), loaded as its own module
-and timed like every row (CUDA graphs, L2-cold rotating weights, k = 4), beside the unchanged kernel, the pair
+and timed like every row (CUDA graphs, L2-cold rotating weights, k = 4 or the last argument), beside the unchanged kernel, the pair
 gemv with float16 block sums (M <= 4), the read floor and cuBLAS fp16 of the same run. An ablated kernel
 computes garbage: only its time means something. Two rounds, alternating the variants; the best is printed.
 
@@ -23,6 +23,8 @@ Variants (``+`` combines them, e.g. ``no_lds+no_mma``):
   no_a       the activations (the B fragments) not loaded: each lane makes its words from its addresses, so the
              time without the prologue's M x K activation reads (every CTA reads all of A from the L2)
   cap64      (not an ablation) every build capped at 64 registers a thread (``one_block+cap64``: two CTAs an SM)
+  a_k4_order (k = 2) each lane loads the activations of blocks t and t + 4 of its warp's 8 (k = 4's order: a 16-byte
+             load instruction of the warp touches 16 cache lines of A) instead of its own blocks 2t, 2t + 1 (32 lines)
 
 Each line also gives the largest difference of the variant's output from the unchanged kernel's (over one launch):
 about 0 for the variants that are not ablations, garbage for the others.
@@ -82,6 +84,10 @@ ABLATIONS = {
     "cap64": [("    max_registers: object = None\n", "    max_registers: object = 64\n")],
     "no_fill": [("            fill_tables(smem, cb, tid)\n        table = shared_addr(smem)",
                  "            pass\n        table = shared_addr(smem)")],
+    "a_k4_order": [("                kb = u32(kb0 + u32(b * BSTRIDE))\n",
+                    "                kb = u32(w * u32(KB_WARP) + t + u32(4 * b))\n"),
+                   ("                live = tok < m and (kb0 if BSTRIDE == 1 else kb) < nkb",
+                    "                live = tok < m and kb < nkb")],
 }
 
 
@@ -113,7 +119,7 @@ def main():
                         ["no_lds", "no_mma", "no_reduce", "no_sync", "no_fill", "no_lds+no_mma+no_reduce+no_fill"])
     modules = {name: variant(name) for name in names}
     rng = np.random.default_rng(1)
-    k = 4
+    k = int(sys.argv[4]) if len(sys.argv) > 4 else 4
     for K, N in shapes:
         nbytes = N * K // 32 * (4 * k + 1)
         n = rotation_count(nbytes)

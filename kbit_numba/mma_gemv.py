@@ -69,6 +69,7 @@ KB_WARP = 8                       # blocks per warp (256 k): 2 per lane of a qua
 KB_LANE = 2
 MMAS_PER_BLOCK = BLOCK // 4       # MMA s takes elements 4s .. 4s+3 of a lane's block
 FRAG_FLOATS = 4 * WARP            # a warp's C fragments of one token tile: 4 floats a lane, in lane order
+FULL_MASK = 0xFFFFFFFF            # shuffles of the whole warp
 MAX_KW = 32                       # warps per slice (1024 threads): K <= 32 * 256 = 8192
 MAX_K = MAX_KW * KB_WARP * BLOCK
 K_STEP = KB_LANE * BLOCK          # K a multiple of 64 (at k = 2 a lane's two blocks are one 16-byte piece)
@@ -162,6 +163,11 @@ def make_mma_gemv_kernel(spec):
     SUM_SETS = 4 if TILES == 1 else 1
     assert BSTRIDE == 1 and CODE_WORDS == 4 or BLOCK_WORDS == 4, "a 16-byte load is one block or a block pair"
     SILU_PAIRS = spec.silu_pairs
+    # k = 2's lane holds blocks 2t, 2t + 1 (one 16-byte weight load), but loads its activations as k = 4 does (blocks
+    # t, t + 4) and swaps them into place with shuffles, once a launch: its own blocks' 16-byte loads put a quad's four
+    # lanes 128 bytes apart, so each load instruction touched 32 cache lines instead of 16, and the prologue's
+    # activation loads backed up (H200, 2048x5120 M = 8: 35% `lg` stalls; benchmarks/README.md, "Thirty-eighth session")
+    A_SWAP = BSTRIDE == 1
 
     @ir_inlined
     def mark_rows(out, start, count, tid):
@@ -466,13 +472,31 @@ def make_mma_gemv_kernel(spec):
         for j in range(TILES):
             tok = u32(g + u32(N8 * j))
             for b in range(KB_LANE):
-                kb = u32(kb0 + u32(b * BSTRIDE))
-                live = tok < m and (kb0 if BSTRIDE == 1 else kb) < nkb      # k = 2: n_kb and kb0 are even
+                # blocks t and t + 4 of the warp's 8 (k = 2 too: see A_SWAP), so that the quad's four 16-byte loads
+                # of a row fall in 256 bytes
+                if A_SWAP:
+                    kb = u32(u32(w * u32(KB_WARP)) + t + u32(4 * b))
+                else:
+                    kb = u32(kb0 + u32(b * BSTRIDE))
+                live = tok < m and kb < nkb
                 base = u32(u32(u32(row0 + tok) * nkb + kb) * u32(A_WORDS)) if live else u32(0)
                 for q in range(A_WORDS // 4):      # words 4q .. 4q+3: MMAs 2q and 2q + 1
                     w4 = load_a(A, u32(base + u32(4 * q)))
                     for h in range(4):
                         bx[j, b, 2 * q + h // 2, h % 2] = w4[h] if live else u32(0)
+            if A_SWAP:      # k = 2: lane t needs blocks 2t, 2t + 1; block 2t + c is in quad lane (2t + c) % 4, in its
+                src0 = u32((lane & u32(~3 & 0xFFFFFFFF)) | ((u32(2) * t) & u32(3)))        # first set if t < 2,
+                src1 = u32((lane & u32(~3 & 0xFFFFFFFF)) | ((u32(2) * t + u32(1)) & u32(3)))   # else its second
+                hi = t >= u32(2)
+                for s in range(MMAS_PER_BLOCK):
+                    for h in range(2):
+                        x0, x1 = i32(bx[j, 0, s, h]), i32(bx[j, 1, s, h])     # (shfl_sync takes signed words)
+                        a0 = cuda.shfl_sync(FULL_MASK, x0, src0)
+                        a1 = cuda.shfl_sync(FULL_MASK, x1, src0)
+                        c0 = cuda.shfl_sync(FULL_MASK, x0, src1)
+                        c1 = cuda.shfl_sync(FULL_MASK, x1, src1)
+                        bx[j, 0, s, h] = u32(a1 if hi else a0)
+                        bx[j, 1, s, h] = u32(c1 if hi else c0)
         lane_off = u32((lane % u32(COPIES)) * u32(ENTRY))
         if not EARLY_BARRIER:       # (the activation loads above overlap the barrier)
             cuda.syncthreads()
