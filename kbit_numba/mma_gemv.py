@@ -472,8 +472,8 @@ def make_mma_gemv_kernel(spec):
         for j in range(TILES):
             tok = u32(g + u32(N8 * j))
             for b in range(KB_LANE):
-                # blocks t and t + 4 of the warp's 8 (k = 2 too: see A_SWAP), so that the quad's four 16-byte loads
-                # of a row fall in 256 bytes
+                # blocks t and t + 4 of the warp's 8 at both k (k = 2: see A_SWAP; k = 4 keeps its own expression of
+                # the same blocks, whose PTX every k = 4 measurement ran), so a quad's four loads of a row span 256 bytes
                 if A_SWAP:
                     kb = u32(u32(w * u32(KB_WARP)) + t + u32(4 * b))
                 else:
