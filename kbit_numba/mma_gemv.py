@@ -53,7 +53,7 @@ from numba import cuda
 from . import _arrays
 from .core import (SHARED_PER_SM, check_grouped, device_weight, fit_threads, max_tokens_per_expert, persistent_grid,
                    unused_i32)
-from .device import (CODEBOOK, PRMT_ROW, TABLE_BYTES, TABLE_FLOATS, WARP, e4m4_decode, f32_to_bf16_bits, i32,
+from .device import (CODEBOOK, FULL_MASK, PRMT_ROW, TABLE_BYTES, TABLE_FLOATS, WARP, e4m4_decode, f32_to_bf16_bits, i32,
                      jit_kernel, make_table_fill, silu_mul, slot_expert, stage_codebook, u32)
 from .formats import (ABSMAX_FORMATS, BLOCK, CODES_K, KbitCodes, KbitFragments, check_fragment_shape,
                       fragment_position)
@@ -69,7 +69,6 @@ KB_WARP = 8                       # blocks per warp (256 k): 2 per lane of a qua
 KB_LANE = 2
 MMAS_PER_BLOCK = BLOCK // 4       # MMA s takes elements 4s .. 4s+3 of a lane's block
 FRAG_FLOATS = 4 * WARP            # a warp's C fragments of one token tile: 4 floats a lane, in lane order
-FULL_MASK = 0xFFFFFFFF            # shuffles of the whole warp
 MAX_KW = 32                       # warps per slice (1024 threads): K <= 32 * 256 = 8192
 MAX_K = MAX_KW * KB_WARP * BLOCK
 K_STEP = KB_LANE * BLOCK          # K a multiple of 64 (at k = 2 a lane's two blocks are one 16-byte piece)
