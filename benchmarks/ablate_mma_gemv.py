@@ -23,8 +23,6 @@ Variants (``+`` combines them, e.g. ``no_lds+no_mma``):
   no_a       the activations (the B fragments) not loaded: each lane makes its words from its addresses, so the
              time without the prologue's M x K activation reads (every CTA reads all of A from the L2)
   cap64      (not an ablation) every build capped at 64 registers a thread (``one_block+cap64``: two CTAs an SM)
-  a_k4_order (k = 2) each lane loads the activations of blocks t and t + 4 of its warp's 8 (k = 4's order: a 16-byte
-             load instruction of the warp touches 16 cache lines of A) instead of its own blocks 2t, 2t + 1 (32 lines)
 
 Each line also gives the largest difference of the variant's output from the unchanged kernel's (over one launch):
 about 0 for the variants that are not ablations, garbage for the others.
@@ -84,10 +82,6 @@ ABLATIONS = {
     "cap64": [("    max_registers: object = None\n", "    max_registers: object = 64\n")],
     "no_fill": [("            fill_tables(smem, cb, tid)\n        table = shared_addr(smem)",
                  "            pass\n        table = shared_addr(smem)")],
-    "a_k4_order": [("                kb = u32(kb0 + u32(b * BSTRIDE))\n",
-                    "                kb = u32(w * u32(KB_WARP) + t + u32(4 * b))\n"),
-                   ("                live = tok < m and (kb0 if BSTRIDE == 1 else kb) < nkb",
-                    "                live = tok < m and kb < nkb")],
 }
 
 
