@@ -992,7 +992,8 @@ def main(argv=None):
         table = tune_table(rows, name)
         old = _read_table(path)
         table.update({key: old[key] for key in ("codes_rules", "codes_variants", "codes_shapes",  # (not tuned here)
-                                                "codes_mm_rules", "codes_mm_shapes") if key in old and key not in table})
+                                                "codes_mm_rules", "codes_mm_shapes", "mma_gemv_max_m")
+                      if key in old and key not in table})
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
             json.dump(table, f, indent=1)

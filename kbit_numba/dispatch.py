@@ -64,8 +64,17 @@ PAIR_GEMV_MAX_ROW_WARPS_F16 = 56
 PAIR_GEMV_F16_MAX_M = {4: 3}       # k -> the largest M the pair gemv with float16 block sums takes from it
 # The tensor-core gemv's two token tiles (M = 9..16) take 10-20% less time than the tiled gemm and 25-28% less than
 # the code layout's at k = 4 (M = 12, 16 on 4096x14336, 2048x5120, 4096x6144), but up to 1.8x more at k = 2. H100,
-# benchmarks/README.md. Past this M (one tile, 8, for other k) the rules' mma_gemv rows run the gemm.
+# benchmarks/README.md. Past this M (one tile, 8, for other k) the rules' mma_gemv rows run the gemm. A GPU's table
+# may set its own caps (``mma_gemv_max_m``, by k): since k = 2 loads its activations in k = 4's order (A_SWAP) its two
+# tiles beat the code layout's gemm by 2-29% at M = 12 and by 17-30% on three of five shapes at M = 16 (3.5-3.7%
+# slower on two) on the H200 (benchmarks/README.md, "Thirty-ninth session"); the H100 was not measured since.
 MMA_GEMV_MAX_M = {4: 16}           # k -> the largest M the tensor-core gemv takes
+
+
+def mma_gemv_max_m(table, k):
+    """The largest M the tensor-core gemv takes on a weight of ``k`` bits: the table's ``mma_gemv_max_m[str(k)]``
+    (measured on its GPU), else ``MMA_GEMV_MAX_M[k]``, else one token tile (8)."""
+    return int(table.get("mma_gemv_max_m", {}).get(str(k), MMA_GEMV_MAX_M.get(k, mma_gemv.N8)))
 
 
 # ---- the per-GPU table ---------------------------------------------------------------------------
@@ -135,15 +144,16 @@ def choose_rule(M, N, K, layout, table=None, backend=None, half=True, f16_acc=Fa
     ``half``: the activations are float16 or bfloat16 (what the tensor-core gemv takes). ``f16_acc``: a pair
     gemv would sum its blocks in float16 (float16 activations, ``f16_acc`` asked for): it then stays the choice to
     a longer K at M = 3, 4 (``PAIR_GEMV_MAX_ROW_WARPS_F16``) and, for the weight's bits ``k``, takes M = 3 from the
-    tensor-core gemv at k = 4 (``PAIR_GEMV_F16_MAX_M``). The tensor-core gemv takes M up to ``MMA_GEMV_MAX_M`` for
-    ``k`` (8 where k is not in it), the gemm beyond. ``pdl``: the gemv would run as a programmatic dependent launch
-    (``KbitLinear(pdl=True)``; the table's rules for that variant apply: :func:`codes_rules`)."""
+    tensor-core gemv at k = 4 (``PAIR_GEMV_F16_MAX_M``). The tensor-core gemv takes M up to
+    :func:`mma_gemv_max_m` (the table's cap for ``k``, else ``MMA_GEMV_MAX_M``, else 8), the gemm beyond. ``pdl``: the
+    gemv would run as a programmatic dependent launch (``KbitLinear(pdl=True)``; the table's rules for that variant
+    apply: :func:`codes_rules`)."""
     table = table or load_table()
     codes = layout == "codes"      # (pair gemv, tensor-core gemv and gemm where K allows, dequantize + cuBLAS)
     rules = (codes_rules(table, N, K, k, f16_acc, pdl) if codes
              else table.get("shapes", {}).get(f"{K}x{N}", table["rules"]))
     want, params = _first_rule(rules, M)
-    if codes and want == "mma_gemv" and M > MMA_GEMV_MAX_M.get(k, mma_gemv.N8):
+    if codes and want == "mma_gemv" and M > mma_gemv_max_m(table, k):
         want, params = "gemm", {}
     if codes and want in ("gemm", "dequant_matmul"):   # past the gemvs: the crossover --tune measured for this layout
         mm = table.get("codes_mm_shapes", {}).get(f"{K}x{N}") or table.get("codes_mm_rules")

@@ -34,6 +34,11 @@ def test_choose_follows_rules_shapes_and_fallbacks():
     kk = lambda M, k: L.choose(M, 512, 64, "codes", TABLE, "torch", k=k)  # noqa
     assert [kk(M, 4) for M in (8, 9, 16, 17)] == ["mma_gemv"] * 3 + ["gemm"]
     assert [kk(M, 2) for M in (8, 9, 16)] == ["mma_gemv", "gemm", "gemm"]
+    # ... unless the GPU's table sets its own cap for that k (mma_gemv_max_m; the H200's: 16 at k = 2)
+    capped = dict(TABLE, mma_gemv_max_m={"2": 16, "4": 12})
+    kt = lambda M, k: L.choose(M, 512, 64, "codes", capped, "torch", k=k)  # noqa
+    assert [kt(M, 2) for M in (8, 9, 16, 17)] == ["mma_gemv"] * 3 + ["gemm"]
+    assert [kt(M, 4) for M in (12, 13)] == ["mma_gemv", "gemm"]
     assert ch(100, layout="codes", backend=False) == "gemm"
     assert {ch(M, K=96, layout="codes", backend=False) for M in (1, 5, 100)} == {"pair_gemv"}   # K % 64 != 0
     # K > 8192 (no tensor-core gemv): the pair gemv where its registers fit, else the gemm
