@@ -5,7 +5,7 @@
 
 (default: every family; name some to check only those). ``pdl``: a chain of pair gemvs launched as
 programmatic dependent launches, each reading the previous one's output. ``mma``: the tensor-core gemv (also
-several batches of strips a CTA, on both layouts, and as a PDL chain); ``grouped`` includes fragment-layout experts;
+several batches of strips a CTA, on both layouts, as a PDL chain, and split-K); ``grouped`` includes fragment-layout experts;
 ``grouped_pair``: the grouped pair gemv (a token row a grid slot) at each of its default knob sets;
 ``attention``: ``bench_model``'s ``decode_attention`` (the decode step's attention stand-in).
 """
@@ -115,6 +115,14 @@ if "mma" in families:      # N = 37 (a partial strip), K = 1088 (5 K-warps, the 
     kc = pair_gemv.to_codes(kb.quantize(rng.standard_normal((74, 1088)).astype(np.float16), k=4))
     for M in (3, 12):
         mma_gemv.plan(rng.standard_normal((M, 1088)).astype(np.float16), kc, silu_pairs=True).launch().copy_to_host()
+    # split-K: K = 8256 (33 K-warps: 3 splits of 11, the last warp with idle lanes), a partial strip, both k, one and
+    # two tiles, a PDL launch; and a forced split of K = 1088 (5 K-warps: 3 splits of 2, the last warp past K)
+    for k in pair_gemv.CODES_K:
+        kc = pair_gemv.to_codes(kb.quantize(rng.standard_normal((37, 8256)).astype(np.float16), k=k))
+        for M, pdl in ((4, True), (16, False)):
+            mma_gemv.plan(rng.standard_normal((M, 8256)).astype(np.float16), kc, pdl=pdl).launch().copy_to_host()
+        kc = pair_gemv.to_codes(kb.quantize(rng.standard_normal((37, 1088)).astype(np.float16), k=k))
+        mma_gemv.plan(rng.standard_normal((8, 1088)).astype(np.float16), kc, split=3).launch().copy_to_host()
 if "pdl" in families:      # N = K = 1056: a partial column group, two K-warps; float32 and float16 block sums
 
     from kbit_numba import pair_gemv

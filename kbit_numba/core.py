@@ -8,6 +8,8 @@
 * Geometry: ``MAX_M`` (rows a GEMV kernel holds in registers), ``sm_count()``, ``k_warps`` (warps side
   by side along K when a lane owns a 32-element block), ``unused_i32()`` (the dummy for a kernel
   argument a launch does not use).
+* Split-K sums (the tensor-core gemm's and gemv's): ``new_workspace``, ``split_sums`` (a workspace checked or made),
+  ``finish_step`` (the launch that writes the output from the sums and zeroes them again).
 
 Kernel families import from here, ``formats``, ``device`` (device functions), ``intrinsics`` and
 ``launch``; never from each other.
@@ -21,10 +23,10 @@ import numpy as np
 from numba import cuda
 
 from . import _arrays
-from .device import WARP
+from .device import WARP, jit_kernel
 from .formats import BLOCK, KbitCodes, KbitExperts, KbitFragments, KbitWeight
 from .intrinsics import SIMULATOR
-from .launch import OUT_TYPES, Spec, type_name
+from .launch import OUT_TYPES, Spec, Step, type_name
 
 MAX_M = 4                        # rows of A a GEMV kernel holds in registers (M = 1..4)
 
@@ -77,6 +79,46 @@ def persistent_grid(work, threads, regs, shared):
     regs_alloc = max(8, -(-regs // 8) * 8)
     per_sm = max(1, min(REGISTERS_PER_SM // (threads * regs_alloc), SHARED_PER_SM // (shared + 1024)))
     return min(work, sm_count() * per_sm)
+
+
+# ---- split-K sums (the tensor-core gemm's and gemv's): partial sums added atomically into a float32 workspace,
+#      then one small launch writes the output and zeroes the workspace, ready for the next call
+FINISH_THREADS = 256
+
+
+def new_workspace(M, N, stream=0):
+    """A zeroed float32 split-K workspace for an M x N output (the kernels leave it zeroed)."""
+    return cuda.to_device(np.zeros(M * N, np.float32), stream=stream)
+
+
+def split_sums(ws, n, stream):
+    """The split-K workspace: ``ws`` checked to hold n float32 values, or a new zeroed one."""
+    ws = _arrays.device_array(ws if ws is not None else new_workspace(n, 1, stream), "workspace",
+                              (np.float32,), 1)
+    if ws.shape[0] < n:
+        raise ValueError(f"workspace must hold at least {n} float32 values (rows x N)")
+    return ws
+
+
+@lru_cache(maxsize=None)
+def make_finish_kernel(out_dtype):
+    """Kernel(ws, out, n): out[i] = ws[i] (converted), ws[i] = 0 -- the split-K epilogue."""
+    f16_out = np.dtype(out_dtype) == np.float16
+
+    def finish_kernel(ws, out, n):
+        i = cuda.grid(1)
+        if i < n:
+            v = ws[i]
+            out[i] = np.float16(v) if f16_out else v
+            ws[i] = np.float32(0.0)
+
+    return jit_kernel(finish_kernel)
+
+
+def finish_step(ws, out, n):
+    """The split-K epilogue's launch: the first n sums of ``ws`` into ``out`` (any shape, n values), ws zeroed."""
+    return Step(make_finish_kernel(out.dtype.name), -(-n // FINISH_THREADS), FINISH_THREADS,
+                (ws, _arrays.flat_view(out), np.int32(n)))
 
 
 def k_warps(K):

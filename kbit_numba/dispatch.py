@@ -8,7 +8,7 @@ M <= max_m wins, ``null`` = any M) and per-shape rules for the shapes it measure
 A rule is only followed when its kernel applies; otherwise the next applicable one in ``FALLBACK``:
 ``gemv`` needs M <= 4 (bigger M runs it in slices of 4 rows), ``gemm`` the tiled layout,
 ``dequant_matmul`` torch or CuPy for the cuBLAS call. A weight in the code layout (``KbitCodes``, k = 2, 4)
-is read by ``pair_gemv``, by ``mma_gemv`` (M <= 16, float16/bfloat16 A, K a multiple of 64 up to 8192) and by
+is read by ``pair_gemv``, by ``mma_gemv`` (M <= 16, float16/bfloat16 A, K a multiple of 64; split past 8192) and by
 ``gemm`` (K a multiple of 64); the table's ``codes_rules`` (default ``CODES_RULES``) choose between them, and its
 ``codes_variants`` and ``codes_shapes`` (``python -m kbit_numba.bench --tune-codes``) hold rules with the pair gemv's
 launch knobs measured best on that GPU, for any shape and per shape (``codes_rules()``). Where those rules give the
@@ -50,9 +50,10 @@ DEFAULT_TABLE = {"device": "default", "rules": [[4, "gemv"], [256, "gemm"], [Non
                  "shapes": {}}
 # The code layout, when a table has no codes_rules (H100, benchmarks/README.md): the pair gemv at M <= 2, the
 # tensor-core gemv to M = 8 (faster than the pair gemv at M = 4 and the gemm at M = 8 on every measured shape;
-# to 16 at k = 4: MMA_GEMV_MAX_M), the gemm to 64, dequantize + cuBLAS from the tiled tables' crossover on. Where
-# the tensor-core gemv does not apply
-# (K > 8192, float32 A) the pair gemv runs to M = 4 if its CTA of all K's warps fits without a register cap
+# to 16 at k = 4: MMA_GEMV_MAX_M), the gemm to 64, dequantize + cuBLAS from the tiled tables' crossover on. Past
+# K = 8192 the tensor-core gemv splits K (a llama3-8b down projection: 14336x4096 k = 4 M = 4 19.8 us against the
+# gemm's 32.0 and the float16-sum pair gemv's 24.6; H200, benchmarks/README.md "Thirty-ninth session"). Where it
+# does not apply (float32 A) the pair gemv runs to M = 4 if its CTA of all K's warps fits without a register cap
 # (PAIR_GEMV_MAX_ROW_WARPS), else the gemm.
 CODES_RULES = [[2, "pair_gemv"], [16, "mma_gemv"], [64, "gemm"], [None, "dequant_matmul"]]   # (see MMA_GEMV_MAX_M)
 PAIR_GEMV_MAX_ROW_WARPS = 32       # M * ceil(K / 1024): M = 4 at K = 14336 (56) spilled, 85 us vs the gemm's 38
@@ -339,8 +340,10 @@ def plan(A, qw, out=None, stream=None, workspace=None, out_dtype=np.float16, bf1
         return tensor_gemm.plan(A, qw, out, stream, out_dtype, bf16, sums, **params)
     if kernel == "dequant_matmul":
         return plan_dequant_matmul(A, qw, out, stream, out_dtype, workspace, bf16)
-    if kernel == "mma_gemv":
-        return mma_gemv.plan(A, qw, out, stream, out_dtype, bf16, **params)
+    if kernel == "mma_gemv":  # (past K = 8192 it splits K: its sums go into the workspace, as the gemm's)
+        split = mma_gemv.k_splits(K, params.get("split"))[0] > 1
+        sums = workspace.sums(M * N, stream) if workspace is not None and split else None
+        return mma_gemv.plan(A, qw, out, stream, out_dtype, bf16, workspace=sums, **params)
     gemv_plan = (partial(pair_gemv.plan, f16_acc=f16_acc, **params) if kernel == "pair_gemv"
                  else partial(scalar_gemv.plan, **params))
     if M <= MAX_M:
@@ -381,8 +384,8 @@ class KbitLinear:
     ``layout="auto"`` (the default) keeps the **code layout** (``KbitCodes``, the same bytes) for k = 2, 4
     when K is a multiple of 64 (and the weight is flat or already codes), else the tiled layout. The
     code layout serves every M: the pair gemv at M = 1, 2 (the fastest kbit kernel there: 1.6x the tiled
-    gemv at 4096x14336 on the H100), the tensor-core gemv to M = 8, 16 at k = 4 (K <= 8192, float16/bfloat16 A), the
-    tensor-core gemm above, and dequantize + cuBLAS for large M; its gemm is 2-25% slower than the tiled
+    gemv at 4096x14336 on the H100), the tensor-core gemv to M = 8, 16 at k = 4 (float16/bfloat16 A; K split past
+    8192), the tensor-core gemm above, and dequantize + cuBLAS for large M; its gemm is 2-25% slower than the tiled
     layout's at M = 8..16 (H100, benchmarks/README.md), so prefill-heavy use at k = 2, 4 may prefer
     ``layout="tiled"``. The tiled layout (N a multiple of 128; otherwise the flat layout, served by gemv and
     dequantize + cuBLAS) serves the scalar gemv and the gemm.

@@ -29,6 +29,10 @@ and waits on its own dependency chains. This kernel streams the weights the pair
   a persistent grid walks 16-column strips, loads run two iterations ahead in three register buffers,
   and the KW warps' partial C tiles are summed in shared memory, three strips at a time (one barrier per three
   strips: ``BATCH``), stored in fragment order (a lane's 4 values of a token tile: one 16-byte store).
+* **Split-K** (``split_k``; K > 8192, e.g. a llama3-8b down projection, K = 14336, or ``plan(split=)``): a CTA
+  holds only its share of the K-warps (grid.y = the splits, ~``SPLIT_KW`` warps each: a CTA of all 56 would need
+  1792 threads), its sums go into a float32 workspace by atomic adds, and the gemm's finish launch
+  (``core.finish_step``) writes the output and zeroes the workspace again.
 * ``pdl=True``: built for a programmatic dependent launch, as the pair gemv, but its first two strips' weight loads
   really go out before the tables and the wait: ordinary loads, which ptxas keeps there, after the codebook's
   ``cp.async`` (``EARLY_LOADS``; M = 4 chains 4-13% faster, H200). Grouped: only the tables before the wait (the
@@ -51,8 +55,8 @@ import numpy as np
 from numba import cuda
 
 from . import _arrays
-from .core import (SHARED_PER_SM, check_grouped, device_weight, fit_threads, max_tokens_per_expert, persistent_grid,
-                   unused_i32)
+from .core import (SHARED_PER_SM, check_grouped, device_weight, finish_step, fit_threads, max_tokens_per_expert,
+                   persistent_grid, split_sums, unused_i32)
 from .device import (CODEBOOK, FULL_MASK, PRMT_ROW, TABLE_BYTES, TABLE_FLOATS, WARP, e4m4_decode, f32_to_bf16_bits, i32,
                      jit_kernel, make_table_fill, silu_mul, slot_expert, stage_codebook, u32)
 from .formats import (ABSMAX_FORMATS, BLOCK, CODES_K, KbitCodes, KbitFragments, check_fragment_shape,
@@ -69,8 +73,9 @@ KB_WARP = 8                       # blocks per warp (256 k): 2 per lane of a qua
 KB_LANE = 2
 MMAS_PER_BLOCK = BLOCK // 4       # MMA s takes elements 4s .. 4s+3 of a lane's block
 FRAG_FLOATS = 4 * WARP            # a warp's C fragments of one token tile: 4 floats a lane, in lane order
-MAX_KW = 32                       # warps per slice (1024 threads): K <= 32 * 256 = 8192
+MAX_KW = 32                       # warps per slice (1024 threads): K <= 32 * 256 = 8192 in one CTA
 MAX_K = MAX_KW * KB_WARP * BLOCK
+SPLIT_KW = 16                     # K-warps a split aims for past MAX_K (K = 14336: 4 splits of 14; DEFAULTS' CTA)
 K_STEP = KB_LANE * BLOCK          # K a multiple of 64 (at k = 2 a lane's two blocks are one 16-byte piece)
 # Block b of lane t in its warp's 8 blocks: t * LANE_STRIDE + b * BLOCK_STRIDE (see the docstring: whole sectors)
 LANE_STRIDE = {2: 2, 4: 1}
@@ -103,6 +108,7 @@ class MmaGemvSpec(Spec):
     batch: int = BATCH              # strips per barrier and sum (1: where BATCH's partial tiles do not fit)
     max_registers: object = None
     silu_pairs: bool = False        # the epilogue silu(C[:, 2j]) * C[:, 2j + 1] into an [M, N / 2] output
+    split_k: bool = False           # grid.y splits K; out is a float32 workspace the sums are added to (atomics)
 
     def normalise(self):
         if self.k not in CODES_K:
@@ -114,11 +120,15 @@ class MmaGemvSpec(Spec):
         if self.batch not in (1, BATCH):        # the loop body holds BATCH strips: a batch ends with it or each strip
             raise ValueError(f"mma gemv sums the partial tiles of 1 or {BATCH} strips at a time, "
                              f"got batch={self.batch}")
+        if self.split_k and (self.grouped or self.silu_pairs
+                             or type_name(self.out_dtype, "out_dtype", OUT_TYPES) != "float32"):
+            raise ValueError("split_k adds plain sums into a float32 workspace: not grouped, not silu_pairs, "
+                             "out_dtype float32")
         return dict(k=int(self.k), a_type=type_name(self.a_type, "a_type", MMA_TYPES),
                     out_dtype=type_name(self.out_dtype, "out_dtype", OUT_TYPES), pdl=bool(self.pdl),
                     grouped=bool(self.grouped), tiles=int(self.tiles), fragments=bool(self.fragments),
                     batch=int(self.batch), max_registers=int(self.max_registers) if self.max_registers else None,
-                    silu_pairs=bool(self.silu_pairs))
+                    silu_pairs=bool(self.silu_pairs), split_k=bool(self.split_k))
 
 
 @lru_cache(maxsize=None)
@@ -127,7 +137,8 @@ def make_mma_gemv_kernel(spec):
     :class:`MmaGemvSpec`; blockDim = 32 * KW * S, ``TABLE_BYTES + part_bytes(S, KW)`` bytes of dynamic shared
     memory. A: the [M, K] activations as uint32 words of two float16 (bfloat16) values, M <= 8 * spec.tiles;
     n_kb = K / 32, even.
-    Grouped: A [T, K] and out [T, N] hold every expert's rows (offsets: int32 [E + 1]), M is unused."""
+    Grouped: A [T, K] and out [T, N] hold every expert's rows (offsets: int32 [E + 1]), M is unused.
+    Split-K: out is a zeroed float32 workspace [M*N]; CTA row blockIdx.y adds the sums of its share of the K-warps."""
     k, absmax_format, out_dtype, PDL, GROUPED = spec.k, spec.absmax_format, spec.out_dtype, spec.pdl, spec.grouped
     bf16 = spec.a_type == "bfloat16"
     # the tables' barrier before griddep_wait, as pair_gemv's EARLY_BARRIER: at k = 4 the llama3-8b B = 4 step
@@ -162,6 +173,7 @@ def make_mma_gemv_kernel(spec):
     SUM_SETS = 4 if TILES == 1 else 1
     assert BSTRIDE == 1 and CODE_WORDS == 4 or BLOCK_WORDS == 4, "a 16-byte load is one block or a block pair"
     SILU_PAIRS = spec.silu_pairs
+    SPLIT_K = spec.split_k
     # k = 2's lane holds blocks 2t, 2t + 1 (one 16-byte weight load), but loads its activations as k = 4 does (blocks
     # t, t + 4) and swaps them into place with shuffles, once a launch: its own blocks' 16-byte loads put a quad's four
     # lanes 128 bytes apart, so each load instruction touched 32 cache lines instead of 16, and the prologue's
@@ -330,7 +342,10 @@ def make_mma_gemv_kernel(spec):
     @ir_inlined
     def store_out(out, row, n, N, v):
         if n < u32(N):
-            out[u32(row * u32(N) + n)] = np.float16(v) if f16_out else v
+            if SPLIT_K:             # one of the splits' sums (a red.global.add: the result is unused)
+                cuda.atomic.add(out, u32(row * u32(N) + n), v)
+            else:
+                out[u32(row * u32(N) + n)] = np.float16(v) if f16_out else v
 
     @ir_inlined
     def store_silu(out, row, n, N, gate, up):
@@ -437,10 +452,13 @@ def make_mma_gemv_kernel(spec):
         g = lane >> u32(2)
         t = lane & u32(3)
         kw = u32((nkb + u32(KB_WARP - 1)) // u32(KB_WARP))     # K-warps per slice
+        if SPLIT_K:                 # this CTA's share of them: split blockIdx.y of gridDim.y
+            kw = u32((kw + u32(cuda.gridDim.y) - u32(1)) // u32(cuda.gridDim.y))
         slices = u32(u32(cuda.blockDim.x) // u32(u32(WARP) * kw))
         sl = u32(warp // kw)
         w = u32(warp - sl * kw)
-        kb0 = u32(w * u32(KB_WARP) + u32(TSTRIDE) * t)          # this lane's first block
+        wk = u32(u32(cuda.blockIdx.y) * kw + w) if SPLIT_K else w   # the warp's place along K
+        kb0 = u32(wk * u32(KB_WARP) + u32(TSTRIDE) * t)         # this lane's first block
         group_cols = u32(slices * u32(STRIP))
         col0 = u32(sl * u32(STRIP) + g)                          # the lane's first column in a group
         n_groups = u32((u32(N) + group_cols - u32(1)) // group_cols)
@@ -474,7 +492,7 @@ def make_mma_gemv_kernel(spec):
                 # blocks t and t + 4 of the warp's 8 at both k (k = 2: see A_SWAP; k = 4 keeps its own expression of
                 # the same blocks, whose PTX every k = 4 measurement ran), so a quad's four loads of a row span 256 bytes
                 if A_SWAP:
-                    kb = u32(u32(w * u32(KB_WARP)) + t + u32(4 * b))
+                    kb = u32(u32(wk * u32(KB_WARP)) + t + u32(4 * b))
                 else:
                     kb = u32(kb0 + u32(b * BSTRIDE))
                 live = tok < m and kb < nkb
@@ -572,8 +590,22 @@ def to_fragments(kc, stream=None):
 
 def reads(M, K):
     """Whether a launch takes M rows on a code-layout weight with K columns (the activations must also be
-    float16 or bfloat16)."""
-    return 1 <= M <= MAX_TOKENS and K % K_STEP == 0 and K <= MAX_K
+    float16 or bfloat16); past ``MAX_K`` it splits K (:func:`k_splits`)."""
+    return 1 <= M <= MAX_TOKENS and K % K_STEP == 0
+
+
+def k_splits(K, split=None):
+    """(splits of K, K-warps a split) of a launch on K columns: ``split`` as asked (no split left empty), else one
+    up to ``MAX_K`` (a CTA holds all of K's warps) and about ``SPLIT_KW`` warps a split beyond."""
+    kw = -(-(K // BLOCK) // KB_WARP)
+    if split is None:
+        split = 1 if K <= MAX_K else -(-kw // SPLIT_KW)
+    elif isinstance(split, bool) or not isinstance(split, (int, np.integer)) or not 1 <= split <= kw:
+        raise ValueError(f"split must be an integer from 1 to K / 256 rounded up ({kw}), got {split!r}")
+    per = -(-kw // int(split))
+    if per > MAX_KW:
+        raise ValueError(f"split={split} leaves {per} K-warps a CTA; at most {MAX_KW} (K <= {MAX_K} a split)")
+    return -(-kw // per), per
 
 
 def tiles_for(M):
@@ -588,13 +620,16 @@ def part_bytes(slices, kw, tiles=1, batch=BATCH):
     return 4 * (PART - TABLE_FLOATS) + 2 * batch * slices * kw * STRIP * N8 * tiles * 4
 
 
-def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, cta_warps=None, pdl=False, silu_pairs=False):
-    """Checked inputs bound into a :class:`launch.Plan`. ``kc``: KbitCodes (k = 2, 4; K a multiple of 64 up
-    to 8192; ``pair_gemv.to_codes`` makes one from a flat KbitWeight) or KbitFragments (:func:`to_fragments`;
+def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, cta_warps=None, pdl=False, silu_pairs=False,
+         split=None, workspace=None):
+    """Checked inputs bound into a :class:`launch.Plan`. ``kc``: KbitCodes (k = 2, 4; K a multiple of 64;
+    ``pair_gemv.to_codes`` makes one from a flat KbitWeight) or KbitFragments (:func:`to_fragments`;
     N a multiple of 16, K of 256). A: float16 or
     bfloat16 (``bf16=True``, int16 bits) [M, K] or [K], M = 1..16 (float32 A: use ``tensor_gemm`` or
     ``pair_gemv``). ``cta_warps`` overrides ``DEFAULTS``; ``pdl`` and ``silu_pairs`` (an [M, N / 2] output): see
-    ``pair_gemv.plan``."""
+    ``pair_gemv.plan``. ``split``: K's splits (:func:`k_splits`; past K = 8192 by default): then the sums go into
+    ``workspace`` (a zeroed float32 device array of >= M*N values, left zeroed; allocated if not given) and a second
+    launch (``core.finish_step``) writes ``out``."""
     stream = _arrays.as_stream(stream)
     if not isinstance(kc, (KbitCodes, KbitFragments)):
         raise TypeError(f"mma gemv reads the code layout (KbitCodes) or the fragment layout (KbitFragments), got "
@@ -607,11 +642,20 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, cta_war
     _check_inputs(a_src, K)
     n_kb = K // BLOCK
     _arrays.check_aligned(Ad, 16, "A")
-    args = (_arrays.flat_view(Ad, np.uint32), kc.packed, kc.absmax, kc.codebook, _arrays.flat_view(out),
-            i32(N), i32(n_kb), i32(M), unused_i32())
+    splits, _ = k_splits(K, split)
     spec = MmaGemvSpec(kc.k, kc.absmax_format, a_src, out.dtype, pdl, tiles=tiles_for(M),
                        fragments=isinstance(kc, KbitFragments), silu_pairs=silu_pairs)
-    return Plan([_step(spec, args, N, K, cta_warps)], Ad, out, stream)
+    if splits == 1:
+        args = (_arrays.flat_view(Ad, np.uint32), kc.packed, kc.absmax, kc.codebook, _arrays.flat_view(out),
+                i32(N), i32(n_kb), i32(M), unused_i32())
+        return Plan([_step(spec, args, N, K, cta_warps)], Ad, out, stream)
+    if silu_pairs:
+        raise ValueError(f"silu_pairs runs in one launch: K up to {MAX_K} (no split), got K={K}, split={split}")
+    ws = split_sums(workspace, M * N, stream)
+    args = (_arrays.flat_view(Ad, np.uint32), kc.packed, kc.absmax, kc.codebook, ws, i32(N), i32(n_kb), i32(M),
+            unused_i32())
+    main = _step(replace(spec, out_dtype="float32", split_k=True), args, N, K, cta_warps, splits=splits)
+    return Plan([main, finish_step(ws, out, M * N)], Ad, out, stream, ws)
 
 
 def _check_inputs(a_src, K):
@@ -619,13 +663,14 @@ def _check_inputs(a_src, K):
     if a_src not in MMA_TYPES:
         raise ValueError(f"mma gemv takes float16 or bfloat16 activations (the MMA's types), got {a_src}")
     if not reads(1, K):
-        raise ValueError(f"mma gemv handles K a multiple of {K_STEP} up to {MAX_K}, got K={K}")
+        raise ValueError(f"mma gemv handles K a multiple of {K_STEP}, got K={K}")
 
 
-def _step(spec, args, N, K, cta_warps=None, slots=None):
+def _step(spec, args, N, K, cta_warps=None, slots=None, splits=1):
     """The launch: S slices of KW = K / 256 warps (S from ``cta_warps``), a persistent grid over the column
-    groups of one weight, or (grouped) over each of ``slots`` experts' column groups."""
-    kw = -(-(K // BLOCK) // KB_WARP)
+    groups of one weight, or (grouped) over each of ``slots`` experts' column groups, or (split-K) over each of
+    ``splits`` shares of the K-warps (KW a share)."""
+    kw = -(-(-(-(K // BLOCK) // KB_WARP)) // splits)     # ceil(ceil(K / 256) / splits)
     most_slices = max(1, min((cta_warps or DEFAULTS["cta_warps"]) // kw, -(-N // STRIP)))
     if TABLE_BYTES + part_bytes(most_slices, kw, spec.tiles, spec.batch) > SHARED_PER_CTA:
         spec = replace(spec, batch=1)                      # K > 6656 with two tiles: a barrier per strip
@@ -633,11 +678,12 @@ def _step(spec, args, N, K, cta_warps=None, slots=None):
     slices = min(most_slices, max(1, max_threads // (kw * WARP)))
     n_groups = -(-N // (slices * STRIP))
     shared = TABLE_BYTES + part_bytes(slices, kw, spec.tiles, spec.batch)
-    if slots is None:
+    rows = slots or splits                                 # grid.y: experts, or shares of K
+    if rows == 1 and slots is None:
         grid = persistent_grid(n_groups, slices * kw * WARP, regs, shared)
-    else:                                                  # the resident CTAs shared among the slots
-        resident = persistent_grid(n_groups * slots, slices * kw * WARP, regs, shared)
-        grid = (max(1, min(n_groups, -(-resident // slots))), slots)
+    else:                                                  # the resident CTAs shared among the grid's rows
+        resident = persistent_grid(n_groups * rows, slices * kw * WARP, regs, shared)
+        grid = (max(1, min(n_groups, -(-resident // rows))), rows)
     return Step(kern, grid, slices * kw * WARP, args, shared, spec.pdl)
 
 
@@ -656,6 +702,8 @@ def plan_grouped(A, experts, expert_offsets, out=None, stream=None, out_dtype=np
     E = experts.n_experts
     N, K = experts.expert_shape
     _check_inputs(a_src, K)
+    if K > MAX_K:
+        raise ValueError(f"the grouped mma gemv handles K up to {MAX_K} (no split), got K={K}")
     if max_tokens is None and isinstance(expert_offsets, np.ndarray):
         max_tokens = max_tokens_per_expert(expert_offsets, T)
     if max_tokens is not None and max_tokens > N8:
@@ -689,9 +737,9 @@ def grouped_gemv(A, experts, expert_offsets, out=None, stream=None, out_dtype=np
 
 
 def gemv(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False):
-    """C[M, N] = A[M, K] @ W^T for M = 1..16 on the tensor cores, W a KbitCodes (k = 2, 4; K a multiple of 64,
-    at most 8192) or a KbitFragments (:func:`to_fragments`). A: float16 (bfloat16 as int16 bits with ``bf16=True``)
-    [M, K] or [K]; returns a device array [M, N] (or [N]) of ``out_dtype`` (float16 or float32), or writes into
+    """C[M, N] = A[M, K] @ W^T for M = 1..16 on the tensor cores, W a KbitCodes (k = 2, 4; K a multiple of 64;
+    past 8192 split, :func:`plan`) or a KbitFragments (:func:`to_fragments`). A: float16 (bfloat16 as int16 bits
+    with ``bf16=True``) [M, K] or [K]; returns a device array [M, N] (or [N]) of ``out_dtype`` (float16 or float32), or writes into
     ``out``."""
     return plan(A, kc, out, stream, out_dtype, bf16).launch()
 
@@ -704,14 +752,16 @@ def prepare(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, pdl=
 def ptx_specs():
     """Every k with float16 A and E4M4 absmax (plain with one and two token tiles, pdl, grouped, grouped pdl,
     the fragment layout with one and two tiles and grouped, a sum per strip with two tiles: K > 6656, the silu_pairs
-    epilogue plain and grouped), and each other choice with every k."""
+    epilogue plain and grouped, split-K with one tile and with two as a PDL launch), and each other choice with every
+    k."""
     variants = [dict(), dict(tiles=2), dict(pdl=True), dict(grouped=True), dict(grouped=True, pdl=True),
                 dict(fragments=True), dict(fragments=True, tiles=2), dict(fragments=True, grouped=True),
                 dict(tiles=2, batch=1),
                 dict(a_type="bfloat16"),
                 dict(absmax_format="fp32"),
                 dict(out_dtype="float32"),
-                dict(pdl=True, silu_pairs=True), dict(grouped=True, pdl=True, fragments=True, silu_pairs=True)]
+                dict(pdl=True, silu_pairs=True), dict(grouped=True, pdl=True, fragments=True, silu_pairs=True),
+                dict(split_k=True, out_dtype="float32"), dict(split_k=True, out_dtype="float32", tiles=2, pdl=True)]
     return [MmaGemvSpec(k=k, **v) for k in CODES_K for v in variants]
 
 

@@ -51,7 +51,8 @@ import numpy as np
 from numba import cuda
 
 from . import _arrays
-from .core import check_grouped, device_weight, max_tokens_per_expert, sm_count, unused_i32
+from .core import (FINISH_THREADS, check_grouped, device_weight, finish_step, max_tokens_per_expert,  # noqa: F401
+                   new_workspace, sm_count, split_sums, unused_i32)        # (new_workspace: tensor_gemm's API)
 from .device import WARP, e4m4_decode, f32_to_bf16_bits, i32, inlined, jit_kernel, u32
 from .formats import ABSMAX_FORMATS, BLOCK, CODES_K, K_BITS, TILE_K, TILE_N, KbitCodes, KbitWeight, check_k, padded_k
 from .launch import NUMBA_TYPES, OUT_TYPES, Plan, Spec, Step, type_name
@@ -85,7 +86,6 @@ AM_CHUNK_SHIFT = 3               # kt >> AM_CHUNK_SHIFT == kt // AM_CHUNK_TILES
 AM_CHUNK_K = 16 * BLOCK          # a column's absmax row is 16-byte aligned when K is a multiple of 512
 CHUNK_RING_WORDS = 2 * BN * 4    # two chunks of 128 columns x 16 bytes
 SHARED_BUDGET = 46 * 1024        # static shared memory per CTA stays under the 48 KB limit
-FINISH_THREADS = 256
 
 
 # ---- the m16n8k16 fragment index math (PTX ISA, "Matrix Fragments for mma.m16n8k16"), lane (g, t) =
@@ -507,21 +507,6 @@ def make_gemm_kernel(spec):
 
 
 @lru_cache(maxsize=None)
-def make_finish_kernel(out_dtype):
-    """Kernel(ws, out, n): out[i] = ws[i] (converted), ws[i] = 0 -- the split-K epilogue."""
-    f16_out = np.dtype(out_dtype) == np.float16
-
-    def finish_kernel(ws, out, n):
-        i = cuda.grid(1)
-        if i < n:
-            v = ws[i]
-            out[i] = np.float16(v) if f16_out else v
-            ws[i] = np.float32(0.0)
-
-    return jit_kernel(finish_kernel)
-
-
-@lru_cache(maxsize=None)
 def _to_half_kernel():
     def to_half(src, dst, n):
         i = cuda.grid(1)
@@ -549,11 +534,6 @@ def choose_split(M, N, K_padded, MT, n_sm, target_waves=2):
     return -(-k_tiles // per), per
 
 
-def new_workspace(M, N, stream=0):
-    """A zeroed float32 split-K workspace for an M x N output (the kernels leave it zeroed)."""
-    return cuda.to_device(np.zeros(M * N, np.float32), stream=stream)
-
-
 def _k_split(Kp, split, M, N, MT):
     """(splits, K tiles per split): ``split`` as asked (no split left empty), else ``choose_split``."""
     if split is None:
@@ -562,15 +542,6 @@ def _k_split(Kp, split, M, N, MT):
         raise ValueError(f"split must be an integer >= 1 (or None: chosen from the shape), got {split!r}")
     per = -(-(Kp // BK) // int(split))
     return -(-(Kp // BK) // per), per
-
-
-def _sums(ws, n, stream):
-    """The split-K workspace: ``ws`` checked to hold n float32 values, or a new zeroed one."""
-    ws = _arrays.device_array(ws if ws is not None else new_workspace(n, 1, stream), "workspace",
-                              (np.float32,), 1)
-    if ws.shape[0] < n:
-        raise ValueError(f"workspace must hold at least {n} float32 values (rows x N)")
-    return ws
 
 
 def _half_activations(Ad, a_src, n, steps, stream):
@@ -591,8 +562,7 @@ def _mm_steps(steps, spec, grid, Ad, w, out, ws, rows, N, K, per, offsets, tiles
                        w.codebook, _arrays.flat_view(out), ws, i32(rows), i32(N), i32(K),
                        i32(per), offsets, tiles)))
     if spec.split_k:
-        steps.append(Step(make_finish_kernel(out.dtype.name), -(-rows * N // FINISH_THREADS), FINISH_THREADS,
-                          (ws, _arrays.flat_view(out), i32(rows * N))))
+        steps.append(finish_step(ws, out, rows * N))
 
 
 def plan(A, qw, out=None, stream=None, out_dtype=np.float16, bf16=False, workspace=None, split=None,
@@ -632,7 +602,7 @@ def plan(A, qw, out=None, stream=None, out_dtype=np.float16, bf16=False, workspa
         n_split = -(-(Kp // BK) // per)
     spec = GemmSpec(qw.k, MT, qw.absmax_format, a_src, out_dtype, n_split > 1, stages=stages, layout=layout,
                     am_chunk=am_chunk)
-    ws = _sums(workspace, M * N, stream) if spec.split_k else _no_workspace()
+    ws = split_sums(workspace, M * N, stream) if spec.split_k else _no_workspace()
     _mm_steps(steps, spec, (-(-N // BN), -(-M // (MMA_M * MT)), n_split), Ad, qw, out, ws, M, N, K, per,
               unused_i32(), unused_i32())
     return Plan(steps, A_in, out, stream, ws if spec.split_k else None)
@@ -728,7 +698,7 @@ def plan_grouped(A, experts, expert_offsets, out=None, stream=None, out_dtype=np
     items = T // BM + min(E, T)                  # >= the work items, whatever the routing
     n_split, per = _k_split(padded_k(K, "tiled"), split, T, N, MT if MT in M_TILES else 1)
     spec = GemmSpec(experts.k, MT, experts.absmax_format, a_src, out_dtype, n_split > 1, True)
-    ws = _sums(workspace, T * N, stream) if spec.split_k else _no_workspace()
+    ws = split_sums(workspace, T * N, stream) if spec.split_k else _no_workspace()
     _mm_steps(steps, spec, (N // BN, items, n_split), Ad, experts, out, ws, T, N, K, per, offs, tiles)
     return Plan(steps, A_in, out, stream, ws if spec.split_k else None)
 

@@ -30,7 +30,7 @@ FUZZ_FAMILIES = {
         "test_pair_gemv.py::test_pair_gemv_f16_acc", "test_pair_gemv.py::test_pair_gemv_silu_pairs",
         "test_pair_gemv.py::test_warp_reduce_scatter",
         "test_mma_gemv.py::test_mma_gemv", "test_mma_gemv.py::test_mma_gemv_fragments",
-        "test_mma_gemv.py::test_mma_gemv_silu_pairs"],
+        "test_mma_gemv.py::test_mma_gemv_silu_pairs", "test_mma_gemv.py::test_mma_gemv_split_k"],
     "gemm": ["test_gemm.py::test_gemm", "test_gemm.py::test_gemm_other_activation_types",
              "test_gemm.py::test_gemm_code_layout"],
     "grouped_gemv": ["test_gemv.py::test_grouped_gemv", "test_mma_gemv.py::test_mma_gemv_grouped",

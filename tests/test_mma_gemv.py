@@ -103,6 +103,38 @@ def test_mma_gemv_two_tiles(k):
         check_gemm(mma_gemv.gemv(A, kc, out_dtype=np.float32).copy_to_host(), A, qw)
 
 
+# K = 64 * kb2 split over 2..4 CTAs (at most one K-warp of 256 a split on the simulator); on the GPU up to K = 16384,
+# past 8192 split by default (a llama3-8b down projection: K = 14336, 4 splits of 14 K-warps)
+KB2_SPLIT = st.sampled_from([5, 8, 12]) if SIM else st.one_of(st.integers(5, 128), st.integers(129, 256))
+
+
+@gpu_split("k_split", CODES_K)
+@settings(max_examples=gpu_examples(EXAMPLES, len(CODES_K)))
+@given(seeds, variants((4, 2), (1, 9, 16, 4), ("e4m4", "fp32"), (np.float16, np.float32), (False, True)),
+       sizes(MAX_N, 20000), KB2_SPLIT, st.sampled_from([None, 2, 3, 4]))
+def test_mma_gemv_split_k(k_split, seed, v, N, kb2, split):
+    """Split-K: each CTA row sums its share of the K-warps into the float32 workspace by atomic adds, and the finish
+    launch writes ``out`` and leaves the workspace zeroed for the next call (also as a PDL launch)."""
+    k, M, fmt, out_dtype, pdl = v
+    k = k_split or k
+    rng = np.random.default_rng(seed)
+    K = 64 * kb2
+    kw = -(-K // 256)
+    split = None if split is None else min(split, kw)
+    splits, per = mma_gemv.k_splits(K, split)
+    assert splits * per >= kw > (splits - 1) * per and per <= mma_gemv.MAX_KW
+    qw = ref.quantize(random_weight(rng, N, K), k=k, absmax_format=fmt)
+    A = _activations(rng, M, K, "float16")
+    ws = cuda.to_device(np.zeros(M * N + 3, np.float32))
+    p = mma_gemv.plan(A, pair_gemv.to_codes(qw), out_dtype=out_dtype, split=split, workspace=ws, pdl=pdl)
+    assert len(p.steps) == (1 if splits == 1 else 2)
+    if splits > 1:
+        assert p.workspace is ws and p.steps[0].grid[1] == splits and p.steps[0].block % (32 * per) == 0
+    for _ in range(2):                     # the second call finds the workspace zeroed again
+        check_gemm(p.launch().copy_to_host(), A, qw, out_dtype=out_dtype)
+        assert not ws.copy_to_host().any()
+
+
 @pytest.mark.parametrize("k, layout, batch", [(4, "fragments", 3), (2, "codes", 3), (4, "codes", 1)])
 def test_mma_gemv_batches_of_strips(monkeypatch, k, layout, batch):
     """A CTA sums its partial tiles once per batch of three strips (``MmaGemvSpec.batch``; 1 where they do not
@@ -332,7 +364,17 @@ def test_mma_gemv_refuses():
         mma_gemv.gemv(np.zeros((1, 64), np.float32), kc)
     with pytest.raises(ValueError, match="multiple of 64"):
         mma_gemv.gemv(np.zeros((1, 96), np.float16), ref.to_codes(ref.quantize(random_weight(rng, 4, 96), k=4)))
+    long_k = ref.to_codes(ref.quantize(random_weight(rng, 2, 8256), k=2))       # past 8192: split-K, but ...
+    with pytest.raises(ValueError, match="silu_pairs runs in one launch"):           # ... not with the epilogue
+        mma_gemv.plan(np.zeros((1, 8256), np.float16), long_k, silu_pairs=True)
+    with pytest.raises(ValueError, match="leaves 33 K-warps a CTA"):
+        mma_gemv.plan(np.zeros((1, 8256), np.float16), long_k, split=1)
+    for bad in (0, 34, 2.0, True):
+        with pytest.raises(ValueError, match="split must be an integer from 1 to"):
+            mma_gemv.plan(np.zeros((1, 8256), np.float16), long_k, split=bad)
+    with pytest.raises(ValueError, match="workspace must hold"):
+        mma_gemv.plan(np.zeros((2, 8256), np.float16), long_k, workspace=cuda.to_device(np.zeros(3, np.float32)))
     with pytest.raises(ValueError, match="up to 8192"):
-        mma_gemv.plan(np.zeros((1, 8256), np.float16), ref.to_codes(ref.quantize(random_weight(rng, 1, 8256), k=2)))
+        mma_gemv.plan_grouped(np.zeros((1, 8256), np.float16), kb.stack_experts([long_k]), np.array([0, 1], np.int32))
     with pytest.raises(TypeError, match="code layout"):     # a KbitWeight: convert it once with to_codes
         mma_gemv.gemv(np.zeros((1, 64), np.float16), ref.quantize(random_weight(rng, 4, 64), k=4))
