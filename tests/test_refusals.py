@@ -22,6 +22,11 @@ def _nan_weight():
     return w
 
 
+def _long_k():
+    """A 2 x 8256 k = 2 code-layout weight: K past 8192, where the tensor-core gemv splits K."""
+    return ref.to_codes(ref.quantize(np.ones((2, 8256), np.float32), k=2))
+
+
 def _huge_weight():
     """A 65536 x 65536 k = 2 weight whose arrays are zero-stride views (no memory behind them)."""
     n_blocks = 2**32 // 32
@@ -89,8 +94,15 @@ ROWS = [
      lambda: kb.mma_gemv.gemv(np.zeros((17, 64), np.float16), ref.to_codes(FLAT))),
     ("mma_gemv.gemv", "float32 A (the MMA takes float16 or bfloat16)", ValueError, "float16 or bfloat16",
      lambda: kb.mma_gemv.gemv(A1.astype(np.float32), ref.to_codes(FLAT))),
-    ("mma_gemv.gemv", "K not a multiple of 64, or K > 8192", ValueError, "multiple of 64 up to 8192",
+    ("mma_gemv.gemv", "K not a multiple of 64", ValueError, "multiple of 64",
      lambda: kb.mma_gemv.gemv(np.zeros((1, 96), np.float16), ref.to_codes(ref.quantize(np.ones((4, 96), np.float32), k=4)))),
+    ("mma_gemv.plan", "`split` not an integer from 1 to K / 256, or one that leaves a CTA more than 32 K-warps "
+     "(K > 8192 a split); `silu_pairs=True` with a split K; a `workspace` of fewer than M * N float32 values",
+     ValueError, "leaves 33 K-warps a CTA",
+     lambda: kb.mma_gemv.plan(np.zeros((1, 8256), np.float16), _long_k(), split=1)),
+    ("mma_gemv.grouped_gemv", "K > 8192 (the grouped build does not split K)", ValueError, "up to 8192",
+     lambda: kb.mma_gemv.grouped_gemv(np.zeros((1, 8256), np.float16), kb.stack_experts([_long_k()]),
+                                      np.array([0, 1], np.int32))),
     ("mma_gemv.gemv", "a weight not in the code or fragment layout (a KbitWeight: `pair_gemv.to_codes` it once)",
      TypeError, "code layout", lambda: kb.mma_gemv.gemv(A1, FLAT)),
     ("mma_gemv.to_fragments", "N not a multiple of 16 or K not a multiple of 256 (the fragment layout has no padding)",
