@@ -32,6 +32,10 @@ for k in (2, 3, 4, 5):
                 kb.repack_tiled(qw)
                 if k in (2, 4):              # the code layout's dequantize (KbitLinear's default at large M)
                     kb.dequantize(to_codes(qw)).copy_to_host()
+                    # ... and the fragment layout's (KbitLinear(layout="fragments")): 3 strips x 2 tiles of 256
+                    frag = kb.mma_gemv.to_fragments(to_codes(kb.quantize(
+                        rng.standard_normal((48, 512)).astype(np.float16), k=k)))
+                    kb.dequantize(frag, dtype=np.float32).copy_to_host()
         if "gemv" in families:
             for M in (1, 2, 3, 4):
                 kb.gemv(rng.standard_normal((M, 96)).astype(np.float16), qw).copy_to_host()

@@ -8,7 +8,9 @@ dequantize: a thread writes 8 consecutive outputs (a quarter block) in each of `
             Flat and tiled layouts: the thread's 8 bits of each bit plane are spread into 8 index bytes by
             one multiply per 4 bits (``spread_nibble``), ~1 instruction per output and plane instead of ~3
             for a bit-by-bit gather. The codebook sits in shared memory (at most 32 float32 words in
-            distinct banks: any lookup pattern is conflict-free).
+            distinct banks: any lookup pattern is conflict-free). The code and fragment layouts (k = 2, 4)
+            hold a block's indices as k-bit fields: a thread's 8 outputs are 8k bits of one word; the
+            fragment layout only moves whole blocks (``formats.fragment_position`` gives a block's slot).
 repack:     one thread per (block, bit-plane) word.
 
 Reference twins: ``reference.quantize``, ``reference.dequantize``, ``reference.repack_tiled``.
@@ -26,8 +28,8 @@ from .core import device_weight
 from .launch import ELEMENT_TYPES, NUMBA_TYPES, OUT_TYPES, Plan, Spec, Step, type_name
 from .device import (F32_MAX, FULL_MASK, WARP, e4m4_decode, e4m4_encode, f32_to_bf16_bits, i32, inlined, jit_kernel,
                      make_loader, tiled_block, u32, warp_max)
-from .formats import (ABSMAX_FORMATS, BLOCK, CODES_K, K_BITS, LAYOUTS, MAX_CODES, TILE_N, KbitCodes, KbitWeight,
-                      check_codebook, check_k, padded_k)
+from .formats import (ABSMAX_FORMATS, BLOCK, CODES_K, K_BITS, LAYOUTS, MAX_CODES, TILE_N, KbitCodes, KbitFragments,
+                      KbitWeight, check_codebook, check_k, fragment_position, padded_k)
 from .intrinsics import f16x2_as_u32, f32_as_u32, ldg64_stream, ldg128_stream, lds_f32, prmt, shared_addr, stg128
 
 QUANT_THREADS = 256          # 8 warps = 8 blocks per CTA
@@ -39,6 +41,7 @@ SPREAD = u32(0x00204081)     # nibble * SPREAD puts bit i on bit 8i (+7i overlap
 BYTE_LSB = u32(0x01010101)   # bit 0 of each byte
 LOW_BYTE = u32(0x4440)       # prmt selector + j: byte j of a word, zero-extended
 DEQUANT_MAX_OUTPUTS = 2**32  # the dequantizer's index math is 32-bit: N * K below this
+CODE_LAYOUTS = ("codes", "fragments")   # the dequantizer's k-bit-field layouts (KbitCodes, KbitFragments; k = 2, 4)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -71,8 +74,8 @@ class QuantizeSpec(_BlocksSpec):
 @dataclass(frozen=True)
 class DequantizeSpec(_BlocksSpec):
     """The dequantizer's choices (``dtype``: the output type, bfloat16 written as int16 bits; ``chunks``: 8-output
-    chunks a thread): the key of :func:`make_dequantize_kernel`. It also reads the code layout (``KbitCodes``,
-    k = 2, 4)."""
+    chunks a thread): the key of :func:`make_dequantize_kernel`. It also reads the code and fragment layouts
+    (``KbitCodes``, ``KbitFragments``; k = 2, 4)."""
     FAMILY = "dequantize"
     DTYPES = OUT_TYPES + ("bfloat16",)
     chunks: int = DEQUANT_CHUNKS
@@ -80,10 +83,10 @@ class DequantizeSpec(_BlocksSpec):
     def normalise(self):
         if int(self.chunks) < 1:
             raise ValueError(f"chunks must be >= 1, got {self.chunks}")
-        if self.layout == "codes":
+        if self.layout in CODE_LAYOUTS:
             if self.k not in CODES_K:
-                raise ValueError(f"the code layout holds k in {CODES_K}, got k={self.k}")
-            return dict(replace(self, layout="flat").normalise(), layout="codes", chunks=int(self.chunks))
+                raise ValueError(f"the {self.layout} layout holds k in {CODES_K}, got k={self.k}")
+            return dict(replace(self, layout="flat").normalise(), layout=self.layout, chunks=int(self.chunks))
         return dict(super().normalise(), chunks=int(self.chunks))
 
 
@@ -166,7 +169,9 @@ def make_dequantize_kernel(spec):
     k, layout, absmax_format, out_dtype, chunks = spec.k, spec.layout, spec.absmax_format, spec.dtype, spec.chunks
     n_codes = 1 << k
     tiled = layout == "tiled"
-    codes = layout == "codes"           # a thread's 8 elements: 8k bits of one word, at bit 8k * (g % 4) % 32
+    codes = layout in CODE_LAYOUTS      # a thread's 8 elements: 8k bits of one word, at bit 8k * (g % 4) % 32
+    fragments = layout == "fragments"   # the code layout's blocks in the tensor-core gemv's load order
+    position = cuda.jit(device=True)(fragment_position)
     e4m4 = absmax_format == "e4m4"
     am_type = np.uint8 if e4m4 else np.float32
     f16, bf16 = out_dtype == "float16", out_dtype == "bfloat16"      # (else float32)
@@ -187,10 +192,13 @@ def make_dequantize_kernel(spec):
             q = u32(first + u32(c * DEQUANT_THREADS))
             if q < n_chunks:
                 blk = q >> u32(2)                # THREADS_PER_BLOCK = 4 chunks a block
-                if tiled:
+                if tiled or fragments:
                     kbr = u32(K // BLOCK)
                     n = u32(blk // kbr)
-                    slot = u32(tiled_block(i32(n), i32(blk - n * kbr), N))
+                    if tiled:
+                        slot = u32(tiled_block(i32(n), i32(blk - n * kbr), N))
+                    else:
+                        slot = u32(position(n, u32(blk - n * kbr), kbr, k))
                 else:
                     slot = blk
                 raw[c] = absmax[slot]
@@ -329,11 +337,11 @@ def plan_dequantize(qw, dtype=np.float16, out=None, stream=None, chunks=DEQUANT_
     if out is not None and not isinstance(out, np.ndarray) and getattr(out, "dtype", None) == np.int16:
         bits = True                                          # an int16 out: bfloat16 bits
     dtype = np.dtype(np.int16) if bits else _arrays.output_dtype(out, dtype, "dtype")   # a given out decides
-    if isinstance(qw, (KbitWeight, KbitCodes)) and qw.shape[0] * qw.shape[1] >= DEQUANT_MAX_OUTPUTS:
+    if isinstance(qw, (KbitWeight, KbitCodes, KbitFragments)) and qw.shape[0] * qw.shape[1] >= DEQUANT_MAX_OUTPUTS:
         raise ValueError(f"dequantize handles fewer than 2**32 outputs (32-bit index math), got N x K = "
                          f"{qw.shape[0]} x {qw.shape[1]}: dequantize it in slices of rows")
     stream = _arrays.as_stream(stream)
-    qw = device_weight(qw, KbitCodes if isinstance(qw, KbitCodes) else KbitWeight, stream)
+    qw = device_weight(qw, type(qw) if isinstance(qw, (KbitCodes, KbitFragments)) else KbitWeight, stream)
     N, K = qw.shape
     out = _arrays.output(out, "out", (N, K), dtype, stream)
     _arrays.check_aligned(out, 16, "out")
@@ -346,7 +354,7 @@ def plan_dequantize(qw, dtype=np.float16, out=None, stream=None, chunks=DEQUANT_
 
 
 def dequantize(qw, dtype=np.float16, out=None, stream=None):
-    """KbitWeight (flat or tiled, E4M4 or fp32 absmax) or KbitCodes -> device array [N, K] of float16/float32
+    """KbitWeight (flat or tiled, E4M4 or fp32 absmax), KbitCodes or KbitFragments -> device array [N, K] of float16/float32
     (``dtype``; a preallocated ``out`` device array decides the type itself), or of bfloat16 bits as int16
     (``dtype="bfloat16"``, or an int16 ``out``): each value rounded once, to nearest even."""
     return plan_dequantize(qw, dtype, out, stream).launch()
@@ -379,7 +387,7 @@ def ptx_specs():
                 specs += [QuantizeSpec(k, layout, fmt, w) for w in ELEMENT_TYPES]
                 specs += [DequantizeSpec(k, layout, fmt, od) for od in DequantizeSpec.DTYPES]
         specs += [RepackSpec(k, fmt) for fmt in ABSMAX_FORMATS]
-    specs += [DequantizeSpec(k, "codes", fmt, od) for k in CODES_K for fmt in ABSMAX_FORMATS
+    specs += [DequantizeSpec(k, layout, fmt, od) for layout in CODE_LAYOUTS for k in CODES_K for fmt in ABSMAX_FORMATS
               for od in DequantizeSpec.DTYPES]
     return specs
 

@@ -83,6 +83,17 @@ def test_dequantize_code_layout(seed, k, N, kbn, fmt, dtype):
     np.testing.assert_array_equal(got, ref.dequantize(flat).astype(dtype))
 
 
+@pytest.mark.parametrize("k, fmt, dtype", [(2, "e4m4", np.float16), (4, "fp32", np.float32), (4, "e4m4", "bfloat16")])
+def test_dequantize_fragment_layout(k, fmt, dtype):
+    """The fragment layout (KbitFragments: the code layout's blocks permuted) dequantizes to exactly what its flat
+    twin does: 2 x 2 tiles of 16 columns x 256 (a wrong block position moves whole blocks and fails it)."""
+    rng = np.random.default_rng(k)
+    flat = ref.quantize(random_weight(rng, 32, 512), k=k, absmax_format=fmt)
+    want = ref.dequantize(flat)
+    want = ref.float32_to_bf16_bits(want) if dtype == "bfloat16" else want.astype(dtype)
+    np.testing.assert_array_equal(kb.dequantize(ref.to_fragments(flat), dtype=dtype).copy_to_host(), want)
+
+
 @pytest.mark.parametrize("layout, k", [("flat", 5), ("codes", 2)])
 def test_dequantize_chunks_of_a_thread(layout, k):
     """A thread writes several 8-output chunks (``chunks``), all loaded before any is decoded. 480 chunks in a
