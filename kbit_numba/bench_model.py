@@ -82,6 +82,9 @@ VARIANTS = {
     "kbit k=2 pdl f16_acc": ("kbit", dict(k=2, pdl=True, f16_acc=True)),
     "kbit k=4 pdl": ("kbit", dict(k=4, pdl=True)),
     "kbit k=4 pdl f16_acc": ("kbit", dict(k=4, pdl=True, f16_acc=True)),
+    # the fragment layout (KbitLinear(layout="fragments")): the tensor-core gemv at every B <= 16
+    "kbit k=2 pdl frag": ("kbit", dict(k=2, pdl=True, layout="fragments")),
+    "kbit k=4 pdl frag": ("kbit", dict(k=4, pdl=True, layout="fragments")),
     "uniform 4-bit g128": ("uniform", dict(bits=4, group_size=128)),
     "bitnet": ("bitnet", dict(parts=1)),
 }
@@ -635,14 +638,14 @@ def silu_mul_torch(gu, pairs=False):
 
 def fuses_silu(cfg, variant):
     """Whether ``variant``'s step takes its SiLU from the gate/up gemv's epilogue (its gate/up rows, or every gate/up
-    expert's, interleaved): kbit on the code layout (k = 2, 4: the pair gemv's and the tensor-core gemv's, grouped
-    too). The llama3-8b B = 1 step: k = 4 1871-1886 -> 1850-1869 us, k = 2 1446-1457 -> 1386-1390
+    expert's, interleaved): kbit on the code or fragment layout (k = 2, 4: the pair gemv's and the tensor-core gemv's,
+    grouped too). The llama3-8b B = 1 step: k = 4 1871-1886 -> 1850-1869 us, k = 2 1446-1457 -> 1386-1390
     (benchmarks/README.md)."""
     from .formats import CODES_K
     if VARIANTS.get(variant) is None:
         return False
     fmt, opts = VARIANTS[variant]
-    return fmt == "kbit" and opts["k"] in CODES_K and opts.get("layout", "codes") == "codes"
+    return fmt == "kbit" and opts["k"] in CODES_K and opts.get("layout", "codes") in ("codes", "fragments")
 
 
 def interleave_pairs(W):
@@ -950,6 +953,7 @@ def build_linears(cfg, variant, base, progress, device="cuda", silu_pairs=False)
     from torch import nn
 
     from .bench import _device_copies
+    from .formats import fits_fragments
     from .torch import KbitLinear, quantize_weight
     L = cfg["layers"]
     per_proj = []
@@ -968,6 +972,8 @@ def build_linears(cfg, variant, base, progress, device="cuda", silu_pairs=False)
             fmt, opts = VARIANTS[variant]
             qopts = {key: v for key, v in opts.items() if key in _QUANTIZE_KEYS}
             layout_opts = {key: v for key, v in opts.items() if key not in _QUANTIZE_KEYS}
+            if layout_opts.get("layout") == "fragments" and not fits_fragments(N, K):
+                layout_opts["layout"] = "codes"     # (whole fragment tiles only: the code layout where they do not fit)
             progress(f"{variant}: quantizing {name} {N}x{K}")
             W = interleave_pairs(base[name]) if silu_pairs and name == "gate_up" else base[name]
             w = quantize_weight(W, fmt, **qopts)

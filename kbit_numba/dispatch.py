@@ -20,8 +20,9 @@ by a rule measured on the H100 rather than a per-GPU table.
 
 ``KbitLinear`` keeps a weight ready for repeated calls: by default the code layout where it can (k = 2, 4, K a
 multiple of 64: the pair and tensor-core gemvs for decode, the gemm and dequantize + cuBLAS for larger M), else a tiled copy
-(which serves gemv and gemm); a ``Workspace`` (split-K sums, the dequantized weight) and prepared launches
-for decode loops.
+(which serves gemv and gemm); on request the fragment layout (``layout="fragments"``: the tensor-core gemv for M = 1..16,
+dequantize + cuBLAS beyond; ``FRAGMENT_RULES``); a ``Workspace`` (split-K sums, the dequantized weight) and prepared
+launches for decode loops.
 """
 from __future__ import annotations
 
@@ -36,13 +37,14 @@ from numba import cuda
 from . import _arrays, mma_gemv, pair_gemv, scalar_gemv, tensor_gemm
 from .codec import plan_dequantize, repack_tiled
 from .core import MAX_M, device_weight, k_warps
-from .formats import CODES_K, TILE_N, KbitCodes, KbitWeight
+from .formats import CODES_K, TILE_N, KbitCodes, KbitFragments, KbitWeight, check_fragment_shape
 from .intrinsics import SIMULATOR
 from .launch import HostStep, Plan, stream_handle
 
 KERNELS = ("gemv", "pair_gemv", "mma_gemv", "gemm", "dequant_matmul")
 EPILOGUE_GEMVS = ("pair_gemv", "mma_gemv")   # the code layout's gemvs: built for PDL and the silu_pairs epilogue
-LAYOUTS = ("auto", "tiled", "codes")  # what KbitLinear keeps on the device ("auto": codes where it can)
+LAYOUTS = ("auto", "tiled", "codes", "fragments")  # what KbitLinear keeps on the device ("auto": codes where it can)
+NATIVE_LAYOUTS = ("codes", "fragments")  # the k-bit-field layouts that the pair and tensor-core gemvs read
 FALLBACK = ("gemm", "dequant_matmul", "gemv")
 FALLBACK_CODES = ("gemm", "pair_gemv")   # (the pair gemv reads every code-layout weight)
 TUNING_DIR = os.path.join(os.path.dirname(__file__), "tuning")
@@ -70,6 +72,14 @@ PAIR_GEMV_F16_MAX_M = {4: 3}       # k -> the largest M the pair gemv with float
 # tiles beat the code layout's gemm by 2-29% at M = 12 and by 17-30% on three of five shapes at M = 16 (3.5-3.7%
 # slower on two) on the H200 (benchmarks/README.md, "Thirty-ninth session"); the H100 was not measured since.
 MMA_GEMV_MAX_M = {4: 16}           # k -> the largest M the tensor-core gemv takes
+# The fragment layout (``KbitLinear(layout="fragments")``, an option for batched decode; ``mma_gemv.to_fragments``):
+# the tensor-core gemv reads it 5-17% faster than the code layout at M = 3..16 and, at M = 1, faster than the pair
+# gemv reads it (H100, 4096x14336, k = 4: 16.15 us against 17.41 with float16 block sums; the pair gemv on the code
+# layout 13.9; H200 14336x4096 M = 4 split in K: 16.38 against 19.77; benchmarks/README.md). No gemm reads it. So the
+# tensor-core gemv takes M = 1..16 (float16/bfloat16 A; no cap by k: the kernel it would give way to is dequantize +
+# cuBLAS), the pair gemv float32 A to M = 4, and dequantize + cuBLAS the rest (with no cuBLAS route: the pair gemv, 4
+# rows a launch). No per-GPU table: this rule is not yet measured as a whole (benchmarks/README.md, "Fortieth session").
+FRAGMENT_RULES = [[mma_gemv.MAX_TOKENS, "mma_gemv"], [MAX_M, "pair_gemv"], [None, "dequant_matmul"]]
 
 
 def mma_gemv_max_m(table, k):
@@ -148,8 +158,10 @@ def choose_rule(M, N, K, layout, table=None, backend=None, half=True, f16_acc=Fa
     tensor-core gemv at k = 4 (``PAIR_GEMV_F16_MAX_M``). The tensor-core gemv takes M up to
     :func:`mma_gemv_max_m` (the table's cap for ``k``, else ``MMA_GEMV_MAX_M``, else 8), the gemm beyond. ``pdl``: the
     gemv would run as a programmatic dependent launch (``KbitLinear(pdl=True)``; the table's rules for that variant
-    apply: :func:`codes_rules`)."""
+    apply: :func:`codes_rules`). The fragment layout follows ``FRAGMENT_RULES`` (no table)."""
     table = table or load_table()
+    if layout == "fragments":
+        return _fragment_rule(M, K, half, backend)
     codes = layout == "codes"      # (pair gemv, tensor-core gemv and gemm where K allows, dequantize + cuBLAS)
     rules = (codes_rules(table, N, K, k, f16_acc, pdl) if codes
              else table.get("shapes", {}).get(f"{K}x{N}", table["rules"]))
@@ -176,6 +188,16 @@ def choose_rule(M, N, K, layout, table=None, backend=None, half=True, f16_acc=Fa
         if usable[kern]:
             return kern, {}
     return "gemv", {}              # any M, in slices of 4 rows
+
+
+def _fragment_rule(M, K, half, backend):
+    """``FRAGMENT_RULES``' first rule whose kernel applies: the tensor-core gemv takes ``half`` activations only,
+    dequantize + cuBLAS needs a cuBLAS route; the pair gemv reads any M (4 rows a launch)."""
+    usable = {"mma_gemv": mma_reads(M, K, half), "pair_gemv": True,
+              "dequant_matmul": bool(backend if backend is not None else matmul_backend())}
+    kernel = next((kern for max_m, kern in FRAGMENT_RULES if (max_m is None or M <= max_m) and usable[kern]),
+                  "pair_gemv")
+    return kernel, {}
 
 
 def choose(M, N, K, layout, table=None, backend=None, half=True, f16_acc=False, k=None, pdl=False):
@@ -308,7 +330,7 @@ def _bf16_runnable(kernel, params, layout, K, bf16):
     """(kernel, params) as a call runs them: bfloat16 activations cannot take dequantize + cuBLAS without torch (CuPy
     has no bfloat16), so there the gemm runs instead (or a gemv where the gemm does not read the layout)."""
     if bf16 and kernel == "dequant_matmul" and not bf16_matmul_backend():
-        return ("gemm" if gemm_reads(layout, K) else "pair_gemv" if layout == "codes" else "gemv"), {}
+        return ("gemm" if gemm_reads(layout, K) else "pair_gemv" if layout in NATIVE_LAYOUTS else "gemv"), {}
     return kernel, params
 
 
@@ -317,8 +339,8 @@ def plan(A, qw, out=None, stream=None, workspace=None, out_dtype=np.float16, bf1
     """Checked inputs of :func:`linear` bound into a :class:`launch.Plan` for the kernel it chooses (M > 4
     on a gemv: one launch per slice of 4 rows). ``params``: launch parameters for a forced ``kernel``
     (a chosen one takes its table rule's)."""
-    if not isinstance(qw, (KbitWeight, KbitCodes)):
-        raise TypeError(f"qw must be a KbitWeight or KbitCodes, got {type(qw).__name__}")
+    if not isinstance(qw, (KbitWeight, KbitCodes, KbitFragments)):
+        raise TypeError(f"qw must be a KbitWeight, KbitCodes or KbitFragments, got {type(qw).__name__}")
     stream = _arrays.as_stream(stream)
     A = _arrays.check_array(A, "A")
     M = _rows(A)
@@ -329,9 +351,12 @@ def plan(A, qw, out=None, stream=None, workspace=None, out_dtype=np.float16, bf1
                                      f16_acc=f16_acc and f16_input(A, bf16), k=qw.k)
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-    if kernel in ("gemv", "pair_gemv", "mma_gemv") and (kernel != "gemv") != (qw.layout == "codes"):
-        raise ValueError(f"kernel {kernel!r} does not read the {qw.layout} layout "
-                         "(pair_gemv and mma_gemv read KbitCodes, gemv KbitWeight, gemm and dequant_matmul both)")
+    native = qw.layout in NATIVE_LAYOUTS
+    if ((kernel in ("gemv", "pair_gemv", "mma_gemv") and (kernel != "gemv") != native)
+            or (kernel == "gemm" and qw.layout == "fragments")):
+        raise ValueError(f"kernel {kernel!r} does not read the {qw.layout} layout (pair_gemv and mma_gemv read "
+                         "KbitCodes and KbitFragments, gemv KbitWeight, gemm KbitWeight and KbitCodes, dequant_matmul "
+                         "all three)")
     if f16_acc and kernel != "pair_gemv":
         raise ValueError(f"f16_acc applies to the pair gemv (KbitCodes), not to kernel {kernel!r}")
     kernel, params = _bf16_runnable(kernel, params, qw.layout, K, bf16)
@@ -390,6 +415,11 @@ class KbitLinear:
     ``layout="tiled"``. The tiled layout (N a multiple of 128; otherwise the flat layout, served by gemv and
     dequantize + cuBLAS) serves the scalar gemv and the gemm.
 
+    ``layout="fragments"`` (k = 2, 4, N a multiple of 16 and K of 256; an option for batched decode) keeps the
+    fragment layout (``KbitFragments``, the same bytes in the tensor-core gemv's load order): the tensor-core gemv
+    runs M = 1..16 on it, 5-17% faster than on the code layout at M = 3..16, but M = 1, 2 then run slower than the
+    code layout's pair gemv, and no gemm reads it: dequantize + cuBLAS takes M > 16 (``FRAGMENT_RULES``).
+
     ``layer(A)`` is ``linear(A, weight, workspace=...)``; ``layer.prepare(A, out)`` binds buffers once and
     returns an object whose ``run()`` replays the chosen launches with no argument checking (CUDA-graph
     capturable; write new inputs into the bound ``A``).
@@ -409,22 +439,31 @@ class KbitLinear:
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         stream = _arrays.as_stream(stream)
-        if layout == "auto":
-            layout = "codes" if self.codes_apply(qw) and not keep_flat else "tiled"
-        if layout == "codes":
-            if not (isinstance(qw, KbitCodes) or (isinstance(qw, KbitWeight) and qw.k in CODES_K
-                                                  and qw.layout == "flat")):
-                raise ValueError(f"layout='codes' needs a flat KbitWeight with k in {CODES_K} (or a "
-                                 f"KbitCodes), got {getattr(qw, 'layout', type(qw).__name__)}, "
-                                 f"k={getattr(qw, 'k', None)}")
-            self.weight, self.flat_weight = pair_gemv.to_codes(qw, stream), None
+        if layout == "auto":        # (a weight already in the fragment layout stays in it)
+            layout = ("fragments" if isinstance(qw, KbitFragments)
+                      else "codes" if self.codes_apply(qw) and not keep_flat else "tiled")
+        if layout in NATIVE_LAYOUTS:
+            frag = layout == "fragments"
+            packed = (KbitCodes, KbitFragments) if frag else (KbitCodes,)   # (already in a k-bit-field layout)
+            if not (isinstance(qw, packed)
+                    or (isinstance(qw, KbitWeight) and qw.k in CODES_K and qw.layout == "flat")):
+                raise ValueError(f"layout={layout!r} needs a flat KbitWeight with k in {CODES_K} (or a "
+                                 f"KbitCodes{', KbitFragments' if frag else ''}), got "
+                                 f"{getattr(qw, 'layout', type(qw).__name__)}, k={getattr(qw, 'k', None)}")
+            if frag:        # (N a multiple of 16, K of 256: whole fragment tiles)
+                check_fragment_shape(*qw.shape)
+                kc = qw if isinstance(qw, KbitFragments) else pair_gemv.to_codes(qw, stream)
+                self.weight = mma_gemv.to_fragments(kc, stream)
+            else:
+                self.weight = pair_gemv.to_codes(qw, stream)
+            self.flat_weight = None
             self.table, self.workspace, self.f16_acc, self.pdl = table, Workspace(), bool(f16_acc), bool(pdl)
             if self.pdl:
                 _weights_ready(stream)
             return
         if f16_acc or pdl:
-            raise ValueError(f"f16_acc and pdl apply to the gemvs that read the code layout (k in {CODES_K}, "
-                             f"a flat KbitWeight or KbitCodes), not this {layout} one")
+            raise ValueError(f"f16_acc and pdl apply to the gemvs that read the code layout or the fragment layout "
+                             f"(k in {CODES_K}, a flat KbitWeight or KbitCodes), not this {layout} one")
         self.f16_acc = self.pdl = False
         qw = device_weight(qw, KbitWeight, stream)
         self.flat_weight = qw if qw.layout == "flat" else None

@@ -10,7 +10,8 @@ torch stays optional: ``import kbit_numba`` never imports this module; ``import 
 * **The weight** is a kbit_numba container on the GPU in the layout its kernels read (``dispatch.KbitLinear``):
   kbit keeps the code layout where it applies (``layout="auto"``: k = 2, 4 and K a multiple of 64; pair gemv,
   gemm, dequantize + cuBLAS; ``f16_acc``, ``pdl``), else the tiled layout (gemv and gemm), or the one
-  ``layout`` names; uniform, SBVR and BitNet keep their own, and run their
+  ``layout`` names (``"fragments"``: the tensor-core gemv for batched decode); uniform, SBVR and BitNet keep their
+  own, and run their
   gemv (M = 1..4) in slices of 4 rows for larger M.
 * **forward** calls ``torch.ops.kbit_numba.linear(x, handle)``: a ``torch.library.custom_op`` with a fake
   (meta) implementation, so a model using it traces under ``torch.compile``; the op launches on torch's
@@ -36,7 +37,7 @@ from . import bitnet, reference, sbvr, uniform
 from .codec import quantize as _kbit_quantize
 from .core import MAX_M, device_weight
 from .dispatch import KbitLinear as _KbitLinearRuntime
-from .formats import BLOCK, BitnetWeight, KbitCodes, KbitWeight, SbvrWeight, UniformWeight
+from .formats import BLOCK, BitnetWeight, KbitCodes, KbitFragments, KbitWeight, SbvrWeight, UniformWeight
 from .intrinsics import SIMULATOR
 
 FORMATS = {"kbit": KbitWeight, "uniform": UniformWeight, "sbvr": SbvrWeight, "bitnet": BitnetWeight}
@@ -50,9 +51,9 @@ def _format_of(weight):
     for name, cls in FORMATS.items():
         if isinstance(weight, cls):
             return name
-    if isinstance(weight, KbitCodes):
+    if isinstance(weight, (KbitCodes, KbitFragments)):
         return "kbit"
-    raise TypeError(f"weight must be one of {[c.__name__ for c in FORMATS.values()]} or KbitCodes, "
+    raise TypeError(f"weight must be one of {[c.__name__ for c in FORMATS.values()]}, KbitCodes or KbitFragments, "
                     f"got {type(weight).__name__}")
 
 
@@ -86,7 +87,7 @@ def _check_options(format, layout, f16_acc, pdl):
 class KbitLinear(nn.Module):
     """``y = x @ W^T + b`` with W in a kbit_numba format (see the module docstring).
 
-    ``weight``: a KbitWeight (flat or tiled), KbitCodes, UniformWeight, SbvrWeight or BitnetWeight, host or
+    ``weight``: a KbitWeight (flat or tiled), KbitCodes, KbitFragments, UniformWeight, SbvrWeight or BitnetWeight, host or
     device; ``bias``: a tensor [N] or None. ``layout``, ``f16_acc``, ``pdl``: kbit only (``dispatch.KbitLinear``)."""
 
     def __init__(self, weight, bias=None, layout="auto", f16_acc=False, pdl=False):

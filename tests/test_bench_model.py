@@ -23,19 +23,20 @@ def test_projections_are_the_fused_llama_shapes():
 # On the simulator each simulated kernel launch takes tens of seconds: there the step runs in fp16 only
 # (the structure), and test_torch covers KbitLinear's simulated kernels
 @pytest.mark.parametrize("variant", ["kbit k=4"] if SIM else ["kbit k=4", "kbit k=2", "kbit k=4 pdl f16_acc",
-                                                              "uniform 4-bit g128"])
+                                                              "kbit k=2 pdl frag", "uniform 4-bit g128"])
 def test_quantized_step_follows_the_fp16_step(variant):
     """The same random weights through fp16 nn.Linear and through a quantized variant: the two steps' outputs
     agree to the quantization error, and the linear-only pass runs every layer's four projections. The kbit
-    variants on the code layout interleave their gate/up rows and take the SiLU from the pair or tensor-core gemv's
-    epilogue at this batch (fuses_silu); the fp16 step, on the same interleaved weights, through the SiLU kernel for pairs."""
+    variants on the code or fragment layout interleave their gate/up rows and take the SiLU from the pair or
+    tensor-core gemv's epilogue at this batch (fuses_silu; the fragment variant's down projection, K = 384, keeps the
+    code layout); the fp16 step, on the same interleaved weights, through the SiLU kernel for pairs."""
     if SIM:
         variant = "fp16"
     rng = np.random.default_rng(0)
     base = {name: rng.standard_normal((N, K), dtype=np.float32) * 0.1 for name, N, K in bench_model.projections(TINY)}
     quiet = lambda msg: None  # noqa: E731
     fused = bench_model.fuses_silu(TINY, variant)
-    assert fused == (variant in ("kbit k=4", "kbit k=2", "kbit k=4 pdl f16_acc"))
+    assert fused == (variant in ("kbit k=4", "kbit k=2", "kbit k=4 pdl f16_acc", "kbit k=2 pdl frag"))
     q = bench_model.build_linears(TINY, variant, base, quiet, DEVICE, silu_pairs=fused)
     f = bench_model.build_linears(TINY, "fp16", base, quiet, DEVICE)
     for ql, fl in zip(q, f):     # the fp16 step's weights: the quantized layer's own weights, dequantized
@@ -45,6 +46,8 @@ def test_quantized_step_follows_the_fp16_step(variant):
             if variant == "fp16":
                 qlin.weight.data.copy_(flin.weight.data)
     assert len(q) == TINY["layers"] and all(len(layer) == 4 for layer in q)
+    if variant.endswith("frag"):      # (qkv, o, gate_up fill whole fragment tiles; down's K = 384 does not)
+        assert [lin.weight.layout for lin in q[0]] == ["fragments"] * 3 + ["codes"]
     if not SIM:
         assert 0 < bench_model.weight_bytes(q) < bench_model.weight_bytes(f) / 3
     outs = []

@@ -13,6 +13,7 @@ from helpers import (EXAMPLES, gpu_examples, gpu_split, kbit_weight, Out, out_mo
 from test_gemm import check_close
 from test_gemv import _activations
 from test_pair_gemv import check_close_f16_acc
+from test_mma_gemv import check_silu_pairs
 
 TABLE = {"device": "test", "rules": [[4, "gemv"], [64, "gemm"], [None, "dequant_matmul"]],
          "shapes": {"256x128": [[2, "gemv"], [None, "gemm"]]}}
@@ -283,6 +284,70 @@ def test_kbit_linear_codes_f16_acc(M):
     check_close_f16_acc(prep.run().copy_to_host(), A, flat, np.float32)
 
 
+def test_fragment_layout_rules():
+    """The fragment layout (FRAGMENT_RULES, no table): the tensor-core gemv for M = 1..16 of float16/bfloat16
+    activations at every k and K, the pair gemv for float32 ones to M = 4, dequantize + cuBLAS beyond (the pair gemv
+    in slices where there is no cuBLAS route)."""
+    fr = lambda M, half=True, backend="torch", k=2: L.choose(M, 512, 14336, "fragments", TABLE, backend,  # noqa
+                                                           half=half, k=k)
+    assert [fr(M) for M in (1, 2, 8, 9, 16, 17, 600)] == ["mma_gemv"] * 5 + ["dequant_matmul"] * 2
+    assert [fr(M, half=False) for M in (1, 4, 5, 16)] == ["pair_gemv"] * 2 + ["dequant_matmul"] * 2
+    assert {fr(M, backend=False) for M in (17, 600)} == {"pair_gemv"}
+    assert fr(16, k=4) == "mma_gemv"
+
+
+@pytest.mark.parametrize("k, M, dtype", [(4, 1, np.float16), (2, 3, np.float16), (4, 2, np.float32),
+                                         (2, 17, np.float16)] if SIM else
+                         [(k, M, dt) for k in CODES_K for M, dt in ((1, np.float16), (2, np.float16), (8, np.float16),
+                                                                    (16, np.float16), (3, np.float32),
+                                                                    (17, np.float16), (64, np.float16))])
+def test_kbit_linear_fragment_layout(k, M, dtype):
+    """KbitLinear(layout="fragments"): the weight in the fragment layout (its flat bytes back exactly), the rule's
+    kernel for M (the gemvs prepared as PDL launches), results against the reference."""
+    rng = np.random.default_rng(40 + M)
+    N, K = (32, 512) if SIM else (400, 2048)
+    flat = ref.quantize(random_weight(rng, N, K), k=k)
+    layer = kb.KbitLinear(flat, layout="fragments", pdl=True)
+    assert layer.weight.layout == "fragments"
+    np.testing.assert_array_equal(ref.to_flat(layer.weight.to_numpy()).packed, flat.packed)
+    half = dtype == np.float16
+    want = "mma_gemv" if half and M <= 16 else "pair_gemv" if M <= 4 else "dequant_matmul"
+    if want == "dequant_matmul" and L.matmul_backend() is None:
+        pytest.skip("dequant_matmul needs torch or CuPy")
+    assert layer.kernel_for(M, half=half) == want
+    A = rng.standard_normal((M, K)).astype(dtype)
+    prep = layer.prepare(cuda.to_device(A), out_dtype=np.float32)
+    assert all(step.pdl for step in prep.plan.steps) == (want in L.EPILOGUE_GEMVS)
+    check_close(prep.run().copy_to_host(), A, flat)
+    assert kb.KbitLinear(layer.weight).weight.layout == "fragments"      # ("auto" keeps a KbitFragments as it is)
+
+
+@pytest.mark.parametrize("M", [2] if SIM else [1, 12])
+def test_kbit_linear_fragment_layout_silu_pairs(M):
+    """The gate/up epilogue on the fragment layout (interleaved rows; a PDL launch): silu(gate) * up, [M, N / 2]."""
+    rng = np.random.default_rng(50 + M)
+    flat = ref.quantize(random_weight(rng, 32 if SIM else 512, 256 if SIM else 2048), k=4)
+    layer = kb.KbitLinear(flat, layout="fragments", pdl=True)
+    A = rng.standard_normal((M, flat.shape[1])).astype(np.float16)
+    plan = layer.plan(cuda.to_device(A), out_dtype=np.float32, silu_pairs=True)
+    assert [step.pdl for step in plan.steps] == [True]
+    check_silu_pairs(plan.launch().copy_to_host(), A, flat)
+
+
+def test_fragment_layout_refusals():
+    flat = ref.quantize(np.ones((32, 256), np.float32), k=4)
+    with pytest.raises(ValueError, match="fragment layout needs N a multiple of 16 and K of 256"):
+        kb.KbitLinear(ref.quantize(np.ones((24, 256), np.float32), k=4), layout="fragments")
+    with pytest.raises(ValueError, match="fragment layout needs N a multiple of 16 and K of 256"):
+        kb.KbitLinear(ref.quantize(np.ones((32, 192), np.float32), k=2), layout="fragments")
+    with pytest.raises(ValueError, match="layout='fragments' needs a flat KbitWeight with k in"):
+        kb.KbitLinear(ref.quantize(np.ones((32, 256), np.float32), k=3), layout="fragments")
+    with pytest.raises(ValueError, match="layout='codes' needs a flat KbitWeight"):
+        kb.KbitLinear(ref.to_fragments(flat), layout="codes")
+    with pytest.raises(ValueError, match="kernel 'gemm' does not read the fragments layout"):
+        kb.linear(np.ones((8, 256), np.float16), ref.to_fragments(flat), kernel="gemm")
+
+
 def test_codes_layout_refusals():
     flat = ref.quantize(np.ones((128, 64), np.float32), k=4)
     A = np.ones((1, 64), np.float16)
@@ -310,7 +375,7 @@ def test_codes_layout_refusals():
 
 def test_linear_rejects_bad_input():
     flat = ref.quantize(np.ones((128, 64), np.float32), k=2)
-    with pytest.raises(TypeError, match="KbitWeight or KbitCodes"):
+    with pytest.raises(TypeError, match="KbitWeight, KbitCodes or KbitFragments"):
         kb.linear(np.ones((2, 64), np.float16), flat.packed)
     with pytest.raises(ValueError, match="kernel must be one of"):
         kb.linear(np.ones((2, 64), np.float16), flat, kernel="magic")

@@ -21,7 +21,8 @@ CASES = [("kbit", dict(k=4), 64, 8), ("kbit", dict(k=2, layout="codes"), 64, 8),
          ("uniform", dict(bits=3, group_size=32), 64, 8), ("sbvr", dict(lines=16), 128, 8),
          ("bitnet", dict(parts=1), 64, 16)]
 if not SIM:
-    CASES += [("kbit", dict(k=5), 1056, 384), ("kbit", dict(k=4, layout="codes", f16_acc=True, pdl=True), 2048, 512)]
+    CASES += [("kbit", dict(k=5), 1056, 384), ("kbit", dict(k=4, layout="codes", f16_acc=True, pdl=True), 2048, 512),
+              ("kbit", dict(k=2, layout="fragments", pdl=True), 2048, 512)]
 
 
 def _linear(K, N, bias=True, seed=0):
