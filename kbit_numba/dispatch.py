@@ -77,8 +77,8 @@ MMA_GEMV_MAX_M = {4: 16}           # k -> the largest M the tensor-core gemv tak
 # gemv reads it (H100, 4096x14336, k = 4: 16.15 us against 17.41 with float16 block sums; the pair gemv on the code
 # layout 13.9; H200 14336x4096 M = 4 split in K: 16.38 against 19.77; benchmarks/README.md). No gemm reads it. So the
 # tensor-core gemv takes M = 1..16 (float16/bfloat16 A; no cap by k: the kernel it would give way to is dequantize +
-# cuBLAS), the pair gemv float32 A to M = 4, and dequantize + cuBLAS the rest (with no cuBLAS route: the pair gemv, 4
-# rows a launch). No per-GPU table: this rule is not yet measured as a whole (benchmarks/README.md, "Fortieth session").
+# cuBLAS), the pair gemv float32 A to M = 4 where its registers fit (PAIR_GEMV_MAX_ROW_WARPS, as on the code layout),
+# and dequantize + cuBLAS the rest (with no cuBLAS route: the pair gemv, 4 rows a launch). No per-GPU table: this rule is not yet measured as a whole (benchmarks/README.md, "Fortieth session").
 FRAGMENT_RULES = [[mma_gemv.MAX_TOKENS, "mma_gemv"], [MAX_M, "pair_gemv"], [None, "dequant_matmul"]]
 
 
@@ -191,9 +191,10 @@ def choose_rule(M, N, K, layout, table=None, backend=None, half=True, f16_acc=Fa
 
 
 def _fragment_rule(M, K, half, backend):
-    """``FRAGMENT_RULES``' first rule whose kernel applies: the tensor-core gemv takes ``half`` activations only,
-    dequantize + cuBLAS needs a cuBLAS route; the pair gemv reads any M (4 rows a launch)."""
-    usable = {"mma_gemv": mma_reads(M, K, half), "pair_gemv": True,
+    """``FRAGMENT_RULES``' first rule whose kernel applies: the tensor-core gemv takes ``half`` activations only, the
+    pair gemv M rows of all K's warps where they fit its registers, dequantize + cuBLAS needs a cuBLAS route; with none
+    of them the pair gemv (any M, 4 rows a launch)."""
+    usable = {"mma_gemv": mma_reads(M, K, half), "pair_gemv": M * k_warps(K) <= PAIR_GEMV_MAX_ROW_WARPS,
               "dequant_matmul": bool(backend if backend is not None else matmul_backend())}
     kernel = next((kern for max_m, kern in FRAGMENT_RULES if (max_m is None or M <= max_m) and usable[kern]),
                   "pair_gemv")

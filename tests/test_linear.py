@@ -286,13 +286,16 @@ def test_kbit_linear_codes_f16_acc(M):
 
 def test_fragment_layout_rules():
     """The fragment layout (FRAGMENT_RULES, no table): the tensor-core gemv for M = 1..16 of float16/bfloat16
-    activations at every k and K, the pair gemv for float32 ones to M = 4, dequantize + cuBLAS beyond (the pair gemv
-    in slices where there is no cuBLAS route)."""
+    activations at every k and K, the pair gemv for float32 ones to M = 4 where its registers fit, dequantize + cuBLAS
+    beyond (the pair gemv in slices where there is no cuBLAS route)."""
     fr = lambda M, half=True, backend="torch", k=2: L.choose(M, 512, 14336, "fragments", TABLE, backend,  # noqa
                                                            half=half, k=k)
     assert [fr(M) for M in (1, 2, 8, 9, 16, 17, 600)] == ["mma_gemv"] * 5 + ["dequant_matmul"] * 2
-    assert [fr(M, half=False) for M in (1, 4, 5, 16)] == ["pair_gemv"] * 2 + ["dequant_matmul"] * 2
-    assert {fr(M, backend=False) for M in (17, 600)} == {"pair_gemv"}
+    # float32 A: the pair gemv while M rows of K's warps fit its registers (M = 2 at K = 14336, M = 4 at K = 4096)
+    assert [fr(M, half=False) for M in (1, 2, 3, 5, 16)] == ["pair_gemv"] * 2 + ["dequant_matmul"] * 3
+    assert L.choose(4, 512, 4096, "fragments", TABLE, "torch", half=False) == "pair_gemv"
+    # no cuBLAS route: the pair gemv in slices of 4 rows, registers or not
+    assert {fr(3, half=False, backend=False), fr(17, backend=False), fr(600, backend=False)} == {"pair_gemv"}
     assert fr(16, k=4) == "mma_gemv"
 
 
