@@ -37,7 +37,8 @@ from . import bitnet, reference, sbvr, uniform
 from .codec import quantize as _kbit_quantize
 from .core import MAX_M, device_weight
 from .dispatch import KbitLinear as _KbitLinearRuntime
-from .formats import BLOCK, BitnetWeight, KbitCodes, KbitFragments, KbitWeight, SbvrWeight, UniformWeight
+from .formats import (BLOCK, BitnetWeight, KbitCodes, KbitFragments, KbitWeight, SbvrWeight, UniformWeight,
+                      fits_fragments)
 from .intrinsics import SIMULATOR
 
 FORMATS = {"kbit": KbitWeight, "uniform": UniformWeight, "sbvr": SbvrWeight, "bitnet": BitnetWeight}
@@ -267,11 +268,14 @@ def quantize_model(model, format="kbit", skip=(), progress=True, **options):
     """Replace every ``nn.Linear`` of ``model`` (in place) by a ``KbitLinear`` in ``format``; returns a
     summary dict. ``skip``: names (or name suffixes) of layers to keep; layers whose in_features is not a
     multiple of 32 are kept in their dtype, and the summary says which. ``options``: ``from_linear``'s
-    (k, bits, group_size, lines, parts, layout, f16_acc, pdl). ``progress``: a tqdm bar if tqdm is
-    installed, else a line per 10% on stderr."""
+    (k, bits, group_size, lines, parts, layout, f16_acc, pdl); with ``layout="fragments"`` a layer that does not
+    fill whole fragment tiles (N a multiple of 16, K of 256) takes ``layout="auto"`` instead, and the summary lists it
+    (``not_fragments``). ``progress``: a tqdm bar if tqdm is installed, else a line per 10% on stderr."""
     _check_format(format)
     linears = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear)]
-    summary = dict(replaced=[], skipped=[], kept_not_multiple_of_32=[], bytes_before=0, bytes_after=0)
+    summary = dict(replaced=[], skipped=[], kept_not_multiple_of_32=[], not_fragments=[], bytes_before=0,
+                   bytes_after=0)
+    fragments = format == "kbit" and options.get("layout") == "fragments"
     bar = _progress(len(linears)) if progress else None
     for i, (name, lin) in enumerate(linears):
         before = lin.weight.numel() * lin.weight.element_size()
@@ -280,7 +284,11 @@ def quantize_model(model, format="kbit", skip=(), progress=True, **options):
         elif lin.in_features % BLOCK:
             summary["kept_not_multiple_of_32"].append(name)
         else:
-            q = KbitLinear.from_linear(lin, format, **options)
+            layer_options = options
+            if fragments and not fits_fragments(lin.out_features, lin.in_features):
+                layer_options = dict(options, layout="auto")
+                summary["not_fragments"].append(name)
+            q = KbitLinear.from_linear(lin, format, **layer_options)
             _set_submodule(model, name, q)
             summary["replaced"].append(name)
             summary["bytes_before"] += before
@@ -290,6 +298,9 @@ def quantize_model(model, format="kbit", skip=(), progress=True, **options):
     if summary["kept_not_multiple_of_32"]:
         print(f"kbit_numba: kept {len(summary['kept_not_multiple_of_32'])} layers whose in_features is not a "
               f"multiple of 32: {', '.join(summary['kept_not_multiple_of_32'])}", file=sys.stderr)
+    if summary["not_fragments"]:
+        print(f"kbit_numba: {len(summary['not_fragments'])} layers do not fill whole fragment tiles (N a multiple of "
+              f"16, K of 256) and keep layout='auto': {', '.join(summary['not_fragments'])}", file=sys.stderr)
     if progress:
         b0, b1 = summary["bytes_before"], summary["bytes_after"]
         print(f"kbit_numba: {len(summary['replaced'])} linear layers -> {format}: {b0 / 2**20:.1f} MiB -> "
