@@ -354,9 +354,9 @@ def plan_dequantize(qw, dtype=np.float16, out=None, stream=None, chunks=DEQUANT_
 
 
 def dequantize(qw, dtype=np.float16, out=None, stream=None):
-    """KbitWeight (flat or tiled, E4M4 or fp32 absmax), KbitCodes or KbitFragments -> device array [N, K] of float16/float32
-    (``dtype``; a preallocated ``out`` device array decides the type itself), or of bfloat16 bits as int16
-    (``dtype="bfloat16"``, or an int16 ``out``): each value rounded once, to nearest even."""
+    """KbitWeight (flat or tiled, E4M4 or fp32 absmax), KbitCodes or KbitFragments -> device array [N, K] of
+    float16/float32 (``dtype``; a preallocated ``out`` device array decides the type itself), or of bfloat16 bits as
+    int16 (``dtype="bfloat16"``, or an int16 ``out``): each value rounded once, to nearest even."""
     return plan_dequantize(qw, dtype, out, stream).launch()
 
 

@@ -73,12 +73,13 @@ PAIR_GEMV_F16_MAX_M = {4: 3}       # k -> the largest M the pair gemv with float
 # slower on two) on the H200 (benchmarks/README.md, "Thirty-ninth session"); the H100 was not measured since.
 MMA_GEMV_MAX_M = {4: 16}           # k -> the largest M the tensor-core gemv takes
 # The fragment layout (``KbitLinear(layout="fragments")``, an option for batched decode; ``mma_gemv.to_fragments``):
-# the tensor-core gemv reads it 5-17% faster than the code layout at M = 3..16 and, at M = 1, faster than the pair
-# gemv reads it (H100, 4096x14336, k = 4: 16.15 us against 17.41 with float16 block sums; the pair gemv on the code
-# layout 13.9; H200 14336x4096 M = 4 split in K: 16.38 against 19.77; benchmarks/README.md). No gemm reads it. So the
-# tensor-core gemv takes M = 1..16 (float16/bfloat16 A; no cap by k: the kernel it would give way to is dequantize +
-# cuBLAS), the pair gemv float32 A to M = 4 where its registers fit (PAIR_GEMV_MAX_ROW_WARPS, as on the code layout),
-# and dequantize + cuBLAS the rest (with no cuBLAS route: the pair gemv, 4 rows a launch). No per-GPU table: this rule is not yet measured as a whole (benchmarks/README.md, "Fortieth session").
+# the tensor-core gemv reads it 5-17% faster than the code layout at M = 3..8 (0-10% at 16) and, at M = 1, faster
+# than the pair gemv reads it (H100, 4096x14336, k = 4: 16.15 us against 17.41 with float16 block sums; the pair gemv
+# on the code layout 13.9; H200 14336x4096 M = 4 split in K: 16.38 against 19.77; benchmarks/README.md). No gemm
+# reads it. So the tensor-core gemv takes M = 1..16 (float16/bfloat16 A; no cap by k: the kernel it would give way to
+# is dequantize + cuBLAS), the pair gemv float32 A to M = 4 where its registers fit (PAIR_GEMV_MAX_ROW_WARPS, as on
+# the code layout), and dequantize + cuBLAS the rest (with no cuBLAS route: the pair gemv, 4 rows a launch). No
+# per-GPU table: this rule is not yet measured as a whole (benchmarks/README.md, "Fortieth session").
 FRAGMENT_RULES = [[mma_gemv.MAX_TOKENS, "mma_gemv"], [MAX_M, "pair_gemv"], [None, "dequant_matmul"]]
 
 
@@ -418,8 +419,8 @@ class KbitLinear:
 
     ``layout="fragments"`` (k = 2, 4, N a multiple of 16 and K of 256; an option for batched decode) keeps the
     fragment layout (``KbitFragments``, the same bytes in the tensor-core gemv's load order): the tensor-core gemv
-    runs M = 1..16 on it, 5-17% faster than on the code layout at M = 3..16, but M = 1, 2 then run slower than the
-    code layout's pair gemv, and no gemm reads it: dequantize + cuBLAS takes M > 16 (``FRAGMENT_RULES``).
+    runs M = 1..16 on it, 5-17% faster than on the code layout at M = 3..8 (0-10% at 16), but M = 1, 2 run slower
+    than the code layout's pair gemv, and no gemm reads it: dequantize + cuBLAS takes M > 16 (``FRAGMENT_RULES``).
 
     ``layer(A)`` is ``linear(A, weight, workspace=...)``; ``layer.prepare(A, out)`` binds buffers once and
     returns an object whose ``run()`` replays the chosen launches with no argument checking (CUDA-graph

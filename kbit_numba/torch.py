@@ -88,8 +88,8 @@ def _check_options(format, layout, f16_acc, pdl):
 class KbitLinear(nn.Module):
     """``y = x @ W^T + b`` with W in a kbit_numba format (see the module docstring).
 
-    ``weight``: a KbitWeight (flat or tiled), KbitCodes, KbitFragments, UniformWeight, SbvrWeight or BitnetWeight, host or
-    device; ``bias``: a tensor [N] or None. ``layout``, ``f16_acc``, ``pdl``: kbit only (``dispatch.KbitLinear``)."""
+    ``weight``: a KbitWeight (flat or tiled), KbitCodes, KbitFragments, UniformWeight, SbvrWeight or BitnetWeight, host
+    or device; ``bias``: a tensor [N] or None. ``layout``, ``f16_acc``, ``pdl``: kbit only (``dispatch.KbitLinear``)."""
 
     def __init__(self, weight, bias=None, layout="auto", f16_acc=False, pdl=False):
         super().__init__()
