@@ -5,7 +5,9 @@
 
 Columns: mma(c), mma(f) (the same kernel on the fragment layout, ``KbitFragments``, where N % 16 = K % 256 = 0),
 (and mma(c) launched with PDL in a chain of its own launches, ``--pdl``), the pair gemv
-(M <= 4; float32 and float16 block sums), the gemm on the code layout and on the tiled layout.
+(M <= 4; float32 and float16 block sums; ``pair(f),f16``: float16 sums on the fragment layout, what a
+``KbitLinear(layout="fragments")`` could run at M = 1, 2 instead of mma(f)), the gemm on the code layout and on the
+tiled layout. "mma vs best other" compares with the code and tiled layouts' other kernels.
 """
 import sys
 
@@ -23,8 +25,10 @@ shapes = [tuple(int(v) for v in s.split("x")) for s in (args[0] if args else
 ks = [int(v) for v in (args[1] if len(args) > 1 else "4,2").split(",")]
 ms = [int(v) for v in (args[2] if len(args) > 2 else "1,2,4,8").split(",")]
 rng = np.random.default_rng(1)
-cols = ["mma(c)", "mma(f)"] + (["mma,pdl"] if pdl else []) + ["pair(c)", "pair,f16", "gemm(c)", "gemm(t)"]
-print(f"{'K x N':>11} {'k':>1} {'M':>2} " + " ".join(f"{c:>8}" for c in cols) + f" {'cuBLAS':>7} {'floor':>6}"
+cols = (["mma(c)", "mma(f)"] + (["mma,pdl"] if pdl else [])
+        + ["pair(c)", "pair,f16", "pair(f),f16", "gemm(c)", "gemm(t)"])
+width = {c: max(8, len(c)) for c in cols}
+print(f"{'K x N':>11} {'k':>1} {'M':>2} " + " ".join(f"{c:>{width[c]}}" for c in cols) + f" {'cuBLAS':>7} {'floor':>6}"
       " %floor(mma) mma vs cuBLAS  mma vs best other  mma(f)/mma(c)")
 for K, N in shapes:
     for k in ks:
@@ -45,6 +49,7 @@ for K, N in shapes:
                 "mma,pdl": lambda w: mma_gemv.plan(A, w, out, 0, pdl=True),
                 "pair(c)": (lambda w: pair_gemv.plan(A, w, out, 0)) if M <= 4 else None,
                 "pair,f16": (lambda w: pair_gemv.plan(A, w, out, 0, f16_acc=True)) if M <= 4 else None,
+                "pair(f),f16": (lambda w: pair_gemv.plan(A, w, out, 0, f16_acc=True)) if M <= 4 and frags else None,
                 "gemm(c)": lambda w: tensor_gemm.plan(A, w, out, 0, workspace=sums),
                 "gemm(t)": lambda w: tensor_gemm.plan(A, w, out, 0, workspace=sums),
             }
@@ -53,14 +58,14 @@ for K, N in shapes:
                 make = plans[name]
                 if make is None or (name.startswith("mma") and not mma_gemv.reads(M, K)):
                     continue
-                weights = tiled if name == "gemm(t)" else frags if name == "mma(f)" else codes
+                weights = tiled if name == "gemm(t)" else frags if name in ("mma(f)", "pair(f),f16") else codes
                 runs = [make(w).prepare().run for w in weights]
                 t[name] = graph_time_us(lambda i, s: runs[i % n](s), n * max(1, 64 // n))
             floor = bench.floor_us(nbytes + M * K * 2 + M * N * 2)
             cub = bench.cublas_row(K, N, M) or float("nan")
             mma = t.get("mma(c)", float("nan"))
-            other = min(v for key, v in t.items() if not key.startswith("mma"))
-            print(f"{K:>5}x{N:<5} {k} {M:>2} " + " ".join(f"{t[c]:8.2f}" if c in t else f"{'-':>8}" for c in cols)
+            other = min(v for key, v in t.items() if not key.startswith("mma") and "(f)" not in key)
+            print(f"{K:>5}x{N:<5} {k} {M:>2} " + " ".join(f"{t[c]:{width[c]}.2f}" if c in t else f"{'-':>{width[c]}}" for c in cols)
                   + f" {cub:7.2f} {floor:6.2f} {100 * floor / mma:10.0f}% {cub / mma:12.2f}x {other / mma:17.2f}x"
                   f" {t.get('mma(f)', float('nan')) / mma:14.3f}",
                   flush=True)
