@@ -42,7 +42,7 @@ from .intrinsics import SIMULATOR
 from .launch import HostStep, Plan, stream_handle
 
 KERNELS = ("gemv", "pair_gemv", "mma_gemv", "gemm", "dequant_matmul")
-EPILOGUE_GEMVS = ("pair_gemv", "mma_gemv")   # the code layout's gemvs: built for PDL and the silu_pairs epilogue
+EPILOGUE_GEMVS = ("pair_gemv", "mma_gemv")   # the code and fragment layouts' gemvs: PDL builds, the silu_pairs epilogue
 LAYOUTS = ("auto", "tiled", "codes", "fragments")  # what KbitLinear keeps on the device ("auto": codes where it can)
 NATIVE_LAYOUTS = ("codes", "fragments")  # the k-bit-field layouts that the pair and tensor-core gemvs read
 FALLBACK = ("gemm", "dequant_matmul", "gemv")
