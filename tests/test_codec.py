@@ -74,12 +74,15 @@ def test_dequantize_error_bound(seed, k, N, kbn, fmt, scale):
 
 @settings(max_examples=EXAMPLES)
 @given(seeds, st.sampled_from([2, 4]), st.integers(1, MAX_N), st.integers(1, MAX_KB), fmts,
-       st.sampled_from([np.float16, np.float32]))
-def test_dequantize_code_layout(seed, k, N, kbn, fmt, dtype):
-    """The code layout (KbitCodes) dequantizes to exactly what its flat twin does."""
+       st.sampled_from([np.float16, np.float32]), st.sampled_from(["codes", "fragments"]))
+def test_dequantize_code_layout(seed, k, N, kbn, fmt, dtype, layout):
+    """The code layout (KbitCodes) and the fragment layout (KbitFragments: N rounded up to 16 and K to 256, whole
+    tiles) dequantize to exactly what their flat twin does."""
     rng = np.random.default_rng(seed)
-    flat = ref.quantize(random_weight(rng, N, 32 * kbn), k=k, absmax_format=fmt)
-    got = kb.dequantize(ref.to_codes(flat), dtype=dtype).copy_to_host()
+    N, K = (-(-N // 16) * 16, -(-kbn // 8) * 256) if layout == "fragments" else (N, 32 * kbn)
+    flat = ref.quantize(random_weight(rng, N, K), k=k, absmax_format=fmt)
+    native = ref.to_fragments(flat) if layout == "fragments" else ref.to_codes(flat)
+    got = kb.dequantize(native, dtype=dtype).copy_to_host()
     np.testing.assert_array_equal(got, ref.dequantize(flat).astype(dtype))
 
 

@@ -87,7 +87,7 @@ def test_linear_any_m(M):
     check_close(out.copy_to_host(), A, flat)
 
 
-LAYOUTS = ("auto", "tiled", "codes", "keep_flat")
+LAYOUTS = ("auto", "tiled", "codes", "keep_flat", "fragments")
 # M picks the kernel and, for the gemvs, its specialisation: on the GPU it is drawn as a variant (helpers.variants)
 # from every route of the dispatch table and both sides of each bound; the simulator draws any M (sizes below).
 FUZZ_M = (1, 2, 3, 5, 8, 9, 17, 64, 200, 512) if not SIM else (None,)
@@ -106,7 +106,9 @@ def test_kbit_linear_any_shape(k_split, seed, v, M, N, kbn, out_mode):
     M, k = fuzz_m or M, k_split or k
     rng = np.random.default_rng(seed)
     K = 32 * kbn
-    layout = "auto" if layout == "codes" and k not in CODES_K else layout
+    layout = "auto" if layout in ("codes", "fragments") and k not in CODES_K else layout
+    if layout == "fragments":                          # (whole fragment tiles: N a multiple of 16, K of 256)
+        N, K = -(-N // 16) * 16, -(-K // 256) * 256
     qw, pool, rows = kbit_weight(rng, N, K, "normal", k, fmt)
     layer = kb.KbitLinear(qw, **({"keep_flat": True} if layout == "keep_flat" else {"layout": layout}))
     A = _activations(rng, M, K, a_dtype)
