@@ -28,8 +28,8 @@ from .core import device_weight
 from .launch import ELEMENT_TYPES, NUMBA_TYPES, OUT_TYPES, Plan, Spec, Step, type_name
 from .device import (F32_MAX, FULL_MASK, WARP, e4m4_decode, e4m4_encode, f32_to_bf16_bits, i32, inlined, jit_kernel,
                      make_loader, tiled_block, u32, warp_max)
-from .formats import (ABSMAX_FORMATS, BLOCK, CODES_K, K_BITS, LAYOUTS, MAX_CODES, TILE_N, KbitCodes, KbitFragments,
-                      KbitWeight, check_codebook, check_k, fragment_position, padded_k)
+from .formats import (ABSMAX_FORMATS, BLOCK, CODE_LAYOUTS, CODES_K, K_BITS, LAYOUTS, MAX_CODES, TILE_N, KbitCodes,
+                      KbitFragments, KbitWeight, check_codebook, check_k, fragment_position, padded_k)
 from .intrinsics import f16x2_as_u32, f32_as_u32, ldg64_stream, ldg128_stream, lds_f32, prmt, shared_addr, stg128
 
 QUANT_THREADS = 256          # 8 warps = 8 blocks per CTA
@@ -41,7 +41,6 @@ SPREAD = u32(0x00204081)     # nibble * SPREAD puts bit i on bit 8i (+7i overlap
 BYTE_LSB = u32(0x01010101)   # bit 0 of each byte
 LOW_BYTE = u32(0x4440)       # prmt selector + j: byte j of a word, zero-extended
 DEQUANT_MAX_OUTPUTS = 2**32  # the dequantizer's index math is 32-bit: N * K below this
-CODE_LAYOUTS = ("codes", "fragments")   # the dequantizer's k-bit-field layouts (KbitCodes, KbitFragments; k = 2, 4)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -37,14 +37,13 @@ from numba import cuda
 from . import _arrays, mma_gemv, pair_gemv, scalar_gemv, tensor_gemm
 from .codec import plan_dequantize, repack_tiled
 from .core import MAX_M, device_weight, k_warps
-from .formats import CODES_K, TILE_N, KbitCodes, KbitFragments, KbitWeight, check_fragment_shape
+from .formats import CODE_LAYOUTS, CODES_K, TILE_N, KbitCodes, KbitFragments, KbitWeight, check_fragment_shape
 from .intrinsics import SIMULATOR
 from .launch import HostStep, Plan, stream_handle
 
 KERNELS = ("gemv", "pair_gemv", "mma_gemv", "gemm", "dequant_matmul")
 EPILOGUE_GEMVS = ("pair_gemv", "mma_gemv")   # the code and fragment layouts' gemvs: PDL builds, the silu_pairs epilogue
 LAYOUTS = ("auto", "tiled", "codes", "fragments")  # what KbitLinear keeps on the device ("auto": codes where it can)
-NATIVE_LAYOUTS = ("codes", "fragments")  # the k-bit-field layouts that the pair and tensor-core gemvs read
 FALLBACK = ("gemm", "dequant_matmul", "gemv")
 FALLBACK_CODES = ("gemm", "pair_gemv")   # (the pair gemv reads every code-layout weight)
 TUNING_DIR = os.path.join(os.path.dirname(__file__), "tuning")
@@ -332,7 +331,7 @@ def _bf16_runnable(kernel, params, layout, K, bf16):
     """(kernel, params) as a call runs them: bfloat16 activations cannot take dequantize + cuBLAS without torch (CuPy
     has no bfloat16), so there the gemm runs instead (or a gemv where the gemm does not read the layout)."""
     if bf16 and kernel == "dequant_matmul" and not bf16_matmul_backend():
-        return ("gemm" if gemm_reads(layout, K) else "pair_gemv" if layout in NATIVE_LAYOUTS else "gemv"), {}
+        return ("gemm" if gemm_reads(layout, K) else "pair_gemv" if layout in CODE_LAYOUTS else "gemv"), {}
     return kernel, params
 
 
@@ -353,7 +352,7 @@ def plan(A, qw, out=None, stream=None, workspace=None, out_dtype=np.float16, bf1
                                      f16_acc=f16_acc and f16_input(A, bf16), k=qw.k)
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-    native = qw.layout in NATIVE_LAYOUTS
+    native = qw.layout in CODE_LAYOUTS
     if ((kernel in ("gemv", "pair_gemv", "mma_gemv") and (kernel != "gemv") != native)
             or (kernel == "gemm" and qw.layout == "fragments")):
         raise ValueError(f"kernel {kernel!r} does not read the {qw.layout} layout (pair_gemv and mma_gemv read "
@@ -444,7 +443,7 @@ class KbitLinear:
         if layout == "auto":        # (a weight already in the fragment layout stays in it)
             layout = ("fragments" if isinstance(qw, KbitFragments)
                       else "codes" if self.codes_apply(qw) and not keep_flat else "tiled")
-        if layout in NATIVE_LAYOUTS:
+        if layout in CODE_LAYOUTS:
             frag = layout == "fragments"
             packed = (KbitCodes, KbitFragments) if frag else (KbitCodes,)   # (already in a k-bit-field layout)
             if not (isinstance(qw, packed)

@@ -28,6 +28,7 @@ E4M4_MAX = 31.0            # largest encodable absmax: 2**(15-11) * (1 + 15/16)
 TILE_K = 64                # tiled layout: K elements per tile (two blocks)
 TILE_N = 128               # tiled layout: columns per tile
 LAYOUTS = ("flat", "tiled")
+CODE_LAYOUTS = ("codes", "fragments")   # the k-bit-field layouts (KbitCodes, KbitFragments; k = 2, 4)
 ABSMAX_FORMATS = ("e4m4", "fp32")
 
 
