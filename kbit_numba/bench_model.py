@@ -641,11 +641,11 @@ def fuses_silu(cfg, variant):
     expert's, interleaved): kbit on the code or fragment layout (k = 2, 4: the pair gemv's and the tensor-core gemv's,
     grouped too). The llama3-8b B = 1 step: k = 4 1871-1886 -> 1850-1869 us, k = 2 1446-1457 -> 1386-1390
     (benchmarks/README.md)."""
-    from .formats import CODES_K
+    from .formats import CODE_LAYOUTS, CODES_K
     if VARIANTS.get(variant) is None:
         return False
     fmt, opts = VARIANTS[variant]
-    return fmt == "kbit" and opts["k"] in CODES_K and opts.get("layout", "codes") in ("codes", "fragments")
+    return fmt == "kbit" and opts["k"] in CODES_K and opts.get("layout", "codes") in CODE_LAYOUTS
 
 
 def interleave_pairs(W):

@@ -269,8 +269,8 @@ def quantize_model(model, format="kbit", skip=(), progress=True, **options):
     summary dict. ``skip``: names (or name suffixes) of layers to keep; layers whose in_features is not a
     multiple of 32 are kept in their dtype, and the summary says which. ``options``: ``from_linear``'s
     (k, bits, group_size, lines, parts, layout, f16_acc, pdl); with ``layout="fragments"`` a layer that does not
-    fill whole fragment tiles (N a multiple of 16, K of 256) takes ``layout="auto"`` instead, and the summary lists it
-    (``not_fragments``). ``progress``: a tqdm bar if tqdm is installed, else a line per 10% on stderr."""
+    fill whole fragment tiles (N a multiple of 16, K of 256) takes the code layout instead (which also reads any K
+    a multiple of 32 and takes ``f16_acc`` and ``pdl``), and the summary lists it (``not_fragments``). ``progress``: a tqdm bar if tqdm is installed, else a line per 10% on stderr."""
     _check_format(format)
     linears = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear)]
     summary = dict(replaced=[], skipped=[], kept_not_multiple_of_32=[], not_fragments=[], bytes_before=0,
@@ -286,7 +286,7 @@ def quantize_model(model, format="kbit", skip=(), progress=True, **options):
         else:
             layer_options = options
             if fragments and not fits_fragments(lin.out_features, lin.in_features):
-                layer_options = dict(options, layout="auto")
+                layer_options = dict(options, layout="codes")
                 summary["not_fragments"].append(name)
             q = KbitLinear.from_linear(lin, format, **layer_options)
             _set_submodule(model, name, q)
@@ -300,7 +300,7 @@ def quantize_model(model, format="kbit", skip=(), progress=True, **options):
               f"multiple of 32: {', '.join(summary['kept_not_multiple_of_32'])}", file=sys.stderr)
     if summary["not_fragments"]:
         print(f"kbit_numba: {len(summary['not_fragments'])} layers do not fill whole fragment tiles (N a multiple of "
-              f"16, K of 256) and keep layout='auto': {', '.join(summary['not_fragments'])}", file=sys.stderr)
+              f"16, K of 256) and keep the code layout: {', '.join(summary['not_fragments'])}", file=sys.stderr)
     if progress:
         b0, b1 = summary["bytes_before"], summary["bytes_after"]
         print(f"kbit_numba: {len(summary['replaced'])} linear layers -> {format}: {b0 / 2**20:.1f} MiB -> "

@@ -126,14 +126,13 @@ def test_quantize_model_replaces_linears_keeps_odd_ones_and_reports_bytes(capsys
 
 
 def test_quantize_model_fragments_where_whole_tiles_fit(capsys):
-    """layout="fragments" for a whole model: the layers that fill whole fragment tiles take it, the others "auto" (the
-    code layout here), and the summary and stderr say which."""
+    """layout="fragments" for a whole model (with pdl): the layers that fill whole fragment tiles take it, the others
+    the code layout (K = 32 too, which "auto" would keep flat and refuse pdl for), and the summary and stderr say which."""
     model = nn.Sequential(nn.Linear(256, 32), nn.Linear(32, 48), nn.Linear(64, 16)).to(DEVICE)
-    summary = quantize_model(model, k=4, layout="fragments", progress=False)
+    summary = quantize_model(model, k=4, layout="fragments", pdl=True, progress=False)
     assert summary["replaced"] == ["0", "1", "2"] and summary["not_fragments"] == ["1", "2"]
-    # "auto": K = 32 is no multiple of 64 and N = 48 of 128, so layer 1 stays flat; layer 2 (K = 64) takes the codes
-    assert [m.weight.layout for m in model] == ["fragments", "flat", "codes"]
-    assert "keep layout='auto': 1, 2" in capsys.readouterr().err
+    assert [m.weight.layout for m in model] == ["fragments", "codes", "codes"]
+    assert "keep the code layout: 1, 2" in capsys.readouterr().err
     y = model[0](torch.randn(3, 256, device=DEVICE).half())
     assert y.shape == (3, 32)
 
