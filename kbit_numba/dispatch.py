@@ -78,7 +78,8 @@ MMA_GEMV_MAX_M = {4: 16}           # k -> the largest M the tensor-core gemv tak
 # reads it. So the tensor-core gemv takes M = 1..16 (float16/bfloat16 A; no cap by k: the kernel it would give way to
 # is dequantize + cuBLAS), the pair gemv float32 A to M = 4 where its registers fit (PAIR_GEMV_MAX_ROW_WARPS, as on
 # the code layout), and dequantize + cuBLAS the rest (with no cuBLAS route: the pair gemv, 4 rows a launch). No
-# per-GPU table: this rule is not yet measured as a whole (benchmarks/README.md, "Fortieth session").
+# per-GPU table. Measured as a whole (H200, llama3-8b step, 2026-11-29; benchmarks/README.md, "Forty-first session"):
+# B = 4..16 8-11% faster than the code layout, B = 1 24-25% slower than its pair gemv with float16 sums.
 FRAGMENT_RULES = [[mma_gemv.MAX_TOKENS, "mma_gemv"], [MAX_M, "pair_gemv"], [None, "dequant_matmul"]]
 
 
@@ -418,8 +419,10 @@ class KbitLinear:
 
     ``layout="fragments"`` (k = 2, 4, N a multiple of 16 and K of 256; an option for batched decode) keeps the
     fragment layout (``KbitFragments``, the same bytes in the tensor-core gemv's load order): the tensor-core gemv
-    runs M = 1..16 on it, 5-17% faster than on the code layout at M = 3..8 (0-10% at 16), but M = 1, 2 run slower
-    than the code layout's pair gemv, and no gemm reads it: dequantize + cuBLAS takes M > 16 (``FRAGMENT_RULES``).
+    runs M = 1..16 on it, 12-19% faster than on the code layout at M = 4..8 (9-13% at 16; H200), but M = 1, 2 run
+    slower than the code layout's pair gemv with float16 sums, and no gemm reads it: dequantize + cuBLAS takes
+    M > 16 (``FRAGMENT_RULES``). The llama3-8b decode step (H200) with it: B = 4..16 8-11% faster, B = 1 24-25%
+    slower than the code layout with ``f16_acc``.
 
     ``layer(A)`` is ``linear(A, weight, workspace=...)``; ``layer.prepare(A, out)`` binds buffers once and
     returns an object whose ``run()`` replays the chosen launches with no argument checking (CUDA-graph
