@@ -578,7 +578,8 @@ def py_ldmatrix_x4(arr, addr):
     from ._sim import exchange, lane_id
     addrs = exchange(int(addr))
     lane = lane_id()
-    return tuple(np.uint32(arr[_shared_index(addrs[8 * i + lane // 4] + 4 * (lane % 4))]) for i in range(4))
+    words = _words(arr)                  # the bits, whatever the array's 4-byte type (as lds_u32's twin)
+    return tuple(np.uint32(words[_shared_index(addrs[8 * i + lane // 4] + 4 * (lane % 4))]) for i in range(4))
 
 
 def _mma_intrinsic(dtype):
