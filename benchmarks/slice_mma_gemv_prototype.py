@@ -52,6 +52,9 @@ PART = CODEBOOK + 16               # float offset of the partial C tiles
 FRAG = 4 * WARP                    # floats of a warp's partial C tile (4 a lane, fragment order)
 BATCH = 3                          # strips a barrier (the loop's unroll)
 CTA_WARPS = 16
+# the loop's state, one uint32 each in a local array the inlined helpers update: where the next load and the next
+# MMAs are (strip, K tile of the warp's), the strip's slot in its batch, and the partial buffer's half
+LOAD_STRIP, LOAD_TILE, STRIP_AT, TILE_AT, BATCH_SLOT, HALF = range(6)
 TILE_ACT_BYTES = TILE_KB * BLOCK * 2     # a token's activations of one K tile: 512 bytes
 ROW_PAD = 16                       # a token row's stride 2K + 16 bytes: an ldmatrix phase's 8 rows in distinct banks
 
@@ -76,25 +79,26 @@ def make_kernel(S, KS):
 
     @cuda.jit(device=True, inline="always")
     def load(packed, absmax, st, tw, tiles_k, n_strips, stride, kt0, lane, codes, am):
-        """This lane's 4 pieces of fragment tile (strip st[0], K tile kt0 + st[1]); then advance the load position.
+        """This lane's 4 pieces of fragment tile (strip st[LOAD_STRIP], K tile kt0 + st[LOAD_TILE]); then advance
+        the load position.
         Past the last strip it loads strip 0's (never used)."""
-        strip = st[0] if st[0] < n_strips else u32(0)
-        base = u32(u32(strip * tiles_k + kt0 + st[1]) * u32(TILE_BLOCKS) + lane)
+        strip = st[LOAD_STRIP] if st[LOAD_STRIP] < n_strips else u32(0)
+        base = u32(u32(strip * tiles_k + kt0 + st[LOAD_TILE]) * u32(TILE_BLOCKS) + lane)
         for p in range(PIECES):
             blk = u32(base + u32(WARP * p))
             codes[p, 0], codes[p, 1], codes[p, 2], codes[p, 3] = ldg128(packed, u32(blk * u32(4)))
             am[p] = absmax[blk]
-        st[1] = u32(st[1] + u32(1))
-        if st[1] == tw:
-            st[1] = u32(0)
-            st[0] = u32(st[0] + stride)
+        st[LOAD_TILE] = u32(st[LOAD_TILE] + u32(1))
+        if st[LOAD_TILE] == tw:
+            st[LOAD_TILE] = u32(0)
+            st[LOAD_STRIP] = u32(st[LOAD_STRIP] + stride)
 
     @cuda.jit(device=True, inline="always")
     def step(smem, table, lane_off, lane_act, codes, am, acc, st, tw, kt0, part, slot, n_strips, stride, tid, sl,
              out, N, m):
         """The MMAs of one K tile into acc; at a strip's last tile its partial tile goes to shared memory, and after
         a batch's last strip (or the slice's) the slice meets at its barrier and sums the batch."""
-        kt = u32(kt0 + st[3])
+        kt = u32(kt0 + st[TILE_AT])
         for b in range(2):
             s0 = lds_u32(smem, table + u32(4) * u32(u32(SCALES) + u32(am[b])))
             s1 = lds_u32(smem, table + u32(4) * u32(u32(SCALES) + u32(am[2 + b])))
@@ -112,24 +116,24 @@ def make_kernel(S, KS):
                     b0 = r2 if h else r0
                     b1 = r3 if h else r1
                     acc[0], acc[1], acc[2], acc[3] = mma_f16(a0, a1, a2, a3, b0, b1, acc[0], acc[1], acc[2], acc[3])
-        st[3] = u32(st[3] + u32(1))
-        if st[3] == tw:                                  # the strip's last tile
-            st[3] = u32(0)
-            r = st[4]
-            sts128(smem, table + u32(4) * u32(part + st[5] + r * slot), f32_as_u32(acc[0]), f32_as_u32(acc[1]),
+        st[TILE_AT] = u32(st[TILE_AT] + u32(1))
+        if st[TILE_AT] == tw:                                  # the strip's last tile
+            st[TILE_AT] = u32(0)
+            r = st[BATCH_SLOT]
+            sts128(smem, table + u32(4) * u32(part + st[HALF] + r * slot), f32_as_u32(acc[0]), f32_as_u32(acc[1]),
                    f32_as_u32(acc[2]), f32_as_u32(acc[3]))
             for e in range(4):
                 acc[e] = np.float32(0.0)
-            strip = st[2]
-            st[2] = u32(st[2] + stride)
-            if r == u32(BATCH - 1) or st[2] >= n_strips:
+            strip = st[STRIP_AT]
+            st[STRIP_AT] = u32(st[STRIP_AT] + stride)
+            if r == u32(BATCH - 1) or st[STRIP_AT] >= n_strips:
                 bar_sync(u32(1) + sl, u32(SLICE_THREADS))
-                sum_batch(smem, table, st[5], slot, u32(r + u32(1)), u32(strip - r * stride), stride, tid, sl, out, N,
-                          m)
-                st[5] = u32(u32(BATCH) * slot - st[5])
-                st[4] = u32(0)
+                sum_batch(smem, table, st[HALF], slot, u32(r + u32(1)), u32(strip - r * stride), stride, tid, sl, out,
+                          N, m)
+                st[HALF] = u32(u32(BATCH) * slot - st[HALF])
+                st[BATCH_SLOT] = u32(0)
             else:
-                st[4] = u32(r + u32(1))
+                st[BATCH_SLOT] = u32(r + u32(1))
 
     @cuda.jit(device=True, inline="always")
     def sum_batch(smem, table, flip, slot, count, strip0, stride, tid, sl, out, N, m):
@@ -222,25 +226,23 @@ def make_kernel(S, KS):
         acc = cuda.local.array(4, np.float32)
         for e in range(4):
             acc[e] = np.float32(0.0)
-        st = cuda.local.array(6, np.uint32)              # load strip, load tile, compute strip, compute tile, r, flip
-        st[0] = grp
-        st[1] = u32(0)
-        st[2] = grp
-        st[3] = u32(0)
-        st[4] = u32(0)
-        st[5] = u32(0)
+        st = cuda.local.array(6, np.uint32)              # (LOAD_STRIP .. HALF)
+        for e in range(6):
+            st[e] = u32(0)
+        st[LOAD_STRIP] = grp
+        st[STRIP_AT] = grp
         load(packed, absmax, st, tw, tiles_k, n_strips, stride, kt0, lane, codes_a, am_a)
         load(packed, absmax, st, tw, tiles_k, n_strips, stride, kt0, lane, codes_b, am_b)
-        while st[2] < n_strips:
+        while st[STRIP_AT] < n_strips:
             load(packed, absmax, st, tw, tiles_k, n_strips, stride, kt0, lane, codes_c, am_c)
             step(smem, table, lane_off, lane_act, codes_a, am_a, acc, st, tw, kt0, part, slot, n_strips, stride,
                  tid, sl, out, N, m)
-            if st[2] >= n_strips:
+            if st[STRIP_AT] >= n_strips:
                 break
             load(packed, absmax, st, tw, tiles_k, n_strips, stride, kt0, lane, codes_a, am_a)
             step(smem, table, lane_off, lane_act, codes_b, am_b, acc, st, tw, kt0, part, slot, n_strips, stride,
                  tid, sl, out, N, m)
-            if st[2] >= n_strips:
+            if st[STRIP_AT] >= n_strips:
                 break
             load(packed, absmax, st, tw, tiles_k, n_strips, stride, kt0, lane, codes_b, am_b)
             step(smem, table, lane_off, lane_act, codes_c, am_c, acc, st, tw, kt0, part, slot, n_strips, stride,

@@ -270,7 +270,8 @@ def quantize_model(model, format="kbit", skip=(), progress=True, **options):
     multiple of 32 are kept in their dtype, and the summary says which. ``options``: ``from_linear``'s
     (k, bits, group_size, lines, parts, layout, f16_acc, pdl); with ``layout="fragments"`` a layer that does not
     fill whole fragment tiles (N a multiple of 16, K of 256) takes the code layout instead (which also reads any K
-    a multiple of 32 and takes ``f16_acc`` and ``pdl``), and the summary lists it (``not_fragments``). ``progress``: a tqdm bar if tqdm is installed, else a line per 10% on stderr."""
+    a multiple of 32 and takes ``f16_acc`` and ``pdl``), and the summary lists it (``not_fragments``). ``progress``:
+    a tqdm bar if tqdm is installed, else a line per 10% on stderr."""
     _check_format(format)
     linears = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear)]
     summary = dict(replaced=[], skipped=[], kept_not_multiple_of_32=[], not_fragments=[], bytes_before=0,
