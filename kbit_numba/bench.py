@@ -18,6 +18,7 @@ from functools import lru_cache, partial
 
 import numpy as np
 
+from .bench_peers import PEERS, peer_rows, peer_summary
 from .core import MAX_M
 from .formats import CODES_K
 
@@ -852,7 +853,9 @@ def main(argv=None):
     p.add_argument("--k", default=",".join(map(str, KS)))
     p.add_argument("--m", default=",".join(map(str, MS)))
     p.add_argument("--kernels", default=",".join(KERNELS),
-                   help="any of %s, and the other seed systems %s" % (",".join(KERNELS), ",".join(FORMAT_KERNELS)))
+                   help="any of %s, the other seed systems %s, and the peers %s when they are importable "
+                        "(bench_peers.py; not in the default)" % (",".join(KERNELS), ",".join(FORMAT_KERNELS),
+                                                                  ",".join(PEERS)))
     p.add_argument("--bits", default=",".join(map(str, UNIFORM_BENCH_BITS)), help="uniform n-bit widths")
     p.add_argument("--json", help="write the rows and the ceilings as JSON to this file")
     p.add_argument("--csv", help="write the rows as CSV to this file")
@@ -947,6 +950,9 @@ def main(argv=None):
     fmt_kinds = [kn for kn in FORMAT_KERNELS if kn in kernels]
     if fmt_kinds:
         rows += format_rows(fmt_kinds, shapes, ms, ceilings, progress, _parse_list(args.bits, int))
+    peer_kinds = [kn for kn in PEERS if kn in kernels]
+    if peer_kinds:
+        rows += peer_rows(peer_kinds, shapes, ks, ms, ceilings, progress)
     if args.sweep:
         tunings = [dict(zip(("cols", "max_registers"), (None if v == "none" else int(v) for v in t.split(":"))))
                    for t in _parse_list(args.sweep)]
@@ -979,6 +985,10 @@ def main(argv=None):
     if any(r["M"] for r in rows) and not any(r.get("cublas_us") for r in rows if r["M"]):
         print("cuBLAS baseline: unavailable (install torch to time it)")
     print(format_table(rows))
+    summary = peer_summary(rows)
+    if summary:
+        print("\nthe peers beside the fastest kbit row of the same shape, M and bits (peer/kbit > 1: kbit is faster)")
+        print("\n".join(summary))
     for r in overhead:
         print(f"host overhead  {r['what']:<34} {r['host_us_per_call']:7.1f} us/call")
     for r in moe:
@@ -992,7 +1002,8 @@ def main(argv=None):
         table = tune_table(rows, name)
         old = _read_table(path)
         table.update({key: old[key] for key in ("codes_rules", "codes_variants", "codes_shapes",  # (not tuned here)
-                                                "codes_mm_rules", "codes_mm_shapes", "mma_gemv_max_m")
+                                                "codes_mm_rules", "codes_mm_shapes", "mma_gemv_max_m",
+                                                "mma_gemv_max_m_shapes")
                       if key in old and key not in table})
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:

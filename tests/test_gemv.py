@@ -173,7 +173,9 @@ def test_gemv_captured_in_torch_cuda_graph():
         prep.run()                                            # warm up outside the capture
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    # defer_cleanup: a Numba array freed inside the capture (any garbage of earlier tests, when Numba's deallocation
+    # queue fills) would be a cuMemFree there and invalidate it (seen once in the GPU suite, 2026-11-29)
+    with cuda.defer_cleanup(), torch.cuda.graph(g):
         s = torch.cuda.current_stream()
         prep.run(stream=s)                                     # the prepared launch ...
         kb.gemv(A[:1], qw, out=out[:1], stream=s)              # ... and a plain one, both captured
