@@ -40,6 +40,14 @@ def test_choose_follows_rules_shapes_and_fallbacks():
     kt = lambda M, k: L.choose(M, 512, 64, "codes", capped, "torch", k=k)  # noqa
     assert [kt(M, 2) for M in (8, 9, 16, 17)] == ["mma_gemv"] * 3 + ["gemm"]
     assert [kt(M, 4) for M in (12, 13)] == ["mma_gemv", "gemm"]
+    # ... and its cap for one shape and k (mma_gemv_max_m_shapes) before that
+    shaped = dict(capped, mma_gemv_max_m_shapes={"64x512": {"2": 8}, "128x512": {"4": 4}})
+    ks = lambda M, k, K=64: L.choose(M, 512, K, "codes", shaped, "torch", k=k)  # noqa
+    assert [ks(M, 2) for M in (8, 9, 16)] == ["mma_gemv", "gemm", "gemm"]       # 64x512 at k = 2: 8
+    assert [ks(M, 4) for M in (12, 13)] == ["mma_gemv", "gemm"]                  # 64x512 at k = 4: the k cap, 12
+    assert [ks(M, 4, 128) for M in (4, 5)] == ["mma_gemv", "gemm"]               # 128x512 at k = 4: 4
+    assert [ks(M, 2, 128) for M in (16, 17)] == ["mma_gemv", "gemm"]             # 128x512 at k = 2: the k cap, 16
+    assert L.mma_gemv_max_m(shaped, 2, 512, 64) == 8 and L.mma_gemv_max_m(shaped, 2) == 16
     assert ch(100, layout="codes", backend=False) == "gemm"
     assert {ch(M, K=96, layout="codes", backend=False) for M in (1, 5, 100)} == {"pair_gemv"}   # K % 64 != 0
     # K > 8192: the tensor-core gemv splits K (to its M cap; the gemm beyond) ...
@@ -278,7 +286,7 @@ def test_kbit_linear_codes_f16_acc(M):
     k = 4 if M == 3 else 2                 # (k = 4, M = 3: the pair gemv, not the tensor-core gemv; dispatch.py)
     flat = ref.quantize(random_weight(rng, 24 if SIM else 1000, 64 if SIM else 2048), k=k)
     layer = kb.KbitLinear(flat, layout="codes", f16_acc=True)
-    cap = L.mma_gemv_max_m(L.load_table(), k)  # (this GPU's table: the H200's takes k = 2 to 16, the default to 8)
+    cap = L.mma_gemv_max_m(L.load_table(), k, *flat.shape)  # (this GPU's table: the H200's k = 2 to 16; default 8)
     assert layer.kernel_for(M) == ("pair_gemv" if M <= 2 or M == 3 and k == 4 else "mma_gemv" if M <= cap else "gemm")
     A = rng.standard_normal((M, flat.shape[1])).astype(np.float16)
     check_close_f16_acc(layer(A, out_dtype=np.float32).copy_to_host(), A, flat, np.float32)
