@@ -1,31 +1,65 @@
 """The tensor-core gemv (``mma_gemv``) against the other code-layout kernels and the tiled gemm, one run
 (CUDA-graph timed, L2-cold weights, cuBLAS fp16 and the read floor of the same run):
 
-    python benchmarks/mma_gemv_bench.py [K x N list] [k list] [M list] [--pdl]
+    python benchmarks/mma_gemv_bench.py [K x N list] [k list] [M list] [--pdl] [--split=S] [--quarters]
 
 Columns: mma(c), mma(f) (the same kernel on the fragment layout, ``KbitFragments``, where N % 16 = K % 256 = 0),
 (and mma(c) launched with PDL in a chain of its own launches, ``--pdl``), the pair gemv
 (M <= 4; float32 and float16 block sums; ``pair(f),f16``: float16 sums on the fragment layout, what a
 ``KbitLinear(layout="fragments")`` could run at M = 1, 2 instead of mma(f)), the gemm on the code layout and on the
 tiled layout. "mma vs best other" compares with the code and tiled layouts' other kernels.
+
+For a CTA of more than 16 K-warps (K = 5120: 20), where ``core.fit_threads`` caps the registers at 64 (two tiles
+take 134; benchmarks/README.md, "Forty-second session"): ``--split=S`` adds mma(c) with K split S ways
+(``mma_gemv.plan(split=S)``: S CTAs a strip, sums by atomics, one finishing launch), ``--quarters`` mma(c) with the cap
+from the register file's four quarters (16384 / (ceil(warps / 4) * 32), down to a multiple of 8: 96 for 20 warps).
 """
 import sys
 
 import numpy as np
 from numba import cuda
 
-from kbit_numba import bench, mma_gemv, pair_gemv, tensor_gemm
+from dataclasses import replace
+
+from kbit_numba import bench, core, mma_gemv, pair_gemv, tensor_gemm
 from kbit_numba.codec import repack_tiled
 from kbit_numba._timing import graph_time_us, rotation_count
 
 args = [a for a in sys.argv[1:] if not a.startswith("--")]
 pdl = "--pdl" in sys.argv
+split = next((int(a.split("=")[1]) for a in sys.argv[1:] if a.startswith("--split=")), None)
+quarters = "--quarters" in sys.argv
+
+
+def fit_threads_quarters(make, spec, args, threads):
+    """``core.fit_threads`` with the cap a register-file quarter allows for ceil(warps / 4) warps."""
+    kern = make(spec)
+    regs, max_threads = core.kernel_limits(kern, args)
+    if threads > max_threads:
+        warps = -(-threads // core.WARP)
+        cap = min(core.MAX_REGISTERS, core.REGISTERS_PER_SM // 4 // (core.WARP * -(-warps // 4)) // 8 * 8)
+        spec = replace(spec, max_registers=cap)
+        kern = make(spec)
+        regs, max_threads = core.kernel_limits(kern, args)
+    return spec, kern, regs, max_threads
+
+
+def quarters_plan(*a, **kw):
+    """mma_gemv.plan with ``fit_threads_quarters`` (the module's own name patched for this call only)."""
+    mma_gemv.fit_threads = fit_threads_quarters
+    try:
+        return mma_gemv.plan(*a, **kw)
+    finally:
+        mma_gemv.fit_threads = core.fit_threads
+
+
 shapes = [tuple(int(v) for v in s.split("x")) for s in (args[0] if args else
                                                          "4096x14336,2048x5120,4096x6144,4096x4096").split(",")]
 ks = [int(v) for v in (args[1] if len(args) > 1 else "4,2").split(",")]
 ms = [int(v) for v in (args[2] if len(args) > 2 else "1,2,4,8").split(",")]
 rng = np.random.default_rng(1)
-cols = (["mma(c)", "mma(f)"] + (["mma,pdl"] if pdl else [])
+cols = (["mma(c)", "mma(f)"] + (["mma,pdl"] if pdl else []) + ([f"mma,split{split}"] if split else [])
+        + (["mma,q"] if quarters else [])
         + ["pair(c)", "pair,f16", "pair(f),f16", "gemm(c)", "gemm(t)"])
 width = {c: max(8, len(c)) for c in cols}
 print(f"{'K x N':>11} {'k':>1} {'M':>2} " + " ".join(f"{c:>{width[c]}}" for c in cols) + f" {'cuBLAS':>7} {'floor':>6}"
@@ -47,6 +81,8 @@ for K, N in shapes:
                 "mma(c)": lambda w: mma_gemv.plan(A, w, out, 0),
                 "mma(f)": (lambda w: mma_gemv.plan(A, w, out, 0)) if frags else None,
                 "mma,pdl": lambda w: mma_gemv.plan(A, w, out, 0, pdl=True),
+                f"mma,split{split}": lambda w: mma_gemv.plan(A, w, out, 0, split=split),
+                "mma,q": lambda w: quarters_plan(A, w, out, 0),
                 "pair(c)": (lambda w: pair_gemv.plan(A, w, out, 0)) if M <= 4 else None,
                 "pair,f16": (lambda w: pair_gemv.plan(A, w, out, 0, f16_acc=True)) if M <= 4 else None,
                 "pair(f),f16": (lambda w: pair_gemv.plan(A, w, out, 0, f16_acc=True)) if M <= 4 and frags else None,
