@@ -249,10 +249,11 @@ def _mm_row(label, K, N, k, M, t, nbytes, ceilings, params=None):
 def matmul_rows(shapes, ks, ms, ceilings, progress, kernels=("gemm", "dequant_matmul", "linear")):
     """Any-M rows on rotating tiled weights: the tensor-core GEMM, dequantize + cuBLAS fp16 (torch), and
     ``linear`` (whatever the package's table picks), and for k = 2, 4 the same on the code layout (KbitLinear's
-    default there). Percent of the read ceiling counts the kbit bytes."""
+    default there), with ``"mma_gemv"`` in ``kernels`` the tensor-core gemv on it too (M <= 16). Percent of the read
+    ceiling counts the kbit bytes."""
     from numba import cuda
 
-    from . import codec, dispatch as lin, pair_gemv, tensor_gemm
+    from . import codec, dispatch as lin, mma_gemv, pair_gemv, tensor_gemm
     from ._timing import graph_time_us, rotation_count, torch
 
     rows = []
@@ -294,6 +295,12 @@ def matmul_rows(shapes, ks, ms, ceilings, progress, kernels=("gemm", "dequant_ma
                     cases.append(("dequant_matmul", partial(dq_launch, weights=ws)))
                     if codes:                           # the same from the code layout
                         cases.append(("dequant_matmul+codes", partial(dq_launch, weights=codes)))
+                if "mma_gemv" in kernels and codes and M <= mma_gemv.MAX_TOKENS and lin.mma_reads(M, K):
+                    mplans = [_prepared(mma_gemv.plan(A, w, out, 0, workspace=sums)) for w in codes]
+
+                    def mma_launch(i, s, plans=mplans):
+                        plans[i % n](s)
+                    cases.append(("mma_gemv+codes", mma_launch))   # (what --tune caps per shape: tune_table)
                 if "linear" in kernels:               # KbitLinear(layout="tiled")
                     choice = lin.choose(M, N, K, "tiled")
 
@@ -336,7 +343,58 @@ def tune_table(rows, device):
                  note="written by python -m kbit_numba.bench --tune (GPU time, CUDA graphs, L2-cold)")
     if by_layout["codes"]:
         table["codes_mm_rules"], table["codes_mm_shapes"] = _fastest_rules(by_layout["codes"])
+    caps = mma_gemv_caps(rows)
+    if caps:
+        table["mma_gemv_max_m_shapes"] = caps
     return table
+
+
+MMA_CAP_MARGIN = 0.03              # the tensor-core gemv keeps an M while at most this much slower than the gemm
+MMA_CAP_FROM_M = 3                 # (M = 1, 2 run the pair gemv in every table)
+
+
+def mma_gemv_caps(rows):
+    """``{"KxN": {"k": cap}}`` from ``mma_gemv+codes`` rows beside the code layout's gemm and dequantize + cuBLAS rows
+    (``--tune``): per shape and k, the last measured M >= 3 before the first where the tensor-core gemv is more than
+    ``MMA_CAP_MARGIN`` slower than the faster of the two (what ``linear`` runs past the cap; 2 if it lost at the
+    first). Every measured shape and
+    k gets an entry, ``None`` where the gemv never lost (the table's cap for k then holds): ``bench --tune`` merges
+    them into the table, so a later tune of other shapes keeps these."""
+    times = {}
+    for r in rows:
+        kern = r["kernel"]
+        if kern in ("mma_gemv+codes", "gemm+codes", "dequant_matmul+codes") and r["M"] and r["M"] >= MMA_CAP_FROM_M:
+            point = times.setdefault((r["shape"], str(r.get("k"))), {}).setdefault(r["M"], {})
+            point[kern] = min(r["us"], point.get(kern, r["us"]))
+    caps = {}
+    for (shape, k), by_m in sorted(times.items()):
+        cap, kept, measured = None, MMA_CAP_FROM_M - 1, False
+        for M in sorted(by_m):
+            t = by_m[M]
+            others = [t[o] for o in ("gemm+codes", "dequant_matmul+codes") if o in t]
+            if "mma_gemv+codes" not in t or not others:
+                continue
+            measured = True
+            if t["mma_gemv+codes"] > (1 + MMA_CAP_MARGIN) * min(others):
+                cap = kept             # (the Ms between the last kept and this one unmeasured: left to the gemm)
+                break
+            kept = M
+        if measured:
+            caps.setdefault(shape, {})[k] = cap
+    return caps
+
+
+def merge_mma_caps(old, new):
+    """The table's ``mma_gemv_max_m_shapes`` after a tune: ``old`` with each shape x k that ``new`` measured replaced
+    (dropped where ``new`` says None), others kept; shapes left without a cap are dropped."""
+    merged = {shape: dict(ks) for shape, ks in (old or {}).items()}
+    for shape, ks in (new or {}).items():
+        for k, cap in ks.items():
+            if cap is None:
+                merged.get(shape, {}).pop(k, None)
+            else:
+                merged.setdefault(shape, {})[k] = cap
+    return {shape: ks for shape, ks in merged.items() if ks}
 
 
 def _fastest_rules(times):
@@ -853,9 +911,9 @@ def main(argv=None):
     p.add_argument("--k", default=",".join(map(str, KS)))
     p.add_argument("--m", default=",".join(map(str, MS)))
     p.add_argument("--kernels", default=",".join(KERNELS),
-                   help="any of %s, the other seed systems %s, and the peers %s when they are importable "
-                        "(bench_peers.py; not in the default)" % (",".join(KERNELS), ",".join(FORMAT_KERNELS),
-                                                                  ",".join(PEERS)))
+                   help="any of %s, mma_gemv (the tensor-core gemv on the code layout, M <= 16), the other seed "
+                        "systems %s, and the peers %s when they are importable (bench_peers.py; not in the default)"
+                        % (",".join(KERNELS), ",".join(FORMAT_KERNELS), ",".join(PEERS)))
     p.add_argument("--bits", default=",".join(map(str, UNIFORM_BENCH_BITS)), help="uniform n-bit widths")
     p.add_argument("--json", help="write the rows and the ceilings as JSON to this file")
     p.add_argument("--csv", help="write the rows as CSV to this file")
@@ -922,7 +980,8 @@ def main(argv=None):
     given = set(a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:]))
     ks = _parse_list(args.k, int) if "--k" in given or args.tune is None else [4]
     ms = _parse_list(args.m, int) if "--m" in given or args.tune is None else TUNE_MS
-    kernels = _parse_list(args.kernels) if args.tune is None else ["gemv", "gemm", "dequant_matmul"]   # (+ codes)
+    kernels = (_parse_list(args.kernels) if args.tune is None
+               else ["gemv", "gemm", "dequant_matmul", "mma_gemv"])   # (+ codes; mma_gemv: on the code layout)
 
     def progress(msg):
         print(f"  .. {msg}", file=sys.stderr, flush=True)
@@ -944,7 +1003,7 @@ def main(argv=None):
         rows += gemv_rows(shapes, ks, ms, ceilings, progress)
     if "pair_gemv" in kernels:
         rows += pair_gemv_rows(shapes, ks, ms, ceilings, progress)
-    mm = [kn for kn in ("gemm", "dequant_matmul", "linear") if kn in kernels]
+    mm = [kn for kn in ("gemm", "dequant_matmul", "linear", "mma_gemv") if kn in kernels]
     if mm:
         rows += matmul_rows(shapes, ks, ms, ceilings, progress, mm)
     fmt_kinds = [kn for kn in FORMAT_KERNELS if kn in kernels]
@@ -1002,9 +1061,11 @@ def main(argv=None):
         table = tune_table(rows, name)
         old = _read_table(path)
         table.update({key: old[key] for key in ("codes_rules", "codes_variants", "codes_shapes",  # (not tuned here)
-                                                "codes_mm_rules", "codes_mm_shapes", "mma_gemv_max_m",
-                                                "mma_gemv_max_m_shapes")
+                                                "codes_mm_rules", "codes_mm_shapes", "mma_gemv_max_m")
                       if key in old and key not in table})
+        caps = merge_mma_caps(old.get("mma_gemv_max_m_shapes"), table.pop("mma_gemv_max_m_shapes", None))
+        if caps:
+            table["mma_gemv_max_m_shapes"] = caps
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
             json.dump(table, f, indent=1)

@@ -73,7 +73,7 @@ PAIR_GEMV_F16_MAX_M = {4: 3}       # k -> the largest M the pair gemv with float
 MMA_GEMV_MAX_M = {4: 16}           # k -> the largest M the tensor-core gemv takes
 # A table may also cap it per shape (``mma_gemv_max_m_shapes``, {"KxN": {k: cap}}). On the H200 its two token tiles
 # took 23.4 us at 5120x2048 k = 4 M = 16 against the code layout's gemm's 13.0 (k = 2: 18.3 against 10.7), so the
-# H200 table caps that shape at 8. Elsewhere they won or lost by less (M = 16, same run: 2048x4096 and 4096x2048
+# H200 table caps that shape at 8 (``bench --tune`` writes such caps: ``bench.mma_gemv_caps``). Elsewhere they won or lost by less (M = 16, same run: 2048x4096 and 4096x2048
 # k = 4 won; k = 2 lost 4% and 10%, with M = 9..15 not measured: no cap). benchmarks/README.md, "Forty-second session".
 # The fragment layout (``KbitLinear(layout="fragments")``, an option for batched decode; ``mma_gemv.to_fragments``):
 # the tensor-core gemv reads it 5-17% faster than the code layout at M = 3..8 (0-10% at 16) and, at M = 1, faster

@@ -189,6 +189,33 @@ def test_tune_table_picks_the_code_layouts_crossover():
     assert choose(32, 512) == "dequant_matmul"                                # an untuned shape: the general rules
 
 
+def test_tune_table_caps_the_tensor_core_gemv_per_shape():
+    """bench --tune: the tensor-core gemv's rows on the code layout beside that layout's gemm and dequantize + cuBLAS
+    give a per-shape cap (mma_gemv_max_m_shapes): the last measured M >= 3 before the first where it is more than 3%
+    slower (the Ms between unmeasured: not kept); a shape
+    where it never loses gets None, which the merge into an older table turns into no cap (others kept)."""
+    from kbit_numba.bench import merge_mma_caps, tune_table
+    row = lambda kern, M, us, shape="5120x2048", k=4: dict(kernel=kern, shape=shape, M=M, us=us, k=k)  # noqa: E731
+    rows = [row("gemm", 16, 10.7), row("gemv", 1, 5.0),                     # (the tiled layout's rows)
+            row("mma_gemv+codes", 2, 50.0),                                   # M = 2: the pair gemv's anyway
+            row("mma_gemv+codes", 4, 10.0), row("gemm+codes", 4, 11.0),
+            row("mma_gemv+codes", 8, 11.6), row("gemm+codes", 8, 11.5),      # 0.9% slower: kept
+            row("mma_gemv+codes", 16, 23.4), row("gemm+codes", 16, 13.0), row("dequant_matmul+codes", 16, 15.0),
+            row("mma_gemv+codes", 4, 5.0, "2048x4096"), row("gemm+codes", 4, 9.0, "2048x4096"),
+            row("mma_gemv+codes", 16, 7.0, "2048x4096"), row("gemm+codes", 16, 10.6, "2048x4096"),
+            row("mma_gemv+codes", 3, 9.0, "4096x2048", 2), row("dequant_matmul+codes", 3, 8.0, "4096x2048", 2)]
+    table = tune_table(rows, "test")
+    caps = table["mma_gemv_max_m_shapes"]
+    assert caps == {"5120x2048": {"4": 8}, "2048x4096": {"4": None}, "4096x2048": {"2": 2}}
+    merged = merge_mma_caps({"2048x4096": {"4": 8, "2": 12}, "8192x8192": {"4": 4}}, caps)
+    assert merged == {"5120x2048": {"4": 8}, "2048x4096": {"2": 12}, "4096x2048": {"2": 2}, "8192x8192": {"4": 4}}
+    table["mma_gemv_max_m_shapes"] = merged
+    choose = lambda M, N, K, k=4: dispatch.choose_rule(M, N, K, "codes", table, backend="torch", k=k)[0]  # noqa
+    assert [choose(M, 2048, 5120) for M in (8, 9, 16)] == ["mma_gemv", "gemm", "gemm"]
+    assert [choose(M, 4096, 2048) for M in (9, 16)] == ["mma_gemv", "mma_gemv"]          # no cap: the k cap (16)
+    assert choose(3, 2048, 4096, k=2) == "dequant_matmul"      # capped at 2: past it the rows' crossover (dequant)
+
+
 def test_tune_codes_table_writes_per_shape_knobs():
     """bench --tune-codes: per variant (k, block sums) and M, the knob set with the best geometric mean over the
     measured shapes becomes the rule for any shape when it beats the default plan by the margin; a shape whose own
