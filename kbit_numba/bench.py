@@ -357,9 +357,9 @@ def mma_gemv_caps(rows):
     """``{"KxN": {"k": cap}}`` from ``mma_gemv+codes`` rows beside the code layout's gemm and dequantize + cuBLAS rows
     (``--tune``): per shape and k, the last measured M >= 3 before the first where the tensor-core gemv is more than
     ``MMA_CAP_MARGIN`` slower than the faster of the two (what ``linear`` runs past the cap; 2 if it lost at the
-    first). Every measured shape and
-    k gets an entry, ``None`` where the gemv never lost (the table's cap for k then holds): ``bench --tune`` merges
-    them into the table, so a later tune of other shapes keeps these."""
+    first). Every measured shape and k gets an entry, ``None`` where the gemv never lost (the table's cap for k then
+    holds): ``bench --tune`` merges them into the table (:func:`merge_mma_caps`), so a later tune of other shapes
+    keeps these."""
     times = {}
     for r in rows:
         kern = r["kernel"]

@@ -1,4 +1,4 @@
-"""The peer kernels issue 15 names, timed beside kbit's rows by ``python -m kbit_numba.bench --kernels ...,gemlite,bnb``.
+"""The peers issue 15 names, timed beside kbit's rows by ``python -m kbit_numba.bench --kernels ...,gemlite,bnb``.
 
 Neither peer is a dependency: a peer that is not importable is left out of the run with a line that says so.
 
@@ -45,7 +45,7 @@ def _relative_error(out, ref):
     return float((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-6))
 
 
-def _rows(label, K, N, bits, ms, nbytes, copies, call, dequantized, ceilings, progress, extra=None):
+def _rows(label, K, N, bits, ms, nbytes, copies, call, dequantized, ceilings, progress):
     """Rows of one peer weight: each M checked against ``A @ dequantized^T``, then timed over the ``copies``."""
     import torch
 
@@ -63,7 +63,7 @@ def _rows(label, K, N, bits, ms, nbytes, copies, call, dequantized, ceilings, pr
                                "not timing a wrong product")
         t = graph_time_us(lambda i, s: call(A, copies[i % n]), n * max(1, 64 // n))
         row = _mm_row(label, K, N, bits, M, t, nbytes, ceilings)
-        row.update(bpw=8 * nbytes / (N * K), check=err, **(extra or {}))
+        row.update(bpw=8 * nbytes / (N * K), check=err)
         rows.append(row)
     return rows
 

@@ -71,10 +71,11 @@ PAIR_GEMV_F16_MAX_M = {4: 3}       # k -> the largest M the pair gemv with float
 # tiles beat the code layout's gemm by 2-29% at M = 12 and by 17-30% on three of five shapes at M = 16 (3.5-3.7%
 # slower on two) on the H200 (benchmarks/README.md, "Thirty-ninth session"); the H100 was not measured since.
 MMA_GEMV_MAX_M = {4: 16}           # k -> the largest M the tensor-core gemv takes
-# A table may also cap it per shape (``mma_gemv_max_m_shapes``, {"KxN": {k: cap}}). On the H200 its two token tiles
-# took 23.4 us at 5120x2048 k = 4 M = 16 against the code layout's gemm's 13.0 (k = 2: 18.3 against 10.7), so the
-# H200 table caps that shape at 8 (``bench --tune`` writes such caps: ``bench.mma_gemv_caps``). Elsewhere they won or lost by less (M = 16, same run: 2048x4096 and 4096x2048
-# k = 4 won; k = 2 lost 4% and 10%, with M = 9..15 not measured: no cap). benchmarks/README.md, "Forty-second session".
+# A table may also cap it per shape (``mma_gemv_max_m_shapes``, {"KxN": {k: cap}}; ``bench --tune`` writes them:
+# ``bench.mma_gemv_caps``). On the H200 its two token tiles took 23.4 us at 5120x2048 k = 4 M = 16 against the code
+# layout's gemm's 13.0 (k = 2: 18.3 against 10.7), so the H200 table caps that shape at 8. Elsewhere they won or lost
+# by less (M = 16, same run: 2048x4096 and 4096x2048 k = 4 won; k = 2 lost 4% and 10%, with M = 9..15 not measured:
+# no cap). benchmarks/README.md, "Forty-second session".
 # The fragment layout (``KbitLinear(layout="fragments")``, an option for batched decode; ``mma_gemv.to_fragments``):
 # the tensor-core gemv reads it 5-17% faster than the code layout at M = 3..8 (0-10% at 16) and, at M = 1, faster
 # than the pair gemv reads it (H100, 4096x14336, k = 4: 16.15 us against 17.41 with float16 block sums; the pair gemv
@@ -166,8 +167,8 @@ def choose_rule(M, N, K, layout, table=None, backend=None, half=True, f16_acc=Fa
     a longer K at M = 3, 4 (``PAIR_GEMV_MAX_ROW_WARPS_F16``) and, for the weight's bits ``k``, takes M = 3 from the
     tensor-core gemv at k = 4 (``PAIR_GEMV_F16_MAX_M``). The tensor-core gemv takes M up to
     :func:`mma_gemv_max_m` (the table's cap for the shape and ``k``, or for ``k``, else ``MMA_GEMV_MAX_M``, else 8),
-    the gemm beyond. ``pdl``: the gemv would run as a programmatic dependent launch (``KbitLinear(pdl=True)``; the table's rules for that variant
-    apply: :func:`codes_rules`). The fragment layout follows ``FRAGMENT_RULES`` (no table)."""
+    the gemm beyond. ``pdl``: the gemv would run as a programmatic dependent launch (``KbitLinear(pdl=True)``; the
+    table's rules for that variant apply: :func:`codes_rules`). The fragment layout follows ``FRAGMENT_RULES`` (no table)."""
     table = table or load_table()
     if layout == "fragments":
         return _fragment_rule(M, K, half, backend)
