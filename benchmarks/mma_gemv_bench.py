@@ -19,8 +19,6 @@ import sys
 import numpy as np
 from numba import cuda
 
-from dataclasses import replace
-
 from kbit_numba import bench, core, mma_gemv, pair_gemv, tensor_gemm
 from kbit_numba.codec import repack_tiled
 from kbit_numba._timing import graph_time_us, rotation_count
@@ -31,26 +29,18 @@ split = next((int(a.split("=")[1]) for a in sys.argv[1:] if a.startswith("--spli
 quarters = "--quarters" in sys.argv
 
 
-def fit_threads_quarters(make, spec, args, threads):
-    """``core.fit_threads`` with the cap a register-file quarter allows for ceil(warps / 4) warps."""
-    kern = make(spec)
-    regs, max_threads = core.kernel_limits(kern, args)
-    if threads > max_threads:
-        warps = -(-threads // core.WARP)
-        cap = min(core.MAX_REGISTERS, core.REGISTERS_PER_SM // 4 // (core.WARP * -(-warps // 4)) // 8 * 8)
-        spec = replace(spec, max_registers=cap)
-        kern = make(spec)
-        regs, max_threads = core.kernel_limits(kern, args)
-    return spec, kern, regs, max_threads
+def register_cap_quarters(warps):
+    """``core.register_cap`` from the register file's quarters: ceil(warps / 4) warps a quarter."""
+    return min(core.MAX_REGISTERS, core.REGISTERS_PER_SM // 4 // (core.WARP * -(-warps // 4)) // 8 * 8)
 
 
 def quarters_plan(*a, **kw):
-    """mma_gemv.plan with ``fit_threads_quarters`` (the module's own name patched for this call only)."""
-    mma_gemv.fit_threads = fit_threads_quarters
+    """mma_gemv.plan with ``register_cap_quarters`` (``core.register_cap`` patched for this call only)."""
+    power_of_two, core.register_cap = core.register_cap, register_cap_quarters
     try:
         return mma_gemv.plan(*a, **kw)
     finally:
-        mma_gemv.fit_threads = core.fit_threads
+        core.register_cap = power_of_two
 
 
 shapes = [tuple(int(v) for v in s.split("x")) for s in (args[0] if args else

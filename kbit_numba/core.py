@@ -55,18 +55,21 @@ def kernel_limits(kern, args):
     return attrs.regs, attrs.maxthreads
 
 
+def register_cap(warps):
+    """The register cap ``fit_threads`` sets for a CTA of ``warps`` warps: the register file split over the warps
+    rounded up to a power of two (a cap of 144 for 14 warps left room for only 12, the allocation granularity)."""
+    return min(MAX_REGISTERS, REGISTERS_PER_SM // (WARP * (1 << (warps - 1).bit_length())))
+
+
 def fit_threads(make, spec, args, threads):
     """(spec, kernel, registers, most threads per CTA) of ``make(spec)``, recompiled with a register cap
-    (``spec.max_registers``) when its registers do not leave room for a CTA of ``threads``: a gemv CTA holds
-    all of K's warps, so a long K at M = 4 (a llama3-8b down projection, K = 14336: 448 threads) needs one.
-    The cap splits the register file over the warps rounded up to a power of two (a cap of 144 for 14 warps
-    left room for only 12, the allocation granularity)."""
+    (``spec.max_registers``, :func:`register_cap`) when its registers do not leave room for a CTA of ``threads``: a
+    gemv CTA holds all of K's warps, so a long K at M = 4 (a llama3-8b down projection, K = 14336: 448 threads) needs
+    one."""
     kern = make(spec)
     regs, max_threads = kernel_limits(kern, args)
     if threads > max_threads:
-        warps = -(-threads // WARP)
-        cap = min(MAX_REGISTERS, REGISTERS_PER_SM // (WARP * (1 << (warps - 1).bit_length())))
-        spec = replace(spec, max_registers=cap)
+        spec = replace(spec, max_registers=register_cap(-(-threads // WARP)))
         kern = make(spec)
         regs, max_threads = kernel_limits(kern, args)
     return spec, kern, regs, max_threads
