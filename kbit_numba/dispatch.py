@@ -73,9 +73,9 @@ PAIR_GEMV_F16_MAX_M = {4: 3}       # k -> the largest M the pair gemv with float
 MMA_GEMV_MAX_M = {4: 16}           # k -> the largest M the tensor-core gemv takes
 # A table may also cap it per shape (``mma_gemv_max_m_shapes``, {"KxN": {k: cap}}; ``bench --tune`` writes them:
 # ``bench.mma_gemv_caps``). On the H200 its two token tiles took 23.4 us at 5120x2048 k = 4 M = 16 against the code
-# layout's gemm's 13.0 (k = 2: 18.3 against 10.7), so the H200 table caps that shape at 8. Elsewhere they won or lost
-# by less (M = 16, same run: 2048x4096 and 4096x2048 k = 4 won; k = 2 lost 4% and 10%, with M = 9..15 not measured:
-# no cap). benchmarks/README.md, "Forty-second session".
+# layout's gemm's 13.0 while a CTA of 20 K-warps ran at 64 registers; split in two (``mma_gemv.k_splits``, since the
+# forty-third session) they took 10.2, so that shape's hand-entered cap went. benchmarks/README.md, "Forty-second
+# session" and "Forty-third session".
 # The fragment layout (``KbitLinear(layout="fragments")``, an option for batched decode; ``mma_gemv.to_fragments``):
 # the tensor-core gemv reads it 5-17% faster than the code layout at M = 3..8 (0-10% at 16) and, at M = 1, faster
 # than the pair gemv reads it (H100, 4096x14336, k = 4: 16.15 us against 17.41 with float16 block sums; the pair gemv
@@ -376,8 +376,8 @@ def plan(A, qw, out=None, stream=None, workspace=None, out_dtype=np.float16, bf1
         return tensor_gemm.plan(A, qw, out, stream, out_dtype, bf16, sums, **params)
     if kernel == "dequant_matmul":
         return plan_dequant_matmul(A, qw, out, stream, out_dtype, workspace, bf16)
-    if kernel == "mma_gemv":  # (past K = 8192 it splits K: its sums go into the workspace, as the gemm's)
-        split = mma_gemv.k_splits(K, params.get("split"))[0] > 1
+    if kernel == "mma_gemv":  # (where it splits K its sums go into the workspace, as the gemm's)
+        split = mma_gemv.k_splits(K, params.get("split"), qw.k, M, params.get("silu_pairs", False))[0] > 1
         sums = workspace.sums(M * N, stream) if workspace is not None and split else None
         return mma_gemv.plan(A, qw, out, stream, out_dtype, bf16, workspace=sums, **params)
     gemv_plan = (partial(pair_gemv.plan, f16_acc=f16_acc, **params) if kernel == "pair_gemv"

@@ -29,7 +29,8 @@ and waits on its own dependency chains. This kernel streams the weights the pair
   a persistent grid walks 16-column strips, loads run two iterations ahead in three register buffers,
   and the KW warps' partial C tiles are summed in shared memory, three strips at a time (one barrier per three
   strips: ``BATCH``), stored in fragment order (a lane's 4 values of a token tile: one 16-byte store).
-* **Split-K** (``split_k``; K > 8192, e.g. a llama3-8b down projection, K = 14336, or ``plan(split=)``): a CTA
+* **Split-K** (``split_k``; K > 8192, e.g. a llama3-8b down projection, K = 14336; K > 4096 but for k = 2 at M <= 8,
+  where a CTA of all K-warps gets 64 registers and spills; or ``plan(split=)``): a CTA
   holds only its share of the K-warps (grid.y = the splits, ~``SPLIT_KW`` warps each: a CTA of all 56 would need
   1792 threads), its sums go into a float32 workspace by atomic adds, and the gemm's finish launch
   (``core.finish_step``) writes the output and zeroes the workspace again.
@@ -76,6 +77,11 @@ FRAG_FLOATS = 4 * WARP            # a warp's C fragments of one token tile: 4 fl
 MAX_KW = 32                       # warps per slice (1024 threads): K <= 32 * 256 = 8192 in one CTA
 MAX_K = MAX_KW * KB_WARP * BLOCK
 SPLIT_KW = 16                     # K-warps a split aims for past MAX_K (K = 14336: 4 splits of 14; DEFAULTS' CTA)
+# ... and past SPLIT_KW too: a CTA of 17..32 K-warps gets 64 registers (core.register_cap; the builds take 121-134), so
+# K = 5120 spilled. Split in two it ran 20-56% faster at M = 4..16 on three K = 5120 shapes, k = 4, and at M = 12, 16,
+# k = 2, but 5-18% slower with k = 2's one tile (M <= 8), whose spills cost less than the split's atomics and second
+# launch (H200, benchmarks/README.md, "Forty-third session"). silu_pairs runs in one launch: never split by default.
+UNSPLIT_UNDER_CAP = {2: N8}       # k -> the largest M that keeps a CTA of SPLIT_KW..MAX_KW K-warps whole
 K_STEP = KB_LANE * BLOCK          # K a multiple of 64 (at k = 2 a lane's two blocks are one 16-byte piece)
 # Block b of lane t in its warp's 8 blocks: t * LANE_STRIDE + b * BLOCK_STRIDE (see the docstring: whole sectors)
 LANE_STRIDE = {2: 2, 4: 1}
@@ -590,16 +596,18 @@ def to_fragments(kc, stream=None):
 
 def reads(M, K):
     """Whether a launch takes M rows on a code-layout weight with K columns (the activations must also be
-    float16 or bfloat16); past ``MAX_K`` it splits K (:func:`k_splits`)."""
+    float16 or bfloat16); past ``SPLIT_KW`` K-warps it may split K (:func:`k_splits`)."""
     return 1 <= M <= MAX_TOKENS and K % K_STEP == 0
 
 
-def k_splits(K, split=None):
-    """(splits of K, K-warps a split) of a launch on K columns: ``split`` as asked (no split left empty), else one
-    up to ``MAX_K`` (a CTA holds all of K's warps) and about ``SPLIT_KW`` warps a split beyond."""
+def k_splits(K, split=None, k=4, M=1, silu_pairs=False):
+    """(splits of K, K-warps a split) of a launch of M rows on K columns of ``k`` bits: ``split`` as asked (no split
+    left empty), else about ``SPLIT_KW`` warps a split past ``SPLIT_KW`` K-warps (K > 4096), unless the CTA's
+    registers spill less than splitting costs (``UNSPLIT_UNDER_CAP``; ``silu_pairs``) while K <= ``MAX_K``."""
     kw = -(-(K // BLOCK) // KB_WARP)
     if split is None:
-        split = 1 if K <= MAX_K else -(-kw // SPLIT_KW)
+        whole = silu_pairs or M <= UNSPLIT_UNDER_CAP.get(k, 0)
+        split = 1 if kw <= SPLIT_KW or (whole and kw <= MAX_KW) else -(-kw // SPLIT_KW)
     elif isinstance(split, bool) or not isinstance(split, (int, np.integer)) or not 1 <= split <= kw:
         raise ValueError(f"split must be an integer from 1 to K / 256 rounded up ({kw}), got {split!r}")
     per = -(-kw // int(split))
@@ -627,7 +635,8 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, cta_war
     N a multiple of 16, K of 256). A: float16 or
     bfloat16 (``bf16=True``, int16 bits) [M, K] or [K], M = 1..16 (float32 A: use ``tensor_gemm`` or
     ``pair_gemv``). ``cta_warps`` overrides ``DEFAULTS``; ``pdl`` and ``silu_pairs`` (an [M, N / 2] output): see
-    ``pair_gemv.plan``. ``split``: K's splits (:func:`k_splits`; past K = 8192 by default): then the sums go into
+    ``pair_gemv.plan``. ``split``: K's splits (:func:`k_splits`; by default past K = 8192, and past 4096 where
+    a whole CTA would spill): then the sums go into
     ``workspace`` (a zeroed float32 device array of >= M*N values, left zeroed; allocated if not given) and a second
     launch (``core.finish_step``) writes ``out``."""
     stream = _arrays.as_stream(stream)
@@ -642,7 +651,7 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, cta_war
     _check_inputs(a_src, K)
     n_kb = K // BLOCK
     _arrays.check_aligned(Ad, 16, "A")
-    splits, _ = k_splits(K, split)
+    splits, _ = k_splits(K, split, kc.k, M, silu_pairs)
     spec = MmaGemvSpec(kc.k, kc.absmax_format, a_src, out.dtype, pdl, tiles=tiles_for(M),
                        fragments=isinstance(kc, KbitFragments), silu_pairs=silu_pairs)
     if splits == 1:

@@ -121,7 +121,7 @@ def test_mma_gemv_split_k(k_split, seed, v, N, kb2, split):
     K = 64 * kb2
     kw = -(-K // 256)
     split = None if split is None else min(split, kw)
-    splits, per = mma_gemv.k_splits(K, split)
+    splits, per = mma_gemv.k_splits(K, split, k, M)
     assert splits * per >= kw > (splits - 1) * per and per <= mma_gemv.MAX_KW
     qw = ref.quantize(random_weight(rng, N, K), k=k, absmax_format=fmt)
     A = _activations(rng, M, K, "float16")
@@ -133,6 +133,21 @@ def test_mma_gemv_split_k(k_split, seed, v, N, kb2, split):
     for _ in range(2):                     # the second call finds the workspace zeroed again
         check_gemm(p.launch().copy_to_host(), A, qw, out_dtype=out_dtype)
         assert not ws.copy_to_host().any()
+
+
+def test_k_splits_default_rule():
+    """By default a CTA holds all of K's warps to K = 4096; past 16 K-warps its registers are capped at 64, so K = 5120
+    splits in two (k = 4; k = 2 from its second token tile, M = 9), past 8192 every launch splits, and silu_pairs (one
+    launch) stays whole to 8192. An asked split is taken as asked."""
+    assert mma_gemv.k_splits(4096, k=4, M=16) == (1, 16)
+    assert mma_gemv.k_splits(5120, k=4, M=1) == (2, 10)
+    assert mma_gemv.k_splits(5120, k=2, M=8) == (1, 20)
+    assert mma_gemv.k_splits(5120, k=2, M=9) == (2, 10)
+    assert mma_gemv.k_splits(8192, k=4, M=4, silu_pairs=True) == (1, 32)
+    assert mma_gemv.k_splits(14336, k=2, M=1) == (4, 14)
+    assert mma_gemv.k_splits(5120, 1, k=4, M=16) == (1, 20)
+    with pytest.raises(ValueError, match="at most 32"):
+        mma_gemv.k_splits(14336, 1)
 
 
 @pytest.mark.parametrize("k, layout, batch", [(4, "fragments", 3), (2, "codes", 3), (4, "codes", 1)])
