@@ -1,7 +1,7 @@
 """The tensor-core gemv (``mma_gemv``) against the other code-layout kernels and the tiled gemm, one run
 (CUDA-graph timed, L2-cold weights, cuBLAS fp16 and the read floor of the same run):
 
-    python benchmarks/mma_gemv_bench.py [K x N list] [k list] [M list] [--pdl] [--split=S] [--quarters]
+    python benchmarks/mma_gemv_bench.py [K x N list] [k list] [M list] [--pdl] [--split=S] [--quarters] [--silu]
 
 Columns: mma(c), mma(f) (the same kernel on the fragment layout, ``KbitFragments``, where N % 16 = K % 256 = 0),
 (and mma(c) launched with PDL in a chain of its own launches, ``--pdl``), the pair gemv
@@ -13,6 +13,8 @@ For a CTA of more than 16 K-warps (K = 5120: 20), where ``core.fit_threads`` cap
 take 134; benchmarks/README.md, "Forty-second session"): ``--split=S`` adds mma(c) with K split S ways
 (``mma_gemv.plan(split=S)``: S CTAs a strip, sums by atomics, one finishing launch), ``--quarters`` mma(c) with the cap
 from the register file's four quarters (16384 / (ceil(warps / 4) * 32), down to a multiple of 8: 96 for 20 warps).
+``--silu``: every gemv column with the gate/up SiLU epilogue (``silu_pairs``, an [M, N / 2] output; with K split the
+finishing launch applies it); the gemm columns are left out (no epilogue there).
 """
 import sys
 
@@ -27,6 +29,7 @@ args = [a for a in sys.argv[1:] if not a.startswith("--")]
 pdl = "--pdl" in sys.argv
 split = next((int(a.split("=")[1]) for a in sys.argv[1:] if a.startswith("--split=")), None)
 quarters = "--quarters" in sys.argv
+silu = "--silu" in sys.argv
 
 
 def register_cap_quarters(warps):
@@ -65,19 +68,20 @@ for K, N in shapes:
         del flats
         for M in ms:
             A = cuda.to_device(rng.standard_normal((M, K)).astype(np.float16))
-            out = cuda.device_array((M, N), np.float16)
+            out = cuda.device_array((M, N // 2 if silu else N), np.float16)
             sums = tensor_gemm.new_workspace(M, N)
             plans = {
-                "mma(c)": lambda w: mma_gemv.plan(A, w, out, 0),
-                "mma(f)": (lambda w: mma_gemv.plan(A, w, out, 0)) if frags else None,
-                "mma,pdl": lambda w: mma_gemv.plan(A, w, out, 0, pdl=True),
-                f"mma,split{split}": lambda w: mma_gemv.plan(A, w, out, 0, split=split),
-                "mma,q": lambda w: quarters_plan(A, w, out, 0),
-                "pair(c)": (lambda w: pair_gemv.plan(A, w, out, 0)) if M <= 4 else None,
-                "pair,f16": (lambda w: pair_gemv.plan(A, w, out, 0, f16_acc=True)) if M <= 4 else None,
-                "pair(f),f16": (lambda w: pair_gemv.plan(A, w, out, 0, f16_acc=True)) if M <= 4 and frags else None,
-                "gemm(c)": lambda w: tensor_gemm.plan(A, w, out, 0, workspace=sums),
-                "gemm(t)": lambda w: tensor_gemm.plan(A, w, out, 0, workspace=sums),
+                "mma(c)": lambda w: mma_gemv.plan(A, w, out, 0, silu_pairs=silu),
+                "mma(f)": (lambda w: mma_gemv.plan(A, w, out, 0, silu_pairs=silu)) if frags else None,
+                "mma,pdl": lambda w: mma_gemv.plan(A, w, out, 0, pdl=True, silu_pairs=silu),
+                f"mma,split{split}": lambda w: mma_gemv.plan(A, w, out, 0, split=split, silu_pairs=silu),
+                "mma,q": lambda w: quarters_plan(A, w, out, 0, silu_pairs=silu),
+                "pair(c)": (lambda w: pair_gemv.plan(A, w, out, 0, silu_pairs=silu)) if M <= 4 else None,
+                "pair,f16": (lambda w: pair_gemv.plan(A, w, out, 0, f16_acc=True, silu_pairs=silu)) if M <= 4 else None,
+                "pair(f),f16": ((lambda w: pair_gemv.plan(A, w, out, 0, f16_acc=True, silu_pairs=silu))
+                                if M <= 4 and frags else None),
+                "gemm(c)": None if silu else lambda w: tensor_gemm.plan(A, w, out, 0, workspace=sums),
+                "gemm(t)": None if silu else lambda w: tensor_gemm.plan(A, w, out, 0, workspace=sums),
             }
             t = {}
             for name in cols:
@@ -90,7 +94,8 @@ for K, N in shapes:
             floor = bench.floor_us(nbytes + M * K * 2 + M * N * 2)
             cub = bench.cublas_row(K, N, M) or float("nan")
             mma = t.get("mma(c)", float("nan"))
-            other = min(v for key, v in t.items() if not key.startswith("mma") and "(f)" not in key)
+            other = min((v for key, v in t.items() if not key.startswith("mma") and "(f)" not in key),
+                        default=float("nan"))
             print(f"{K:>5}x{N:<5} {k} {M:>2} " + " ".join(f"{t[c]:{width[c]}.2f}" if c in t else f"{'-':>{width[c]}}" for c in cols)
                   + f" {cub:7.2f} {floor:6.2f} {100 * floor / mma:10.0f}% {cub / mma:12.2f}x {other / mma:17.2f}x"
                   f" {t.get('mma(f)', float('nan')) / mma:14.3f}",

@@ -23,7 +23,7 @@ import numpy as np
 from numba import cuda
 
 from . import _arrays
-from .device import WARP, jit_kernel
+from .device import WARP, jit_kernel, silu_mul
 from .formats import BLOCK, KbitCodes, KbitExperts, KbitFragments, KbitWeight
 from .intrinsics import SIMULATOR
 from .launch import OUT_TYPES, Spec, Step, type_name
@@ -104,24 +104,36 @@ def split_sums(ws, n, stream):
 
 
 @lru_cache(maxsize=None)
-def make_finish_kernel(out_dtype):
-    """Kernel(ws, out, n): out[i] = ws[i] (converted), ws[i] = 0 -- the split-K epilogue."""
+def make_finish_kernel(out_dtype, silu_pairs=False):
+    """Kernel(ws, out, n, N): out[i] = ws[i] (converted), ws[i] = 0 -- the split-K epilogue. With ``silu_pairs`` the
+    gemvs' SiLU epilogue of an [M, N] workspace whose columns 2j, 2j + 1 are gate j and up j (n = M * N / 2 outputs):
+    out[r, j] = silu(ws[r, 2j]) * ws[r, 2j + 1], both sums zeroed (twin: ``reference.silu_pairs``)."""
     f16_out = np.dtype(out_dtype) == np.float16
+    SILU = bool(silu_pairs)
 
-    def finish_kernel(ws, out, n):
+    def finish_kernel(ws, out, n, N):
         i = cuda.grid(1)
         if i < n:
-            v = ws[i]
+            if SILU:
+                half = N >> 1
+                row = i // half
+                g = row * N + 2 * (i - row * half)          # gate j of row r; up j follows it
+                v = silu_mul(ws[g], ws[g + 1])
+                ws[g] = np.float32(0.0)
+                ws[g + 1] = np.float32(0.0)
+            else:
+                v = ws[i]
+                ws[i] = np.float32(0.0)
             out[i] = np.float16(v) if f16_out else v
-            ws[i] = np.float32(0.0)
 
     return jit_kernel(finish_kernel)
 
 
-def finish_step(ws, out, n):
-    """The split-K epilogue's launch: the first n sums of ``ws`` into ``out`` (any shape, n values), ws zeroed."""
-    return Step(make_finish_kernel(out.dtype.name), -(-n // FINISH_THREADS), FINISH_THREADS,
-                (ws, _arrays.flat_view(out), np.int32(n)))
+def finish_step(ws, out, n, silu_row=0):
+    """The split-K epilogue's launch: the first n sums of ``ws`` into ``out`` (any shape, n values), ws zeroed; with
+    ``silu_row`` (N, the workspace's row length) the SiLU epilogue of n = M * N / 2 gate/up pairs instead."""
+    return Step(make_finish_kernel(out.dtype.name, bool(silu_row)), -(-n // FINISH_THREADS), FINISH_THREADS,
+                (ws, _arrays.flat_view(out), np.int32(n), np.int32(silu_row)))
 
 
 def k_warps(K):

@@ -39,7 +39,8 @@ and waits on its own dependency chains. This kernel streams the weights the pair
   ``cp.async`` (``EARLY_LOADS``; M = 4 chains 4-13% faster, H200). Grouped: only the tables before the wait (the
   offsets, and so the weights a CTA loads, come from the kernel before it).
 * ``silu_pairs=True``: the SiLU epilogue of a gate/up weight with interleaved rows, as ``pair_gemv``'s: the thread
-  that sums column 2j's tiles sums 2j + 1's too and writes silu(gate) * up into an [M, N / 2] output.
+  that sums column 2j's tiles sums 2j + 1's too and writes silu(gate) * up into an [M, N / 2] output (with K split,
+  the finishing launch does: ``core.finish_step``).
 * ``grouped=True``: MoE experts (``grouped_gemv``): a grid row (slot) per expert, or per token row when there
   are fewer rows than experts (a decode step: the slot runs the expert whose first row it is, as
   ``scalar_gemv``'s grouped kernel); a CTA takes its expert's rows (up to 8) as its B fragments and walks that
@@ -80,7 +81,8 @@ SPLIT_KW = 16                     # K-warps a split aims for past MAX_K (K = 143
 # ... and past SPLIT_KW too: a CTA of 17..32 K-warps gets 64 registers (core.register_cap; the builds take 121-134), so
 # K = 5120 spilled. Split in two it ran 20-56% faster at M = 4..16 on three K = 5120 shapes, k = 4, and at M = 12, 16,
 # k = 2, but 5-18% slower with k = 2's one tile (M <= 8), whose spills cost less than the split's atomics and second
-# launch (H200, benchmarks/README.md, "Forty-third session"). silu_pairs runs in one launch: never split by default.
+# launch (H200, benchmarks/README.md, "Forty-third session"). With silu_pairs a split launch leaves the SiLU to the
+# finishing launch; K <= 8192 keeps it whole by default (its split not yet measured).
 UNSPLIT_UNDER_CAP = {2: N8}       # k -> the largest M that keeps a CTA of SPLIT_KW..MAX_KW K-warps whole
 K_STEP = KB_LANE * BLOCK          # K a multiple of 64 (at k = 2 a lane's two blocks are one 16-byte piece)
 # Block b of lane t in its warp's 8 blocks: t * LANE_STRIDE + b * BLOCK_STRIDE (see the docstring: whole sectors)
@@ -638,7 +640,7 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, cta_war
     ``pair_gemv.plan``. ``split``: K's splits (:func:`k_splits`; by default past K = 8192, and past 4096 where
     a whole CTA would spill): then the sums go into
     ``workspace`` (a zeroed float32 device array of >= M*N values, left zeroed; allocated if not given) and a second
-    launch (``core.finish_step``) writes ``out``."""
+    launch (``core.finish_step``; with ``silu_pairs``, its SiLU epilogue) writes ``out``."""
     stream = _arrays.as_stream(stream)
     if not isinstance(kc, (KbitCodes, KbitFragments)):
         raise TypeError(f"mma gemv reads the code layout (KbitCodes) or the fragment layout (KbitFragments), got "
@@ -658,13 +660,13 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, cta_war
         args = (_arrays.flat_view(Ad, np.uint32), kc.packed, kc.absmax, kc.codebook, _arrays.flat_view(out),
                 i32(N), i32(n_kb), i32(M), unused_i32())
         return Plan([_step(spec, args, N, K, cta_warps)], Ad, out, stream)
-    if silu_pairs:
-        raise ValueError(f"silu_pairs runs in one launch: K up to {MAX_K} (no split), got K={K}, split={split}")
     ws = split_sums(workspace, M * N, stream)
     args = (_arrays.flat_view(Ad, np.uint32), kc.packed, kc.absmax, kc.codebook, ws, i32(N), i32(n_kb), i32(M),
             unused_i32())
-    main = _step(replace(spec, out_dtype="float32", split_k=True), args, N, K, cta_warps, splits=splits)
-    return Plan([main, finish_step(ws, out, M * N)], Ad, out, stream, ws)
+    main = _step(replace(spec, out_dtype="float32", split_k=True, silu_pairs=False), args, N, K, cta_warps,
+                 splits=splits)                       # (plain sums: the SiLU epilogue goes to the finishing launch)
+    finish = finish_step(ws, out, M * N // 2, N) if silu_pairs else finish_step(ws, out, M * N)
+    return Plan([main, finish], Ad, out, stream, ws)
 
 
 def _check_inputs(a_src, K):

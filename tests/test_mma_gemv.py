@@ -137,17 +137,43 @@ def test_mma_gemv_split_k(k_split, seed, v, N, kb2, split):
 
 def test_k_splits_default_rule():
     """By default a CTA holds all of K's warps to K = 4096; past 16 K-warps its registers are capped at 64, so K = 5120
-    splits in two (k = 4; k = 2 from its second token tile, M = 9), past 8192 every launch splits, and silu_pairs (one
-    launch) stays whole to 8192. An asked split is taken as asked."""
+    splits in two (k = 4; k = 2 from its second token tile, M = 9), past 8192 every launch splits, and silu_pairs
+    stays whole to 8192 (its split not yet measured). An asked split is taken as asked."""
     assert mma_gemv.k_splits(4096, k=4, M=16) == (1, 16)
     assert mma_gemv.k_splits(5120, k=4, M=1) == (2, 10)
     assert mma_gemv.k_splits(5120, k=2, M=8) == (1, 20)
     assert mma_gemv.k_splits(5120, k=2, M=9) == (2, 10)
     assert mma_gemv.k_splits(8192, k=4, M=4, silu_pairs=True) == (1, 32)
+    assert mma_gemv.k_splits(8448, k=4, M=4, silu_pairs=True) == (3, 11)
     assert mma_gemv.k_splits(14336, k=2, M=1) == (4, 14)
     assert mma_gemv.k_splits(5120, 1, k=4, M=16) == (1, 20)
     with pytest.raises(ValueError, match="at most 32"):
         mma_gemv.k_splits(14336, 1)
+
+
+@gpu_split("k_split", CODES_K)
+@settings(max_examples=gpu_examples(EXAMPLES, len(CODES_K)))
+@given(seeds, variants((4, 2), (1, 9, 16), (np.float16, np.float32)), st.integers(1, MAX_N // 2), KB2_SPLIT,
+       st.sampled_from([2, 3, None]))
+def test_mma_gemv_split_k_silu_pairs(k_split, seed, v, half_n, kb2, split):
+    """The SiLU epilogue with K split: the CTAs add plain sums into the workspace and the finishing launch writes
+    silu(gate) * up into the [M, N / 2] output, zeroing both sums (the default splits past K = 8192)."""
+    k, M, out_dtype = v
+    k = k_split or k
+    rng = np.random.default_rng(seed)
+    N, K = 2 * half_n, 64 * kb2
+    split = None if split is None else min(split, -(-K // 256))
+    splits, _ = mma_gemv.k_splits(K, split, k, M, silu_pairs=True)
+    qw = ref.quantize(random_weight(rng, N, K), k=k)
+    A = _activations(rng, M, K, "float16")
+    ws = cuda.to_device(np.zeros(M * N, np.float32))
+    p = mma_gemv.plan(A, pair_gemv.to_codes(qw), out_dtype=out_dtype, silu_pairs=True, split=split, workspace=ws)
+    assert len(p.steps) == (1 if splits == 1 else 2)
+    for _ in range(2):                     # the second call finds the workspace zeroed again
+        out = p.launch()
+        assert out.shape == (M, N // 2) and out.dtype == np.dtype(out_dtype)
+        check_silu_pairs(out.copy_to_host(), A, qw, out_dtype)
+        assert not ws.copy_to_host().any()
 
 
 @pytest.mark.parametrize("k, layout, batch", [(4, "fragments", 3), (2, "codes", 3), (4, "codes", 1)])
@@ -379,9 +405,7 @@ def test_mma_gemv_refuses():
         mma_gemv.gemv(np.zeros((1, 64), np.float32), kc)
     with pytest.raises(ValueError, match="multiple of 64"):
         mma_gemv.gemv(np.zeros((1, 96), np.float16), ref.to_codes(ref.quantize(random_weight(rng, 4, 96), k=4)))
-    long_k = ref.to_codes(ref.quantize(random_weight(rng, 2, 8256), k=2))       # past 8192: split-K, but ...
-    with pytest.raises(ValueError, match="silu_pairs runs in one launch"):           # ... not with the epilogue
-        mma_gemv.plan(np.zeros((1, 8256), np.float16), long_k, silu_pairs=True)
+    long_k = ref.to_codes(ref.quantize(random_weight(rng, 2, 8256), k=2))       # past 8192: split-K
     with pytest.raises(ValueError, match="leaves 33 K-warps a CTA"):
         mma_gemv.plan(np.zeros((1, 8256), np.float16), long_k, split=1)
     for bad in (0, 34, 2.0, True):

@@ -101,7 +101,7 @@ ROWS = [
     ("mma_gemv.gemv", "K not a multiple of 64", ValueError, "multiple of 64",
      lambda: kb.mma_gemv.gemv(np.zeros((1, 96), np.float16), ref.to_codes(ref.quantize(np.ones((4, 96), np.float32), k=4)))),
     ("mma_gemv.plan", "`split` not an integer from 1 to K / 256, or one that leaves a CTA more than 32 K-warps "
-     "(K > 8192 a split); `silu_pairs=True` with a split K; a `workspace` of fewer than M * N float32 values",
+     "(K > 8192 a split); a `workspace` of fewer than M * N float32 values",
      ValueError, "leaves 33 K-warps a CTA",
      lambda: kb.mma_gemv.plan(np.zeros((1, 8256), np.float16), _long_k(), split=1)),
     ("mma_gemv.grouped_gemv", "K > 8192 (the grouped build does not split K)", ValueError, "up to 8192",
