@@ -8,7 +8,13 @@ L2-cold expert sets.
     git show REV:kbit_numba/scalar_gemv.py | sed 's/^from \. /from kbit_numba /; s/^from \./from kbit_numba./' \
         > benchmarks/_b_scalar_gemv.py
     PYTHONPATH=benchmarks python benchmarks/ab_grouped_gemv.py        # then delete benchmarks/_b_scalar_gemv.py
+
+``python benchmarks/ab_grouped_gemv.py [K x N list] [--split=S]``: other expert shapes (default the qwen3-30b-a3b
+ones, 2048x1536 and 768x2048), and the tensor-core gemv with K split S ways too (``mma,splitS``: grid z the shares,
+a float32 workspace and a finishing launch; for K > 4096, where a CTA of all K-warps runs at 64 registers).
 """
+import sys
+
 import numpy as np
 from numba import cuda
 import kbit_numba as kb
@@ -23,9 +29,12 @@ except ImportError:                         # no older revision to compare: the 
 
 # the most rows of one expert each kernel takes (the pair gemv: any number, one a grid slot)
 MAX_ROWS = {mma_gemv: mma_gemv.MAX_TOKENS, new: new.MAX_M, **({old: old.MAX_M} if old is not None else {})}
+args = [a for a in sys.argv[1:] if not a.startswith("--")]
+split = next((int(a.split("=")[1]) for a in sys.argv[1:] if a.startswith("--split=")), None)
+shapes = [tuple(int(v) for v in s.split("x")) for s in (args[0] if args else "2048x1536,768x2048").split(",")]
 rng = np.random.default_rng(3)
 E, top = 128, 8
-for K, N in ((2048, 1536), (768, 2048)):
+for K, N in shapes:
     flat = [ref.quantize(rng.standard_normal((N, K)).astype(np.float32) * 0.02, k=4) for _ in range(8)]
     base = [ref.repack_tiled(w) for w in flat]
     codes = [ref.to_codes(w) for w in flat]
@@ -44,11 +53,16 @@ for K, N in ((2048, 1536), (768, 2048)):
         res = {}
         cases = [("old", old, sets), ("new", new, sets), ("mma", mma_gemv, csets), ("mma(f)", mma_gemv, fsets),
                  ("pair", pair_gemv, csets), ("pair f16", pair_gemv, csets)]
+        if split:
+            cases.insert(3, (f"mma,split{split}", mma_gemv, csets))
+            sums = cuda.to_device(np.zeros(T * N, np.float32))
+        opts = dict(split=split, workspace=sums) if split else {}
         for name, mod, ws in cases + cases:
             if mod is None or mt > MAX_ROWS.get(mod, mt):
                 continue
+            extra = opts if name.startswith("mma,split") else {}
             runs = [(mod.plan_grouped(A, w, d_off, out=out, f16_acc=name.endswith("f16")) if mod is pair_gemv else
-                     mod.plan_grouped(A, w, d_off, out=out, max_tokens=mt)).prepare().run for w in ws]
+                     mod.plan_grouped(A, w, d_off, out=out, max_tokens=mt, **extra)).prepare().run for w in ws]
             t = graph_time_us(lambda i, s: runs[i % 2](s), 16)
             res[name] = min(res.get(name, t), t)
         nbytes = int((counts > 0).sum()) * N * K // 32 * 17
@@ -60,5 +74,8 @@ for K, N in ((2048, 1536), (768, 2048)):
     for name, mod, ws in cases:
         if mod is not None and mt <= MAX_ROWS.get(mod, mt):
             f16 = dict(f16_acc=True) if name.endswith("f16") else {}
-            got = mod.grouped_gemv(A, ws[0], d_off, out_dtype=np.float32, **f16).copy_to_host()
+            if name.startswith("mma,split"):
+                got = mma_gemv.plan_grouped(A, ws[0], d_off, out_dtype=np.float32, split=split).launch().copy_to_host()
+            else:
+                got = mod.grouped_gemv(A, ws[0], d_off, out_dtype=np.float32, **f16).copy_to_host()
             print(f"  {name} vs reference (B = {B}) max rel err", float(np.abs(got - want).max() / np.abs(want).max()))

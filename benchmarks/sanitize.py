@@ -5,7 +5,8 @@
 
 (default: every family; name some to check only those). ``pdl``: a chain of pair gemvs launched as
 programmatic dependent launches, each reading the previous one's output. ``mma``: the tensor-core gemv (also
-several batches of strips a CTA, on both layouts, as a PDL chain, and split-K); ``grouped`` includes fragment-layout experts;
+several batches of strips a CTA, on both layouts, as a PDL chain, and split-K, with the SiLU epilogue too);
+``grouped`` includes fragment-layout experts and split-K;
 ``grouped_pair``: the grouped pair gemv (a token row a grid slot) at each of its default knob sets;
 ``attention``: ``bench_model``'s ``decode_attention`` (the decode step's attention stand-in).
 """
@@ -119,6 +120,13 @@ if "mma" in families:      # N = 37 (a partial strip), K = 1088 (5 K-warps, the 
     kc = pair_gemv.to_codes(kb.quantize(rng.standard_normal((74, 1088)).astype(np.float16), k=4))
     for M in (3, 12):
         mma_gemv.plan(rng.standard_normal((M, 1088)).astype(np.float16), kc, silu_pairs=True).launch().copy_to_host()
+        # ... with K split: the finishing launch applies it (core.finish_step(silu_row=N))
+        mma_gemv.plan(rng.standard_normal((M, 1088)).astype(np.float16), kc, silu_pairs=True,
+                      split=2).launch().copy_to_host()
+    # the default split past 16 K-warps: K = 5120 (20 K-warps: 2 splits of 10), k = 4 one tile, k = 2 two tiles
+    for k, M in ((4, 3), (2, 9)):
+        kc = pair_gemv.to_codes(kb.quantize(rng.standard_normal((37, 5120)).astype(np.float16), k=k))
+        mma_gemv.plan(rng.standard_normal((M, 5120)).astype(np.float16), kc).launch().copy_to_host()
     # split-K: K = 8256 (33 K-warps: 3 splits of 11, the last warp with idle lanes), a partial strip, both k, one and
     # two tiles, a PDL launch; and a forced split of K = 1088 (5 K-warps: 3 splits of 2, the last warp past K)
     for k in pair_gemv.CODES_K:
@@ -162,6 +170,9 @@ if "grouped" in families:
             e = cexperts if not silu_pairs else sexperts
             mma_gemv.plan_grouped(A, e, cuda.to_device(np.array(offsets, np.int32)),
                                   silu_pairs=silu_pairs).launch().copy_to_host()
+            # ... with K split in 3 (5 K-warps: shares of 2, the last warp past K; grid z the shares)
+            mma_gemv.plan_grouped(A, e, cuda.to_device(np.array(offsets, np.int32)), silu_pairs=silu_pairs,
+                                  split=3).launch().copy_to_host()
     fexperts = kb.stack_experts([mma_gemv.to_fragments(kb.reference.to_codes(kb.reference.quantize(
         rng.standard_normal((48, 1024)).astype(np.float32), k=4))) for _ in range(4)])
     for offsets in ([0, 0, 2, 2, 3], [0, 3, 3, 8, 12]):

@@ -7,12 +7,13 @@ M <= max_m wins, ``null`` = any M) and per-shape rules for the shapes it measure
 
 A rule is only followed when its kernel applies; otherwise the next applicable one in ``FALLBACK``:
 ``gemv`` needs M <= 4 (bigger M runs it in slices of 4 rows), ``gemm`` the tiled layout,
-``dequant_matmul`` torch or CuPy for the cuBLAS call. A weight in the code layout (``KbitCodes``, k = 2, 4)
-is read by ``pair_gemv``, by ``mma_gemv`` (M <= 16, float16/bfloat16 A, K a multiple of 64; split past 8192) and by
-``gemm`` (K a multiple of 64); the table's ``codes_rules`` (default ``CODES_RULES``) choose between them, and its
-``codes_variants`` and ``codes_shapes`` (``python -m kbit_numba.bench --tune-codes``) hold rules with the pair gemv's
-launch knobs measured best on that GPU, for any shape and per shape (``codes_rules()``). Where those rules give the
-gemm or dequantize + cuBLAS, ``codes_mm_rules`` / ``codes_mm_shapes`` (``--tune``) pick between the two.
+``dequant_matmul`` torch or CuPy for the cuBLAS call. A weight in the code layout (``KbitCodes``, k = 2, 4) is read
+by ``pair_gemv``, by ``mma_gemv`` (M <= 16, float16/bfloat16 A, K a multiple of 64; K split past 8192, or past 4096
+where a CTA of all its K-warps would spill: ``mma_gemv.k_splits``) and by ``gemm`` (K a multiple of 64); the table's
+``codes_rules`` (default ``CODES_RULES``) choose between them, and its ``codes_variants`` and ``codes_shapes``
+(``python -m kbit_numba.bench --tune-codes``) hold rules with the pair gemv's launch knobs measured best on that GPU,
+for any shape and per shape (``codes_rules()``). Where those rules give the gemm or dequantize + cuBLAS,
+``codes_mm_rules`` / ``codes_mm_shapes`` (``--tune``) pick between the two.
 
 For MoE experts (``KbitExperts``), ``grouped_linear`` and ``KbitExpertsLinear`` pick one of the grouped kernels per
 routing (``choose_grouped``: the grouped pair gemv, the tensor-core gemv, the scalar grouped gemv or the grouped gemm),
@@ -53,7 +54,8 @@ DEFAULT_TABLE = {"device": "default", "rules": [[4, "gemv"], [256, "gemm"], [Non
 # tensor-core gemv to M = 8 (faster than the pair gemv at M = 4 and the gemm at M = 8 on every measured shape;
 # to 16 at k = 4: MMA_GEMV_MAX_M), the gemm to 64, dequantize + cuBLAS from the tiled tables' crossover on. Past
 # K = 8192 the tensor-core gemv splits K (a llama3-8b down projection: 14336x4096 k = 4 M = 4 19.8 us against the
-# gemm's 32.0 and the float16-sum pair gemv's 24.6; H200, benchmarks/README.md "Thirty-ninth session"). Where it
+# gemm's 32.0 and the float16-sum pair gemv's 24.6; H200, benchmarks/README.md "Thirty-ninth session"), and past
+# K = 4096 where its whole CTA would spill (K = 5120: "Forty-third session"). Where it
 # does not apply (float32 A) the pair gemv runs to M = 4 if its CTA of all K's warps fits without a register cap
 # (PAIR_GEMV_MAX_ROW_WARPS), else the gemm.
 CODES_RULES = [[2, "pair_gemv"], [16, "mma_gemv"], [64, "gemm"], [None, "dequant_matmul"]]   # (see MMA_GEMV_MAX_M)
@@ -377,7 +379,8 @@ def plan(A, qw, out=None, stream=None, workspace=None, out_dtype=np.float16, bf1
     if kernel == "dequant_matmul":
         return plan_dequant_matmul(A, qw, out, stream, out_dtype, workspace, bf16)
     if kernel == "mma_gemv":  # (where it splits K its sums go into the workspace, as the gemm's)
-        split = mma_gemv.k_splits(K, params.get("split"), qw.k, M, params.get("silu_pairs", False))[0] > 1
+        splits, _ = mma_gemv.k_splits(K, params.get("split"), qw.k, M, whole=params.get("silu_pairs", False))
+        split = splits > 1
         sums = workspace.sums(M * N, stream) if workspace is not None and split else None
         return mma_gemv.plan(A, qw, out, stream, out_dtype, bf16, workspace=sums, **params)
     gemv_plan = (partial(pair_gemv.plan, f16_acc=f16_acc, **params) if kernel == "pair_gemv"
@@ -419,12 +422,12 @@ class KbitLinear:
 
     ``layout="auto"`` (the default) keeps the **code layout** (``KbitCodes``, the same bytes) for k = 2, 4
     when K is a multiple of 64 (and the weight is flat or already codes), else the tiled layout. The
-    code layout serves every M: the pair gemv at M = 1, 2 (the fastest kbit kernel there: 1.6x the tiled
-    gemv at 4096x14336 on the H100), the tensor-core gemv to M = 8, 16 at k = 4 (float16/bfloat16 A; K split past
-    8192), the tensor-core gemm above, and dequantize + cuBLAS for large M; its gemm is 2-25% slower than the tiled
-    layout's at M = 8..16 (H100, benchmarks/README.md), so prefill-heavy use at k = 2, 4 may prefer
-    ``layout="tiled"``. The tiled layout (N a multiple of 128; otherwise the flat layout, served by gemv and
-    dequantize + cuBLAS) serves the scalar gemv and the gemm.
+    code layout serves every M: the pair gemv at M = 1, 2 (the fastest kbit kernel there: 1.6x the tiled gemv at
+    4096x14336 on the H100), the tensor-core gemv to M = 8, 16 at k = 4 (float16/bfloat16 A; K split past 8192, or
+    past 4096 where a whole CTA would spill), the tensor-core gemm above, and dequantize + cuBLAS for large M; its
+    gemm is 2-25% slower than the tiled layout's at M = 8..16 (H100, benchmarks/README.md), so prefill-heavy use at
+    k = 2, 4 may prefer ``layout="tiled"``. The tiled layout (N a multiple of 128; otherwise the flat layout, served
+    by gemv and dequantize + cuBLAS) serves the scalar gemv and the gemm.
 
     ``layout="fragments"`` (k = 2, 4, N a multiple of 16 and K of 256; an option for batched decode) keeps the
     fragment layout (``KbitFragments``, the same bytes in the tensor-core gemv's load order): the tensor-core gemv

@@ -33,7 +33,8 @@ and waits on its own dependency chains. This kernel streams the weights the pair
   where a CTA of all K-warps gets 64 registers and spills; or ``plan(split=)``): a CTA
   holds only its share of the K-warps (grid.y = the splits, ~``SPLIT_KW`` warps each: a CTA of all 56 would need
   1792 threads), its sums go into a float32 workspace by atomic adds, and the gemm's finish launch
-  (``core.finish_step``) writes the output and zeroes the workspace again.
+  (``core.finish_step``) writes the output and zeroes the workspace again. Grouped launches split the same way
+  (grid z the shares, y the slots; by default only past K = 8192).
 * ``pdl=True``: built for a programmatic dependent launch, as the pair gemv, but its first two strips' weight loads
   really go out before the tables and the wait: ordinary loads, which ptxas keeps there, after the codebook's
   ``cp.async`` (``EARLY_LOADS``; M = 4 chains 4-13% faster, H200). Grouped: only the tables before the wait (the
@@ -82,7 +83,7 @@ SPLIT_KW = 16                     # K-warps a split aims for past MAX_K (K = 143
 # K = 5120 spilled. Split in two it ran 20-56% faster at M = 4..16 on three K = 5120 shapes, k = 4, and at M = 12, 16,
 # k = 2, but 5-18% slower with k = 2's one tile (M <= 8), whose spills cost less than the split's atomics and second
 # launch (H200, benchmarks/README.md, "Forty-third session"). With silu_pairs a split launch leaves the SiLU to the
-# finishing launch; K <= 8192 keeps it whole by default (its split not yet measured).
+# finishing launch; silu_pairs and grouped launches keep K <= 8192 whole by default (their split not yet measured).
 UNSPLIT_UNDER_CAP = {2: N8}       # k -> the largest M that keeps a CTA of SPLIT_KW..MAX_KW K-warps whole
 K_STEP = KB_LANE * BLOCK          # K a multiple of 64 (at k = 2 a lane's two blocks are one 16-byte piece)
 # Block b of lane t in its warp's 8 blocks: t * LANE_STRIDE + b * BLOCK_STRIDE (see the docstring: whole sectors)
@@ -128,10 +129,9 @@ class MmaGemvSpec(Spec):
         if self.batch not in (1, BATCH):        # the loop body holds BATCH strips: a batch ends with it or each strip
             raise ValueError(f"mma gemv sums the partial tiles of 1 or {BATCH} strips at a time, "
                              f"got batch={self.batch}")
-        if self.split_k and (self.grouped or self.silu_pairs
-                             or type_name(self.out_dtype, "out_dtype", OUT_TYPES) != "float32"):
-            raise ValueError("split_k adds plain sums into a float32 workspace: not grouped, not silu_pairs, "
-                             "out_dtype float32")
+        if self.split_k and (self.silu_pairs or type_name(self.out_dtype, "out_dtype", OUT_TYPES) != "float32"):
+            raise ValueError("split_k adds plain sums into a float32 workspace: not silu_pairs (the finishing launch "
+                             "applies it), out_dtype float32")
         return dict(k=int(self.k), a_type=type_name(self.a_type, "a_type", MMA_TYPES),
                     out_dtype=type_name(self.out_dtype, "out_dtype", OUT_TYPES), pdl=bool(self.pdl),
                     grouped=bool(self.grouped), tiles=int(self.tiles), fragments=bool(self.fragments),
@@ -146,7 +146,8 @@ def make_mma_gemv_kernel(spec):
     memory. A: the [M, K] activations as uint32 words of two float16 (bfloat16) values, M <= 8 * spec.tiles;
     n_kb = K / 32, even.
     Grouped: A [T, K] and out [T, N] hold every expert's rows (offsets: int32 [E + 1]), M is unused.
-    Split-K: out is a zeroed float32 workspace [M*N]; CTA row blockIdx.y adds the sums of its share of the K-warps."""
+    Split-K: out is a zeroed float32 workspace [M*N] (grouped: [T*N]); CTA row blockIdx.y (grouped: blockIdx.z, y being
+    the slot) adds the sums of its share of the K-warps."""
     k, absmax_format, out_dtype, PDL, GROUPED = spec.k, spec.absmax_format, spec.out_dtype, spec.pdl, spec.grouped
     bf16 = spec.a_type == "bfloat16"
     # the tables' barrier before griddep_wait, as pair_gemv's EARLY_BARRIER: at k = 4 the llama3-8b B = 4 step
@@ -460,12 +461,14 @@ def make_mma_gemv_kernel(spec):
         g = lane >> u32(2)
         t = lane & u32(3)
         kw = u32((nkb + u32(KB_WARP - 1)) // u32(KB_WARP))     # K-warps per slice
-        if SPLIT_K:                 # this CTA's share of them: split blockIdx.y of gridDim.y
-            kw = u32((kw + u32(cuda.gridDim.y) - u32(1)) // u32(cuda.gridDim.y))
+        if SPLIT_K:                 # this CTA's share of them: split blockIdx.y of gridDim.y (grouped: z)
+            shares = u32(cuda.gridDim.z) if GROUPED else u32(cuda.gridDim.y)
+            kw = u32((kw + shares - u32(1)) // shares)
         slices = u32(u32(cuda.blockDim.x) // u32(u32(WARP) * kw))
         sl = u32(warp // kw)
         w = u32(warp - sl * kw)
-        wk = u32(u32(cuda.blockIdx.y) * kw + w) if SPLIT_K else w   # the warp's place along K
+        share = u32(cuda.blockIdx.z) if GROUPED else u32(cuda.blockIdx.y)
+        wk = u32(share * kw + w) if SPLIT_K else w                  # the warp's place along K
         kb0 = u32(wk * u32(KB_WARP) + u32(TSTRIDE) * t)         # this lane's first block
         group_cols = u32(slices * u32(STRIP))
         col0 = u32(sl * u32(STRIP) + g)                          # the lane's first column in a group
@@ -602,13 +605,14 @@ def reads(M, K):
     return 1 <= M <= MAX_TOKENS and K % K_STEP == 0
 
 
-def k_splits(K, split=None, k=4, M=1, silu_pairs=False):
+def k_splits(K, split=None, k=4, M=1, whole=False):
     """(splits of K, K-warps a split) of a launch of M rows on K columns of ``k`` bits: ``split`` as asked (no split
     left empty), else about ``SPLIT_KW`` warps a split past ``SPLIT_KW`` K-warps (K > 4096), unless the CTA's
-    registers spill less than splitting costs (``UNSPLIT_UNDER_CAP``; ``silu_pairs``) while K <= ``MAX_K``."""
+    registers spill less than splitting costs (``UNSPLIT_UNDER_CAP``) or the launch asks to stay ``whole`` while
+    K <= ``MAX_K`` (silu_pairs and grouped launches, whose split there is not yet measured)."""
     kw = -(-(K // BLOCK) // KB_WARP)
     if split is None:
-        whole = silu_pairs or M <= UNSPLIT_UNDER_CAP.get(k, 0)
+        whole = whole or M <= UNSPLIT_UNDER_CAP.get(k, 0)
         split = 1 if kw <= SPLIT_KW or (whole and kw <= MAX_KW) else -(-kw // SPLIT_KW)
     elif isinstance(split, bool) or not isinstance(split, (int, np.integer)) or not 1 <= split <= kw:
         raise ValueError(f"split must be an integer from 1 to K / 256 rounded up ({kw}), got {split!r}")
@@ -653,7 +657,7 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, cta_war
     _check_inputs(a_src, K)
     n_kb = K // BLOCK
     _arrays.check_aligned(Ad, 16, "A")
-    splits, _ = k_splits(K, split, kc.k, M, silu_pairs)
+    splits, _ = k_splits(K, split, kc.k, M, whole=silu_pairs)
     spec = MmaGemvSpec(kc.k, kc.absmax_format, a_src, out.dtype, pdl, tiles=tiles_for(M),
                        fragments=isinstance(kc, KbitFragments), silu_pairs=silu_pairs)
     if splits == 1:
@@ -680,7 +684,7 @@ def _check_inputs(a_src, K):
 def _step(spec, args, N, K, cta_warps=None, slots=None, splits=1):
     """The launch: S slices of KW = K / 256 warps (S from ``cta_warps``), a persistent grid over the column
     groups of one weight, or (grouped) over each of ``slots`` experts' column groups, or (split-K) over each of
-    ``splits`` shares of the K-warps (KW a share)."""
+    ``splits`` shares of the K-warps (KW a share; grouped: grid (groups, slots, splits))."""
     kw = -(-(-(-(K // BLOCK) // KB_WARP)) // splits)     # ceil(ceil(K / 256) / splits)
     most_slices = max(1, min((cta_warps or DEFAULTS["cta_warps"]) // kw, -(-N // STRIP)))
     if TABLE_BYTES + part_bytes(most_slices, kw, spec.tiles, spec.batch) > SHARED_PER_CTA:
@@ -689,22 +693,26 @@ def _step(spec, args, N, K, cta_warps=None, slots=None, splits=1):
     slices = min(most_slices, max(1, max_threads // (kw * WARP)))
     n_groups = -(-N // (slices * STRIP))
     shared = TABLE_BYTES + part_bytes(slices, kw, spec.tiles, spec.batch)
-    rows = slots or splits                                 # grid.y: experts, or shares of K
+    rows = (slots or 1) * splits                           # grid.y: experts, or shares of K; grouped split: y x z
     if rows == 1 and slots is None:
         grid = persistent_grid(n_groups, slices * kw * WARP, regs, shared)
     else:                                                  # the resident CTAs shared among the grid's rows
         resident = persistent_grid(n_groups * rows, slices * kw * WARP, regs, shared)
-        grid = (max(1, min(n_groups, -(-resident // rows))), rows)
+        x = max(1, min(n_groups, -(-resident // rows)))
+        grid = (x, slots, splits) if slots and splits > 1 else (x, rows)
     return Step(kern, grid, slices * kw * WARP, args, shared, spec.pdl)
 
 
 def plan_grouped(A, experts, expert_offsets, out=None, stream=None, out_dtype=np.float16, bf16=False,
-                 max_tokens=None, cta_warps=None, pdl=False, silu_pairs=False):
+                 max_tokens=None, cta_warps=None, pdl=False, silu_pairs=False, split=None, workspace=None):
     """Checked inputs of :func:`grouped_gemv` bound into a :class:`launch.Plan` (one launch, or none when there
     are no rows or experts). ``pdl``: a programmatic dependent launch (sm_90) whose CTAs fill their tables
     before they wait for the kernel before it; the offsets, activations and weight loads come after the wait
     (which expert a CTA runs, and so which weights it loads, is the router's output). ``silu_pairs``: every
-    expert's gate/up rows interleaved, out [T, N / 2] (see ``pair_gemv.plan``)."""
+    expert's gate/up rows interleaved, out [T, N / 2] (see ``pair_gemv.plan``). ``split``: K's splits
+    (:func:`k_splits`; by default only past K = 8192): each slot's CTAs then add their share's sums into
+    ``workspace`` (zeroed float32, >= T*N values, left zeroed; allocated if not given) and a second launch
+    (``core.finish_step``, with the SiLU epilogue if asked) writes ``out``."""
     stream = _arrays.as_stream(stream)
     Ad, a_src, T, offs, experts = check_grouped(A, experts, expert_offsets, bf16, stream)
     if experts.layout not in ("codes", "fragments"):
@@ -713,8 +721,7 @@ def plan_grouped(A, experts, expert_offsets, out=None, stream=None, out_dtype=np
     E = experts.n_experts
     N, K = experts.expert_shape
     _check_inputs(a_src, K)
-    if K > MAX_K:
-        raise ValueError(f"the grouped mma gemv handles K up to {MAX_K} (no split), got K={K}")
+    splits, _ = k_splits(K, split, experts.k, N8, whole=True)
     if max_tokens is None and isinstance(expert_offsets, np.ndarray):
         max_tokens = max_tokens_per_expert(expert_offsets, T)
     if max_tokens is not None and max_tokens > N8:
@@ -727,11 +734,19 @@ def plan_grouped(A, experts, expert_offsets, out=None, stream=None, out_dtype=np
         raise ValueError("the grouped mma gemv uses 32-bit indices: T*K, T*N and E*N*K/32 must stay < 2**32")
     if T == 0 or E == 0:
         return Plan([], Ad, out, stream)
-    args = (_arrays.flat_view(Ad, np.uint32), experts.packed, experts.absmax, experts.codebook,
-            _arrays.flat_view(out), i32(N), i32(K // BLOCK), i32(0), offs)
     spec = MmaGemvSpec(experts.k, experts.absmax_format, a_src, out.dtype, pdl, grouped=True,
                        fragments=experts.layout == "fragments", silu_pairs=silu_pairs)
-    return Plan([_step(spec, args, N, K, cta_warps, slots=min(E, T))], Ad, out, stream)
+    if splits == 1:
+        args = (_arrays.flat_view(Ad, np.uint32), experts.packed, experts.absmax, experts.codebook,
+                _arrays.flat_view(out), i32(N), i32(K // BLOCK), i32(0), offs)
+        return Plan([_step(spec, args, N, K, cta_warps, slots=min(E, T))], Ad, out, stream)
+    ws = split_sums(workspace, T * N, stream)          # (rows past an expert's 8 come out NaN here, then in out)
+    args = (_arrays.flat_view(Ad, np.uint32), experts.packed, experts.absmax, experts.codebook, ws, i32(N),
+            i32(K // BLOCK), i32(0), offs)
+    main = _step(replace(spec, out_dtype="float32", split_k=True, silu_pairs=False), args, N, K, cta_warps,
+                 slots=min(E, T), splits=splits)
+    finish = finish_step(ws, out, T * N // 2, N) if silu_pairs else finish_step(ws, out, T * N)
+    return Plan([main, finish], Ad, out, stream, ws)
 
 
 def grouped_gemv(A, experts, expert_offsets, out=None, stream=None, out_dtype=np.float16, bf16=False,
@@ -742,8 +757,9 @@ def grouped_gemv(A, experts, expert_offsets, out=None, stream=None, out_dtype=np
     [E + 1] (host or device; expert e's rows are offsets[e] .. offsets[e+1]-1, at most 8 each: more are
     refused when the offsets are a NumPy array or ``max_tokens`` says so, and come out NaN otherwise);
     experts: KbitExperts in the code layout (``stack_experts`` of ``pair_gemv.to_codes`` weights; k = 2, 4,
-    K a multiple of 64 up to 8192) or the fragment layout (of :func:`to_fragments` weights). Returns out [T, N].
-    With device offsets and ``out`` given it allocates nothing, so it can be captured into a CUDA graph."""
+    K a multiple of 64; past 8192 split in K, with a float32 workspace and a second launch: :func:`plan_grouped`) or
+    the fragment layout (of :func:`to_fragments` weights). Returns out [T, N]. With device offsets and ``out`` given
+    (and K <= 8192) it allocates nothing, so it can be captured into a CUDA graph."""
     return plan_grouped(A, experts, expert_offsets, out, stream, out_dtype, bf16, max_tokens).launch()
 
 
@@ -763,8 +779,8 @@ def prepare(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, pdl=
 def ptx_specs():
     """Every k with float16 A and E4M4 absmax (plain with one and two token tiles, pdl, grouped, grouped pdl,
     the fragment layout with one and two tiles and grouped, a sum per strip with two tiles: K > 6656, the silu_pairs
-    epilogue plain and grouped, split-K with one tile and with two as a PDL launch), and each other choice with every
-    k."""
+    epilogue plain and grouped, split-K with one tile, with two as a PDL launch and grouped), and each other choice with
+    every k."""
     variants = [dict(), dict(tiles=2), dict(pdl=True), dict(grouped=True), dict(grouped=True, pdl=True),
                 dict(fragments=True), dict(fragments=True, tiles=2), dict(fragments=True, grouped=True),
                 dict(tiles=2, batch=1),
@@ -772,7 +788,8 @@ def ptx_specs():
                 dict(absmax_format="fp32"),
                 dict(out_dtype="float32"),
                 dict(pdl=True, silu_pairs=True), dict(grouped=True, pdl=True, fragments=True, silu_pairs=True),
-                dict(split_k=True, out_dtype="float32"), dict(split_k=True, out_dtype="float32", tiles=2, pdl=True)]
+                dict(split_k=True, out_dtype="float32"), dict(split_k=True, out_dtype="float32", tiles=2, pdl=True),
+                dict(split_k=True, out_dtype="float32", grouped=True)]
     return [MmaGemvSpec(k=k, **v) for k in CODES_K for v in variants]
 
 

@@ -143,8 +143,8 @@ def test_k_splits_default_rule():
     assert mma_gemv.k_splits(5120, k=4, M=1) == (2, 10)
     assert mma_gemv.k_splits(5120, k=2, M=8) == (1, 20)
     assert mma_gemv.k_splits(5120, k=2, M=9) == (2, 10)
-    assert mma_gemv.k_splits(8192, k=4, M=4, silu_pairs=True) == (1, 32)
-    assert mma_gemv.k_splits(8448, k=4, M=4, silu_pairs=True) == (3, 11)
+    assert mma_gemv.k_splits(8192, k=4, M=4, whole=True) == (1, 32)
+    assert mma_gemv.k_splits(8448, k=4, M=4, whole=True) == (3, 11)
     assert mma_gemv.k_splits(14336, k=2, M=1) == (4, 14)
     assert mma_gemv.k_splits(5120, 1, k=4, M=16) == (1, 20)
     with pytest.raises(ValueError, match="at most 32"):
@@ -163,7 +163,7 @@ def test_mma_gemv_split_k_silu_pairs(k_split, seed, v, half_n, kb2, split):
     rng = np.random.default_rng(seed)
     N, K = 2 * half_n, 64 * kb2
     split = None if split is None else min(split, -(-K // 256))
-    splits, _ = mma_gemv.k_splits(K, split, k, M, silu_pairs=True)
+    splits, _ = mma_gemv.k_splits(K, split, k, M, whole=True)
     qw = ref.quantize(random_weight(rng, N, K), k=k)
     A = _activations(rng, M, K, "float16")
     ws = cuda.to_device(np.zeros(M * N, np.float32))
@@ -322,6 +322,34 @@ def test_mma_gemv_grouped_fragments(k):
                 check_gemm(got[rows], A[rows], w)
 
 
+@pytest.mark.parametrize("k, silu", [(4, False), (2, True)])
+def test_mma_gemv_grouped_split_k(k, silu):
+    """MoE experts with K split (grid z: the shares; y: the slots) into a float32 workspace, then the finishing
+    launch (with the SiLU epilogue): T >= E and T < E, an empty expert, a row past an expert's 8 (device offsets: NaN,
+    its neighbours right), the workspace left zeroed for the next call."""
+    rng = np.random.default_rng(40 + k)
+    N, K = (24, 512) if SIM else (96, 5120)
+    flats = [ref.quantize(random_weight(rng, N, K), k=k) for _ in range(4)]
+    experts = kb.stack_experts([ref.to_codes(w) for w in flats])
+    for counts in ([3, 0, 8, 1], [0, 1, 0, 1], [9, 1, 0, 0]):
+        offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        T = int(offsets[-1])
+        A = _activations(rng, T, K, "float16")
+        ws = cuda.to_device(np.zeros(T * N, np.float32))
+        p = mma_gemv.plan_grouped(A, experts, cuda.to_device(offsets), out_dtype=np.float32, silu_pairs=silu,
+                                  split=2, workspace=ws)
+        assert len(p.steps) == 2 and p.steps[0].grid[1:] == (min(4, T), 2) and p.workspace is ws
+        for _ in range(2):
+            got = p.launch().copy_to_host()
+            assert got.shape == (T, N // 2 if silu else N) and not ws.copy_to_host().any()
+            for e, w in enumerate(flats):
+                rows = np.arange(offsets[e], min(offsets[e + 1], offsets[e] + 8))
+                if len(rows):
+                    (check_silu_pairs if silu else check_gemm)(got[rows], A[rows], w)
+            if counts[0] == 9:
+                assert np.all(np.isnan(got[8])) and not np.isnan(got[9]).any()
+
+
 def test_mma_gemv_grouped_fewer_rows_than_experts():
     """T = 4 rows over E = 7 experts, 3 of them active (a decode step's shape): one grid slot per row."""
     rng = np.random.default_rng(8)
@@ -413,7 +441,10 @@ def test_mma_gemv_refuses():
             mma_gemv.plan(np.zeros((1, 8256), np.float16), long_k, split=bad)
     with pytest.raises(ValueError, match="workspace must hold"):
         mma_gemv.plan(np.zeros((2, 8256), np.float16), long_k, workspace=cuda.to_device(np.zeros(3, np.float32)))
-    with pytest.raises(ValueError, match="up to 8192"):
-        mma_gemv.plan_grouped(np.zeros((1, 8256), np.float16), kb.stack_experts([long_k]), np.array([0, 1], np.int32))
+    with pytest.raises(ValueError, match="leaves 33 K-warps a CTA"):        # (the grouped launch splits as the plain)
+        mma_gemv.plan_grouped(np.zeros((1, 8256), np.float16), kb.stack_experts([long_k]), np.array([0, 1], np.int32),
+                              split=1)
+    assert len(mma_gemv.plan_grouped(np.zeros((1, 8256), np.float16), kb.stack_experts([long_k]),
+                                     np.array([0, 1], np.int32)).steps) == 2      # past 8192: split by default
     with pytest.raises(TypeError, match="code layout"):     # a KbitWeight: convert it once with to_codes
         mma_gemv.gemv(np.zeros((1, 64), np.float16), ref.quantize(random_weight(rng, 4, 64), k=4))
