@@ -29,8 +29,8 @@ and waits on its own dependency chains. This kernel streams the weights the pair
   a persistent grid walks 16-column strips, loads run two iterations ahead in three register buffers,
   and the KW warps' partial C tiles are summed in shared memory, three strips at a time (one barrier per three
   strips: ``BATCH``), stored in fragment order (a lane's 4 values of a token tile: one 16-byte store).
-* **Split-K** (``split_k``; K > 8192, e.g. a llama3-8b down projection, K = 14336; K > 4096 but for k = 2 at M <= 8,
-  where a CTA of all K-warps gets 64 registers and spills; or ``plan(split=)``): a CTA
+* **Split-K** (``split_k``; K > 8192, e.g. a llama3-8b down projection, K = 14336; K > 4096 but for k = 2 at M <= 8
+  and for silu_pairs, where a CTA of all K-warps gets 64 registers and spills; or ``plan(split=)``): a CTA
   holds only its share of the K-warps (grid.y = the splits, ~``SPLIT_KW`` warps each: a CTA of all 56 would need
   1792 threads), its sums go into a float32 workspace by atomic adds, and the gemm's finish launch
   (``core.finish_step``) writes the output and zeroes the workspace again. Grouped launches split the same way
