@@ -667,10 +667,15 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, cta_war
     ws = split_sums(workspace, M * N, stream)
     args = (_arrays.flat_view(Ad, np.uint32), kc.packed, kc.absmax, kc.codebook, ws, i32(N), i32(n_kb), i32(M),
             unused_i32())
+    return Plan(_split_steps(spec, args, N, K, cta_warps, splits, ws, out, M), Ad, out, stream, ws)
+
+
+def _split_steps(spec, args, N, K, cta_warps, splits, ws, out, rows, slots=None):
+    """A split launch's two steps: the CTAs add plain sums into the workspace ``ws`` (``args``' output), then the
+    finishing launch writes ``out``'s rows x N values (or rows x N / 2: the SiLU epilogue of ``spec.silu_pairs``)."""
     main = _step(replace(spec, out_dtype="float32", split_k=True, silu_pairs=False), args, N, K, cta_warps,
-                 splits=splits)                       # (plain sums: the SiLU epilogue goes to the finishing launch)
-    finish = finish_step(ws, out, M * N // 2, N) if silu_pairs else finish_step(ws, out, M * N)
-    return Plan([main, finish], Ad, out, stream, ws)
+                 slots=slots, splits=splits)
+    return [main, finish_step(ws, out, rows * N // 2, N) if spec.silu_pairs else finish_step(ws, out, rows * N)]
 
 
 def _check_inputs(a_src, K):
@@ -743,10 +748,7 @@ def plan_grouped(A, experts, expert_offsets, out=None, stream=None, out_dtype=np
     ws = split_sums(workspace, T * N, stream)          # (rows past an expert's 8 come out NaN here, then in out)
     args = (_arrays.flat_view(Ad, np.uint32), experts.packed, experts.absmax, experts.codebook, ws, i32(N),
             i32(K // BLOCK), i32(0), offs)
-    main = _step(replace(spec, out_dtype="float32", split_k=True, silu_pairs=False), args, N, K, cta_warps,
-                 slots=min(E, T), splits=splits)
-    finish = finish_step(ws, out, T * N // 2, N) if silu_pairs else finish_step(ws, out, T * N)
-    return Plan([main, finish], Ad, out, stream, ws)
+    return Plan(_split_steps(spec, args, N, K, cta_warps, splits, ws, out, T, slots=min(E, T)), Ad, out, stream, ws)
 
 
 def grouped_gemv(A, experts, expert_offsets, out=None, stream=None, out_dtype=np.float16, bf16=False,
