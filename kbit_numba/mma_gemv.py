@@ -660,13 +660,11 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, cta_war
     splits, _ = k_splits(K, split, kc.k, M, whole=silu_pairs)
     spec = MmaGemvSpec(kc.k, kc.absmax_format, a_src, out.dtype, pdl, tiles=tiles_for(M),
                        fragments=isinstance(kc, KbitFragments), silu_pairs=silu_pairs)
-    if splits == 1:
-        args = (_arrays.flat_view(Ad, np.uint32), kc.packed, kc.absmax, kc.codebook, _arrays.flat_view(out),
-                i32(N), i32(n_kb), i32(M), unused_i32())
+    ws = split_sums(workspace, M * N, stream) if splits > 1 else None     # (split: the kernel writes the sums)
+    args = (_arrays.flat_view(Ad, np.uint32), kc.packed, kc.absmax, kc.codebook,
+            _arrays.flat_view(out) if ws is None else ws, i32(N), i32(n_kb), i32(M), unused_i32())
+    if ws is None:
         return Plan([_step(spec, args, N, K, cta_warps)], Ad, out, stream)
-    ws = split_sums(workspace, M * N, stream)
-    args = (_arrays.flat_view(Ad, np.uint32), kc.packed, kc.absmax, kc.codebook, ws, i32(N), i32(n_kb), i32(M),
-            unused_i32())
     return Plan(_split_steps(spec, args, N, K, cta_warps, splits, ws, out, M), Ad, out, stream, ws)
 
 
@@ -741,13 +739,11 @@ def plan_grouped(A, experts, expert_offsets, out=None, stream=None, out_dtype=np
         return Plan([], Ad, out, stream)
     spec = MmaGemvSpec(experts.k, experts.absmax_format, a_src, out.dtype, pdl, grouped=True,
                        fragments=experts.layout == "fragments", silu_pairs=silu_pairs)
-    if splits == 1:
-        args = (_arrays.flat_view(Ad, np.uint32), experts.packed, experts.absmax, experts.codebook,
-                _arrays.flat_view(out), i32(N), i32(K // BLOCK), i32(0), offs)
+    ws = split_sums(workspace, T * N, stream) if splits > 1 else None     # (rows past an expert's 8: NaN there too)
+    args = (_arrays.flat_view(Ad, np.uint32), experts.packed, experts.absmax, experts.codebook,
+            _arrays.flat_view(out) if ws is None else ws, i32(N), i32(K // BLOCK), i32(0), offs)
+    if ws is None:
         return Plan([_step(spec, args, N, K, cta_warps, slots=min(E, T))], Ad, out, stream)
-    ws = split_sums(workspace, T * N, stream)          # (rows past an expert's 8 come out NaN here, then in out)
-    args = (_arrays.flat_view(Ad, np.uint32), experts.packed, experts.absmax, experts.codebook, ws, i32(N),
-            i32(K // BLOCK), i32(0), offs)
     return Plan(_split_steps(spec, args, N, K, cta_warps, splits, ws, out, T, slots=min(E, T)), Ad, out, stream, ws)
 
 
