@@ -51,7 +51,7 @@ shapes = [tuple(int(v) for v in s.split("x")) for s in (args[0] if args else
 ks = [int(v) for v in (args[1] if len(args) > 1 else "4,2").split(",")]
 ms = [int(v) for v in (args[2] if len(args) > 2 else "1,2,4,8").split(",")]
 rng = np.random.default_rng(1)
-cols = (["mma(c)", "mma(f)"] + (["mma,pdl"] if pdl else []) + ([f"mma,split{split}"] if split else [])
+cols = (["mma(c)", "mma(f)"] + (["mma,pdl"] if pdl else []) + ([f"mma,split{split}", f"mma(f),split{split}"] if split else [])
         + (["mma,q"] if quarters else [])
         + ["pair(c)", "pair,f16", "pair(f),f16", "gemm(c)", "gemm(t)"])
 width = {c: max(8, len(c)) for c in cols}
@@ -75,6 +75,8 @@ for K, N in shapes:
                 "mma(f)": (lambda w: mma_gemv.plan(A, w, out, 0, silu_pairs=silu)) if frags else None,
                 "mma,pdl": lambda w: mma_gemv.plan(A, w, out, 0, pdl=True, silu_pairs=silu),
                 f"mma,split{split}": lambda w: mma_gemv.plan(A, w, out, 0, split=split, silu_pairs=silu),
+                f"mma(f),split{split}": ((lambda w: mma_gemv.plan(A, w, out, 0, split=split, silu_pairs=silu))
+                                         if frags else None),
                 "mma,q": lambda w: quarters_plan(A, w, out, 0, silu_pairs=silu),
                 "pair(c)": (lambda w: pair_gemv.plan(A, w, out, 0, silu_pairs=silu)) if M <= 4 else None,
                 "pair,f16": (lambda w: pair_gemv.plan(A, w, out, 0, f16_acc=True, silu_pairs=silu)) if M <= 4 else None,
@@ -88,7 +90,7 @@ for K, N in shapes:
                 make = plans[name]
                 if make is None or (name.startswith("mma") and not mma_gemv.reads(M, K)):
                     continue
-                weights = tiled if name == "gemm(t)" else frags if name in ("mma(f)", "pair(f),f16") else codes
+                weights = tiled if name == "gemm(t)" else frags if "(f)" in name else codes
                 runs = [make(w).prepare().run for w in weights]
                 t[name] = graph_time_us(lambda i, s: runs[i % n](s), n * max(1, 64 // n))
             floor = bench.floor_us(nbytes + M * K * 2 + M * N * 2)

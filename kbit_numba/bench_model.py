@@ -683,7 +683,8 @@ class ExpertsFP16:
 class ExpertsKbit:
     """One layer's experts of one projection as ``KbitExperts``, run by ``dispatch.KbitExpertsLinear``: the grouped
     kernel its rule picks per routing (``dispatch.choose_grouped``: with ``f16_acc`` the grouped pair gemv while no
-    expert has more than 4 rows, with float32 sums at k = 2 while the step has at most 8 rows, then the tensor-core
+    expert has more than 4 rows, with float32 sums at k = 2 while the step has at most 8 rows (and at k = 4 to 32 past
+    K = 4096: ``dispatch.pair_grouped_f32_max_rows``), then the tensor-core
     gemv to 8 rows an expert, then the scalar grouped gemv or the grouped gemm on the tiled copy). ``codes``: the
     code- or fragment-layout copy, or None (k = 3, 5); the tiled one is kept for batches past those limits (it
     doubles the experts' memory). ``pdl``: the pair or tensor-core gemv as a programmatic dependent launch (the

@@ -379,7 +379,7 @@ def plan(A, qw, out=None, stream=None, workspace=None, out_dtype=np.float16, bf1
     if kernel == "dequant_matmul":
         return plan_dequant_matmul(A, qw, out, stream, out_dtype, workspace, bf16)
     if kernel == "mma_gemv":  # (where it splits K its sums go into the workspace, as the gemm's)
-        splits, _ = mma_gemv.k_splits(K, params.get("split"), qw.k, M, whole=params.get("silu_pairs", False))
+        splits, _ = mma_gemv.k_splits(K, params.get("split"), qw.k, M)
         split = splits > 1
         sums = workspace.sums(M * N, stream) if workspace is not None and split else None
         return mma_gemv.plan(A, qw, out, stream, out_dtype, bf16, workspace=sums, **params)
@@ -554,6 +554,16 @@ GROUPED_KERNELS = ("pair_gemv", "mma_gemv", "grouped_gemv", "grouped_gemm")
 # B = 2 +4.8%, and k = 4 +4% at B = 1: runs/2026-11-27_h100_qwen3_step_ab_pair_fragments.txt).
 PAIR_GROUPED_MAX_ROWS = 4           # f16_acc: the pair gemv while the largest expert has at most this many rows
 PAIR_GROUPED_F32_MAX_ROWS = {2: 8}  # float32 sums: k -> the pair gemv while all experts have at most this many rows
+# Past K = 4096 the tensor-core gemv splits K at k = 4 (``mma_gemv.k_splits``: two launches and atomics), and the pair
+# gemv's float32 path beat it there: B = 1 (8 rows) 38.79 vs 53.10 us on 5120x3072, 57.99 vs 96.18 on 7168x4096; B = 4
+# (32 rows) 124.70 vs 146.46 and 281.04 vs 278.99 (H200, E = 128, top-8; benchmarks/README.md, "Forty-fourth session").
+PAIR_GROUPED_F32_MAX_ROWS_SPLIT = {2: 8, 4: 32}   # the same past SPLIT_K (k = 2 there: not measured, kept at 8)
+SPLIT_K = mma_gemv.SPLIT_KW * mma_gemv.KB_WARP * mma_gemv.BLOCK   # 4096: the tensor-core gemv's CTA holds K whole
+
+
+def pair_grouped_f32_max_rows(k, K):
+    """The most rows (all experts') the grouped pair gemv with float32 sums takes for ``k`` bits and K columns."""
+    return (PAIR_GROUPED_F32_MAX_ROWS_SPLIT if K > SPLIT_K else PAIR_GROUPED_F32_MAX_ROWS).get(k, 0)
 
 
 def choose_grouped(most, rows, k, K, codes_layout=None, layout=None, half=True, f16_acc=False):
@@ -565,7 +575,7 @@ def choose_grouped(most, rows, k, K, codes_layout=None, layout=None, half=True, 
     of 64 up to ``mma_gemv.MAX_K``), the scalar grouped gemv (at most ``MAX_M`` rows an expert), the grouped gemm
     (tiled), and last the pair gemv for any routing (a slot a row: correct, not fast, past 8 rows an expert)."""
     if codes_layout is not None:
-        pair = most <= PAIR_GROUPED_MAX_ROWS if f16_acc else rows <= PAIR_GROUPED_F32_MAX_ROWS.get(k, 0)
+        pair = most <= PAIR_GROUPED_MAX_ROWS if f16_acc else rows <= pair_grouped_f32_max_rows(k, K)
         if pair:
             return "pair_gemv"
         if half and most <= mma_gemv.N8 and K % 64 == 0 and K <= mma_gemv.MAX_K:
@@ -658,12 +668,14 @@ class KbitExpertsLinear:
         if kernel == "pair_gemv":
             return pair_gemv.plan_grouped(A, weight, offsets, out, stream, out_dtype, bf16, f16_acc=self.f16_acc and f16,
                                           pdl=self.pdl, silu_pairs=silu_pairs)
-        if kernel == "mma_gemv":
+        N, K = self.expert_shape
+        if kernel == "mma_gemv":    # (where it splits K its sums go into the layer's workspace, as the gemm's)
+            splits, _ = mma_gemv.k_splits(K, None, self.k, mma_gemv.N8)
             return mma_gemv.plan_grouped(A, weight, offsets, out, stream, out_dtype, bf16, max_tokens=most,
-                                         pdl=self.pdl, silu_pairs=silu_pairs)
+                                         pdl=self.pdl, silu_pairs=silu_pairs,
+                                         workspace=self.workspace.sums(T * N, stream) if splits > 1 else None)
         if kernel == "grouped_gemv":
             return scalar_gemv.plan_grouped(A, weight, offsets, out, stream, out_dtype, bf16, max_tokens=most)
-        N = self.expert_shape[0]
         return tensor_gemm.plan_grouped(A, weight, offsets, out, stream, out_dtype, bf16,
                                         workspace=self.workspace.sums(T * N, stream),
                                         m_tile=tensor_gemm.m_tile_for(max(1, most)))

@@ -29,12 +29,12 @@ and waits on its own dependency chains. This kernel streams the weights the pair
   a persistent grid walks 16-column strips, loads run two iterations ahead in three register buffers,
   and the KW warps' partial C tiles are summed in shared memory, three strips at a time (one barrier per three
   strips: ``BATCH``), stored in fragment order (a lane's 4 values of a token tile: one 16-byte store).
-* **Split-K** (``split_k``; K > 8192, e.g. a llama3-8b down projection, K = 14336; K > 4096 but for k = 2 at M <= 8
-  and for silu_pairs, where a CTA of all K-warps gets 64 registers and spills; or ``plan(split=)``): a CTA
+* **Split-K** (``split_k``; K > 8192, e.g. a llama3-8b down projection, K = 14336; K > 4096 but for k = 2 at M <= 8,
+  where a CTA of all K-warps gets 64 registers and spills; or ``plan(split=)``): a CTA
   holds only its share of the K-warps (grid.y = the splits, ~``SPLIT_KW`` warps each: a CTA of all 56 would need
   1792 threads), its sums go into a float32 workspace by atomic adds, and the gemm's finish launch
   (``core.finish_step``) writes the output and zeroes the workspace again. Grouped launches split the same way
-  (grid z the shares, y the slots; by default only past K = 8192).
+  (grid z the shares, y the slots; by default as a plain launch of M = 8).
 * ``pdl=True``: built for a programmatic dependent launch, as the pair gemv, but its first two strips' weight loads
   really go out before the tables and the wait: ordinary loads, which ptxas keeps there, after the codebook's
   ``cp.async`` (``EARLY_LOADS``; M = 4 chains 4-13% faster, H200). Grouped: only the tables before the wait (the
@@ -83,7 +83,8 @@ SPLIT_KW = 16                     # K-warps a split aims for past MAX_K (K = 143
 # K = 5120 spilled. Split in two it ran 20-56% faster at M = 4..16 on three K = 5120 shapes, k = 4, and at M = 12, 16,
 # k = 2, but 5-18% slower with k = 2's one tile (M <= 8), whose spills cost less than the split's atomics and second
 # launch (H200, benchmarks/README.md, "Forty-third session"). With silu_pairs a split launch leaves the SiLU to the
-# finishing launch; silu_pairs and grouped launches keep K <= 8192 whole by default (their split not yet measured).
+# finishing launch; silu_pairs and grouped launches follow the same rule (at K = 5120 silu_pairs' split2 within 2% of
+# the plain one, the grouped split2 32-40% faster at B = 1: "Forty-fourth session").
 UNSPLIT_UNDER_CAP = {2: N8}       # k -> the largest M that keeps a CTA of SPLIT_KW..MAX_KW K-warps whole
 K_STEP = KB_LANE * BLOCK          # K a multiple of 64 (at k = 2 a lane's two blocks are one 16-byte piece)
 # Block b of lane t in its warp's 8 blocks: t * LANE_STRIDE + b * BLOCK_STRIDE (see the docstring: whole sectors)
@@ -605,14 +606,14 @@ def reads(M, K):
     return 1 <= M <= MAX_TOKENS and K % K_STEP == 0
 
 
-def k_splits(K, split=None, k=4, M=1, whole=False):
-    """(splits of K, K-warps a split) of a launch of M rows on K columns of ``k`` bits: ``split`` as asked (no split
-    left empty), else about ``SPLIT_KW`` warps a split past ``SPLIT_KW`` K-warps (K > 4096), unless the CTA's
-    registers spill less than splitting costs (``UNSPLIT_UNDER_CAP``) or the launch asks to stay ``whole`` while
-    K <= ``MAX_K`` (silu_pairs and grouped launches, whose split there is not yet measured)."""
+def k_splits(K, split=None, k=4, M=1):
+    """(splits of K, K-warps a split) of a launch of M rows (a grouped launch: ``N8``) on K columns of ``k`` bits:
+    ``split`` as asked (no split left empty), else about ``SPLIT_KW`` warps a split past ``SPLIT_KW`` K-warps
+    (K > 4096), unless K <= ``MAX_K`` and the CTA's registers spill less than splitting costs
+    (``UNSPLIT_UNDER_CAP``)."""
     kw = -(-(K // BLOCK) // KB_WARP)
     if split is None:
-        whole = whole or M <= UNSPLIT_UNDER_CAP.get(k, 0)
+        whole = M <= UNSPLIT_UNDER_CAP.get(k, 0)
         split = 1 if kw <= SPLIT_KW or (whole and kw <= MAX_KW) else -(-kw // SPLIT_KW)
     elif isinstance(split, bool) or not isinstance(split, (int, np.integer)) or not 1 <= split <= kw:
         raise ValueError(f"split must be an integer from 1 to K / 256 rounded up ({kw}), got {split!r}")
@@ -657,7 +658,7 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, cta_war
     _check_inputs(a_src, K)
     n_kb = K // BLOCK
     _arrays.check_aligned(Ad, 16, "A")
-    splits, _ = k_splits(K, split, kc.k, M, whole=silu_pairs)
+    splits, _ = k_splits(K, split, kc.k, M)
     spec = MmaGemvSpec(kc.k, kc.absmax_format, a_src, out.dtype, pdl, tiles=tiles_for(M),
                        fragments=isinstance(kc, KbitFragments), silu_pairs=silu_pairs)
     ws = split_sums(workspace, M * N, stream) if splits > 1 else None     # (split: the kernel writes the sums)
@@ -713,7 +714,7 @@ def plan_grouped(A, experts, expert_offsets, out=None, stream=None, out_dtype=np
     before they wait for the kernel before it; the offsets, activations and weight loads come after the wait
     (which expert a CTA runs, and so which weights it loads, is the router's output). ``silu_pairs``: every
     expert's gate/up rows interleaved, out [T, N / 2] (see ``pair_gemv.plan``). ``split``: K's splits
-    (:func:`k_splits`; by default only past K = 8192): each slot's CTAs then add their share's sums into
+    (:func:`k_splits`; by default as a plain launch of 8 rows): each slot's CTAs then add their share's sums into
     ``workspace`` (zeroed float32, >= T*N values, left zeroed; allocated if not given) and a second launch
     (``core.finish_step``, with the SiLU epilogue if asked) writes ``out``."""
     stream = _arrays.as_stream(stream)
@@ -724,7 +725,7 @@ def plan_grouped(A, experts, expert_offsets, out=None, stream=None, out_dtype=np
     E = experts.n_experts
     N, K = experts.expert_shape
     _check_inputs(a_src, K)
-    splits, _ = k_splits(K, split, experts.k, N8, whole=True)
+    splits, _ = k_splits(K, split, experts.k, N8)
     if max_tokens is None and isinstance(expert_offsets, np.ndarray):
         max_tokens = max_tokens_per_expert(expert_offsets, T)
     if max_tokens is not None and max_tokens > N8:
@@ -755,15 +756,15 @@ def grouped_gemv(A, experts, expert_offsets, out=None, stream=None, out_dtype=np
     [E + 1] (host or device; expert e's rows are offsets[e] .. offsets[e+1]-1, at most 8 each: more are
     refused when the offsets are a NumPy array or ``max_tokens`` says so, and come out NaN otherwise);
     experts: KbitExperts in the code layout (``stack_experts`` of ``pair_gemv.to_codes`` weights; k = 2, 4,
-    K a multiple of 64; past 8192 split in K, with a float32 workspace and a second launch: :func:`plan_grouped`) or
-    the fragment layout (of :func:`to_fragments` weights). Returns out [T, N]. With device offsets and ``out`` given
-    (and K <= 8192) it allocates nothing, so it can be captured into a CUDA graph."""
+    K a multiple of 64; past 4096 (k = 4) or 8192 (k = 2) split in K, with a float32 workspace and a second launch:
+    :func:`plan_grouped`) or the fragment layout (of :func:`to_fragments` weights). Returns out [T, N]. With device
+    offsets and ``out`` given (and K unsplit) it allocates nothing, so it can be captured into a CUDA graph."""
     return plan_grouped(A, experts, expert_offsets, out, stream, out_dtype, bf16, max_tokens).launch()
 
 
 def gemv(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False):
     """C[M, N] = A[M, K] @ W^T for M = 1..16 on the tensor cores, W a KbitCodes (k = 2, 4; K a multiple of 64;
-    past 8192 split, :func:`plan`) or a KbitFragments (:func:`to_fragments`). A: float16 (bfloat16 as int16 bits
+    split past 8192, or past 4096 where a whole CTA would spill: :func:`plan`) or a KbitFragments (:func:`to_fragments`). A: float16 (bfloat16 as int16 bits
     with ``bf16=True``) [M, K] or [K]; returns a device array [M, N] (or [N]) of ``out_dtype`` (float16 or float32), or writes into
     ``out``."""
     return plan(A, kc, out, stream, out_dtype, bf16).launch()

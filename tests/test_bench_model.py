@@ -132,11 +132,13 @@ def test_moe_layer_is_the_routed_sum_of_its_experts(variant, B):
         weights = [[np.stack([ref.dequantize(lin.experts.expert(e)) for e in range(E)]) for lin in layer[2:]]
                    for layer in linears]
         codes = variant in CODES_VARIANTS
+        expert_K = max(K for _, _, K in bench_model.projections(TINY_MOE)[2:])   # gate/up's and down's: one rule
+        assert expert_K <= dispatch.SPLIT_K
         for runs, offsets in zip(step.expert_runs, step.offsets):
             most = int(np.diff(offsets).max())
             k = bench_model.VARIANTS[variant][1]["k"]
             pair = (most <= dispatch.PAIR_GROUPED_MAX_ROWS if variant.endswith("f16_acc") else
-                    int(offsets[-1]) <= dispatch.PAIR_GROUPED_F32_MAX_ROWS.get(k, 0))
+                    int(offsets[-1]) <= dispatch.pair_grouped_f32_max_rows(k, expert_K))
             want = ("pair_gemv" if codes and pair else
                     "mma_gemv" if codes and most <= 8 else "grouped_gemv" if not codes and most <= 4 else
                     "grouped_gemm")

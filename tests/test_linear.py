@@ -406,6 +406,9 @@ def test_choose_grouped_follows_the_rule():
         ((1, 8, 4, 2048, "fragments", "tiled", True, False), "mma_gemv"),        # float32 sums at k = 4
         ((1, 8, 2, 2048, "fragments", "tiled", True, False), "pair_gemv"),       # ... at k = 2, <= 8 rows
         ((1, 9, 2, 2048, "fragments", "tiled", True, False), "mma_gemv"),
+        ((4, 32, 4, 5120, "fragments", "tiled", True, False), "pair_gemv"),      # ... at k = 4 past K = 4096 too,
+        ((4, 33, 4, 5120, "fragments", "tiled", True, False), "mma_gemv"),       # <= 32 rows
+        ((4, 32, 4, 4096, "codes", "tiled", True, False), "mma_gemv"),
         ((N8, 64, 4, 2048, "codes", "tiled", True, True), "mma_gemv"),
         ((N8 + 1, 64, 4, 2048, "codes", "tiled", True, True), "grouped_gemm"),
         ((2, 16, 4, 2048, "codes", "tiled", False, False), "grouped_gemv"),      # float32 A: no tensor-core gemv
@@ -417,6 +420,28 @@ def test_choose_grouped_follows_the_rule():
     ]
     for args, want in cases:
         assert L.choose_grouped(*args) == want, (args, want)
+
+
+def test_kbit_experts_linear_split_k_sums_in_its_workspace():
+    """Past K = 4096 the grouped tensor-core gemv splits K at k = 4 (``mma_gemv.k_splits``): ``KbitExpertsLinear``
+    gives it the layer's workspace (one buffer for every call, as the grouped gemm's), so a prepared plan allocates
+    nothing. On the GPU the result also equals the reference and the workspace is left zeroed."""
+    rng = np.random.default_rng(7)
+    N, K, counts = 16, 5120, [3, 0, 2]
+    flats = [ref.quantize(random_weight(rng, N, K), k=4) for _ in counts]
+    layer = kb.KbitExpertsLinear(kb.stack_experts([ref.to_codes(w) for w in flats]))
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    A = _activations(rng, int(offsets[-1]), K, "float16")
+    plans = [layer.plan(A, offsets, out_dtype=np.float32, kernel="mma_gemv") for _ in range(2)]
+    assert [len(p.steps) for p in plans] == [2, 2]                   # the split launch and the finishing one
+    assert plans[0].workspace is plans[1].workspace is layer.workspace.sums(0)
+    if not SIM:                                                      # (20 K-warps a CTA: too slow simulated)
+        got = plans[0].prepare().run().copy_to_host()
+        for e, w in enumerate(flats):
+            rows = slice(offsets[e], offsets[e + 1])
+            if counts[e]:
+                check_close(got[rows], A[rows], w)
+        assert not plans[0].workspace.copy_to_host().any()
 
 
 @pytest.mark.parametrize("keep, f16_acc, counts, want", [

@@ -137,14 +137,15 @@ def test_mma_gemv_split_k(k_split, seed, v, N, kb2, split):
 
 def test_k_splits_default_rule():
     """By default a CTA holds all of K's warps to K = 4096; past 16 K-warps its registers are capped at 64, so K = 5120
-    splits in two (k = 4; k = 2 from its second token tile, M = 9), past 8192 every launch splits, and silu_pairs
-    stays whole to 8192 (its split not yet measured). An asked split is taken as asked."""
+    splits in two (k = 4; k = 2 from its second token tile, M = 9; a grouped launch asks as M = 8), and past 8192 every
+    launch splits. An asked split is taken as asked."""
     assert mma_gemv.k_splits(4096, k=4, M=16) == (1, 16)
     assert mma_gemv.k_splits(5120, k=4, M=1) == (2, 10)
     assert mma_gemv.k_splits(5120, k=2, M=8) == (1, 20)
     assert mma_gemv.k_splits(5120, k=2, M=9) == (2, 10)
-    assert mma_gemv.k_splits(8192, k=4, M=4, whole=True) == (1, 32)
-    assert mma_gemv.k_splits(8448, k=4, M=4, whole=True) == (3, 11)
+    assert mma_gemv.k_splits(8192, k=4, M=4) == (2, 16)
+    assert mma_gemv.k_splits(8192, k=2, M=8) == (1, 32)
+    assert mma_gemv.k_splits(8448, k=2, M=8) == (3, 11)
     assert mma_gemv.k_splits(14336, k=2, M=1) == (4, 14)
     assert mma_gemv.k_splits(5120, 1, k=4, M=16) == (1, 20)
     with pytest.raises(ValueError, match="at most 32"):
@@ -157,13 +158,13 @@ def test_k_splits_default_rule():
        st.sampled_from([2, 3, None]))
 def test_mma_gemv_split_k_silu_pairs(k_split, seed, v, half_n, kb2, split):
     """The SiLU epilogue with K split: the CTAs add plain sums into the workspace and the finishing launch writes
-    silu(gate) * up into the [M, N / 2] output, zeroing both sums (the default splits past K = 8192)."""
+    silu(gate) * up into the [M, N / 2] output, zeroing both sums (as any launch, by default past K = 4096)."""
     k, M, out_dtype = v
     k = k_split or k
     rng = np.random.default_rng(seed)
     N, K = 2 * half_n, 64 * kb2
     split = None if split is None else min(split, -(-K // 256))
-    splits, _ = mma_gemv.k_splits(K, split, k, M, whole=True)
+    splits, _ = mma_gemv.k_splits(K, split, k, M)
     qw = ref.quantize(random_weight(rng, N, K), k=k)
     A = _activations(rng, M, K, "float16")
     ws = cuda.to_device(np.zeros(M * N, np.float32))
