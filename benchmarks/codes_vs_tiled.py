@@ -1,11 +1,15 @@
 """The kbit kernels on the two layouts KbitLinear can keep, in one run (CUDA-graph timed, L2-cold weights,
 cuBLAS fp16 and the read floor of the same run):
 
-    python benchmarks/codes_vs_tiled.py [K x N list] [k list] [M list]
+    python benchmarks/codes_vs_tiled.py [K x N list] [k list] [M list] [--chunk8]
 
 Per shape, k and M: the pair gemv and the tensor-core gemm on the code layout (``KbitCodes``), the scalar
 gemv and the gemm on the tiled layout, and what ``linear`` picks for each layout. Decides whether the code
 layout can be KbitLinear's default (one copy of the weight that serves every M).
+
+``--chunk8`` adds ``gemm(c),C8``: the code-layout gemm under the absmax chunk rule before the forty-fourth session
+(chunks of 8 K tiles only, K a multiple of 512, every split rounded up to 8 tiles) against today's
+``tensor_gemm.absmax_chunk`` (8, 4 or 2 tiles, keeping 3/4 of the splits).
 """
 import sys
 
@@ -16,13 +20,30 @@ from kbit_numba import bench, dispatch, pair_gemv, scalar_gemv, tensor_gemm
 from kbit_numba.codec import repack_tiled
 from kbit_numba._timing import graph_time_us, rotation_count
 
-shapes = [tuple(int(v) for v in s.split("x")) for s in (sys.argv[1] if len(sys.argv) > 1 else
+args = [a for a in sys.argv[1:] if not a.startswith("--")]
+chunk8 = "--chunk8" in sys.argv
+shapes = [tuple(int(v) for v in s.split("x")) for s in (args[0] if args else
                                                          "4096x14336,2048x5120,4096x6144,14336x4096").split(",")]
-ks = [int(v) for v in (sys.argv[2] if len(sys.argv) > 2 else "4,2").split(",")]
-ms = [int(v) for v in (sys.argv[3] if len(sys.argv) > 3 else "1,2,4,5,8,16,32").split(",")]
+ks = [int(v) for v in (args[1] if len(args) > 1 else "4,2").split(",")]
+ms = [int(v) for v in (args[2] if len(args) > 2 else "1,2,4,5,8,16,32").split(",")]
 rng = np.random.default_rng(1)
-cols = ["pair(c)", "gemm(c)", "gemv(t)", "gemm(t)", "lin(c)", "lin(t)"]
-print(f"{'K x N':>11} {'k':>1} {'M':>2} " + " ".join(f"{c:>8}" for c in cols) + f" {'cuBLAS':>7} {'floor':>6}"
+cols = ["pair(c)", "gemm(c)"] + (["gemm(c),C8"] if chunk8 else []) + ["gemv(t)", "gemm(t)", "lin(c)", "lin(t)"]
+
+
+def chunk8_rule(K, per, stages):
+    """The absmax chunk rule before the forty-fourth session: 8 K tiles where K % 512 == 0, splits rounded up."""
+    return (8, -(-per // 8) * 8) if K % 512 == 0 else (0, per)
+
+
+def chunk8_plan(*a, **kw):
+    """tensor_gemm.plan under ``chunk8_rule`` (patched for this call only)."""
+    today, tensor_gemm.absmax_chunk = tensor_gemm.absmax_chunk, chunk8_rule
+    try:
+        return tensor_gemm.plan(*a, **kw)
+    finally:
+        tensor_gemm.absmax_chunk = today
+width = {c: max(8, len(c)) for c in cols}
+print(f"{'K x N':>11} {'k':>1} {'M':>2} " + " ".join(f"{c:>{width[c]}}" for c in cols) + f" {'cuBLAS':>7} {'floor':>6}"
       " best(c)/best(t) best(c) vs cuBLAS")
 for K, N in shapes:
     for k in ks:
@@ -39,6 +60,7 @@ for K, N in shapes:
             plans = {
                 "pair(c)": (lambda w: pair_gemv.plan(A, w, out, 0)) if M <= 4 else None,
                 "gemm(c)": lambda w: tensor_gemm.plan(A, w, out, 0, workspace=ws.sums(M * N)),
+                "gemm(c),C8": lambda w: chunk8_plan(A, w, out, 0, workspace=ws.sums(M * N)),
                 "gemv(t)": (lambda w: scalar_gemv.plan(A, w, out, 0)) if M <= 4 else None,
                 "gemm(t)": lambda w: tensor_gemm.plan(A, w, out, 0, workspace=ws.sums(M * N)),
                 "lin(c)": lambda w: dispatch.plan(A, w, out, 0, ws),
@@ -46,14 +68,14 @@ for K, N in shapes:
             }
             t = {}
             for name, make in plans.items():
-                if make is None:
+                if make is None or name not in cols:
                     continue
                 weights = codes if "(c)" in name else tiled
                 runs = [make(w).prepare().run for w in weights]
                 t[name] = graph_time_us(lambda i, s: runs[i % n](s), n * max(1, 64 // n))
             floor = bench.floor_us(nbytes + M * K * 2 + M * N * 2)
             cub = bench.cublas_row(K, N, M) or float("nan")
-            best_c = min(v for key, v in t.items() if key in ("pair(c)", "gemm(c)"))
+            best_c = min(v for key, v in t.items() if key in ("pair(c)", "gemm(c)"))   # (today's rule)
             best_t = min(v for key, v in t.items() if key in ("gemv(t)", "gemm(t)"))
-            print(f"{K:>5}x{N:<5} {k} {M:>2} " + " ".join(f"{t[c]:8.2f}" if c in t else f"{'-':>8}" for c in cols)
+            print(f"{K:>5}x{N:<5} {k} {M:>2} " + " ".join(f"{t[c]:{width[c]}.2f}" if c in t else f"{'-':>{width[c]}}" for c in cols)
                   + f" {cub:7.2f} {floor:6.2f} {best_c / best_t:15.3f} {cub / best_c:14.2f}x", flush=True)

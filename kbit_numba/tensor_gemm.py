@@ -30,10 +30,11 @@ Design (numbers in benchmarks/README.md):
   a column's 2k words of a K tile are contiguous there too, so they are copied (zeros past N) into the
   same shared order. Lane (g, t)'s pair 8q+2t, 8q+2t+1 is one 2k-bit field at bit (8q+2t)k mod 32 of word
   (8q+2t)k / 32, so its table address is one ``rotr`` and one ``lop3``. The flat absmax gives a column 2
-  bytes per K tile; one 4-byte copy per column per tile cost 15% of the time, so when K is a multiple
-  of 512 (``am_chunk``) one 16-byte copy per column brings 8 tiles' bytes into a ring of two chunks.
+  bytes per K tile; one 4-byte copy per column per tile cost 15% of the time, so (``am_chunk``) one 16-byte copy
+  per column brings 8 tiles' bytes (K a multiple of 512; or 4 or 2 tiles' bytes in 4-byte copies where a split
+  of the K tiles is shorter: ``absmax_chunk``) into a ring of two chunks.
   Each K tile still reads 128 separate 32-byte pieces (the tiled layout: 4 KB in one piece), which
-  keeps it 2-25% slower than the tiled gemm (benchmarks/README.md).
+  keeps it 0-17% slower than the tiled gemm at M = 8, 16 (H200; benchmarks/README.md).
 * **Split-K** over ``blockIdx.z`` when the C tiles are too few for the SMs: partial tiles are added
   atomically into a float32 workspace; a second small kernel writes the output and zeroes the
   workspace again, so a workspace stays ready for the next call (one launch at a time per workspace).
@@ -78,13 +79,13 @@ M_TILES = (1, 2, 4)              # MT: BM = 16 * MT rows of A per CTA
 STAGES_FOR_MT = {1: 2, 2: 2, 4: 3}
 MMA_TYPES = ("float16", "bfloat16")
 LAYOUTS = ("tiled", "codes")     # what the B operand is decoded from: bit planes or k-bit fields
-# The code layout's E4M4 absmax, K a multiple of AM_CHUNK_K: one 16-byte cp.async per column brings the 16
-# bytes of AM_CHUNK_TILES K tiles at once, into a ring of two such chunks. (One 4-byte copy per column per K
-# tile cost 15% of the gemm's time at 4096x14336: 128 separate lines per tile; benchmarks/README.md.)
-AM_CHUNK_TILES = 8
-AM_CHUNK_SHIFT = 3               # kt >> AM_CHUNK_SHIFT == kt // AM_CHUNK_TILES
-AM_CHUNK_K = 16 * BLOCK          # a column's absmax row is 16-byte aligned when K is a multiple of 512
-CHUNK_RING_WORDS = 2 * BN * 4    # two chunks of 128 columns x 16 bytes
+# The code layout's E4M4 absmax in chunks: at the first K tile of a chunk of C tiles each column's 2C bytes come
+# in one 16-byte cp.async (C = 8) or C / 2 4-byte ones, into a ring of two chunks. (One 4-byte copy per column per
+# K tile cost 15% of the gemm's time at 4096x14336: 128 separate lines per tile; benchmarks/README.md.) A split
+# starts at a chunk, so C = 8 alone cut the splits of the shapes whose split is under 8 K tiles (2048x512: 16 CTAs
+# where the tiled gemm ran 128): the plan takes the largest C that keeps 3/4 of the splits (``absmax_chunk``).
+AM_CHUNK_TILES = (8, 4, 2)       # C: K tiles a chunk (K a multiple of 64 C: a column's chunk is aligned)
+CHUNK_RING_WORDS = 2 * BN * 4    # two chunks of 128 columns x 16 bytes (C < 8: the first 2C bytes of each 16)
 SHARED_BUDGET = 46 * 1024        # static shared memory per CTA stays under the 48 KB limit
 
 
@@ -117,7 +118,7 @@ c_fragment = inlined(py_c_fragment)
 a_fragment_word = inlined(py_a_fragment_word)
 
 
-def _absmax_words(absmax_format, layout, am_chunk=False):
+def _absmax_words(absmax_format, layout, am_chunk=0):
     """Staged absmax words per K tile: tiled E4M4 stores a tile's 256 bytes contiguously (64 words); the
     code layout's flat absmax gives each column's 2 bytes in the 4-byte word that holds them (128 words),
     or none with ``am_chunk`` (a separate ring of AM_CHUNK_TILES tiles); float32 absmax: 2 words per column."""
@@ -128,14 +129,14 @@ def _absmax_words(absmax_format, layout, am_chunk=False):
     return 2 * BN // 4
 
 
-def _stage_words(k, MT, absmax_format, layout="tiled", am_chunk=False):
+def _stage_words(k, MT, absmax_format, layout="tiled", am_chunk=0):
     """(words of one pipeline stage, words of the pair and absmax tables and the absmax chunk ring)."""
     e4m4 = absmax_format == "e4m4"
     tables = 2 * (1 << (2 * k)) + (2 * E4M4_CODES if e4m4 else 2) + (CHUNK_RING_WORDS if am_chunk else 0)
     return MMA_M * MT * ROW_WORDS + 2 * BN * k + _absmax_words(absmax_format, layout, am_chunk), tables
 
 
-def default_stages(k, MT, absmax_format, layout="tiled", am_chunk=False):
+def default_stages(k, MT, absmax_format, layout="tiled", am_chunk=0):
     """``STAGES_FOR_MT[MT]``, fewer if the ring would not fit ``SHARED_BUDGET`` (never below 2)."""
     stage, tables = _stage_words(k, MT, absmax_format, layout, am_chunk)
     return max(2, min(STAGES_FOR_MT[MT], (SHARED_BUDGET - 4 * tables) // (4 * stage)))
@@ -154,7 +155,7 @@ class GemmSpec(Spec):
     grouped: bool = False           # the MoE variant
     stages: object = None           # K tiles in the shared ring; None: default_stages
     layout: str = "tiled"           # the weight's layout: 'tiled' (KbitWeight) or 'codes' (KbitCodes, k = 2, 4)
-    am_chunk: bool = False          # codes, E4M4, K % AM_CHUNK_K == 0: the absmax in chunks of AM_CHUNK_TILES
+    am_chunk: int = 0               # codes, E4M4: the absmax in chunks of this many K tiles (AM_CHUNK_TILES; 0: none)
 
     def normalise(self):
         if self.m_tile not in M_TILES:
@@ -167,16 +168,21 @@ class GemmSpec(Spec):
         if self.layout == "codes" and (k not in CODES_K or self.grouped):
             raise ValueError(f"the gemm reads the code layout for k in {CODES_K}, not grouped; got k={k}, "
                              f"grouped={self.grouped}")
-        if self.am_chunk and (self.layout != "codes" or self.absmax_format != "e4m4"):
+        chunk = int(self.am_chunk)
+        if chunk not in (0,) + AM_CHUNK_TILES:
+            raise ValueError(f"am_chunk must be 0 or one of {AM_CHUNK_TILES}, got {self.am_chunk!r}")
+        if chunk and (self.layout != "codes" or self.absmax_format != "e4m4"):
             raise ValueError("am_chunk applies to the code layout with E4M4 absmax")
-        stages = (default_stages(k, self.m_tile, self.absmax_format, self.layout, bool(self.am_chunk))
+        stages = (default_stages(k, self.m_tile, self.absmax_format, self.layout, chunk)
                   if self.stages is None else int(self.stages))
         if stages < 2:
             raise ValueError(f"stages must be >= 2, got {stages}")
+        if chunk and chunk < stages - 1:     # the copy of chunk c + 2 must come after the last use of chunk c
+            raise ValueError(f"am_chunk={chunk} needs at most {chunk + 1} stages, got {stages}")
         return dict(k=k, m_tile=int(self.m_tile), a_type=type_name(self.a_type, "a_type", MMA_TYPES),
                     out_dtype=type_name(self.out_dtype, "out_dtype", OUT_TYPES), split_k=bool(self.split_k),
                     grouped=bool(self.grouped), stages=stages, layout=self.layout,
-                    am_chunk=bool(self.am_chunk))
+                    am_chunk=chunk)
 
 
 @lru_cache(maxsize=None)
@@ -209,7 +215,8 @@ def make_gemm_kernel(spec):
     # One pipeline stage holds one K tile: [A rows | plane words | absmax words], each 16-byte aligned.
     A_WORDS = BM * ROW_WORDS
     W_WORDS = 2 * BN * k                           # 128 columns x 2 blocks x k plane words, contiguous
-    AM_CHUNK = spec.am_chunk
+    AM_CHUNK = spec.am_chunk                       # C, or 0
+    CHUNK_SHIFT = AM_CHUNK.bit_length() - 1        # kt >> CHUNK_SHIFT == kt // C
     AM_WORDS = _absmax_words(absmax_format, spec.layout, AM_CHUNK)   # their 256 absmax values (bytes or float32)
     STAGE_WORDS = A_WORDS + W_WORDS + AM_WORDS
     RING_WORDS = CHUNK_RING_WORDS if AM_CHUNK else 0
@@ -249,7 +256,7 @@ def make_gemm_kernel(spec):
     def chunk_addr(sh_base, kt):
         """am_chunk: the shared byte address of the ring slot of K tile kt's absmax chunk (after the stages)."""
         return (sh_base + u32(4 * STAGES * STAGE_WORDS)
-                + u32(16 * BN) * u32((kt >> i32(AM_CHUNK_SHIFT)) & i32(1)))
+                + u32(16 * BN) * u32((kt >> i32(CHUNK_SHIFT)) & i32(1)))
 
     @inlined
     def stage(A, packed, absmax, sh, sh_base, kt, slot, w_tile, m0, m_end, N, K, tid):
@@ -275,12 +282,17 @@ def make_gemm_kernel(spec):
                 ok = col < N
                 src = ((col * n_kb + i32(2) * kt) * i32(k) + i32(4) * (c % i32(COL_COPIES))) if ok else i32(0)
                 cp_async16(sh, base + u32(4 * A_WORDS) + u32(16) * u32(c), packed, src, u32(16) if ok else u32(0))
-            if AM_CHUNK:                           # first tile of a chunk: the chunk's 16 bytes per column
-                if (kt & i32(AM_CHUNK_TILES - 1)) == i32(0):
+            if AM_CHUNK:                           # first tile of a chunk: the chunk's 2C bytes per column
+                if (kt & i32(AM_CHUNK - 1)) == i32(0):
                     col = w_tile * i32(BN) + tid
                     ok = col < N
-                    cp_async16(sh, chunk_addr(sh_base, kt) + u32(16) * u32(tid), absmax,
-                               ((col * n_kb + i32(2) * kt) >> i32(2)) if ok else i32(0), u32(16) if ok else u32(0))
+                    src = ((col * n_kb + i32(2) * kt) >> i32(2)) if ok else i32(0)    # (absmax as uint32 words)
+                    dst = chunk_addr(sh_base, kt) + u32(16) * u32(tid)
+                    if AM_CHUNK == 8:
+                        cp_async16(sh, dst, absmax, src, u32(16) if ok else u32(0))
+                    else:
+                        for w in range(AM_CHUNK // 2):
+                            cp_async4(sh, dst + u32(4 * w), absmax, src + i32(w), u32(4) if ok else u32(0))
                 return
             n_bytes = N * n_kb * i32(AM_BYTES)
             for i in range(AM_WORDS // THREADS):   # E4M4: the word holding the column's 2 bytes; fp32: 2 words
@@ -456,9 +468,9 @@ def make_gemm_kernel(spec):
                         pair_addresses(wv, j, kb, pm, realign, tb, addr)
                     # E4M4: the word holding the block's byte, and the rotation that puts that byte * 4 at
                     # bits 2..9 for the absmax table's address
-                    if AM_CHUNK:                   # chunk kt / 8: word (kt % 8) / 2 of col's 16 bytes
+                    if AM_CHUNK:                   # chunk kt / C: word (kt % C) / 2 of col's 2C bytes
                         w = lds_u32(sh, chunk_addr(sh_base, kt) + u32(16) * u32(col)
-                                    + u32(4) * u32((kt & i32(AM_CHUNK_TILES - 1)) >> i32(1)))
+                                    + u32(4) * u32((kt & i32(AM_CHUNK - 1)) >> i32(1)))
                         rot = u32(8) * (u32(2) * u32(kt & i32(1)) + u32(kb)) + u32(30)
                     elif codes and e4m4:           # the word at col holds byte (col_kb + 2kt) % 4 (+ kb)
                         w = lds_u32(sh, am_base + u32(4) * u32(col))
@@ -544,6 +556,21 @@ def _k_split(Kp, split, M, N, MT):
     return -(-(Kp // BK) // per), per
 
 
+def absmax_chunk(K, per, stages):
+    """(C, K tiles a split) of the code layout's E4M4 absmax chunks for splits of ``per`` K tiles: the largest C of
+    ``AM_CHUNK_TILES`` with K a multiple of 64 C and at least ``stages`` - 1 tiles (the ring's reuse distance) whose
+    splits, rounded to a multiple of C tiles, are still >= 3/4 as many; else (0, per): a 4-byte copy per tile."""
+    tiles = K // BK
+    splits = -(-tiles // per)
+    for c in AM_CHUNK_TILES:
+        if K % (BK * c) or c < stages - 1:
+            continue
+        rounded = max(c, (per + c // 2) // c * c)        # the nearest multiple of C
+        if 4 * -(-tiles // rounded) >= 3 * splits:
+            return c, rounded
+    return 0, per
+
+
 def _half_activations(Ad, a_src, n, steps, stream):
     """(A, type) for the MMAs: float32 A gets a conversion to a new fp16 buffer appended to steps."""
     if a_src != "float32":
@@ -594,11 +621,13 @@ def plan(A, qw, out=None, stream=None, out_dtype=np.float16, bf16=False, workspa
     _arrays.check_aligned(Ad, 16, "A")
     MT = m_tile_for(M) if m_tile is None else m_tile
     layout = qw.layout if qw.layout == "codes" else "tiled"
-    am_chunk = layout == "codes" and qw.absmax_format == "e4m4" and K % AM_CHUNK_K == 0
     Kp = K if layout == "codes" else padded_k(K, "tiled")
-    n_split, per = _k_split(Kp, split, M, N, MT if MT in M_TILES else 1)
-    if am_chunk and per % AM_CHUNK_TILES:        # a split starts at a chunk
-        per = -(-per // AM_CHUNK_TILES) * AM_CHUNK_TILES
+    mt = MT if MT in M_TILES else 1              # (another m_tile is refused by GemmSpec below)
+    n_split, per = _k_split(Kp, split, M, N, mt)
+    am_chunk = 0
+    if layout == "codes" and qw.absmax_format == "e4m4":     # absmax chunks of C tiles: a split starts at one
+        ring = stages or default_stages(qw.k, mt, "e4m4", "codes", AM_CHUNK_TILES[-1])
+        am_chunk, per = absmax_chunk(K, per, ring)
         n_split = -(-(Kp // BK) // per)
     spec = GemmSpec(qw.k, MT, qw.absmax_format, a_src, out_dtype, n_split > 1, stages=stages, layout=layout,
                     am_chunk=am_chunk)
@@ -633,7 +662,8 @@ def ptx_specs():
                  dict(out_dtype="float32", split_k=False), dict(grouped=True, m_tile=2)]
     codes = [dict(m_tile=mt, layout="codes") for mt in M_TILES]
     codes += [dict(layout="codes", a_type="bfloat16", absmax_format="fp32", out_dtype="float32", split_k=False)]
-    codes += [dict(m_tile=mt, layout="codes", am_chunk=True) for mt in M_TILES]
+    codes += [dict(m_tile=mt, layout="codes", am_chunk=8) for mt in M_TILES]
+    codes += [dict(layout="codes", am_chunk=c) for c in AM_CHUNK_TILES[1:]]
     return [GemmSpec(k=k, **v) for k in K_BITS for v in variants] + [GemmSpec(k=k, **v) for k in CODES_K
                                                                      for v in codes]
 

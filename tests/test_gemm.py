@@ -191,16 +191,33 @@ def test_gemm_code_layout_partial_column_tile_and_absmax_tail():
     check_gemm(p.launch().copy_to_host(), A, flat)
 
 
-@pytest.mark.parametrize("k, split", [(2, 2)] if SIM else [(4, 1), (2, 2), (4, 3)])
-def test_gemm_code_layout_absmax_chunks(k, split):
-    """K a multiple of 512 (E4M4): the absmax comes in chunks of 8 K tiles through a ring of two. K = 1536:
-    three chunks (the ring wraps), split 2 (rounded to 8 tiles a split: 16 + 8) and 3 (8 each)."""
-    rng = np.random.default_rng(15 + k)
-    flat = ref.quantize(random_weight(rng, 72, 1536), k=k)
-    A = rng.standard_normal((3, 1536)).astype(np.float16)
+def test_absmax_chunk_keeps_the_splits():
+    """The code layout's absmax chunk (C K tiles, a split starting at one): the largest C that K's alignment allows
+    and that keeps >= 3/4 of the splits, the split rounded to the nearest multiple of C; none for one-tile splits."""
+    assert G.absmax_chunk(4096, 22, 2) == (8, 24)          # 4096x14336: 3 splits either way
+    assert G.absmax_chunk(2048, 4, 2) == (4, 4)            # 8 splits; C = 8 would leave 4
+    assert G.absmax_chunk(5120, 5, 2) == (4, 4)            # 16 -> 20 splits; C = 8 would leave 10
+    assert G.absmax_chunk(2048, 1, 2) == (0, 1)            # 2048x512: 32 splits of one tile
+    assert G.absmax_chunk(1536, 12, 2) == (8, 16)          # K % 512 == 0: 2 splits of 16 + 8
+    assert G.absmax_chunk(768, 4, 2) == (4, 4)             # K % 512 != 0: no C = 8
+    assert G.absmax_chunk(640, 2, 2) == (2, 2)             # K % 256 != 0: C = 2 at most
+    assert G.absmax_chunk(640, 2, 4) == (0, 2)             # 4 stages: a chunk must span >= 3 tiles
+
+
+@pytest.mark.parametrize("k, K, split, chunk", [(2, 1536, 2, 8), (4, 768, 3, 4), (2, 640, 5, 2)] if SIM else
+                         [(4, 1536, 1, 8), (2, 1536, 2, 8), (4, 1536, 3, 8), (4, 768, 1, 4), (2, 768, 3, 4),
+                          (4, 640, 5, 2), (2, 640, 1, 2)])
+def test_gemm_code_layout_absmax_chunks(k, K, split, chunk):
+    """E4M4: the absmax comes in chunks of C K tiles (16 bytes a column at C = 8, else C / 2 4-byte copies) through
+    a ring of two. K = 1536: three chunks of 8 (the ring wraps), split 2 (16 + 8 tiles) and 3 (8 each); K = 768:
+    chunks of 4 (split 3: one a split; split 1: the ring wraps); K = 640: chunks of 2."""
+    rng = np.random.default_rng(15 + k + K)
+    flat = ref.quantize(random_weight(rng, 72, K), k=k)
+    A = rng.standard_normal((3, K)).astype(np.float16)
     p = G.plan(A, ref.to_codes(flat), out_dtype=np.float32, split=split)
     assert p.steps[0].grid[2] == split
-    assert p.steps[0].args[2].dtype == np.uint32          # the chunked path reads the absmax as 16-byte words
+    assert G.absmax_chunk(K, -(-K // 64 // split), 2)[0] == chunk
+    assert p.steps[0].args[2].dtype == np.uint32          # the chunked path reads the absmax as words
     check_gemm(p.launch().copy_to_host(), A, flat)
 
 
