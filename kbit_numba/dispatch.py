@@ -554,16 +554,17 @@ GROUPED_KERNELS = ("pair_gemv", "mma_gemv", "grouped_gemv", "grouped_gemm")
 # B = 2 +4.8%, and k = 4 +4% at B = 1: runs/2026-11-27_h100_qwen3_step_ab_pair_fragments.txt).
 PAIR_GROUPED_MAX_ROWS = 4           # f16_acc: the pair gemv while the largest expert has at most this many rows
 PAIR_GROUPED_F32_MAX_ROWS = {2: 8}  # float32 sums: k -> the pair gemv while all experts have at most this many rows
-# Past K = 4096 the tensor-core gemv splits K at k = 4 (``mma_gemv.k_splits``: two launches and atomics), and the pair
-# gemv's float32 path beat it there: B = 1 (8 rows) 38.79 vs 53.10 us on 5120x3072, 57.99 vs 96.18 on 7168x4096; B = 4
-# (32 rows) 124.70 vs 146.46 and 281.04 vs 278.99 (H200, E = 128, top-8; benchmarks/README.md, "Forty-fourth session").
-PAIR_GROUPED_F32_MAX_ROWS_SPLIT = {2: 8, 4: 32}   # the same past SPLIT_K (k = 2 there: not measured, kept at 8)
-SPLIT_K = mma_gemv.SPLIT_KW * mma_gemv.KB_WARP * mma_gemv.BLOCK   # 4096: the tensor-core gemv's CTA holds K whole
+# Where the grouped tensor-core gemv splits K (``mma_gemv.k_splits``: two launches and atomics; k = 4 past K = 4096)
+# the pair gemv's float32 path beat it: B = 1 (8 rows) 38.79 vs 53.10 us on 5120x3072, 57.99 vs 96.18 on 7168x4096;
+# B = 4 (32 rows) 124.70 vs 146.46 and 281.04 vs 278.99 (H200, E = 128, top-8; benchmarks/README.md, "Forty-fourth
+# session").
+PAIR_GROUPED_F32_MAX_ROWS_SPLIT = {2: 8, 4: 32}   # the same where it splits (k = 2 there: not measured, kept at 8)
 
 
 def pair_grouped_f32_max_rows(k, K):
     """The most rows (all experts') the grouped pair gemv with float32 sums takes for ``k`` bits and K columns."""
-    return (PAIR_GROUPED_F32_MAX_ROWS_SPLIT if K > SPLIT_K else PAIR_GROUPED_F32_MAX_ROWS).get(k, 0)
+    split = mma_gemv.k_splits(K, None, k, mma_gemv.N8)[0] > 1      # (a grouped launch: one token tile)
+    return (PAIR_GROUPED_F32_MAX_ROWS_SPLIT if split else PAIR_GROUPED_F32_MAX_ROWS).get(k, 0)
 
 
 def choose_grouped(most, rows, k, K, codes_layout=None, layout=None, half=True, f16_acc=False):
