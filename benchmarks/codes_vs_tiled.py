@@ -14,6 +14,7 @@ code-layout gemm with its weights in chunks of G K tiles (``tensor_gemm.plan(w_c
 ``weight_chunk``; ``--wchunk=G`` forces G).
 """
 import sys
+from unittest.mock import patch
 
 import numpy as np
 from numba import cuda
@@ -42,11 +43,10 @@ def chunk8_rule(K, per, stages):
 
 def chunk8_plan(*a, **kw):
     """tensor_gemm.plan under ``chunk8_rule`` (patched for this call only)."""
-    today, tensor_gemm.absmax_chunk = tensor_gemm.absmax_chunk, chunk8_rule
-    try:
+    with patch.object(tensor_gemm, "absmax_chunk", chunk8_rule):
         return tensor_gemm.plan(*a, **kw)
-    finally:
-        tensor_gemm.absmax_chunk = today
+
+
 width = {c: max(8, len(c)) for c in cols}
 print(f"{'K x N':>11} {'k':>1} {'M':>2} " + " ".join(f"{c:>{width[c]}}" for c in cols) + f" {'cuBLAS':>7} {'floor':>6}"
       " best(c)/best(t) best(c) vs cuBLAS")
@@ -83,5 +83,6 @@ for K, N in shapes:
             cub = bench.cublas_row(K, N, M) or float("nan")
             best_c = min(v for key, v in t.items() if key in ("pair(c)", "gemm(c)"))   # (today's rule)
             best_t = min(v for key, v in t.items() if key in ("gemv(t)", "gemm(t)"))
-            print(f"{K:>5}x{N:<5} {k} {M:>2} " + " ".join(f"{t[c]:{width[c]}.2f}" if c in t else f"{'-':>{width[c]}}" for c in cols)
+            print(f"{K:>5}x{N:<5} {k} {M:>2} "
+                  + " ".join(f"{t[c]:{width[c]}.2f}" if c in t else f"{'-':>{width[c]}}" for c in cols)
                   + f" {cub:7.2f} {floor:6.2f} {best_c / best_t:15.3f} {cub / best_c:14.2f}x", flush=True)

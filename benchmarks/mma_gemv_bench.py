@@ -17,6 +17,7 @@ from the register file's four quarters (16384 / (ceil(warps / 4) * 32), down to 
 finishing launch applies it); the gemm columns are left out (no epilogue there).
 """
 import sys
+from unittest.mock import patch
 
 import numpy as np
 from numba import cuda
@@ -39,11 +40,8 @@ def register_cap_quarters(warps):
 
 def quarters_plan(*a, **kw):
     """mma_gemv.plan with ``register_cap_quarters`` (``core.register_cap`` patched for this call only)."""
-    power_of_two, core.register_cap = core.register_cap, register_cap_quarters
-    try:
+    with patch.object(core, "register_cap", register_cap_quarters):
         return mma_gemv.plan(*a, **kw)
-    finally:
-        core.register_cap = power_of_two
 
 
 shapes = [tuple(int(v) for v in s.split("x")) for s in (args[0] if args else
@@ -51,8 +49,8 @@ shapes = [tuple(int(v) for v in s.split("x")) for s in (args[0] if args else
 ks = [int(v) for v in (args[1] if len(args) > 1 else "4,2").split(",")]
 ms = [int(v) for v in (args[2] if len(args) > 2 else "1,2,4,8").split(",")]
 rng = np.random.default_rng(1)
-cols = (["mma(c)", "mma(f)"] + (["mma,pdl"] if pdl else []) + ([f"mma,split{split}", f"mma(f),split{split}"] if split else [])
-        + (["mma,q"] if quarters else [])
+cols = (["mma(c)", "mma(f)"] + (["mma,pdl"] if pdl else [])
+        + ([f"mma,split{split}", f"mma(f),split{split}"] if split else []) + (["mma,q"] if quarters else [])
         + ["pair(c)", "pair,f16", "pair(f),f16", "gemm(c)", "gemm(t)"])
 width = {c: max(8, len(c)) for c in cols}
 print(f"{'K x N':>11} {'k':>1} {'M':>2} " + " ".join(f"{c:>{width[c]}}" for c in cols) + f" {'cuBLAS':>7} {'floor':>6}"

@@ -764,9 +764,9 @@ def grouped_gemv(A, experts, expert_offsets, out=None, stream=None, out_dtype=np
 
 def gemv(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False):
     """C[M, N] = A[M, K] @ W^T for M = 1..16 on the tensor cores, W a KbitCodes (k = 2, 4; K a multiple of 64;
-    split past 8192, or past 4096 where a whole CTA would spill: :func:`plan`) or a KbitFragments (:func:`to_fragments`). A: float16 (bfloat16 as int16 bits
-    with ``bf16=True``) [M, K] or [K]; returns a device array [M, N] (or [N]) of ``out_dtype`` (float16 or float32), or writes into
-    ``out``."""
+    split past 8192, or past 4096 where a whole CTA would spill: :func:`plan`) or a KbitFragments
+    (:func:`to_fragments`). A: float16 (bfloat16 as int16 bits with ``bf16=True``) [M, K] or [K]; returns a device
+    array [M, N] (or [N]) of ``out_dtype`` (float16 or float32), or writes into ``out``."""
     return plan(A, kc, out, stream, out_dtype, bf16).launch()
 
 

@@ -700,7 +700,7 @@ def plan(A, qw, out=None, stream=None, out_dtype=np.float16, bf16=False, workspa
     n_split, per = _k_split(Kp, split, M, N, mt)
     am_chunk = 0
     if layout == "codes" and qw.absmax_format == "e4m4":     # absmax chunks of C tiles: a split starts at one
-        ring = stages or default_stages(qw.k, mt, "e4m4", "codes", AM_CHUNK_TILES[-1])
+        ring = stages or default_stages(qw.k, mt, "e4m4", "codes", AM_CHUNK_TILES[-1])   # (any C: one ring size)
         am_chunk, per = absmax_chunk(K, per, ring)
         n_split = -(-(Kp // BK) // per)
     if w_chunk == "auto":
