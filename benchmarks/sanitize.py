@@ -60,13 +60,10 @@ if "gemm" in families:     # the code layout: N = 200 (a partial column tile, th
             for M, split in ((5, 1), (20, 2), (40, None)):
                 kb.gemm(rng.standard_normal((M, 192)).astype(np.float16), kc, split=split).copy_to_host()
             kb.dequantize(kc).copy_to_host()
-        # E4M4 absmax chunks of 2, 4 and 8 K tiles (tensor_gemm.absmax_chunk; the last column's chunk ends the array),
-        # and the weights in chunks (w_chunk: a ring of two; 640 split 5: a split's one chunk is partial)
+        # E4M4 absmax chunks of 2, 4 and 8 K tiles (tensor_gemm.absmax_chunk; the last column's chunk ends the array)
         for K, split in ((640, 5), (768, 3), (1536, 2)):
             kc = pair_gemv.to_codes(kb.quantize(rng.standard_normal((201, K)).astype(np.float16), k=k))
-            for M, w_chunk in ((5, 0), (5, "auto"), (20, "auto")):
-                kb.tensor_gemm.plan(rng.standard_normal((M, K)).astype(np.float16), kc, split=split,
-                                    w_chunk=w_chunk).launch().copy_to_host()
+            kb.gemm(rng.standard_normal((5, K)).astype(np.float16), kc, split=split).copy_to_host()
 if "pair" in families:     # N = 37 (a partial column group), K = 1056 (two K-warps, the second nearly idle)
     from kbit_numba import pair_gemv
     for k in pair_gemv.CODES_K:            # (each specialisation compiles slowly under the sanitizer: few)

@@ -34,9 +34,7 @@ Design (numbers in benchmarks/README.md):
   per column brings 8 tiles' bytes (K a multiple of 512; or 4 or 2 tiles' bytes in 4-byte copies where a split
   of the K tiles is shorter: ``absmax_chunk``) into a ring of two chunks.
   Each K tile still reads 128 separate 32-byte pieces (the tiled layout: 4 KB in one piece), which
-  keeps it 0-17% slower than the tiled gemm at M = 8, 16 (H200; benchmarks/README.md). ``w_chunk`` (prepared,
-  off by default until measured) copies a column's words of G K tiles at once (up to a 128-byte line) into a
-  ring of two chunks beside the stages (``weight_chunk``: the G that fits the shared memory).
+  keeps it 0-17% slower than the tiled gemm at M = 8, 16 (H200; benchmarks/README.md).
 * **Split-K** over ``blockIdx.z`` when the C tiles are too few for the SMs: partial tiles are added
   atomically into a float32 workspace; a second small kernel writes the output and zeroes the
   workspace again, so a workspace stays ready for the next call (one launch at a time per workspace).
@@ -88,12 +86,6 @@ LAYOUTS = ("tiled", "codes")     # what the B operand is decoded from: bit plane
 # where the tiled gemm ran 128): the plan takes the largest C that keeps 3/4 of the splits (``absmax_chunk``).
 AM_CHUNK_TILES = (8, 4, 2)       # C: K tiles a chunk (K a multiple of 64 C: a column's chunk is aligned)
 CHUNK_RING_WORDS = 2 * BN * 4    # two chunks of 128 columns x 16 bytes (C < 8: the first 2C bytes of each 16)
-# The code layout's weights in chunks too (``w_chunk``; prepared, not yet measured: off by default): a K tile
-# copies 128 separate 16- or 32-byte pieces (one a column), where a chunk of G tiles copies G times as many
-# contiguous bytes a column, up to one 128-byte line, into a ring of two chunks. Chunk c + 1 is copied at the first
-# tile of chunk c, so it has G tiles to arrive (the stages' ring gives a tile STAGES - 1).
-W_CHUNK_TILES = (8, 4, 2)        # G: K tiles a weight chunk, the largest that fits is taken
-W_CHUNK_BYTES = 128              # a column's chunk at most one 128-byte line
 SHARED_BUDGET = 46 * 1024        # static shared memory per CTA stays under the 48 KB limit
 
 
@@ -137,35 +129,17 @@ def _absmax_words(absmax_format, layout, am_chunk=0):
     return 2 * BN // 4
 
 
-def _stage_words(k, MT, absmax_format, layout="tiled", am_chunk=0, w_chunk=0):
-    """(words of one pipeline stage, words of the pair and absmax tables and the absmax and weight chunk rings)."""
+def _stage_words(k, MT, absmax_format, layout="tiled", am_chunk=0):
+    """(words of one pipeline stage, words of the pair and absmax tables and the absmax chunk ring)."""
     e4m4 = absmax_format == "e4m4"
-    tables = (2 * (1 << (2 * k)) + (2 * E4M4_CODES if e4m4 else 2) + (CHUNK_RING_WORDS if am_chunk else 0)
-              + 2 * w_chunk * 2 * BN * k)
-    weights = 0 if w_chunk else 2 * BN * k
-    return MMA_M * MT * ROW_WORDS + weights + _absmax_words(absmax_format, layout, am_chunk), tables
+    tables = 2 * (1 << (2 * k)) + (2 * E4M4_CODES if e4m4 else 2) + (CHUNK_RING_WORDS if am_chunk else 0)
+    return MMA_M * MT * ROW_WORDS + 2 * BN * k + _absmax_words(absmax_format, layout, am_chunk), tables
 
 
-def default_stages(k, MT, absmax_format, layout="tiled", am_chunk=0, w_chunk=0):
+def default_stages(k, MT, absmax_format, layout="tiled", am_chunk=0):
     """``STAGES_FOR_MT[MT]``, fewer if the ring would not fit ``SHARED_BUDGET`` (never below 2)."""
-    stage, tables = _stage_words(k, MT, absmax_format, layout, am_chunk, w_chunk)
+    stage, tables = _stage_words(k, MT, absmax_format, layout, am_chunk)
     return max(2, min(STAGES_FOR_MT[MT], (SHARED_BUDGET - 4 * tables) // (4 * stage)))
-
-
-def _fits(k, MT, absmax_format, am_chunk, w_chunk, stages):
-    stage, tables = _stage_words(k, MT, absmax_format, "codes", am_chunk, w_chunk)
-    return 4 * (stages * stage + tables) <= SHARED_BUDGET
-
-
-def weight_chunk(k, MT, absmax_format="e4m4", am_chunk=0):
-    """G, the code layout's K tiles a weight chunk (``W_CHUNK_TILES``): the largest whose column piece is at most
-    ``W_CHUNK_BYTES`` and whose two chunks fit ``SHARED_BUDGET`` beside as many stages as without chunks; 0 if none
-    does."""
-    stages = default_stages(k, MT, absmax_format, "codes", am_chunk)
-    for g in W_CHUNK_TILES:
-        if g * 8 * k <= W_CHUNK_BYTES and g >= stages - 1 and _fits(k, MT, absmax_format, am_chunk, g, stages):
-            return g
-    return 0
 
 
 @dataclass(frozen=True)
@@ -182,7 +156,6 @@ class GemmSpec(Spec):
     stages: object = None           # K tiles in the shared ring; None: default_stages
     layout: str = "tiled"           # the weight's layout: 'tiled' (KbitWeight) or 'codes' (KbitCodes, k = 2, 4)
     am_chunk: int = 0               # codes, E4M4: the absmax in chunks of this many K tiles (AM_CHUNK_TILES; 0: none)
-    w_chunk: int = 0                # codes: the weights in chunks of this many K tiles (W_CHUNK_TILES; 0: a tile each)
 
     def normalise(self):
         if self.m_tile not in M_TILES:
@@ -200,25 +173,16 @@ class GemmSpec(Spec):
             raise ValueError(f"am_chunk must be 0 or one of {AM_CHUNK_TILES}, got {self.am_chunk!r}")
         if chunk and (self.layout != "codes" or self.absmax_format != "e4m4"):
             raise ValueError("am_chunk applies to the code layout with E4M4 absmax")
-        w_chunk = int(self.w_chunk)
-        if w_chunk not in (0,) + W_CHUNK_TILES:
-            raise ValueError(f"w_chunk must be 0 or one of {W_CHUNK_TILES}, got {self.w_chunk!r}")
-        if w_chunk and (self.layout != "codes" or self.grouped):
-            raise ValueError("w_chunk applies to the code layout")
-        stages = (default_stages(k, self.m_tile, self.absmax_format, self.layout, chunk, w_chunk)
+        stages = (default_stages(k, self.m_tile, self.absmax_format, self.layout, chunk)
                   if self.stages is None else int(self.stages))
         if stages < 2:
             raise ValueError(f"stages must be >= 2, got {stages}")
-        for name, c in (("am_chunk", chunk), ("w_chunk", w_chunk)):
-            if c and c < stages - 1:         # the copy of chunk c + 2 must come after the last use of chunk c
-                raise ValueError(f"{name}={c} needs at most {c + 1} stages, got {stages}")
-        if w_chunk and not _fits(k, self.m_tile, self.absmax_format, chunk, w_chunk, stages):
-            raise ValueError(f"w_chunk={w_chunk} with m_tile={self.m_tile}, {stages} stages: more shared memory "
-                             f"than {SHARED_BUDGET} bytes (weight_chunk picks one that fits)")
+        if chunk and chunk < stages - 1:     # the copy of chunk c + 2 must come after the last use of chunk c
+            raise ValueError(f"am_chunk={chunk} needs at most {chunk + 1} stages, got {stages}")
         return dict(k=k, m_tile=int(self.m_tile), a_type=type_name(self.a_type, "a_type", MMA_TYPES),
                     out_dtype=type_name(self.out_dtype, "out_dtype", OUT_TYPES), split_k=bool(self.split_k),
                     grouped=bool(self.grouped), stages=stages, layout=self.layout,
-                    am_chunk=chunk, w_chunk=w_chunk)
+                    am_chunk=chunk)
 
 
 @lru_cache(maxsize=None)
@@ -254,18 +218,10 @@ def make_gemm_kernel(spec):
     AM_CHUNK = spec.am_chunk                       # C, or 0
     CHUNK_SHIFT = AM_CHUNK.bit_length() - 1        # kt >> CHUNK_SHIFT == kt // C
     AM_WORDS = _absmax_words(absmax_format, spec.layout, AM_CHUNK)   # their 256 absmax values (bytes or float32)
-    W_CHUNK = spec.w_chunk                         # G, or 0: the weights in the stages
-    W_SHIFT = W_CHUNK.bit_length() - 1
-    W_STAGED = 0 if W_CHUNK else W_WORDS           # weight words in a stage
-    W_RING_WORDS = 2 * W_CHUNK * W_WORDS           # two chunks of G tiles (a column's G * 2k words together)
-    CHUNK_PIECES = W_CHUNK * 2 * k // 4            # 16-byte copies a column a chunk
-    PIECE_SHIFT = max(1, CHUNK_PIECES).bit_length() - 1
-    COLS_A_PASS = THREADS // max(1, CHUNK_PIECES)  # columns the CTA's threads copy at once
-    WORDS_SHIFT = (2 * k).bit_length() - 1         # (k = 2, 4: 2k words a tile, a power of two)
-    STAGE_WORDS = A_WORDS + W_STAGED + AM_WORDS
+    STAGE_WORDS = A_WORDS + W_WORDS + AM_WORDS
     RING_WORDS = CHUNK_RING_WORDS if AM_CHUNK else 0
-    assert (STAGE_WORDS, TABLE_WORDS + SCALE_WORDS + RING_WORDS + W_RING_WORDS) == _stage_words(
-        k, MT, absmax_format, spec.layout, AM_CHUNK, W_CHUNK)
+    assert (STAGE_WORDS, TABLE_WORDS + SCALE_WORDS + RING_WORDS) == _stage_words(k, MT, absmax_format, spec.layout,
+                                                                                AM_CHUNK)
     W_COPIES, AM_COPIES = W_WORDS // 4, AM_WORDS // 4
     # The code layout: a column's 2k words of a K tile are contiguous in it too, so they take 2k/4 16-byte
     # copies (k = 2: one, k = 4: two) into the same shared order as a tiled tile. The lane's pair
@@ -274,7 +230,7 @@ def make_gemm_kernel(spec):
     COL_COPIES = 2 * k // 4
     CODE_MASK = ((1 << (2 * k)) - 1) << 2
     AM_BYTES = 1 if e4m4 else 4                    # absmax bytes per block
-    SH_WORDS = STAGES * STAGE_WORDS + RING_WORDS + W_RING_WORDS   # the stages, the absmax and weight chunk rings
+    SH_WORDS = STAGES * STAGE_WORDS + RING_WORDS   # the stages, then the absmax chunk ring (am_chunk)
     PENDING = STAGES - 2                           # groups left in flight when a tile's copies must be in
     bf16 = a_type == "bfloat16"
     mma = mma_bf16 if bf16 else mma_f16
@@ -303,22 +259,6 @@ def make_gemm_kernel(spec):
                 + u32(16 * BN) * u32((kt >> i32(CHUNK_SHIFT)) & i32(1)))
 
     @inlined
-    def stage_weights(packed, sh, w_ring, t0, c, n_tile, N, K, kt1, tid):
-        """w_chunk: cp.async weight chunk c (K tiles t0 .. t0 + G - 1; zeros from tile kt1 and column N on) of
-        column tile n_tile into ring slot c % 2, a column's G * 2k words together as the code layout stores them:
-        a warp's copies are 32 / CHUNK_PIECES columns' whole chunks."""
-        col_words = (K >> i32(5)) * i32(k)         # a column's words
-        piece = tid & i32(CHUNK_PIECES - 1)        # the thread's piece of each of its columns ...
-        col = n_tile * i32(BN) + (tid >> i32(PIECE_SHIFT))   # ... of every COLS_A_PASS-th column from this
-        in_k = t0 + ((i32(4) * piece) >> i32(WORDS_SHIFT)) < kt1
-        src = col * col_words + i32(2 * k) * t0 + i32(4) * piece
-        dst = w_ring + u32(4 * W_CHUNK * W_WORDS) * u32(c & i32(1)) + u32(16) * u32(tid)
-        for i in range(CHUNK_PIECES):              # 128 x CHUNK_PIECES copies: CHUNK_PIECES a thread
-            ok = in_k and col + i32(i * COLS_A_PASS) < N
-            cp_async16(sh, dst + u32(16 * THREADS * i), packed, src + i32(i * COLS_A_PASS) * col_words if ok
-                       else i32(0), u32(16) if ok else u32(0))
-
-    @inlined
     def stage(A, packed, absmax, sh, sh_base, kt, slot, w_tile, m0, m_end, N, K, tid):
         """cp.async K tile kt into pipeline slot ``slot``: rows m0 .. m0+BM-1 of A (zeros from m_end and
         K on), then the plane and absmax words of weight tile ``w_tile`` (contiguous in the tiled layout;
@@ -336,7 +276,7 @@ def make_gemm_kernel(spec):
             cp_async16(sh, dst, A, src, u32(16) if ok else u32(0))
         if codes:
             n_kb = K >> i32(5)
-            for i in range(0 if W_CHUNK else W_COPIES // THREADS):   # (w_chunk: stage_weights copies them)
+            for i in range(W_COPIES // THREADS):
                 c = tid + i32(i * THREADS)
                 col = w_tile * i32(BN) + c // i32(COL_COPIES)
                 ok = col < N
@@ -360,7 +300,7 @@ def make_gemm_kernel(spec):
                 col = w_tile * i32(BN) + c // i32(AM_WORDS // BN)
                 byte = (col * n_kb + i32(2) * kt) * i32(AM_BYTES) + i32(4) * (c % i32(AM_WORDS // BN))
                 byte = byte & i32(-4)
-                dst = base + u32(4 * (A_WORDS + W_STAGED)) + u32(4) * u32(c)
+                dst = base + u32(4 * (A_WORDS + W_WORDS)) + u32(4) * u32(c)
                 if col < N and n_bytes - byte < i32(4):   # the array ends inside this word (E4M4 only): a
                     w = u32(0)                            # plain load (compute-sanitizer counts a shortened
                     for b in range(4):                    # cp.async as all 4 bytes read)
@@ -376,7 +316,7 @@ def make_gemm_kernel(spec):
                 cp_async16(sh, base + u32(4 * A_WORDS) + u32(16) * u32(c), packed,
                            w_tile * i32(W_WORDS) + i32(4) * c, u32(16))
         if tid < i32(AM_COPIES):
-            cp_async16(sh, base + u32(4 * (A_WORDS + W_STAGED)) + u32(16) * u32(tid), absmax,
+            cp_async16(sh, base + u32(4 * (A_WORDS + W_WORDS)) + u32(16) * u32(tid), absmax,
                        w_tile * i32(AM_WORDS) + i32(4) * tid, u32(16))
 
     @inlined
@@ -444,10 +384,7 @@ def make_gemm_kernel(spec):
         tb, t0 = aligned_base(table, TABLE_ALIGN)
         ts, s0 = aligned_base(scales, 4 * E4M4_CODES) if e4m4 else (u32(0), i32(0))
 
-        # ---- the first STAGES - 1 K tiles in flight before anything else (w_chunk: and the first chunk) -------
-        w_ring = sh_base + u32(4 * (STAGES * STAGE_WORDS + RING_WORDS))
-        if W_CHUNK:
-            stage_weights(packed, sh, w_ring, kt0, i32(0), n_tile, N, K, kt1, tid)
+        # ---- the first STAGES - 1 K tiles in flight before anything else ---------------------------------
         for s in range(STAGES - 1):
             if kt0 + i32(s) < kt1:
                 kt = kt0 + i32(s)
@@ -504,21 +441,12 @@ def make_gemm_kernel(spec):
                 refill = slot - i32(1) if slot > i32(0) else i32(STAGES - 1)
                 stage(A, packed, absmax, sh, sh_base, nxt, refill, n_tile if codes else w_tile0 + nxt * n_tiles,
                       m0, m_end, N, K, tid)
-            rel = kt - kt0                         # w_chunk: tile rel % G of chunk rel / G
-            if W_CHUNK:                            # a chunk's first tile: the next chunk (its slot's chunk is done)
-                if (rel & i32(W_CHUNK - 1)) == i32(0) and kt + i32(W_CHUNK) < kt1:
-                    stage_weights(packed, sh, w_ring, kt + i32(W_CHUNK), (rel >> i32(W_SHIFT)) + i32(1), n_tile,
-                                  N, K, kt1, tid)
             cp_async_commit()
             base = sh_base + u32(4) * u32(slot * i32(STAGE_WORDS))
-            if W_CHUNK:
-                w_base = (w_ring + u32(4 * W_CHUNK * W_WORDS) * u32((rel >> i32(W_SHIFT)) & i32(1))
-                          + u32(4 * WORDS) * u32(rel & i32(W_CHUNK - 1)))
-            else:
-                w_base = base + u32(4 * A_WORDS)
-            am_base = base + u32(4 * (A_WORDS + W_STAGED))
-            for j in range(N_SUB):                 # column col0 + 8j: 2k words at (col * 2k [G]) * 4 bytes
-                p = w_base + u32(4 * WORDS * max(1, W_CHUNK)) * u32(col0 + i32(8 * j))
+            w_base = base + u32(4 * A_WORDS)
+            am_base = base + u32(4 * (A_WORDS + W_WORDS))
+            for j in range(N_SUB):                 # column col0 + 8j: 2k words at (col * 2k) * 4 bytes
+                p = w_base + u32(4 * WORDS) * u32(col0 + i32(8 * j))
                 if WORDS % 4 == 0:                 # k = 2, 4: 16-byte aligned
                     for q in range(WORDS // 4):
                         wv[j, 4 * q], wv[j, 4 * q + 1], wv[j, 4 * q + 2], wv[j, 4 * q + 3] = \
@@ -665,12 +593,10 @@ def _mm_steps(steps, spec, grid, Ad, w, out, ws, rows, N, K, per, offsets, tiles
 
 
 def plan(A, qw, out=None, stream=None, out_dtype=np.float16, bf16=False, workspace=None, split=None,
-         m_tile=None, stages=None, w_chunk=0):
+         m_tile=None, stages=None):
     """Checked inputs of ``C = A @ W^T`` bound into a :class:`launch.Plan`: [float32 A -> float16,] the
     GEMM [, the split-K epilogue]. ``split``/``m_tile``/``stages`` override the choices made from the
-    shape (``choose_split``, ``m_tile_for``, ``default_stages``). ``w_chunk``: the code layout's weights in
-    chunks of that many K tiles (``W_CHUNK_TILES``), or ``"auto"`` (:func:`weight_chunk`); 0, the default, copies
-    them a K tile at a time (the chunks are prepared, not yet measured)."""
+    shape (``choose_split``, ``m_tile_for``, ``default_stages``)."""
     stream = _arrays.as_stream(stream)
     Ad, a_src, M, shape = _arrays.activations(A, qw, bf16, stream)
     if isinstance(qw, KbitCodes):
@@ -703,10 +629,8 @@ def plan(A, qw, out=None, stream=None, out_dtype=np.float16, bf16=False, workspa
         ring = stages or default_stages(qw.k, mt, "e4m4", "codes", AM_CHUNK_TILES[-1])   # (any C: one ring size)
         am_chunk, per = absmax_chunk(K, per, ring)
         n_split = -(-(Kp // BK) // per)
-    if w_chunk == "auto":
-        w_chunk = weight_chunk(qw.k, mt, qw.absmax_format, am_chunk) if layout == "codes" and stages is None else 0
     spec = GemmSpec(qw.k, MT, qw.absmax_format, a_src, out_dtype, n_split > 1, stages=stages, layout=layout,
-                    am_chunk=am_chunk, w_chunk=w_chunk)
+                    am_chunk=am_chunk)
     ws = split_sums(workspace, M * N, stream) if spec.split_k else _no_workspace()
     _mm_steps(steps, spec, (-(-N // BN), -(-M // (MMA_M * MT)), n_split), Ad, qw, out, ws, M, N, K, per,
               unused_i32(), unused_i32())
@@ -740,10 +664,8 @@ def ptx_specs():
     codes += [dict(layout="codes", a_type="bfloat16", absmax_format="fp32", out_dtype="float32", split_k=False)]
     codes += [dict(m_tile=mt, layout="codes", am_chunk=8) for mt in M_TILES]
     codes += [dict(layout="codes", am_chunk=c) for c in AM_CHUNK_TILES[1:]]
-    chunked = [GemmSpec(k=k, m_tile=mt, layout="codes", am_chunk=8, w_chunk=weight_chunk(k, mt, "e4m4", 8))
-               for k in CODES_K for mt in M_TILES if weight_chunk(k, mt, "e4m4", 8)]     # (the weights in chunks)
-    return ([GemmSpec(k=k, **v) for k in K_BITS for v in variants]
-            + [GemmSpec(k=k, **v) for k in CODES_K for v in codes] + chunked)
+    return [GemmSpec(k=k, **v) for k in K_BITS for v in variants] + [GemmSpec(k=k, **v) for k in CODES_K
+                                                                     for v in codes]
 
 
 def argtypes(spec):

@@ -221,33 +221,6 @@ def test_gemm_code_layout_absmax_chunks(k, K, split, chunk):
     check_gemm(p.launch().copy_to_host(), A, flat)
 
 
-def test_weight_chunk_fits_the_shared_budget():
-    """The code layout's weight chunk (G K tiles a copy): a column's chunk at most one 128-byte line, two chunks
-    beside as many stages as without them under SHARED_BUDGET; a chunk that does not fit is refused."""
-    assert [G.weight_chunk(2, mt, "e4m4", 8) for mt in G.M_TILES] == [8, 4, 2]
-    assert [G.weight_chunk(4, mt, "e4m4", 8) for mt in G.M_TILES] == [4, 2, 2]
-    assert G.weight_chunk(4, 4, "e4m4", 0) == 0                       # three stages of 64 rows leave no room
-    assert G.GemmSpec(4, 1, layout="codes", am_chunk=8, w_chunk=4).stages == 2
-    with pytest.raises(ValueError, match="shared memory"):
-        G.GemmSpec(4, 2, layout="codes", am_chunk=8, w_chunk=4)
-    with pytest.raises(ValueError, match="code layout"):
-        G.GemmSpec(4, 1, w_chunk=2)
-
-
-@pytest.mark.parametrize("k, K, M, split, w_chunk", [(4, 640, 3, 1, 4), (2, 1536, 20, 2, 4), (4, 448, 3, None, 2)]
-                         if SIM else [(4, 640, 3, 1, 4), (2, 1536, 20, 2, 4), (4, 448, 3, None, 2), (2, 640, 3, 1, 8),
-                                      (2, 4096, 40, 3, 2), (4, 4096, 9, 5, 4), (4, 2048, 33, 2, 2)])
-def test_gemm_code_layout_weight_chunks(k, K, M, split, w_chunk):
-    """The code layout's weights in chunks of G K tiles (``w_chunk``) through a ring of two: K = 640 one split of 10
-    tiles (chunks 4 + 4 + 2: the ring wraps, the last chunk partial), K = 1536 split 2 (absmax chunks of 8: 16 + 8
-    tiles), K = 448 (no absmax chunk, 7 tiles: the last chunk one tile); N = 72 (a partial column tile)."""
-    rng = np.random.default_rng(16 + k + K)
-    flat = ref.quantize(random_weight(rng, 72, K), k=k)
-    A = rng.standard_normal((M, K)).astype(np.float16)
-    p = G.plan(A, ref.to_codes(flat), out_dtype=np.float32, split=split, w_chunk=w_chunk)
-    check_gemm(p.launch().copy_to_host(), A, flat)
-
-
 def test_gemm_code_layout_refuses_k_not_a_multiple_of_64():
     codes = ref.to_codes(ref.quantize(np.ones((8, 96), np.float32), k=4))
     with pytest.raises(ValueError, match="multiple of 64"):
