@@ -1,7 +1,7 @@
 """The kbit kernels on the two layouts KbitLinear can keep, in one run (CUDA-graph timed, L2-cold weights,
 cuBLAS fp16 and the read floor of the same run):
 
-    python benchmarks/codes_vs_tiled.py [K x N list] [k list] [M list] [--chunk8] [--l2fetch]
+    python benchmarks/codes_vs_tiled.py [K x N list] [k list] [M list] [--chunk8]
 
 Per shape, k and M: the pair gemv and the tensor-core gemm on the code layout (``KbitCodes``), the scalar
 gemv and the gemm on the tiled layout, and what ``linear`` picks for each layout. Decides whether the code
@@ -9,9 +9,7 @@ layout can be KbitLinear's default (one copy of the weight that serves every M).
 
 ``--chunk8`` adds ``gemm(c),C8``: the code-layout gemm under the absmax chunk rule before the forty-fourth session
 (chunks of 8 K tiles only, K a multiple of 512, every split rounded up to 8 tiles) against today's
-``tensor_gemm.absmax_chunk`` (8, 4 or 2 tiles, keeping 3/4 of the splits). ``--l2fetch`` adds ``gemm(c),L128`` and
-``gemm(c),L256``: the code-layout gemm whose weight copies ask the L2 for the 128- or 256-byte block around them
-(``tensor_gemm.plan(l2_fetch=...)``: a column's next K tiles are in the same block).
+``tensor_gemm.absmax_chunk`` (8, 4 or 2 tiles, keeping 3/4 of the splits).
 """
 import sys
 from unittest.mock import patch
@@ -25,14 +23,12 @@ from kbit_numba._timing import graph_time_us, rotation_count
 
 args = [a for a in sys.argv[1:] if not a.startswith("--")]
 chunk8 = "--chunk8" in sys.argv
-l2fetch = "--l2fetch" in sys.argv
 shapes = [tuple(int(v) for v in s.split("x")) for s in (args[0] if args else
                                                          "4096x14336,2048x5120,4096x6144,14336x4096").split(",")]
 ks = [int(v) for v in (args[1] if len(args) > 1 else "4,2").split(",")]
 ms = [int(v) for v in (args[2] if len(args) > 2 else "1,2,4,5,8,16,32").split(",")]
 rng = np.random.default_rng(1)
-cols = (["pair(c)", "gemm(c)"] + (["gemm(c),C8"] if chunk8 else []) + (["gemm(c),L128", "gemm(c),L256"] if l2fetch else [])
-        + ["gemv(t)", "gemm(t)", "lin(c)", "lin(t)"])
+cols = ["pair(c)", "gemm(c)"] + (["gemm(c),C8"] if chunk8 else []) + ["gemv(t)", "gemm(t)", "lin(c)", "lin(t)"]
 
 
 def chunk8_rule(K, per, stages):
@@ -65,8 +61,6 @@ for K, N in shapes:
                 "pair(c)": (lambda w: pair_gemv.plan(A, w, out, 0)) if M <= 4 else None,
                 "gemm(c)": lambda w: tensor_gemm.plan(A, w, out, 0, workspace=ws.sums(M * N)),
                 "gemm(c),C8": lambda w: chunk8_plan(A, w, out, 0, workspace=ws.sums(M * N)),
-                "gemm(c),L128": lambda w: tensor_gemm.plan(A, w, out, 0, workspace=ws.sums(M * N), l2_fetch=128),
-                "gemm(c),L256": lambda w: tensor_gemm.plan(A, w, out, 0, workspace=ws.sums(M * N), l2_fetch=256),
                 "gemv(t)": (lambda w: scalar_gemv.plan(A, w, out, 0)) if M <= 4 else None,
                 "gemm(t)": lambda w: tensor_gemm.plan(A, w, out, 0, workspace=ws.sums(M * N)),
                 "lin(c)": lambda w: dispatch.plan(A, w, out, 0, ws),

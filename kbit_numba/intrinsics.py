@@ -28,7 +28,6 @@ nothing, by the chain of layers in ``tests/test_pair_gemv.py``).
 | hfma2(a, b, c) | fma.rn.f16x2                        | two half multiply-adds in one instruction      |
 | bmul2(a, b)  | mul.rn.bf16x2                         | the same for bfloat16 pairs                    |
 | cp_async16(dst, p, src, i, n) | cp.async.cg.shared.global 16 B | global -> shared without registers  |
-| cp_async16_l2(dst, p, src, i, n, f) | the same, .L2::128B / 256B  | the L2 fetches the whole f-byte block |
 | cp_async4(dst, p, src, i, n) | cp.async.ca.shared.global 4 B  | the same for 4 bytes of a byte array   |
 | cp_async_commit() / cp_async_wait(n) | cp.async.commit_group / wait_group n | double buffering |
 | griddep_wait() | griddepcontrol.wait                    | PDL: wait for the previous kernel's results    |
@@ -323,22 +322,6 @@ def ptx_cp_async16(typingctx, dst, dst_addr, src, src_index, src_bytes):
     return types.void(dst, dst_addr, src, src_index, src_bytes), _cp_async_codegen("cp.async.cg.shared.global", 16)
 
 
-L2_FETCH_BYTES = (128, 256)          # cp_async16_l2: the block the L2 fetches around a missed copy (.L2::NB)
-
-
-@intrinsic
-def ptx_cp_async16_l2(typingctx, dst, dst_addr, src, src_index, src_bytes, fetch):
-    """cp_async16 with the L2 prefetch hint ``.L2::{fetch}B`` (``fetch``: an integer literal of
-    ``L2_FETCH_BYTES``): on a miss the L2 brings the whole aligned block in, so later copies of the same block
-    (a column's next K tiles in the code layout) hit it. A hint: the copied bytes are the same."""
-    _check_u32_array(src, "cp_async16_l2")
-    if not isinstance(fetch, types.IntegerLiteral) or fetch.literal_value not in L2_FETCH_BYTES:
-        raise RequireLiteralValue(f"cp_async16_l2's fetch must be an integer literal in {L2_FETCH_BYTES}")
-    size = fetch.literal_value
-    return (types.void(dst, dst_addr, src, src_index, src_bytes, fetch),
-            _cp_async_codegen(f"cp.async.cg.shared.global.L2::{size}B", 16))
-
-
 @intrinsic
 def ptx_cp_async4(typingctx, dst, dst_addr, src, src_index, src_bytes):
     """4 bytes from element ``src_index`` of ``src`` (a 1-D uint8 or uint32 global array; the byte address
@@ -554,10 +537,6 @@ def py_cp_async16(dst, dst_addr, src, src_index, src_bytes):
     d, i = _shared_index(dst_addr), int(src_index)
     for j in range(4):                  # the words' bits, whatever the shared array's 4-byte type
         _words(dst)[d + j] = src[i + j] if int(src_bytes) else 0
-
-
-def py_cp_async16_l2(dst, dst_addr, src, src_index, src_bytes, fetch):
-    py_cp_async16(dst, dst_addr, src, src_index, src_bytes)
 
 
 def py_cp_async4(dst, dst_addr, src, src_index, src_bytes):
@@ -905,7 +884,7 @@ def py_f16x2_as_u32(lo, hi):
 # The names kernels use
 # ---------------------------------------------------------------------------------------------
 NAMES = ("ldg128", "ldg64", "ldg128_stream", "ldg64_stream", "ld128", "stg128", "shared_addr", "lds_f32", "lds_u32",
-         "lds128", "lds64", "sts128", "cp_async16", "cp_async16_l2", "cp_async4", "cp_async_commit", "cp_async_wait", "griddep_wait",
+         "lds128", "lds64", "sts128", "cp_async16", "cp_async4", "cp_async_commit", "cp_async_wait", "griddep_wait",
          "griddep_launch_dependents", "cluster_arrive", "cluster_wait", "cluster_rank", "mbar_init_cluster", "mbar_expect_tx", "mbar_try_wait", "st_async_x2", "st_async_x4",
          "bar_sync", "ldmatrix_x4",
          "mma_f16", "mma_bf16", "hmul2", "hfma2", "bmul2", "dp4a", "lop3", "prmt", "rotr", "u32_as_f32", "f32_as_u32",
@@ -914,7 +893,7 @@ PAIRS = {name: (globals()["ptx_" + name], globals()["py_" + name]) for name in N
 
 _pick = 1 if SIMULATOR else 0
 (ldg128, ldg64, ldg128_stream, ldg64_stream, ld128, stg128, shared_addr, lds_f32, lds_u32, lds128, lds64, sts128,
- cp_async16, cp_async16_l2, cp_async4, cp_async_commit, cp_async_wait, griddep_wait, griddep_launch_dependents, cluster_arrive,
+ cp_async16, cp_async4, cp_async_commit, cp_async_wait, griddep_wait, griddep_launch_dependents, cluster_arrive,
  cluster_wait, cluster_rank, mbar_init_cluster, mbar_expect_tx, mbar_try_wait,
  st_async_x2, st_async_x4, bar_sync, ldmatrix_x4, mma_f16, mma_bf16, hmul2, hfma2, bmul2, dp4a, lop3, prmt, rotr, u32_as_f32,
  f32_as_u32, f16x2_as_u32, f16_bits_to_f32) = (PAIRS[n][_pick] for n in NAMES)

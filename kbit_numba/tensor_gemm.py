@@ -57,8 +57,7 @@ from .core import (FINISH_THREADS, check_grouped, device_weight, finish_step, ma
 from .device import WARP, e4m4_decode, f32_to_bf16_bits, i32, inlined, jit_kernel, u32
 from .formats import ABSMAX_FORMATS, CODES_K, K_BITS, TILE_K, TILE_N, KbitCodes, KbitWeight, check_k, padded_k
 from .launch import NUMBA_TYPES, OUT_TYPES, Plan, Spec, Step, type_name
-from .intrinsics import (L2_FETCH_BYTES, LOP3_AND_OR, bmul2, cp_async4, cp_async16, cp_async16_l2, cp_async_commit,
-                         cp_async_wait,
+from .intrinsics import (LOP3_AND_OR, bmul2, cp_async4, cp_async16, cp_async_commit, cp_async_wait,
                          f16x2_as_u32, hmul2, ldmatrix_x4, lds64, lds128, lds_u32, lop3, mma_bf16, mma_f16, rotr,
                          shared_addr, u32_as_f32)
 
@@ -157,7 +156,6 @@ class GemmSpec(Spec):
     stages: object = None           # K tiles in the shared ring; None: default_stages
     layout: str = "tiled"           # the weight's layout: 'tiled' (KbitWeight) or 'codes' (KbitCodes, k = 2, 4)
     am_chunk: int = 0               # codes, E4M4: the absmax in chunks of this many K tiles (AM_CHUNK_TILES; 0: none)
-    l2_fetch: int = 0               # codes: the weight copies ask the L2 for blocks of this many bytes (L2_FETCH_BYTES)
 
     def normalise(self):
         if self.m_tile not in M_TILES:
@@ -175,9 +173,6 @@ class GemmSpec(Spec):
             raise ValueError(f"am_chunk must be 0 or one of {AM_CHUNK_TILES}, got {self.am_chunk!r}")
         if chunk and (self.layout != "codes" or self.absmax_format != "e4m4"):
             raise ValueError("am_chunk applies to the code layout with E4M4 absmax")
-        l2_fetch = int(self.l2_fetch)
-        if l2_fetch not in (0,) + L2_FETCH_BYTES or (l2_fetch and self.layout != "codes"):
-            raise ValueError(f"l2_fetch must be 0 or, with the code layout, one of {L2_FETCH_BYTES}; got {l2_fetch!r}")
         stages = (default_stages(k, self.m_tile, self.absmax_format, self.layout, chunk)
                   if self.stages is None else int(self.stages))
         if stages < 2:
@@ -187,7 +182,7 @@ class GemmSpec(Spec):
         return dict(k=k, m_tile=int(self.m_tile), a_type=type_name(self.a_type, "a_type", MMA_TYPES),
                     out_dtype=type_name(self.out_dtype, "out_dtype", OUT_TYPES), split_k=bool(self.split_k),
                     grouped=bool(self.grouped), stages=stages, layout=self.layout,
-                    am_chunk=chunk, l2_fetch=l2_fetch)
+                    am_chunk=chunk)
 
 
 @lru_cache(maxsize=None)
@@ -221,7 +216,6 @@ def make_gemm_kernel(spec):
     A_WORDS = BM * ROW_WORDS
     W_WORDS = 2 * BN * k                           # 128 columns x 2 blocks x k plane words, contiguous
     AM_CHUNK = spec.am_chunk                       # C, or 0
-    L2_FETCH = spec.l2_fetch                       # codes: a column's next tiles share the L2 block of this one
     CHUNK_SHIFT = AM_CHUNK.bit_length() - 1        # kt >> CHUNK_SHIFT == kt // C
     AM_WORDS = _absmax_words(absmax_format, spec.layout, AM_CHUNK)   # their 256 absmax values (bytes or float32)
     STAGE_WORDS = A_WORDS + W_WORDS + AM_WORDS
@@ -287,11 +281,7 @@ def make_gemm_kernel(spec):
                 col = w_tile * i32(BN) + c // i32(COL_COPIES)
                 ok = col < N
                 src = ((col * n_kb + i32(2) * kt) * i32(k) + i32(4) * (c % i32(COL_COPIES))) if ok else i32(0)
-                dst = base + u32(4 * A_WORDS) + u32(16) * u32(c)
-                if L2_FETCH:
-                    cp_async16_l2(sh, dst, packed, src, u32(16) if ok else u32(0), L2_FETCH)
-                else:
-                    cp_async16(sh, dst, packed, src, u32(16) if ok else u32(0))
+                cp_async16(sh, base + u32(4 * A_WORDS) + u32(16) * u32(c), packed, src, u32(16) if ok else u32(0))
             if AM_CHUNK:                           # first tile of a chunk: the chunk's 2C bytes per column
                 if (kt & i32(AM_CHUNK - 1)) == i32(0):
                     col = w_tile * i32(BN) + tid
@@ -603,11 +593,10 @@ def _mm_steps(steps, spec, grid, Ad, w, out, ws, rows, N, K, per, offsets, tiles
 
 
 def plan(A, qw, out=None, stream=None, out_dtype=np.float16, bf16=False, workspace=None, split=None,
-         m_tile=None, stages=None, l2_fetch=0):
+         m_tile=None, stages=None):
     """Checked inputs of ``C = A @ W^T`` bound into a :class:`launch.Plan`: [float32 A -> float16,] the
     GEMM [, the split-K epilogue]. ``split``/``m_tile``/``stages`` override the choices made from the
-    shape (``choose_split``, ``m_tile_for``, ``default_stages``); ``l2_fetch`` (the code layout: 128 or 256)
-    adds the L2 prefetch hint to the weight copies."""
+    shape (``choose_split``, ``m_tile_for``, ``default_stages``)."""
     stream = _arrays.as_stream(stream)
     Ad, a_src, M, shape = _arrays.activations(A, qw, bf16, stream)
     if isinstance(qw, KbitCodes):
@@ -641,7 +630,7 @@ def plan(A, qw, out=None, stream=None, out_dtype=np.float16, bf16=False, workspa
         am_chunk, per = absmax_chunk(K, per, ring)
         n_split = -(-(Kp // BK) // per)
     spec = GemmSpec(qw.k, MT, qw.absmax_format, a_src, out_dtype, n_split > 1, stages=stages, layout=layout,
-                    am_chunk=am_chunk, l2_fetch=l2_fetch)
+                    am_chunk=am_chunk)
     ws = split_sums(workspace, M * N, stream) if spec.split_k else _no_workspace()
     _mm_steps(steps, spec, (-(-N // BN), -(-M // (MMA_M * MT)), n_split), Ad, qw, out, ws, M, N, K, per,
               unused_i32(), unused_i32())
@@ -675,7 +664,6 @@ def ptx_specs():
     codes += [dict(layout="codes", a_type="bfloat16", absmax_format="fp32", out_dtype="float32", split_k=False)]
     codes += [dict(m_tile=mt, layout="codes", am_chunk=8) for mt in M_TILES]
     codes += [dict(layout="codes", am_chunk=c) for c in AM_CHUNK_TILES[1:]]
-    codes += [dict(layout="codes", am_chunk=4, l2_fetch=f) for f in L2_FETCH_BYTES]
     return [GemmSpec(k=k, **v) for k in K_BITS for v in variants] + [GemmSpec(k=k, **v) for k in CODES_K
                                                                      for v in codes]
 

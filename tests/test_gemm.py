@@ -221,21 +221,6 @@ def test_gemm_code_layout_absmax_chunks(k, K, split, chunk):
     check_gemm(p.launch().copy_to_host(), A, flat)
 
 
-@pytest.mark.parametrize("k, fetch", [(4, 256)] if SIM else [(k, f) for k in (2, 4) for f in (128, 256)])
-def test_gemm_code_layout_l2_fetch(k, fetch):
-    """The L2 prefetch hint on the weight copies (a hint: the same bytes land) gives the same sums; a partial column
-    tile (N = 200) keeps its zero-filled copies. The tiled layout refuses it."""
-    rng = np.random.default_rng(31 + k)
-    flat = ref.quantize(random_weight(rng, 200, 256), k=k)
-    A = rng.standard_normal((5, 256)).astype(np.float16)
-    p = G.plan(A, ref.to_codes(flat), out_dtype=np.float32, split=2, l2_fetch=fetch)
-    spec = G.GemmSpec(k, 1, "e4m4", "float16", "float32", True, layout="codes", am_chunk=2, l2_fetch=fetch)
-    assert p.steps[0].kernel is G.make_gemm_kernel(spec)
-    check_gemm(p.launch().copy_to_host(), A, flat)
-    with pytest.raises(ValueError, match="l2_fetch"):
-        G.GemmSpec(k, layout="tiled", l2_fetch=fetch).normalise()
-
-
 def test_gemm_code_layout_refuses_k_not_a_multiple_of_64():
     codes = ref.to_codes(ref.quantize(np.ones((8, 96), np.float32), k=4))
     with pytest.raises(ValueError, match="multiple of 64"):
