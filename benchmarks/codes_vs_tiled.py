@@ -1,7 +1,7 @@
 """The kbit kernels on the two layouts KbitLinear can keep, in one run (CUDA-graph timed, L2-cold weights,
 cuBLAS fp16 and the read floor of the same run):
 
-    python benchmarks/codes_vs_tiled.py [K x N list] [k list] [M list] [--chunk8]
+    python benchmarks/codes_vs_tiled.py [K x N list] [k list] [M list] [--chunk8] [--stages=S]
 
 Per shape, k and M: the pair gemv and the tensor-core gemm on the code layout (``KbitCodes``), the scalar
 gemv and the gemm on the tiled layout, and what ``linear`` picks for each layout. Decides whether the code
@@ -9,7 +9,8 @@ layout can be KbitLinear's default (one copy of the weight that serves every M).
 
 ``--chunk8`` adds ``gemm(c),C8``: the code-layout gemm under the absmax chunk rule before the forty-fourth session
 (chunks of 8 K tiles only, K a multiple of 512, every split rounded up to 8 tiles) against today's
-``tensor_gemm.absmax_chunk`` (8, 4 or 2 tiles, keeping 3/4 of the splits).
+``tensor_gemm.absmax_chunk`` (8, 4 or 2 tiles, keeping 3/4 of the splits). ``--stages=S`` adds ``gemm(c),SS`` and
+``gemm(t),SS``: both gemms with a ring of S K tiles (``tensor_gemm.plan(stages=S)``) instead of ``default_stages``.
 """
 import sys
 from unittest.mock import patch
@@ -23,12 +24,14 @@ from kbit_numba._timing import graph_time_us, rotation_count
 
 args = [a for a in sys.argv[1:] if not a.startswith("--")]
 chunk8 = "--chunk8" in sys.argv
+stages = next((int(a.split("=")[1]) for a in sys.argv[1:] if a.startswith("--stages=")), None)
 shapes = [tuple(int(v) for v in s.split("x")) for s in (args[0] if args else
                                                          "4096x14336,2048x5120,4096x6144,14336x4096").split(",")]
 ks = [int(v) for v in (args[1] if len(args) > 1 else "4,2").split(",")]
 ms = [int(v) for v in (args[2] if len(args) > 2 else "1,2,4,5,8,16,32").split(",")]
 rng = np.random.default_rng(1)
-cols = ["pair(c)", "gemm(c)"] + (["gemm(c),C8"] if chunk8 else []) + ["gemv(t)", "gemm(t)", "lin(c)", "lin(t)"]
+cols = (["pair(c)", "gemm(c)"] + (["gemm(c),C8"] if chunk8 else []) + ([f"gemm(c),S{stages}"] if stages else [])
+        + ["gemv(t)", "gemm(t)"] + ([f"gemm(t),S{stages}"] if stages else []) + ["lin(c)", "lin(t)"])
 
 
 def chunk8_rule(K, per, stages):
@@ -61,6 +64,8 @@ for K, N in shapes:
                 "pair(c)": (lambda w: pair_gemv.plan(A, w, out, 0)) if M <= 4 else None,
                 "gemm(c)": lambda w: tensor_gemm.plan(A, w, out, 0, workspace=ws.sums(M * N)),
                 "gemm(c),C8": lambda w: chunk8_plan(A, w, out, 0, workspace=ws.sums(M * N)),
+                f"gemm(c),S{stages}": lambda w: tensor_gemm.plan(A, w, out, 0, workspace=ws.sums(M * N), stages=stages),
+                f"gemm(t),S{stages}": lambda w: tensor_gemm.plan(A, w, out, 0, workspace=ws.sums(M * N), stages=stages),
                 "gemv(t)": (lambda w: scalar_gemv.plan(A, w, out, 0)) if M <= 4 else None,
                 "gemm(t)": lambda w: tensor_gemm.plan(A, w, out, 0, workspace=ws.sums(M * N)),
                 "lin(c)": lambda w: dispatch.plan(A, w, out, 0, ws),
