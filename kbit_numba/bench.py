@@ -327,16 +327,20 @@ def matmul_rows(shapes, ks, ms, ceilings, progress, kernels=("gemm", "dequant_ma
 def tune_table(rows, device):
     """The ``linear`` table from measured rows: per shape, the fastest kernel at each measured M (a rule
     covers the Ms up to the next measured one); the general rules pick, per M, the kernel with the best
-    geometric-mean time relative to the per-shape best. A row run with non-default parameters (``--sweep``)
-    competes as its own candidate; when it wins, its parameters go into the rule (``[max_m, kernel, params]``).
-    Rows on the code layout (``gemm+codes``, ``dequant_matmul+codes``) give the same for that layout's
-    choice between the gemm and dequantize + cuBLAS: ``codes_mm_rules`` and ``codes_mm_shapes``."""
+    geometric-mean time relative to the per-shape best. Rows of several bit widths (``--k 4,2``) are separate
+    points: a shape's rule at M is the kernel with the best geometric mean over its k's (the table has no k
+    dimension), never the faster time of one k against the other's. A row run with non-default parameters
+    (``--sweep``) competes as its own candidate; when it wins, its parameters go into the rule
+    (``[max_m, kernel, params]``). Rows on the code layout (``gemm+codes``, ``dequant_matmul+codes``) give the same
+    for that layout's choice between the gemm and dequantize + cuBLAS: ``codes_mm_rules`` and ``codes_mm_shapes``.
+    The last rule of each list covers every M past the last measured one (None): :func:`merge_tuned` puts the
+    rules of the table before back there."""
     by_layout = {"": {}, "codes": {}}
     for r in rows:
         kern, _, layout = r["kernel"].split("[")[0].partition("+")
         if kern in ("gemv", "gemm", "dequant_matmul") and r["M"] and layout in by_layout:
             cand = (kern, json.dumps(r.get("params") or {}, sort_keys=True))
-            point = by_layout[layout].setdefault((r["shape"], r["M"]), {})
+            point = by_layout[layout].setdefault((r["shape"], r["M"]), {}).setdefault(r.get("k"), {})
             point[cand] = min(r["us"], point.get(cand, r["us"]))
     rules, shapes = _fastest_rules(by_layout[""])
     table = dict(device=device, rules=rules, shapes=shapes,
@@ -344,6 +348,58 @@ def tune_table(rows, device):
     if by_layout["codes"]:
         table["codes_mm_rules"], table["codes_mm_shapes"] = _fastest_rules(by_layout["codes"])
     caps = mma_gemv_caps(rows)
+    if caps:
+        table["mma_gemv_max_m_shapes"] = caps
+    return table
+
+
+def _measured_max_m(rows):
+    """{layout ('' or 'codes'): {shape: the largest M tuned}} of the rows tune_table reads."""
+    most = {"": {}, "codes": {}}
+    for r in rows:
+        kern, _, layout = r["kernel"].split("[")[0].partition("+")
+        if kern in ("gemv", "gemm", "dequant_matmul") and r["M"] and layout in most:
+            most[layout][r["shape"]] = max(r["M"], most[layout].get(r["shape"], 0))
+    return most
+
+
+def _splice(new, old, max_m):
+    """``new`` rules up to ``max_m`` (the last M measured), then ``old``'s past it; neighbours that run the same kernel
+    with the same parameters become one rule."""
+    if not old:
+        return new
+    rules = [list(r) for r in new]
+    rules[-1][0] = max_m
+    rules += [list(r) for r in old if r[0] is None or r[0] > max_m]
+    merged = []
+    for r in rules:
+        if merged and merged[-1][1:] == r[1:]:
+            merged[-1][0] = r[0]
+        else:
+            merged.append(r)
+    return merged
+
+
+def merge_tuned(old, new, rows):
+    """The table ``bench --tune`` writes: ``new`` (:func:`tune_table` of this run's ``rows``) merged into ``old`` (the
+    table at that path, {} if none). Per layout (tiled: ``rules``/``shapes``; the code layout's gemm vs dequantize +
+    cuBLAS: ``codes_mm_rules``/``codes_mm_shapes``): a measured shape's rules up to the largest M measured, past it
+    the rules it followed before (its own, else the general ones); shapes not measured keep theirs; the general rules
+    are this run's up to its largest M. The tensor-core gemv caps merge per shape and k (:func:`merge_mma_caps`); every
+    other key of ``old`` (the pair gemv's, written by ``--tune-codes``) is kept."""
+    table = dict(old)
+    table.update(device=new["device"], note=new["note"] + "; merged into the table before (bench.merge_tuned)")
+    most = _measured_max_m(rows)
+    for layout, general, per_shape in (("", "rules", "shapes"), ("codes", "codes_mm_rules", "codes_mm_shapes")):
+        if general not in new:
+            continue
+        before = old.get(per_shape, {})
+        table[general] = _splice(new[general], old.get(general), max(most[layout].values()))
+        table[per_shape] = dict(sorted({**before, **{
+            shape: _splice(rules, before.get(shape) or old.get(general), most[layout][shape])
+            for shape, rules in new[per_shape].items()}}.items()))
+    caps = merge_mma_caps(old.get("mma_gemv_max_m_shapes"), new.get("mma_gemv_max_m_shapes"))
+    table.pop("mma_gemv_max_m_shapes", None)
     if caps:
         table["mma_gemv_max_m_shapes"] = caps
     return table
@@ -398,7 +454,7 @@ def merge_mma_caps(old, new):
 
 
 def _fastest_rules(times):
-    """(general rules, {shape: rules}) from ``times[(shape, M)][(kernel, params json)] = us``: see tune_table."""
+    """(general rules, {shape: rules}) from ``times[(shape, M)][k][(kernel, params json)] = us``: see tune_table."""
     def rule(M, cand):
         params = json.loads(cand[1])
         return [M, cand[0], params] if params else [M, cand[0]]
@@ -413,19 +469,22 @@ def _fastest_rules(times):
         rules[-1][0] = None
         return rules
 
+    def fastest(points):
+        """The candidate with the best geometric-mean time relative to each point's best, among those measured at
+        the most points (a point: one shape, M and k)."""
+        score = {}
+        for t in points:
+            best = min(t.values())
+            for cand, us in t.items():
+                score.setdefault(cand, []).append(np.log(us / best))
+        most = max(len(v) for v in score.values())
+        return min((c for c, v in score.items() if len(v) == most), key=lambda c: np.mean(score[c]))
+
     shapes = {}
     for shape in sorted({s for s, _ in times}):
-        shapes[shape] = compress([(M, min(t, key=t.get)) for (s, M), t in times.items() if s == shape])
-    general = []
-    for M in sorted({M for _, M in times}):
-        score = {}
-        for (s, m), t in times.items():
-            if m == M:
-                best = min(t.values())
-                for cand, us in t.items():
-                    score.setdefault(cand, []).append(np.log(us / best))
-        full = [c for c, v in score.items() if len(v) == max(len(x) for x in score.values())]
-        general.append((M, min(full, key=lambda c: np.mean(score[c]))))
+        shapes[shape] = compress([(M, fastest(by_k.values())) for (s, M), by_k in times.items() if s == shape])
+    general = [(M, fastest([t for (_, m), by_k in times.items() if m == M for t in by_k.values()]))
+               for M in sorted({M for _, M in times})]
     return compress(general), shapes
 
 
@@ -1058,14 +1117,7 @@ def main(argv=None):
     if args.tune is not None:
         from .dispatch import TUNING_DIR, device_key
         path = args.tune or os.path.join(TUNING_DIR, device_key(name) + ".json")
-        table = tune_table(rows, name)
-        old = _read_table(path)
-        table.update({key: old[key] for key in ("codes_rules", "codes_variants", "codes_shapes",  # (not tuned here)
-                                                "codes_mm_rules", "codes_mm_shapes", "mma_gemv_max_m")
-                      if key in old and key not in table})
-        caps = merge_mma_caps(old.get("mma_gemv_max_m_shapes"), table.pop("mma_gemv_max_m_shapes", None))
-        if caps:
-            table["mma_gemv_max_m_shapes"] = caps
+        table = merge_tuned(_read_table(path), tune_table(rows, name), rows)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
             json.dump(table, f, indent=1)

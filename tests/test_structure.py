@@ -216,6 +216,36 @@ def test_tune_table_caps_the_tensor_core_gemv_per_shape():
     assert choose(3, 2048, 4096, k=2) == "dequant_matmul"      # capped at 2: past it the rows' crossover (dequant)
 
 
+def test_tune_table_scores_each_k_and_merge_keeps_what_was_not_measured():
+    """bench --tune --k 4,2: a shape's rule at an M is the kernel with the best geometric mean over the k's, not the
+    faster time of either (here dequantize + cuBLAS wins k = 2 by 2% and loses k = 4 by 20%: the gemm). merge_tuned
+    keeps the shapes the run did not measure, a measured shape's rules past the largest M measured, and the keys
+    --tune does not write."""
+    from kbit_numba.bench import merge_tuned, tune_table
+    row = lambda kern, M, us, k, shape="64x128": dict(kernel=kern, shape=shape, M=M, us=us, k=k)  # noqa: E731
+    rows = [row("gemv", 1, 3.0, 4), row("gemm", 1, 5.0, 4), row("gemv", 1, 2.0, 2), row("gemm", 1, 4.0, 2),
+            row("gemm", 16, 10.0, 4), row("dequant_matmul", 16, 12.0, 4),
+            row("gemm", 16, 9.0, 2), row("dequant_matmul", 16, 8.8, 2),
+            row("gemm+codes", 16, 10.5, 4), row("dequant_matmul+codes", 16, 12.0, 4)]
+    new = tune_table(rows, "test")
+    assert new["shapes"] == {"64x128": [[1, "gemv"], [None, "gemm"]]}
+    assert new["rules"] == [[1, "gemv"], [None, "gemm"]]
+    old = {"device": "test", "rules": [[2, "gemv"], [64, "gemm"], [None, "dequant_matmul"]],
+           "shapes": {"64x128": [[4, "gemv"], [32, "gemm"], [None, "dequant_matmul"]],
+                      "64x256": [[1, "gemv"], [None, "gemm"]]},
+           "codes_mm_rules": [[32, "gemm"], [None, "dequant_matmul"]], "codes_shapes": {"64x128": "kept"},
+           "mma_gemv_max_m_shapes": {"64x256": {"2": 12}}}
+    table = merge_tuned(old, new, rows)
+    assert table["shapes"] == {"64x128": [[1, "gemv"], [32, "gemm"], [None, "dequant_matmul"]],
+                               "64x256": [[1, "gemv"], [None, "gemm"]]}
+    assert table["rules"] == [[1, "gemv"], [64, "gemm"], [None, "dequant_matmul"]]
+    assert table["codes_mm_shapes"] == {"64x128": [[32, "gemm"], [None, "dequant_matmul"]]}   # (the old general)
+    assert table["codes_mm_rules"] == [[32, "gemm"], [None, "dequant_matmul"]]
+    assert table["codes_shapes"] == {"64x128": "kept"}
+    assert table["mma_gemv_max_m_shapes"] == {"64x256": {"2": 12}}
+    assert merge_tuned({}, new, rows)["shapes"] == new["shapes"]            # no table before: this run's rules
+
+
 def test_tune_codes_table_writes_per_shape_knobs():
     """bench --tune-codes: per variant (k, block sums) and M, the knob set with the best geometric mean over the
     measured shapes becomes the rule for any shape when it beats the default plan by the margin; a shape whose own
