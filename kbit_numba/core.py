@@ -95,7 +95,11 @@ def new_workspace(M, N, stream=0):
 
 
 def split_sums(ws, n, stream):
-    """The split-K workspace: ``ws`` checked to hold n float32 values, or a new zeroed one."""
+    """The split-K workspace of a launch that splits: ``ws`` checked to hold n float32 values, or drawn from it when
+    it is a reusable one (``dispatch.Workspace``: anything with ``sums(n, stream)``), or a new zeroed one. A plan
+    calls it only when it splits, so a caller hands its reusable workspace over and the plan alone decides."""
+    if hasattr(ws, "sums"):
+        ws = ws.sums(n, stream)
     ws = _arrays.device_array(ws if ws is not None else new_workspace(n, 1, stream), "workspace",
                               (np.float32,), 1)
     if ws.shape[0] < n:

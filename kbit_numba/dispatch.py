@@ -373,16 +373,12 @@ def plan(A, qw, out=None, stream=None, workspace=None, out_dtype=np.float16, bf1
     if f16_acc and kernel != "pair_gemv":
         raise ValueError(f"f16_acc applies to the pair gemv (KbitCodes), not to kernel {kernel!r}")
     kernel, params = _bf16_runnable(kernel, params, qw.layout, K, bf16)
-    if kernel == "gemm":      # (without a Workspace, gemm allocates split-K sums only when it splits)
-        sums = workspace.sums(M * N, stream) if workspace is not None else None
-        return tensor_gemm.plan(A, qw, out, stream, out_dtype, bf16, sums, **params)
+    if kernel == "gemm":      # (the gemm and the tensor-core gemv draw split-K sums from the Workspace when they
+        return tensor_gemm.plan(A, qw, out, stream, out_dtype, bf16, workspace, **params)   # split: core.split_sums)
     if kernel == "dequant_matmul":
         return plan_dequant_matmul(A, qw, out, stream, out_dtype, workspace, bf16)
-    if kernel == "mma_gemv":  # (where it splits K its sums go into the workspace, as the gemm's)
-        splits, _ = mma_gemv.k_splits(K, params.get("split"), qw.k, M)
-        split = splits > 1
-        sums = workspace.sums(M * N, stream) if workspace is not None and split else None
-        return mma_gemv.plan(A, qw, out, stream, out_dtype, bf16, workspace=sums, **params)
+    if kernel == "mma_gemv":
+        return mma_gemv.plan(A, qw, out, stream, out_dtype, bf16, workspace=workspace, **params)
     gemv_plan = (partial(pair_gemv.plan, f16_acc=f16_acc, **params) if kernel == "pair_gemv"
                  else partial(scalar_gemv.plan, **params))
     if M <= MAX_M:
@@ -670,15 +666,13 @@ class KbitExpertsLinear:
             return pair_gemv.plan_grouped(A, weight, offsets, out, stream, out_dtype, bf16, f16_acc=self.f16_acc and f16,
                                           pdl=self.pdl, silu_pairs=silu_pairs)
         N, K = self.expert_shape
-        if kernel == "mma_gemv":    # (where it splits K its sums go into the layer's workspace, as the gemm's)
-            splits, _ = mma_gemv.k_splits(K, None, self.k, mma_gemv.N8)
+        if kernel == "mma_gemv":    # (where it splits K its sums come from the layer's workspace, as the gemm's)
             return mma_gemv.plan_grouped(A, weight, offsets, out, stream, out_dtype, bf16, max_tokens=most,
-                                         pdl=self.pdl, silu_pairs=silu_pairs,
-                                         workspace=self.workspace.sums(T * N, stream) if splits > 1 else None)
+                                         pdl=self.pdl, silu_pairs=silu_pairs, workspace=self.workspace)
         if kernel == "grouped_gemv":
             return scalar_gemv.plan_grouped(A, weight, offsets, out, stream, out_dtype, bf16, max_tokens=most)
         return tensor_gemm.plan_grouped(A, weight, offsets, out, stream, out_dtype, bf16,
-                                        workspace=self.workspace.sums(T * N, stream),
+                                        workspace=self.workspace,
                                         m_tile=tensor_gemm.m_tile_for(max(1, most)))
 
 

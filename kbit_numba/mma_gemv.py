@@ -644,7 +644,8 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, cta_war
     ``pair_gemv``). ``cta_warps`` overrides ``DEFAULTS``; ``pdl`` and ``silu_pairs`` (an [M, N / 2] output): see
     ``pair_gemv.plan``. ``split``: K's splits (:func:`k_splits`; by default past K = 8192, and past 4096 where
     a whole CTA would spill): then the sums go into
-    ``workspace`` (a zeroed float32 device array of >= M*N values, left zeroed; allocated if not given) and a second
+    ``workspace`` (a zeroed float32 device array of >= M*N values, left zeroed, or a ``dispatch.Workspace`` to draw
+    it from; allocated if not given) and a second
     launch (``core.finish_step``; with ``silu_pairs``, its SiLU epilogue) writes ``out``."""
     stream = _arrays.as_stream(stream)
     if not isinstance(kc, (KbitCodes, KbitFragments)):
@@ -715,7 +716,8 @@ def plan_grouped(A, experts, expert_offsets, out=None, stream=None, out_dtype=np
     (which expert a CTA runs, and so which weights it loads, is the router's output). ``silu_pairs``: every
     expert's gate/up rows interleaved, out [T, N / 2] (see ``pair_gemv.plan``). ``split``: K's splits
     (:func:`k_splits`; by default as a plain launch of 8 rows): each slot's CTAs then add their share's sums into
-    ``workspace`` (zeroed float32, >= T*N values, left zeroed; allocated if not given) and a second launch
+    ``workspace`` (zeroed float32, >= T*N values, left zeroed, or a ``dispatch.Workspace``; allocated if not given)
+    and a second launch
     (``core.finish_step``, with the SiLU epilogue if asked) writes ``out``."""
     stream = _arrays.as_stream(stream)
     Ad, a_src, T, offs, experts = check_grouped(A, experts, expert_offsets, bf16, stream)

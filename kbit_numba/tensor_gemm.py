@@ -649,7 +649,8 @@ def gemm(A, qw, out=None, stream=None, out_dtype=np.float16, bf16=False, workspa
     A: float16 [M, K] or [K] (float32 is converted to float16 first; bfloat16 as int16 bits with
     ``bf16=True`` runs bf16 MMAs). Returns a device array [M, N] (or [N]) of ``out_dtype`` (float16 or
     float32), or writes into ``out``. ``workspace``: a zeroed float32 device array of >= M*N values for
-    split-K (allocated per call if needed and not given; it is left zeroed). ``split``/``m_tile``
+    split-K, or a ``dispatch.Workspace`` to draw it from (allocated per call if needed and not given; it is left
+    zeroed). ``split``/``m_tile``
     override the K-split count and the 16-row tiles per CTA (1, 2, 4) chosen from the shape."""
     return plan(A, qw, out, stream, out_dtype, bf16, workspace, split, m_tile).launch()
 
