@@ -1,7 +1,7 @@
 """Where a gemv's warps stall, by reason and by SASS line, from Nsight Compute's source page (GPU machine):
 
-    python benchmarks/stall_profile.py K N k M KERNEL [top]      # KERNEL as benchmarks/profile_gemv.py takes it
-    e.g. python benchmarks/stall_profile.py 4096 14336 4 4 mma 30
+    python benchmarks/stall_profile.py K N k M KERNEL [top]      # KERNEL as benchmarks/profile_gemv.py takes it,
+    e.g. python benchmarks/stall_profile.py 4096 14336 4 4 mma 30  # or gemm_tiled / gemm_codes (profile_gemm.py)
 
 Runs ``benchmarks/profile_gemv.py`` under ``ncu --section WarpStateStats --section SourceCounters --page source
 --print-source sass --csv`` (one launch, the third: the first two warm up), keeps the raw CSV beside
@@ -20,9 +20,11 @@ K, N, k, M = (int(v) for v in sys.argv[1:5])
 kernel = sys.argv[5]
 top = int(sys.argv[6]) if len(sys.argv) > 6 else 25
 here = os.path.dirname(os.path.abspath(__file__))
+gemm = kernel in ("gemm_tiled", "gemm_codes")      # the tensor-core gemm on either layout (its split-K finish: not it)
+script, name, layout = ("profile_gemm.py", "gemm_kernel", kernel[5:]) if gemm else ("profile_gemv.py", "gemv", kernel)
 cmd = ["ncu", "--section", "WarpStateStats", "--section", "SourceCounters", "--page", "source", "--print-source",
-       "sass", "--csv", "-k", "regex:gemv", "-s", "2", "-c", "1", sys.executable, os.path.join(here, "profile_gemv.py"),
-       str(K), str(N), str(k), str(M), kernel]
+       "sass", "--csv", "-k", f"regex:{name}", "-s", "2", "-c", "1", sys.executable, os.path.join(here, script),
+       str(K), str(N), str(k), str(M), layout]
 if os.environ.get("STALL_CSV"):        # analyse a CSV kept from an earlier run instead (no GPU needed)
     run = subprocess.CompletedProcess(cmd, 0, open(os.environ["STALL_CSV"]).read(), "")
 else:

@@ -87,6 +87,7 @@ LAYOUTS = ("tiled", "codes")     # what the B operand is decoded from: bit plane
 AM_CHUNK_TILES = (8, 4, 2)       # C: K tiles a chunk (K a multiple of 64 C: a column's chunk is aligned)
 CHUNK_RING_WORDS = 2 * BN * 4    # two chunks of 128 columns x 16 bytes (C < 8: the first 2C bytes of each 16)
 SHARED_BUDGET = 46 * 1024        # static shared memory per CTA stays under the 48 KB limit
+CODEBOOK_WORDS = 1 << max(K_BITS)  # the codebook staged in shared memory for the pair table (float32)
 
 
 # ---- the m16n8k16 fragment index math (PTX ISA, "Matrix Fragments for mma.m16n8k16"), lane (g, t) =
@@ -130,9 +131,11 @@ def _absmax_words(absmax_format, layout, am_chunk=0):
 
 
 def _stage_words(k, MT, absmax_format, layout="tiled", am_chunk=0):
-    """(words of one pipeline stage, words of the pair and absmax tables and the absmax chunk ring)."""
+    """(words of one pipeline stage, words of the pair and absmax tables, the absmax chunk ring and the staged
+    codebook)."""
     e4m4 = absmax_format == "e4m4"
-    tables = 2 * (1 << (2 * k)) + (2 * E4M4_CODES if e4m4 else 2) + (CHUNK_RING_WORDS if am_chunk else 0)
+    tables = (2 * (1 << (2 * k)) + (2 * E4M4_CODES if e4m4 else 2) + (CHUNK_RING_WORDS if am_chunk else 0)
+              + CODEBOOK_WORDS)
     return MMA_M * MT * ROW_WORDS + 2 * BN * k + _absmax_words(absmax_format, layout, am_chunk), tables
 
 
@@ -220,7 +223,7 @@ def make_gemm_kernel(spec):
     AM_WORDS = _absmax_words(absmax_format, spec.layout, AM_CHUNK)   # their 256 absmax values (bytes or float32)
     STAGE_WORDS = A_WORDS + W_WORDS + AM_WORDS
     RING_WORDS = CHUNK_RING_WORDS if AM_CHUNK else 0
-    assert (STAGE_WORDS, TABLE_WORDS + SCALE_WORDS + RING_WORDS) == _stage_words(k, MT, absmax_format, spec.layout,
+    assert (STAGE_WORDS, TABLE_WORDS + SCALE_WORDS + RING_WORDS + CODEBOOK_WORDS) == _stage_words(k, MT, absmax_format, spec.layout,
                                                                                 AM_CHUNK)
     W_COPIES, AM_COPIES = W_WORDS // 4, AM_WORDS // 4
     # The code layout: a column's 2k words of a K tile are contiguous in it too, so they take 2k/4 16-byte
@@ -232,6 +235,8 @@ def make_gemm_kernel(spec):
     AM_BYTES = 1 if e4m4 else 4                    # absmax bytes per block
     SH_WORDS = STAGES * STAGE_WORDS + RING_WORDS   # the stages, then the absmax chunk ring (am_chunk)
     PENDING = STAGES - 2                           # groups left in flight when a tile's copies must be in
+    CB_PENDING = STAGES - 1                        # ... when the codebook's (the group before the stages') must be in
+    N_CODES = 1 << k
     bf16 = a_type == "bfloat16"
     mma = mma_bf16 if bf16 else mma_f16
     mul2 = bmul2 if bf16 else hmul2
@@ -350,6 +355,7 @@ def make_gemm_kernel(spec):
         table = cuda.shared.array(TABLE_WORDS, np.uint32)
         scales = cuda.shared.array(SCALE_WORDS, np.uint32)
         sh = cuda.shared.array(SH_WORDS, np.uint32, alignment=16)
+        cbs = cuda.shared.array(CODEBOOK_WORDS, np.float32)        # the codebook, staged for the pair table
         tid = i32(cuda.threadIdx.x)
         lane = tid % i32(WARP)
         warp = tid // i32(WARP)
@@ -384,7 +390,13 @@ def make_gemm_kernel(spec):
         tb, t0 = aligned_base(table, TABLE_ALIGN)
         ts, s0 = aligned_base(scales, 4 * E4M4_CODES) if e4m4 else (u32(0), i32(0))
 
-        # ---- the first STAGES - 1 K tiles in flight before anything else ---------------------------------
+        # ---- the codebook, then the first STAGES - 1 K tiles in flight before anything else: the codebook first
+        #      and as a copy into shared memory, so that its one read is not queued behind the tiles' copies and
+        #      the table fill below waits for it alone (a plain load after the copies: ~10% of the code layout's
+        #      stall samples at 2048x4096 M = 16 waited on it, benchmarks/README.md "Forty-fifth session") ----------
+        if tid < i32(N_CODES):
+            cp_async4(cbs, shared_addr(cbs) + u32(4) * u32(tid), cb, tid, u32(4))
+        cp_async_commit()
         for s in range(STAGES - 1):
             if kt0 + i32(s) < kt1:
                 kt = kt0 + i32(s)
@@ -392,6 +404,8 @@ def make_gemm_kernel(spec):
                       m0, m_end, N, K, tid)
             cp_async_commit()
 
+        cp_async_wait(CB_PENDING)                  # the codebook has landed (the tiles' copies may not) ...
+        cuda.syncthreads()                         # ... everyone's share of it
         # ---- the pair table: tiled, code bit 2b (2b+1) is plane b of the even (odd) element; codes, the
         #      low (high) k bits are the even (odd) element's index ---------------------------------------
         for code in range(tid, N_PAIRS, THREADS):
@@ -404,7 +418,7 @@ def make_gemm_kernel(spec):
                 for b in range(k):
                     i0 |= ((code >> (2 * b)) & 1) << b
                     i1 |= ((code >> (2 * b + 1)) & 1) << b
-            table[t0 + code] = half_bits(cb[i0]) | (half_bits(cb[i1]) << u32(16))
+            table[t0 + code] = half_bits(cbs[i0]) | (half_bits(cbs[i1]) << u32(16))
         if e4m4:                                   # the absmax table: E4M4 byte -> its value twice, f16x2
             for c in range(tid, E4M4_CODES, THREADS):
                 h = half_bits(e4m4_decode(np.uint8(c)))
