@@ -223,8 +223,8 @@ def make_gemm_kernel(spec):
     AM_WORDS = _absmax_words(absmax_format, spec.layout, AM_CHUNK)   # their 256 absmax values (bytes or float32)
     STAGE_WORDS = A_WORDS + W_WORDS + AM_WORDS
     RING_WORDS = CHUNK_RING_WORDS if AM_CHUNK else 0
-    assert (STAGE_WORDS, TABLE_WORDS + SCALE_WORDS + RING_WORDS + CODEBOOK_WORDS) == _stage_words(k, MT, absmax_format, spec.layout,
-                                                                                AM_CHUNK)
+    assert (STAGE_WORDS, TABLE_WORDS + SCALE_WORDS + RING_WORDS + CODEBOOK_WORDS) == _stage_words(
+        k, MT, absmax_format, spec.layout, AM_CHUNK)
     W_COPIES, AM_COPIES = W_WORDS // 4, AM_WORDS // 4
     # The code layout: a column's 2k words of a K tile are contiguous in it too, so they take 2k/4 16-byte
     # copies (k = 2: one, k = 4: two) into the same shared order as a tiled tile. The lane's pair
