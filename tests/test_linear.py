@@ -1,4 +1,6 @@
 """linear(): the kernel choice (table rules, fallbacks) and correctness for every M, on the simulator and GPU."""
+from functools import partial
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -446,15 +448,17 @@ def test_kbit_experts_linear_split_k_sums_in_its_workspace():
 
 def test_linear_draws_split_sums_from_its_workspace_only_when_the_plan_splits():
     """``linear`` hands its ``Workspace`` to the tensor-core gemv and the gemm; the plan draws the float32 sums from it
-    only when it splits K (``core.split_sums``), so the split decision lives in the plan alone. Host-only (no launch)."""
+    only when it splits K (``core.split_sums``), so the split decision lives in the plan alone. Host-only (no
+    launch)."""
     rng = np.random.default_rng(8)
     codes = ref.to_codes(ref.quantize(random_weight(rng, 16, 5120), k=4))
     ws = kb.Workspace()
-    whole = kb.dispatch.plan(_activations(rng, 2, 5120, "float16"), codes, workspace=ws, kernel="mma_gemv", params={"split": 1})
+    plan = partial(kb.dispatch.plan, qw=codes, workspace=ws)
+    whole = plan(_activations(rng, 2, 5120, "float16"), kernel="mma_gemv", params={"split": 1})
     assert whole.workspace is None and ws._sums is None                 # no split: nothing drawn, nothing allocated
-    split = kb.dispatch.plan(_activations(rng, 4, 5120, "float16"), codes, workspace=ws, kernel="mma_gemv", params={"split": 2})
+    split = plan(_activations(rng, 4, 5120, "float16"), kernel="mma_gemv", params={"split": 2})
     assert len(split.steps) == 2 and split.workspace is ws.sums(0)
-    gemm = kb.dispatch.plan(_activations(rng, 4, 5120, "float16"), codes, workspace=ws, kernel="gemm", params={"split": 4})
+    gemm = plan(_activations(rng, 4, 5120, "float16"), kernel="gemm", params={"split": 4})
     assert gemm.workspace is ws.sums(0)
 
 
