@@ -1,7 +1,7 @@
 """The kbit kernels on the two layouts KbitLinear can keep, in one run (CUDA-graph timed, L2-cold weights,
 cuBLAS fp16 and the read floor of the same run):
 
-    python benchmarks/codes_vs_tiled.py [K x N list] [k list] [M list] [--chunk8] [--stages=S]
+    python benchmarks/codes_vs_tiled.py [K x N list] [k list] [M list] [--chunk8] [--stages=S] [--ab=FILE]
 
 Per shape, k and M: the pair gemv and the tensor-core gemm on the code layout (``KbitCodes``), the scalar
 gemv and the gemm on the tiled layout, and what ``linear`` picks for each layout. Decides whether the code
@@ -11,7 +11,11 @@ layout can be KbitLinear's default (one copy of the weight that serves every M).
 (chunks of 8 K tiles only, K a multiple of 512, every split rounded up to 8 tiles) against today's
 ``tensor_gemm.absmax_chunk`` (8, 4 or 2 tiles, keeping 3/4 of the splits). ``--stages=S`` adds ``gemm(c),SS`` and
 ``gemm(t),SS``: both gemms with a ring of S K tiles (``tensor_gemm.plan(stages=S)``) instead of ``default_stages``.
+``--ab=FILE`` adds ``gemm(c),ab`` and ``gemm(t),ab``: both gemms from another version of ``tensor_gemm.py`` (e.g.
+``git show REV:kbit_numba/tensor_gemm.py > /tmp/tg.py``), timed in the same process as today's: an A/B of a kernel
+change without two processes (the kernel cache keys each build by its code).
 """
+import importlib.util
 import sys
 from unittest.mock import patch
 
@@ -25,13 +29,19 @@ from kbit_numba._timing import graph_time_us, rotation_count
 args = [a for a in sys.argv[1:] if not a.startswith("--")]
 chunk8 = "--chunk8" in sys.argv
 stages = next((int(a.split("=")[1]) for a in sys.argv[1:] if a.startswith("--stages=")), None)
+ab_file = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--ab=")), None)
+if ab_file:                  # the other version as a module of the package (its relative imports resolve there)
+    spec = importlib.util.spec_from_file_location("kbit_numba._tensor_gemm_ab", ab_file)
+    tensor_gemm_ab = sys.modules[spec.name] = importlib.util.module_from_spec(spec)    # (dataclasses look it up)
+    spec.loader.exec_module(tensor_gemm_ab)
 shapes = [tuple(int(v) for v in s.split("x")) for s in (args[0] if args else
                                                          "4096x14336,2048x5120,4096x6144,14336x4096").split(",")]
 ks = [int(v) for v in (args[1] if len(args) > 1 else "4,2").split(",")]
 ms = [int(v) for v in (args[2] if len(args) > 2 else "1,2,4,5,8,16,32").split(",")]
 rng = np.random.default_rng(1)
 cols = (["pair(c)", "gemm(c)"] + (["gemm(c),C8"] if chunk8 else []) + ([f"gemm(c),S{stages}"] if stages else [])
-        + ["gemv(t)", "gemm(t)"] + ([f"gemm(t),S{stages}"] if stages else []) + ["lin(c)", "lin(t)"])
+        + (["gemm(c),ab"] if ab_file else []) + ["gemv(t)", "gemm(t)"] + ([f"gemm(t),S{stages}"] if stages else [])
+        + (["gemm(t),ab"] if ab_file else []) + ["lin(c)", "lin(t)"])
 
 
 def chunk8_rule(K, per, stages):
@@ -66,6 +76,8 @@ for K, N in shapes:
                 "gemm(c),C8": lambda w: chunk8_plan(A, w, out, 0, workspace=ws.sums(M * N)),
                 f"gemm(c),S{stages}": lambda w: tensor_gemm.plan(A, w, out, 0, workspace=ws.sums(M * N), stages=stages),
                 f"gemm(t),S{stages}": lambda w: tensor_gemm.plan(A, w, out, 0, workspace=ws.sums(M * N), stages=stages),
+                "gemm(c),ab": lambda w: tensor_gemm_ab.plan(A, w, out, 0, workspace=ws.sums(M * N)),
+                "gemm(t),ab": lambda w: tensor_gemm_ab.plan(A, w, out, 0, workspace=ws.sums(M * N)),
                 "gemv(t)": (lambda w: scalar_gemv.plan(A, w, out, 0)) if M <= 4 else None,
                 "gemm(t)": lambda w: tensor_gemm.plan(A, w, out, 0, workspace=ws.sums(M * N)),
                 "lin(c)": lambda w: dispatch.plan(A, w, out, 0, ws),
