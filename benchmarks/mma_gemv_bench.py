@@ -2,6 +2,7 @@
 (CUDA-graph timed, L2-cold weights, cuBLAS fp16 and the read floor of the same run):
 
     python benchmarks/mma_gemv_bench.py [K x N list] [k list] [M list] [--pdl] [--split=S] [--quarters] [--silu]
+                                      [--cta-warps=W]
 
 Columns: mma(c), mma(f) (the same kernel on the fragment layout, ``KbitFragments``, where N % 16 = K % 256 = 0),
 (and mma(c) launched with PDL in a chain of its own launches, ``--pdl``), the pair gemv
@@ -14,7 +15,9 @@ take 134; benchmarks/README.md, "Forty-second session"): ``--split=S`` adds mma(
 (``mma_gemv.plan(split=S)``: S CTAs a strip, sums by atomics, one finishing launch), ``--quarters`` mma(c) with the cap
 from the register file's four quarters (16384 / (ceil(warps / 4) * 32), down to a multiple of 8: 96 for 20 warps).
 ``--silu``: every gemv column with the gate/up SiLU epilogue (``silu_pairs``, an [M, N / 2] output; with K split the
-finishing launch applies it); the gemm columns are left out (no epilogue there).
+finishing launch applies it); the gemm columns are left out (no epilogue there). ``--cta-warps=W`` adds ``mma,wW``:
+mma(c) with CTAs of about W warps (``mma_gemv.plan(cta_warps=W)``; the default aims for ``DEFAULTS["cta_warps"]``, 16:
+two slices of 8 K-warps at K = 2048, which the k = 2 two-tile build's 128 registers allow and k = 4's 134 do not).
 """
 import sys
 from unittest.mock import patch
@@ -31,6 +34,7 @@ pdl = "--pdl" in sys.argv
 split = next((int(a.split("=")[1]) for a in sys.argv[1:] if a.startswith("--split=")), None)
 quarters = "--quarters" in sys.argv
 silu = "--silu" in sys.argv
+cta_warps = next((int(a.split("=")[1]) for a in sys.argv[1:] if a.startswith("--cta-warps=")), None)
 
 
 def register_cap_quarters(warps):
@@ -51,6 +55,7 @@ ms = [int(v) for v in (args[2] if len(args) > 2 else "1,2,4,8").split(",")]
 rng = np.random.default_rng(1)
 cols = (["mma(c)", "mma(f)"] + (["mma,pdl"] if pdl else [])
         + ([f"mma,split{split}", f"mma(f),split{split}"] if split else []) + (["mma,q"] if quarters else [])
+        + ([f"mma,w{cta_warps}"] if cta_warps else [])
         + ["pair(c)", "pair,f16", "pair(f),f16", "gemm(c)", "gemm(t)"])
 width = {c: max(8, len(c)) for c in cols}
 print(f"{'K x N':>11} {'k':>1} {'M':>2} " + " ".join(f"{c:>{width[c]}}" for c in cols) + f" {'cuBLAS':>7} {'floor':>6}"
@@ -76,6 +81,7 @@ for K, N in shapes:
                 f"mma(f),split{split}": ((lambda w: mma_gemv.plan(A, w, out, 0, split=split, silu_pairs=silu))
                                          if frags else None),
                 "mma,q": lambda w: quarters_plan(A, w, out, 0, silu_pairs=silu),
+                f"mma,w{cta_warps}": lambda w: mma_gemv.plan(A, w, out, 0, cta_warps=cta_warps, silu_pairs=silu),
                 "pair(c)": (lambda w: pair_gemv.plan(A, w, out, 0, silu_pairs=silu)) if M <= 4 else None,
                 "pair,f16": (lambda w: pair_gemv.plan(A, w, out, 0, f16_acc=True, silu_pairs=silu)) if M <= 4 else None,
                 "pair(f),f16": ((lambda w: pair_gemv.plan(A, w, out, 0, f16_acc=True, silu_pairs=silu))
