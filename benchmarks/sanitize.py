@@ -102,8 +102,13 @@ if "mma" in families:      # N = 37 (a partial strip), K = 1088 (5 K-warps, the 
         for fmt in ("e4m4", "fp32"):
             kc = pair_gemv.to_codes(kb.quantize(rng.standard_normal((37, 1088)).astype(np.float16), k=k,
                                                 absmax_format=fmt))
-            for M in ((1, 8, 12, 16) if fmt == "e4m4" else (5,)):      # 12, 16: two token tiles
-                mma_gemv.gemv(rng.standard_normal((M, 1088)).astype(np.float16), kc).copy_to_host()
+            for M in ((1, 8, 12, 16, 20, 32) if fmt == "e4m4" else (5,)):   # 12, 16: two token tiles; 20, 32:
+                mma_gemv.gemv(rng.standard_normal((M, 1088)).astype(np.float16), kc).copy_to_host()   # three, four
+    # three and four token tiles past WIDE_KW K-warps: K = 2368 (10 K-warps, the last with idle lanes: 2 splits of 5)
+    for k in pair_gemv.CODES_K:
+        kc = pair_gemv.to_codes(kb.quantize(rng.standard_normal((37, 2368)).astype(np.float16), k=k))
+        for M in (17, 29):
+            mma_gemv.gemv(rng.standard_normal((M, 2368)).astype(np.float16), kc).copy_to_host()
     # one slice a CTA (cta_warps = KW) and ~7 strips a CTA: batches of 3, 3 and 1 strips (BATCH) on every SM, in the
     # code layout (a partial last strip) and the fragment layout
     N = 16 * 7 * sm_count()

@@ -249,7 +249,7 @@ def _mm_row(label, K, N, k, M, t, nbytes, ceilings, params=None):
 def matmul_rows(shapes, ks, ms, ceilings, progress, kernels=("gemm", "dequant_matmul", "linear")):
     """Any-M rows on rotating tiled weights: the tensor-core GEMM, dequantize + cuBLAS fp16 (torch), and
     ``linear`` (whatever the package's table picks), and for k = 2, 4 the same on the code layout (KbitLinear's
-    default there), with ``"mma_gemv"`` in ``kernels`` the tensor-core gemv on it too (M <= 16). Percent of the read
+    default there), with ``"mma_gemv"`` in ``kernels`` the tensor-core gemv on it too (M <= 32). Percent of the read
     ceiling counts the kbit bytes."""
     from numba import cuda
 
@@ -970,7 +970,7 @@ def main(argv=None):
     p.add_argument("--k", default=",".join(map(str, KS)))
     p.add_argument("--m", default=",".join(map(str, MS)))
     p.add_argument("--kernels", default=",".join(KERNELS),
-                   help="any of %s, mma_gemv (the tensor-core gemv on the code layout, M <= 16), the other seed "
+                   help="any of %s, mma_gemv (the tensor-core gemv on the code layout, M <= 32), the other seed "
                         "systems %s, and the peers %s when they are importable (bench_peers.py; not in the default)"
                         % (",".join(KERNELS), ",".join(FORMAT_KERNELS), ",".join(PEERS)))
     p.add_argument("--bits", default=",".join(map(str, UNIFORM_BENCH_BITS)), help="uniform n-bit widths")

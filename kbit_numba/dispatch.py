@@ -8,12 +8,12 @@ M <= max_m wins, ``null`` = any M) and per-shape rules for the shapes it measure
 A rule is only followed when its kernel applies; otherwise the next applicable one in ``FALLBACK``:
 ``gemv`` needs M <= 4 (bigger M runs it in slices of 4 rows), ``gemm`` the tiled layout,
 ``dequant_matmul`` torch or CuPy for the cuBLAS call. A weight in the code layout (``KbitCodes``, k = 2, 4) is read
-by ``pair_gemv``, by ``mma_gemv`` (M <= 16, float16/bfloat16 A, K a multiple of 64; K split past 8192, or past 4096
-where a CTA of all its K-warps would spill: ``mma_gemv.k_splits``) and by ``gemm`` (K a multiple of 64); the table's
-``codes_rules`` (default ``CODES_RULES``) choose between them, and its ``codes_variants`` and ``codes_shapes``
-(``python -m kbit_numba.bench --tune-codes``) hold rules with the pair gemv's launch knobs measured best on that GPU,
-for any shape and per shape (``codes_rules()``). Where those rules give the gemm or dequantize + cuBLAS,
-``codes_mm_rules`` / ``codes_mm_shapes`` (``--tune``) pick between the two.
+by ``pair_gemv``, by ``mma_gemv`` (M <= 32, the rules take it to 16; float16/bfloat16 A, K a multiple of 64; K split
+past 8192, or past 4096 where a CTA of all its K-warps would spill: ``mma_gemv.k_splits``) and by ``gemm`` (K a
+multiple of 64); the table's ``codes_rules`` (default ``CODES_RULES``) choose between them, and its ``codes_variants``
+and ``codes_shapes`` (``python -m kbit_numba.bench --tune-codes``) hold rules with the pair gemv's launch knobs
+measured best on that GPU, for any shape and per shape (``codes_rules()``). Where those rules give the gemm or
+dequantize + cuBLAS, ``codes_mm_rules`` / ``codes_mm_shapes`` (``--tune``) pick between the two.
 
 For MoE experts (``KbitExperts``), ``grouped_linear`` and ``KbitExpertsLinear`` pick one of the grouped kernels per
 routing (``choose_grouped``: the grouped pair gemv, the tensor-core gemv, the scalar grouped gemv or the grouped gemm),
@@ -87,7 +87,7 @@ MMA_GEMV_MAX_M = {4: 16}           # k -> the largest M the tensor-core gemv tak
 # the code layout), and dequantize + cuBLAS the rest (with no cuBLAS route: the pair gemv, 4 rows a launch). No
 # per-GPU table. Measured as a whole (H200, llama3-8b step, 2026-11-29; benchmarks/README.md, "Forty-first session"):
 # B = 4..16 8-11% faster than the code layout, B = 1 24-25% slower than its pair gemv with float16 sums.
-FRAGMENT_RULES = [[mma_gemv.MAX_TOKENS, "mma_gemv"], [MAX_M, "pair_gemv"], [None, "dequant_matmul"]]
+FRAGMENT_RULES = [[16, "mma_gemv"], [MAX_M, "pair_gemv"], [None, "dequant_matmul"]]   # (its 3-4 tiles: unmeasured)
 
 
 def mma_gemv_max_m(table, k, N=None, K=None):

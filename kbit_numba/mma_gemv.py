@@ -1,4 +1,4 @@
-"""Tensor-core GEMV ("swap AB"): C[M, N] = A[M, K] @ W[N, K]^T for M = 1..16 on the code layout (k = 2, 4).
+"""Tensor-core GEMV ("swap AB"): C[M, N] = A[M, K] @ W[N, K]^T for M = 1..32 on the code layout (k = 2, 4).
 
 The pair gemv (``pair_gemv``) spends G * M FMAs per code byte, so its cost grows with M; the tiled gemm
 (``tensor_gemm``) puts the tokens in the MMA's 16-row A operand, stages every weight through shared memory
@@ -7,7 +7,8 @@ and waits on its own dependency chains. This kernel streams the weights the pair
 
 * **Weights are the A operand** (16 rows = 16 columns of W), **tokens the B operand** (n8: M <= 8 wastes no
   MMA work at M = 8, and the MMA count does not grow with M). M = 9..16 takes two n8 tiles (``tiles=2``): each
-  decoded A fragment feeds two MMAs, so the decode, the per-weight cost, is paid once for 16 tokens.
+  decoded A fragment feeds two MMAs, so the decode, the per-weight cost, is paid once for 16 tokens. M = 17..32
+  takes three or four, in CTAs of at most 8 K-warps (``WIDE_KW``: their B fragments take 96-128 registers).
 * **The k order inside an MMA is free** (it is summed over), so lane (g, t) = (lane // 4, lane % 4) holds two
   of the warp's 8 blocks of columns g and g + 8 of the strip, chosen so that every load instruction of a quad
   reads whole 32-byte sectors: at k = 4 (16-byte blocks) blocks ``t`` and ``t + 4`` (each 16-byte load of a
@@ -69,7 +70,7 @@ from .intrinsics import (bmul2, f16x2_as_u32, f32_as_u32, griddep_launch_depende
 from .launch import NUMBA_TYPES, OUT_TYPES, Plan, Spec, Step, launch_step, type_name
 
 N8 = 8                            # the MMA's n8: tokens per tile
-MAX_TILES = 2                     # n8 tiles per launch: each A fragment feeds this many MMAs
+MAX_TILES = 4                     # n8 tiles per launch: each A fragment feeds this many MMAs
 MAX_TOKENS = N8 * MAX_TILES       # rows of A a launch takes
 STRIP = 16                        # columns per warp per iteration: the MMA's m16
 KB_WARP = 8                       # blocks per warp (256 k): 2 per lane of a quad
@@ -86,6 +87,11 @@ SPLIT_KW = 16                     # K-warps a split aims for past MAX_K (K = 143
 # finishing launch; silu_pairs and grouped launches follow the same rule (at K = 5120 silu_pairs' split2 within 2% of
 # the plain one, the grouped split2 32-40% faster at B = 1: "Forty-fourth session").
 UNSPLIT_UNDER_CAP = {2: N8}       # k -> the largest M that keeps a CTA of SPLIT_KW..MAX_KW K-warps whole
+# Three and four token tiles (M = 17..32) hold their B fragments in 96-128 registers: the builds take 165-255 a thread
+# (local ptxas, sm_90: k = 4 205 / 237, k = 2 165 / 255 with 8 bytes spilled), so a CTA holds at most 8 K-warps
+# (256 threads x 255 registers fill the register file) and K splits past K = 2048 (``k_splits``).
+WIDE_TILES = 3                    # from this many token tiles on ...
+WIDE_KW = 8                       # ... a CTA holds at most this many K-warps
 K_STEP = KB_LANE * BLOCK          # K a multiple of 64 (at k = 2 a lane's two blocks are one 16-byte piece)
 # Block b of lane t in its warp's 8 blocks: t * LANE_STRIDE + b * BLOCK_STRIDE (see the docstring: whole sectors)
 LANE_STRIDE = {2: 2, 4: 1}
@@ -610,9 +616,11 @@ def k_splits(K, split=None, k=4, M=1):
     """(splits of K, K-warps a split) of a launch of M rows (a grouped launch: ``N8``) on K columns of ``k`` bits:
     ``split`` as asked (no split left empty), else about ``SPLIT_KW`` warps a split past ``SPLIT_KW`` K-warps
     (K > 4096), unless K <= ``MAX_K`` and the CTA's registers spill less than splitting costs
-    (``UNSPLIT_UNDER_CAP``)."""
+    (``UNSPLIT_UNDER_CAP``); three or four token tiles (M > 16): at most ``WIDE_KW`` a split."""
     kw = -(-(K // BLOCK) // KB_WARP)
-    if split is None:
+    if split is None and tiles_for(M) >= WIDE_TILES:
+        split = -(-kw // WIDE_KW)
+    elif split is None:
         whole = M <= UNSPLIT_UNDER_CAP.get(k, 0)
         split = 1 if kw <= SPLIT_KW or (whole and kw <= MAX_KW) else -(-kw // SPLIT_KW)
     elif isinstance(split, bool) or not isinstance(split, (int, np.integer)) or not 1 <= split <= kw:
@@ -624,7 +632,7 @@ def k_splits(K, split=None, k=4, M=1):
 
 
 def tiles_for(M):
-    """The n8 token tiles a launch of M rows takes: one to M = 8, two beyond."""
+    """The n8 token tiles a launch of M rows takes: one to M = 8, two to 16, three to 24, four to 32."""
     return max(1, -(-M // N8))
 
 
@@ -640,7 +648,7 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, cta_war
     """Checked inputs bound into a :class:`launch.Plan`. ``kc``: KbitCodes (k = 2, 4; K a multiple of 64;
     ``pair_gemv.to_codes`` makes one from a flat KbitWeight) or KbitFragments (:func:`to_fragments`;
     N a multiple of 16, K of 256). A: float16 or
-    bfloat16 (``bf16=True``, int16 bits) [M, K] or [K], M = 1..16 (float32 A: use ``tensor_gemm`` or
+    bfloat16 (``bf16=True``, int16 bits) [M, K] or [K], M = 1..32 (float32 A: use ``tensor_gemm`` or
     ``pair_gemv``). ``cta_warps`` overrides ``DEFAULTS``; ``pdl`` and ``silu_pairs`` (an [M, N / 2] output): see
     ``pair_gemv.plan``. ``split``: K's splits (:func:`k_splits`; by default past K = 8192, and past 4096 where
     a whole CTA would spill): then the sums go into
@@ -765,7 +773,7 @@ def grouped_gemv(A, experts, expert_offsets, out=None, stream=None, out_dtype=np
 
 
 def gemv(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False):
-    """C[M, N] = A[M, K] @ W^T for M = 1..16 on the tensor cores, W a KbitCodes (k = 2, 4; K a multiple of 64;
+    """C[M, N] = A[M, K] @ W^T for M = 1..32 on the tensor cores, W a KbitCodes (k = 2, 4; K a multiple of 64;
     split past 8192, or past 4096 where a whole CTA would spill: :func:`plan`) or a KbitFragments
     (:func:`to_fragments`). A: float16 (bfloat16 as int16 bits with ``bf16=True``) [M, K] or [K]; returns a device
     array [M, N] (or [N]) of ``out_dtype`` (float16 or float32), or writes into ``out``."""
@@ -780,8 +788,8 @@ def prepare(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, pdl=
 def ptx_specs():
     """Every k with float16 A and E4M4 absmax (plain with one and two token tiles, pdl, grouped, grouped pdl,
     the fragment layout with one and two tiles and grouped, a sum per strip with two tiles: K > 6656, the silu_pairs
-    epilogue plain and grouped, split-K with one tile, with two as a PDL launch and grouped), and each other choice with
-    every k."""
+    epilogue plain and grouped, split-K with one tile, with two as a PDL launch and grouped, with three and four), and
+    each other choice with every k."""
     variants = [dict(), dict(tiles=2), dict(pdl=True), dict(grouped=True), dict(grouped=True, pdl=True),
                 dict(fragments=True), dict(fragments=True, tiles=2), dict(fragments=True, grouped=True),
                 dict(tiles=2, batch=1),
@@ -790,7 +798,9 @@ def ptx_specs():
                 dict(out_dtype="float32"),
                 dict(pdl=True, silu_pairs=True), dict(grouped=True, pdl=True, fragments=True, silu_pairs=True),
                 dict(split_k=True, out_dtype="float32"), dict(split_k=True, out_dtype="float32", tiles=2, pdl=True),
-                dict(split_k=True, out_dtype="float32", grouped=True)]
+                dict(split_k=True, out_dtype="float32", grouped=True),
+                dict(tiles=4), dict(split_k=True, out_dtype="float32", tiles=3),
+                dict(split_k=True, out_dtype="float32", tiles=4)]
     return [MmaGemvSpec(k=k, **v) for k in CODES_K for v in variants]
 
 

@@ -1,4 +1,4 @@
-"""Tensor-core GEMV (swap AB, code layout, M = 1..16; grouped: up to 8 rows an expert) against reference.gemm, on
+"""Tensor-core GEMV (swap AB, code layout, M = 1..32; grouped: up to 8 rows an expert) against reference.gemm, on
 the simulator (CI) and the GPU."""
 import numpy as np
 import pytest
@@ -22,7 +22,7 @@ SPLIT = [(k, a) for k in CODES_K for a in ("float16", "bfloat16")]
 
 @gpu_split("k_split, a_split", SPLIT)
 @settings(max_examples=gpu_examples(EXAMPLES * 2, len(SPLIT)))
-@given(seeds, variants((4, 2), range(1, 17), ("e4m4", "fp32"), ("float16", "bfloat16"), (np.float16, np.float32)),
+@given(seeds, variants((4, 2), range(1, 33), ("e4m4", "fp32"), ("float16", "bfloat16"), (np.float16, np.float32)),
        sizes(MAX_N, 20000), KB2, weight_kinds, out_modes)
 def test_mma_gemv(k_split, a_split, seed, v, N, kb2, kind, out_mode):
     k, M, fmt, a_dtype, out_dtype = v
@@ -54,10 +54,10 @@ def check_silu_pairs(got, A, qw, out_dtype=np.float32):
 
 
 @settings(max_examples=EXAMPLES)
-@given(seeds, variants((4, 2), range(1, 17), (np.float16, np.float32)), st.integers(1, MAX_N // 2), KB2)
+@given(seeds, variants((4, 2), range(1, 33), (np.float16, np.float32)), st.integers(1, MAX_N // 2), KB2)
 def test_mma_gemv_silu_pairs(seed, v, half_n, kb2):
     """The ``silu_pairs`` epilogue (gate/up rows interleaved) writes silu(C[:, 2j]) * C[:, 2j + 1] into an [M, N / 2]
-    output, one and two token tiles."""
+    output, one to four token tiles."""
     k, M, out_dtype = v
     rng = np.random.default_rng(seed)
     N, K = 2 * half_n, 64 * kb2
@@ -425,11 +425,30 @@ def test_mma_gemv_grouped_refuses_and_marks_extra_rows():
         kb.grouped_gemv(A, experts, offsets)
 
 
+@pytest.mark.parametrize("k, M, K", [(4, 25, 2304)] if SIM else
+                         [(k, M, K) for k in CODES_K for M, K in ((17, 2048), (24, 4096), (32, 2304), (32, 14336))])
+def test_mma_gemv_wide_tiles_split_k(k, M, K):
+    """Three and four token tiles (M = 17..32) hold at most ``WIDE_KW`` K-warps a CTA: past them K splits (2304: 9
+    K-warps, two splits of 5; 4096: two of 8; 14336: seven of 8), the sums by atomics into the workspace, which the
+    finishing launch leaves zeroed."""
+    rng = np.random.default_rng(70 + M + k)
+    flat = ref.quantize(random_weight(rng, 24, K), k=k)
+    A = _activations(rng, M, K, "float16")
+    kw = -(-K // 256)
+    splits, per = mma_gemv.k_splits(K, None, k, M)
+    assert per <= mma_gemv.WIDE_KW and splits == -(-kw // mma_gemv.WIDE_KW)
+    p = mma_gemv.plan(A, pair_gemv.to_codes(flat), out_dtype=np.float32)
+    assert len(p.steps) == (2 if splits > 1 else 1)
+    check_gemm(p.launch().copy_to_host(), A, flat, out_dtype=np.float32)
+    if splits > 1:
+        assert not p.workspace.copy_to_host().any()
+
+
 def test_mma_gemv_refuses():
     rng = np.random.default_rng(6)
     kc = ref.to_codes(ref.quantize(random_weight(rng, 4, 64), k=4))
-    with pytest.raises(ValueError, match="M = 1..16"):
-        mma_gemv.gemv(np.zeros((17, 64), np.float16), kc)
+    with pytest.raises(ValueError, match="M = 1..32"):
+        mma_gemv.gemv(np.zeros((33, 64), np.float16), kc)
     with pytest.raises(ValueError, match="float16 or bfloat16"):
         mma_gemv.gemv(np.zeros((1, 64), np.float32), kc)
     with pytest.raises(ValueError, match="multiple of 64"):
