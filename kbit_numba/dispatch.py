@@ -665,7 +665,6 @@ class KbitExpertsLinear:
         if kernel == "pair_gemv":
             return pair_gemv.plan_grouped(A, weight, offsets, out, stream, out_dtype, bf16, f16_acc=self.f16_acc and f16,
                                           pdl=self.pdl, silu_pairs=silu_pairs)
-        N, K = self.expert_shape
         if kernel == "mma_gemv":    # (where it splits K its sums come from the layer's workspace, as the gemm's)
             return mma_gemv.plan_grouped(A, weight, offsets, out, stream, out_dtype, bf16, max_tokens=most,
                                          pdl=self.pdl, silu_pairs=silu_pairs, workspace=self.workspace)
