@@ -100,6 +100,10 @@ SCALES = TABLE_FLOATS             # word offset of the E4M4 table (absmax byte -
 PART = CODEBOOK + 16              # float offset of the cross-warp partial C tiles
 MMA_TYPES = ("float16", "bfloat16")
 DEFAULTS = {"cta_warps": 16}      # warps per CTA the plan aims for (the table is filled once per CTA)
+# k = 2's two-tile build (128 registers) fits two slices of 8 K-warps in a CTA at K = 2048, yet runs 22-28% faster
+# with one (H200, 2048x4096 and 2048x5120, M = 12 and 16: 6.88-8.68 us against 8.86-12.01); k = 4's (134 registers)
+# fits one slice either way (within 2%). benchmarks/README.md, "Forty-sixth session".
+CTA_WARPS_BY_K_TILES = {(2, 2): 8}   # (k, tiles) -> the warps per CTA the plan aims for instead of DEFAULTS
 BATCH = 3                         # strips whose partial C tiles are summed after one barrier (the loop's unroll)
 SHARED_PER_CTA = SHARED_PER_SM - 1024   # the most dynamic shared memory a CTA may opt in to (sm_90: 227 KB)
 
@@ -699,7 +703,8 @@ def _step(spec, args, N, K, cta_warps=None, slots=None, splits=1):
     groups of one weight, or (grouped) over each of ``slots`` experts' column groups, or (split-K) over each of
     ``splits`` shares of the K-warps (KW a share; grouped: grid (groups, slots, splits))."""
     kw = -(-(-(-(K // BLOCK) // KB_WARP)) // splits)     # ceil(ceil(K / 256) / splits)
-    most_slices = max(1, min((cta_warps or DEFAULTS["cta_warps"]) // kw, -(-N // STRIP)))
+    aim = cta_warps or CTA_WARPS_BY_K_TILES.get((spec.k, spec.tiles), DEFAULTS["cta_warps"])
+    most_slices = max(1, min(aim // kw, -(-N // STRIP)))
     if TABLE_BYTES + part_bytes(most_slices, kw, spec.tiles, spec.batch) > SHARED_PER_CTA:
         spec = replace(spec, batch=1)                      # K > 6656 with two tiles: a barrier per strip
     spec, kern, regs, max_threads = fit_threads(make_mma_gemv_kernel, spec, args, kw * WARP)

@@ -152,6 +152,22 @@ def test_k_splits_default_rule():
         mma_gemv.k_splits(14336, 1)
 
 
+def test_cta_warps_by_bits_and_tiles():
+    """At K = 2048 (8 K-warps) a CTA aims for DEFAULTS["cta_warps"] (16: two slices where the registers allow), but
+    k = 2's two-tile build for CTA_WARPS_BY_K_TILES (8: one slice); an asked cta_warps wins. (The plan alone: nothing
+    is launched. On a GPU the registers may cut the slices further, as for k = 4's two tiles: the default plan is then
+    compared with one asked for the aim; on the simulator every build fits 1024 threads, so the blocks are exact.)"""
+    rng = np.random.default_rng(5)
+    K, N = 2048, 4 * mma_gemv.STRIP
+    for k, M, cta_warps, aim in ((2, 12, None, 8), (2, 8, None, 16), (4, 12, None, 16), (2, 16, 16, 16)):
+        kc = pair_gemv.to_codes(ref.quantize(random_weight(rng, N, K), k=k))
+        A = rng.standard_normal((M, K)).astype(np.float16)
+        block = mma_gemv.plan(A, kc, cta_warps=cta_warps).steps[0].block
+        assert block == mma_gemv.plan(A, kc, cta_warps=aim).steps[0].block, (k, M, cta_warps)
+        if SIM:
+            assert block == aim * 32, (k, M, cta_warps)
+
+
 @gpu_split("k_split", CODES_K)
 @settings(max_examples=gpu_examples(EXAMPLES, len(CODES_K)))
 @given(seeds, variants((4, 2), (1, 9, 16), (np.float16, np.float32)), st.integers(1, MAX_N // 2), KB2_SPLIT,
