@@ -73,6 +73,11 @@ PAIR_GEMV_F16_MAX_M = {4: 3}       # k -> the largest M the pair gemv with float
 # tiles beat the code layout's gemm by 2-29% at M = 12 and by 17-30% on three of five shapes at M = 16 (3.5-3.7%
 # slower on two) on the H200 (benchmarks/README.md, "Thirty-ninth session"); the H100 was not measured since.
 MMA_GEMV_MAX_M = {4: 16}           # k -> the largest M the tensor-core gemv takes
+# Its three and four token tiles (M = 17..32, CTAs of at most 8 K-warps: mma_gemv.WIDE_KW) took 6-37% less time than
+# the code layout's gemm at M = 24 and 32 on all ten measured shapes with K <= 5120 at k = 4 (H200; at k = 2 on most:
+# the H200 table's caps), but past K = 8192, where the K-warps split over 7 CTAs, the gemm took 10-26% less
+# (14336x4096 k = 4 M = 24: 40.4 us against 44.7). benchmarks/README.md, "Forty-sixth session".
+MMA_GEMV_WIDE_MAX_K = 8192         # past this K the tensor-core gemv takes at most two token tiles (M <= 16)
 # A table may also cap it per shape (``mma_gemv_max_m_shapes``, {"KxN": {k: cap}}; ``bench --tune`` writes them:
 # ``bench.mma_gemv_caps``). On the H200 its two token tiles took 23.4 us at 5120x2048 k = 4 M = 16 against the code
 # layout's gemm's 13.0 while a CTA of 20 K-warps ran at 64 registers; split in two (``mma_gemv.k_splits``, since the
@@ -93,11 +98,13 @@ FRAGMENT_RULES = [[16, "mma_gemv"], [MAX_M, "pair_gemv"], [None, "dequant_matmul
 def mma_gemv_max_m(table, k, N=None, K=None):
     """The largest M the tensor-core gemv takes on an N x K weight of ``k`` bits: the table's cap for that shape
     (``mma_gemv_max_m_shapes["KxN"][str(k)]``), else its cap for ``k`` (``mma_gemv_max_m[str(k)]``; both measured on
-    its GPU), else ``MMA_GEMV_MAX_M[k]``, else one token tile (8)."""
+    its GPU), else ``MMA_GEMV_MAX_M[k]``, else one token tile (8); past ``MMA_GEMV_WIDE_MAX_K`` at most two tiles."""
     shape = table.get("mma_gemv_max_m_shapes", {}).get(f"{K}x{N}", {})
     if str(k) in shape:
-        return int(shape[str(k)])
-    return int(table.get("mma_gemv_max_m", {}).get(str(k), MMA_GEMV_MAX_M.get(k, mma_gemv.N8)))
+        cap = int(shape[str(k)])
+    else:
+        cap = int(table.get("mma_gemv_max_m", {}).get(str(k), MMA_GEMV_MAX_M.get(k, mma_gemv.N8)))
+    return min(cap, 2 * mma_gemv.N8) if K is not None and K > MMA_GEMV_WIDE_MAX_K else cap
 
 
 # ---- the per-GPU table ---------------------------------------------------------------------------

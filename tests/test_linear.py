@@ -37,7 +37,7 @@ def test_choose_follows_rules_shapes_and_fallbacks():
     kk = lambda M, k: L.choose(M, 512, 64, "codes", TABLE, "torch", k=k)  # noqa
     assert [kk(M, 4) for M in (8, 9, 16, 17)] == ["mma_gemv"] * 3 + ["gemm"]
     assert [kk(M, 2) for M in (8, 9, 16)] == ["mma_gemv", "gemm", "gemm"]
-    # ... unless the GPU's table sets its own cap for that k (mma_gemv_max_m; the H200's: 16 at k = 2)
+    # ... unless the GPU's table sets its own cap for that k (mma_gemv_max_m; the H200's: 32)
     capped = dict(TABLE, mma_gemv_max_m={"2": 16, "4": 12})
     kt = lambda M, k: L.choose(M, 512, 64, "codes", capped, "torch", k=k)  # noqa
     assert [kt(M, 2) for M in (8, 9, 16, 17)] == ["mma_gemv"] * 3 + ["gemm"]
@@ -50,6 +50,9 @@ def test_choose_follows_rules_shapes_and_fallbacks():
     assert [ks(M, 4, 128) for M in (4, 5)] == ["mma_gemv", "gemm"]               # 128x512 at k = 4: 4
     assert [ks(M, 2, 128) for M in (16, 17)] == ["mma_gemv", "gemm"]             # 128x512 at k = 2: the k cap, 16
     assert L.mma_gemv_max_m(shaped, 2, 512, 64) == 8 and L.mma_gemv_max_m(shaped, 2) == 16
+    # ... and past MMA_GEMV_WIDE_MAX_K (a split K) at most two token tiles, whatever the caps say
+    wide = dict(TABLE, mma_gemv_max_m={"2": 32, "4": 32}, mma_gemv_max_m_shapes={"14336x512": {"4": 24}})
+    assert [L.mma_gemv_max_m(wide, 4, 512, K) for K in (8192, 8448, 14336)] == [32, 16, 16]
     assert ch(100, layout="codes", backend=False) == "gemm"
     assert {ch(M, K=96, layout="codes", backend=False) for M in (1, 5, 100)} == {"pair_gemv"}   # K % 64 != 0
     # K > 8192: the tensor-core gemv splits K (to its M cap; the gemm beyond) ...
@@ -288,7 +291,7 @@ def test_kbit_linear_codes_f16_acc(M):
     k = 4 if M == 3 else 2                 # (k = 4, M = 3: the pair gemv, not the tensor-core gemv; dispatch.py)
     flat = ref.quantize(random_weight(rng, 24 if SIM else 1000, 64 if SIM else 2048), k=k)
     layer = kb.KbitLinear(flat, layout="codes", f16_acc=True)
-    cap = L.mma_gemv_max_m(L.load_table(), k, *flat.shape)  # (this GPU's table: the H200's k = 2 to 16; default 8)
+    cap = L.mma_gemv_max_m(L.load_table(), k, *flat.shape)  # (this GPU's table: the H200's: 32; default 8)
     assert layer.kernel_for(M) == ("pair_gemv" if M <= 2 or M == 3 and k == 4 else "mma_gemv" if M <= cap else "gemm")
     A = rng.standard_normal((M, flat.shape[1])).astype(np.float16)
     check_close_f16_acc(layer(A, out_dtype=np.float32).copy_to_host(), A, flat, np.float32)
