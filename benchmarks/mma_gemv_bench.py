@@ -2,7 +2,7 @@
 (CUDA-graph timed, L2-cold weights, cuBLAS fp16 and the read floor of the same run):
 
     python benchmarks/mma_gemv_bench.py [K x N list] [k list] [M list] [--pdl] [--split=S] [--quarters] [--silu]
-                                      [--cta-warps=W]
+                                      [--cta-warps=W] [--dq]
 
 Columns: mma(c), mma(f) (the same kernel on the fragment layout, ``KbitFragments``, where N % 16 = K % 256 = 0),
 (and mma(c) launched with PDL in a chain of its own launches, ``--pdl``), the pair gemv
@@ -18,14 +18,17 @@ from the register file's four quarters (16384 / (ceil(warps / 4) * 32), down to 
 finishing launch applies it); the gemm columns are left out (no epilogue there). ``--cta-warps=W`` adds ``mma,wW``:
 mma(c) with CTAs of about W warps (``mma_gemv.plan(cta_warps=W)``; the default aims for ``DEFAULTS["cta_warps"]``, 16:
 two slices of 8 K-warps at K = 2048, which the k = 2 two-tile build's 128 registers allow and k = 4's 134 do not).
+``--dq`` adds ``dq(c)`` and ``dq(f)``: dequantize + cuBLAS (``linear(kernel="dequant_matmul")``; needs torch or cupy) from
+the code and the fragment layout, what ``linear`` runs past the tensor-core gemv (the fragment layout has no gemm).
 """
 import sys
+from functools import partial
 from unittest.mock import patch
 
 import numpy as np
 from numba import cuda
 
-from kbit_numba import bench, core, mma_gemv, pair_gemv, tensor_gemm
+from kbit_numba import bench, core, dispatch, mma_gemv, pair_gemv, tensor_gemm
 from kbit_numba.codec import repack_tiled
 from kbit_numba._timing import graph_time_us, rotation_count
 
@@ -35,6 +38,7 @@ split = next((int(a.split("=")[1]) for a in sys.argv[1:] if a.startswith("--spli
 quarters = "--quarters" in sys.argv
 silu = "--silu" in sys.argv
 cta_warps = next((int(a.split("=")[1]) for a in sys.argv[1:] if a.startswith("--cta-warps=")), None)
+dq = "--dq" in sys.argv
 
 
 def register_cap_quarters(warps):
@@ -56,7 +60,7 @@ rng = np.random.default_rng(1)
 cols = (["mma(c)", "mma(f)"] + (["mma,pdl"] if pdl else [])
         + ([f"mma,split{split}", f"mma(f),split{split}"] if split else []) + (["mma,q"] if quarters else [])
         + ([f"mma,w{cta_warps}"] if cta_warps else [])
-        + ["pair(c)", "pair,f16", "pair(f),f16", "gemm(c)", "gemm(t)"])
+        + ["pair(c)", "pair,f16", "pair(f),f16", "gemm(c)", "gemm(t)"] + (["dq(c)", "dq(f)"] if dq else []))
 width = {c: max(8, len(c)) for c in cols}
 print(f"{'K x N':>11} {'k':>1} {'M':>2} " + " ".join(f"{c:>{width[c]}}" for c in cols) + f" {'cuBLAS':>7} {'floor':>6}"
       " %floor(mma) mma vs cuBLAS  mma vs best other  mma(f)/mma(c)")
@@ -73,6 +77,7 @@ for K, N in shapes:
             A = cuda.to_device(rng.standard_normal((M, K)).astype(np.float16))
             out = cuda.device_array((M, N // 2 if silu else N), np.float16)
             sums = tensor_gemm.new_workspace(M, N)
+            space = dispatch.Workspace()
             plans = {
                 "mma(c)": lambda w: mma_gemv.plan(A, w, out, 0, silu_pairs=silu),
                 "mma(f)": (lambda w: mma_gemv.plan(A, w, out, 0, silu_pairs=silu)) if frags else None,
@@ -88,6 +93,8 @@ for K, N in shapes:
                                 if M <= 4 and frags else None),
                 "gemm(c)": None if silu else lambda w: tensor_gemm.plan(A, w, out, 0, workspace=sums),
                 "gemm(t)": None if silu else lambda w: tensor_gemm.plan(A, w, out, 0, workspace=sums),
+                "dq(c)": None if silu else "dequant_matmul",
+                "dq(f)": None if silu or not frags else "dequant_matmul",
             }
             t = {}
             for name in cols:
@@ -95,6 +102,10 @@ for K, N in shapes:
                 if make is None or (name.startswith("mma") and not mma_gemv.reads(M, K)):
                     continue
                 weights = tiled if name == "gemm(t)" else frags if "(f)" in name else codes
+                if make == "dequant_matmul":   # (linear's own launch: the dequantize, then the cuBLAS call)
+                    runs = [partial(dispatch.linear, A, w, out, workspace=space, kernel=make) for w in weights]
+                    t[name] = graph_time_us(lambda i, s: runs[i % n](stream=s), n * max(1, 64 // n))
+                    continue
                 runs = [make(w).prepare().run for w in weights]
                 t[name] = graph_time_us(lambda i, s: runs[i % n](s), n * max(1, 64 // n))
             floor = bench.floor_us(nbytes + M * K * 2 + M * N * 2)

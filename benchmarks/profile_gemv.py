@@ -5,8 +5,8 @@
 
 KERNEL: ``gemv`` (the scalar gemv, default), ``pair`` or ``pair_f16`` (the pair gemv on the code layout,
 fp32 or ``f16_acc`` sums; k = 2 or 4; ``pair_frag``, ``pair_f16_frag``: on the fragment layout), ``mma`` (the
-tensor-core gemv, M <= 16; ``mma_frag``: on the fragment layout; ``mma_silu``: its SiLU epilogue, N the gate/up
-width).
+tensor-core gemv, M <= 32; with K split the main launch is the one named mma_gemv; ``mma_frag``: on the fragment
+layout; ``mma_silu``: its SiLU epilogue, N the gate/up width).
 """
 import sys
 
