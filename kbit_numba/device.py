@@ -303,14 +303,17 @@ PRMT_ROW = 0x5504
 
 
 @inlined
-def stage_codebook(smem, cb, tid):
-    """Copy the codebook (float32, up to 16 values) to float offset ``CODEBOOK`` of ``smem`` by ``cp.async``, for
-    a ``make_table_fill(..., staged=True)`` fill, which waits for it. A kernel that issues its first weight loads
-    before the fill (mma_gemv's PDL build) calls this before them: the fill's one global read is then not queued
-    behind the weights, and as a copy into shared memory it holds no register that a later instruction waits on
-    (a plain load and store there made every warp wait for the codebook before its first weight load)."""
-    if tid < u32(len(cb)):
-        cp_async4(smem, u32(shared_addr(smem) + u32(4) * u32(u32(CODEBOOK) + tid)), cb, tid, u32(4))
+def stage_codebook(smem, cb, tid, word0, count):
+    """Copy the codebook's ``count`` float32 values (``len(cb)``, or 2^k where the kernel knows k) to float offset
+    ``word0`` of the shared array ``smem`` by ``cp.async``, threads 0..count-1 one value each, as a commit group of
+    its own. The gemvs stage it at ``CODEBOOK`` for a ``make_table_fill(..., staged=True)`` fill, which waits for it;
+    the tensor-core gemm into its own array before its first K tiles' copies. Issued before a kernel's first weight
+    loads, the one global read is not queued behind them, and as a copy into shared memory it holds no register
+    that a later instruction waits on (a plain load and store there made every warp of mma_gemv's PDL build wait
+    for the codebook before its first weight load; in the gemm a plain load after the tiles' copies took ~10% of
+    its stall samples: benchmarks/README.md, "Forty-fifth session")."""
+    if tid < count:
+        cp_async4(smem, u32(shared_addr(smem) + u32(4) * u32(word0 + tid)), cb, tid, u32(4))
     cp_async_commit()
 
 

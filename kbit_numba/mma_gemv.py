@@ -439,7 +439,7 @@ def make_mma_gemv_kernel(spec):
         if PDL:                     # the next kernel may start now: it waits for this one in griddep_wait
             griddep_launch_dependents()
         if EARLY_LOADS:
-            stage_codebook(smem, cb, tid)   # the table fill's one global read goes out first
+            stage_codebook(smem, cb, tid, u32(CODEBOOK), u32(len(cb)))   # the fill's one global read goes out first
         if GROUPED and PDL:         # the offsets are the router's output, and the weights to load follow from
             fill_tables(smem, cb, tid)      # them: before the wait only the tables (the plain kernel loads first)
             griddep_wait()

@@ -54,7 +54,7 @@ from numba import cuda
 from . import _arrays
 from .core import (FINISH_THREADS, check_grouped, device_weight, finish_step, max_tokens_per_expert,  # noqa: F401
                    new_workspace, sm_count, split_sums, unused_i32)        # (new_workspace: tensor_gemm's API)
-from .device import WARP, e4m4_decode, f32_to_bf16_bits, i32, inlined, jit_kernel, u32
+from .device import WARP, e4m4_decode, f32_to_bf16_bits, i32, inlined, jit_kernel, stage_codebook, u32
 from .formats import ABSMAX_FORMATS, CODES_K, K_BITS, TILE_K, TILE_N, KbitCodes, KbitWeight, check_k, padded_k
 from .launch import NUMBA_TYPES, OUT_TYPES, Plan, Spec, Step, type_name
 from .intrinsics import (LOP3_AND_OR, bmul2, cp_async4, cp_async16, cp_async_commit, cp_async_wait,
@@ -394,9 +394,7 @@ def make_gemm_kernel(spec):
         #      and as a copy into shared memory, so that its one read is not queued behind the tiles' copies and
         #      the table fill below waits for it alone (a plain load after the copies: ~10% of the code layout's
         #      stall samples at 2048x4096 M = 16 waited on it, benchmarks/README.md "Forty-fifth session") ----------
-        if tid < i32(N_CODES):
-            cp_async4(cbs, shared_addr(cbs) + u32(4) * u32(tid), cb, tid, u32(4))
-        cp_async_commit()
+        stage_codebook(cbs, cb, tid, i32(0), i32(N_CODES))
         for s in range(STAGES - 1):
             if kt0 + i32(s) < kt1:
                 kt = kt0 + i32(s)
