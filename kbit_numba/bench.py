@@ -26,7 +26,9 @@ SEED_SHAPES = ["2048x5120", "5120x2048", "2048x4096", "2048x512", "4096x2048", "
 KS = [2, 3, 4, 5]
 MS = [1, 2, 3, 4, 8, 16, 32, 64, 128, 512]
 KERNELS = ["gemv", "pair_gemv", "gemm", "dequant_matmul", "linear", "dequantize"]
-TUNE_MS = [1, 2, 3, 4, 8, 16, 32, 64, 128, 256, 512]
+# (12 and 24: the tensor-core gemv's caps fall between powers of two, where its second and third token tiles start:
+# the H200's k = 2 caps are 8, 12 and 24 on three shapes)
+TUNE_MS = [1, 2, 3, 4, 8, 12, 16, 24, 32, 64, 128, 256, 512]
 READ_CEILING_BYTES = 1 << 30
 
 
