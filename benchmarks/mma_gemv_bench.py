@@ -16,11 +16,12 @@ take 134; benchmarks/README.md, "Forty-second session"): ``--split=S`` adds mma(
 from the register file's four quarters (16384 / (ceil(warps / 4) * 32), down to a multiple of 8: 96 for 20 warps).
 ``--silu``: every gemv column with the gate/up SiLU epilogue (``silu_pairs``, an [M, N / 2] output; with K split the
 finishing launch applies it); the gemm columns are left out (no epilogue there). ``--cta-warps=W`` adds ``mma,wW``:
-mma(c) with CTAs of about W warps (``mma_gemv.plan(cta_warps=W)``; the default aims for ``DEFAULTS["cta_warps"]``, 16:
-two slices of 8 K-warps at K = 2048, which the k = 2 two-tile build's 128 registers allow and k = 4's 134 do not).
+mma(c) with CTAs of about W warps (``mma_gemv.plan(cta_warps=W)``; the default aims for ``DEFAULTS["cta_warps"]``, 16,
+except k = 2's two tiles, 8: ``CTA_WARPS_BY_K_TILES``, measured with this option).
 ``--stagger`` adds ``mma,stag``: mma(c) whose K splits start their column groups at different places
-(``mma_gemv.plan(stagger=True)``; the same as mma(c) where K is not split). ``--dq`` adds ``dq(c)`` and ``dq(f)``: dequantize + cuBLAS (``linear(kernel="dequant_matmul")``; needs torch or cupy) from
-the code and the fragment layout, what ``linear`` runs past the tensor-core gemv (the fragment layout has no gemm).
+(``mma_gemv.plan(stagger=True)``; the same as mma(c) where K is not split). ``--dq`` adds ``dq(c)`` and ``dq(f)``:
+dequantize + cuBLAS (``linear(kernel="dequant_matmul")``; needs torch or cupy) from the code and the fragment layout,
+what ``linear`` runs past the tensor-core gemv (the fragment layout has no gemm).
 """
 import sys
 from functools import partial

@@ -427,9 +427,9 @@ class KbitLinear:
     when K is a multiple of 64 (and the weight is flat or already codes), else the tiled layout. The
     code layout serves every M: the pair gemv at M = 1, 2 (the fastest kbit kernel there: 1.6x the tiled gemv at
     4096x14336 on the H100), the tensor-core gemv to M = 8, 16 at k = 4, 32 on the H200 where its table says
-    (float16/bfloat16 A; K split past 8192, or past 4096 where a whole CTA would spill), the tensor-core gemm above, and dequantize + cuBLAS for large M; its
-    gemm is 0-17% slower than the tiled layout's at M = 8..16 (H200, benchmarks/README.md), so prefill-heavy use at
-    k = 2, 4 may prefer ``layout="tiled"``. The tiled layout (N a multiple of 128; otherwise the flat layout, served
+    (float16/bfloat16 A; K split past 8192, or past 4096 where a whole CTA would spill), the tensor-core gemm above,
+    and dequantize + cuBLAS for large M; its gemm is 0-17% slower than the tiled layout's at M = 8..16 (H200,
+    benchmarks/README.md), so prefill-heavy use at k = 2, 4 may prefer ``layout="tiled"``. The tiled layout (N a multiple of 128; otherwise the flat layout, served
     by gemv and dequantize + cuBLAS) serves the scalar gemv and the gemm.
 
     ``layout="fragments"`` (k = 2, 4, N a multiple of 16 and K of 256; an option for batched decode) keeps the
