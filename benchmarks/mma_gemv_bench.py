@@ -81,6 +81,7 @@ for K, N in shapes:
             out = cuda.device_array((M, N // 2 if silu else N), np.float16)
             sums = tensor_gemm.new_workspace(M, N)
             space = dispatch.Workspace()
+            dq_plan = partial(dispatch.plan, A, out=out, stream=0, workspace=space, kernel="dequant_matmul")
             plans = {
                 "mma(c)": lambda w: mma_gemv.plan(A, w, out, 0, silu_pairs=silu),
                 "mma(f)": (lambda w: mma_gemv.plan(A, w, out, 0, silu_pairs=silu)) if frags else None,
@@ -97,8 +98,8 @@ for K, N in shapes:
                                 if M <= 4 and frags else None),
                 "gemm(c)": None if silu else lambda w: tensor_gemm.plan(A, w, out, 0, workspace=sums),
                 "gemm(t)": None if silu else lambda w: tensor_gemm.plan(A, w, out, 0, workspace=sums),
-                "dq(c)": None if silu else "dequant_matmul",
-                "dq(f)": None if silu or not frags else "dequant_matmul",
+                "dq(c)": None if silu else dq_plan,
+                "dq(f)": None if silu or not frags else dq_plan,
             }
             t = {}
             for name in cols:
@@ -106,10 +107,6 @@ for K, N in shapes:
                 if make is None or (name.startswith("mma") and not mma_gemv.reads(M, K)):
                     continue
                 weights = tiled if name == "gemm(t)" else frags if "(f)" in name else codes
-                if make == "dequant_matmul":   # (linear's own launch: the dequantize, then the cuBLAS call)
-                    runs = [partial(dispatch.linear, A, w, out, workspace=space, kernel=make) for w in weights]
-                    t[name] = graph_time_us(lambda i, s: runs[i % n](stream=s), n * max(1, 64 // n))
-                    continue
                 runs = [make(w).prepare().run for w in weights]
                 t[name] = graph_time_us(lambda i, s: runs[i % n](s), n * max(1, 64 // n))
             floor = bench.floor_us(nbytes + M * K * 2 + M * N * 2)

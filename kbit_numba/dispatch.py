@@ -8,12 +8,12 @@ M <= max_m wins, ``null`` = any M) and per-shape rules for the shapes it measure
 A rule is only followed when its kernel applies; otherwise the next applicable one in ``FALLBACK``:
 ``gemv`` needs M <= 4 (bigger M runs it in slices of 4 rows), ``gemm`` the tiled layout,
 ``dequant_matmul`` torch or CuPy for the cuBLAS call. A weight in the code layout (``KbitCodes``, k = 2, 4) is read
-by ``pair_gemv``, by ``mma_gemv`` (M <= 32, the rules take it to 16; float16/bfloat16 A, K a multiple of 64; K split
-past 8192, or past 4096 where a CTA of all its K-warps would spill: ``mma_gemv.k_splits``) and by ``gemm`` (K a
-multiple of 64); the table's ``codes_rules`` (default ``CODES_RULES``) choose between them, and its ``codes_variants``
-and ``codes_shapes`` (``python -m kbit_numba.bench --tune-codes``) hold rules with the pair gemv's launch knobs
-measured best on that GPU, for any shape and per shape (``codes_rules()``). Where those rules give the gemm or
-dequantize + cuBLAS, ``codes_mm_rules`` / ``codes_mm_shapes`` (``--tune``) pick between the two.
+by ``pair_gemv``, by ``mma_gemv`` (M <= 32 as far as ``mma_gemv_max_m`` allows; float16/bfloat16 A, K a multiple of
+64; K split past 8192, or past 4096 where a CTA of all its K-warps would spill: ``mma_gemv.k_splits``) and by ``gemm``
+(K a multiple of 64); the table's ``codes_rules`` (default ``CODES_RULES``) choose between them, and its
+``codes_variants`` and ``codes_shapes`` (``python -m kbit_numba.bench --tune-codes``) hold rules with the pair gemv's
+launch knobs measured best on that GPU, for any shape and per shape (``codes_rules()``). Where those rules give the
+gemm or dequantize + cuBLAS, ``codes_mm_rules`` / ``codes_mm_shapes`` (``--tune``) pick between the two.
 
 For MoE experts (``KbitExperts``), ``grouped_linear`` and ``KbitExpertsLinear`` pick one of the grouped kernels per
 routing (``choose_grouped``: the grouped pair gemv, the tensor-core gemv, the scalar grouped gemv or the grouped gemm),
@@ -429,8 +429,9 @@ class KbitLinear:
     4096x14336 on the H100), the tensor-core gemv to M = 8, 16 at k = 4, 32 on the H200 where its table says
     (float16/bfloat16 A; K split past 8192, or past 4096 where a whole CTA would spill), the tensor-core gemm above,
     and dequantize + cuBLAS for large M; its gemm is 0-17% slower than the tiled layout's at M = 8..16 (H200,
-    benchmarks/README.md), so prefill-heavy use at k = 2, 4 may prefer ``layout="tiled"``. The tiled layout (N a multiple of 128; otherwise the flat layout, served
-    by gemv and dequantize + cuBLAS) serves the scalar gemv and the gemm.
+    benchmarks/README.md), so prefill-heavy use at k = 2, 4 may prefer ``layout="tiled"``. The tiled layout (N a
+    multiple of 128; otherwise the flat layout, served by gemv and dequantize + cuBLAS) serves the scalar gemv and the
+    gemm.
 
     ``layout="fragments"`` (k = 2, 4, N a multiple of 16 and K of 256; an option for batched decode) keeps the
     fragment layout (``KbitFragments``, the same bytes in the tensor-core gemv's load order): the tensor-core gemv
