@@ -2,7 +2,7 @@
 (CUDA-graph timed, L2-cold weights, cuBLAS fp16 and the read floor of the same run):
 
     python benchmarks/mma_gemv_bench.py [K x N list] [k list] [M list] [--pdl] [--split=S] [--quarters] [--silu]
-                                      [--cta-warps=W] [--dq] [--stagger]
+                                      [--cta-warps=W] [--dq]
 
 Columns: mma(c), mma(f) (the same kernel on the fragment layout, ``KbitFragments``, where N % 16 = K % 256 = 0),
 (and mma(c) launched with PDL in a chain of its own launches, ``--pdl``), the pair gemv
@@ -18,8 +18,7 @@ from the register file's four quarters (16384 / (ceil(warps / 4) * 32), down to 
 finishing launch applies it); the gemm columns are left out (no epilogue there). ``--cta-warps=W`` adds ``mma,wW``:
 mma(c) with CTAs of about W warps (``mma_gemv.plan(cta_warps=W)``; the default aims for ``DEFAULTS["cta_warps"]``, 16,
 except k = 2's two tiles, 8: ``CTA_WARPS_BY_K_TILES``, measured with this option).
-``--stagger`` adds ``mma,stag``: mma(c) whose K splits start their column groups at different places
-(``mma_gemv.plan(stagger=True)``; the same as mma(c) where K is not split). ``--dq`` adds ``dq(c)`` and ``dq(f)``:
+``--dq`` adds ``dq(c)`` and ``dq(f)``:
 dequantize + cuBLAS (``linear(kernel="dequant_matmul")``; needs torch or cupy) from the code and the fragment layout,
 what ``linear`` runs past the tensor-core gemv (the fragment layout has no gemm).
 """
@@ -41,7 +40,6 @@ quarters = "--quarters" in sys.argv
 silu = "--silu" in sys.argv
 cta_warps = next((int(a.split("=")[1]) for a in sys.argv[1:] if a.startswith("--cta-warps=")), None)
 dq = "--dq" in sys.argv
-stagger = "--stagger" in sys.argv
 
 
 def register_cap_quarters(warps):
@@ -62,7 +60,7 @@ ms = [int(v) for v in (args[2] if len(args) > 2 else "1,2,4,8").split(",")]
 rng = np.random.default_rng(1)
 cols = (["mma(c)", "mma(f)"] + (["mma,pdl"] if pdl else [])
         + ([f"mma,split{split}", f"mma(f),split{split}"] if split else []) + (["mma,q"] if quarters else [])
-        + ([f"mma,w{cta_warps}"] if cta_warps else []) + (["mma,stag"] if stagger else [])
+        + ([f"mma,w{cta_warps}"] if cta_warps else [])
         + ["pair(c)", "pair,f16", "pair(f),f16", "gemm(c)", "gemm(t)"] + (["dq(c)", "dq(f)"] if dq else []))
 width = {c: max(8, len(c)) for c in cols}
 print(f"{'K x N':>11} {'k':>1} {'M':>2} " + " ".join(f"{c:>{width[c]}}" for c in cols) + f" {'cuBLAS':>7} {'floor':>6}"
@@ -91,7 +89,6 @@ for K, N in shapes:
                                          if frags else None),
                 "mma,q": lambda w: quarters_plan(A, w, out, 0, silu_pairs=silu),
                 f"mma,w{cta_warps}": lambda w: mma_gemv.plan(A, w, out, 0, cta_warps=cta_warps, silu_pairs=silu),
-                "mma,stag": lambda w: mma_gemv.plan(A, w, out, 0, stagger=True),
                 "pair(c)": (lambda w: pair_gemv.plan(A, w, out, 0, silu_pairs=silu)) if M <= 4 else None,
                 "pair,f16": (lambda w: pair_gemv.plan(A, w, out, 0, f16_acc=True, silu_pairs=silu)) if M <= 4 else None,
                 "pair(f),f16": ((lambda w: pair_gemv.plan(A, w, out, 0, f16_acc=True, silu_pairs=silu))

@@ -144,11 +144,6 @@ if "mma" in families:      # N = 37 (a partial strip), K = 1088 (5 K-warps, the 
             mma_gemv.plan(rng.standard_normal((M, 8256)).astype(np.float16), kc, pdl=pdl).launch().copy_to_host()
         kc = pair_gemv.to_codes(kb.quantize(rng.standard_normal((37, 1088)).astype(np.float16), k=k))
         mma_gemv.plan(rng.standard_normal((8, 1088)).astype(np.float16), kc, split=3).launch().copy_to_host()
-        # ... and staggered (prepared, off by default): N = 16 * 7 * SMs columns in one-strip groups, 3 shares
-        kc = pair_gemv.to_codes(kb.quantize(rng.standard_normal((N + 5, 1088)).astype(np.float16), k=k))
-        for M in (8, 20):
-            mma_gemv.plan(rng.standard_normal((M, 1088)).astype(np.float16), kc, split=3, cta_warps=2,
-                          stagger=True).launch().copy_to_host()
 if "pdl" in families:      # N = K = 1056: a partial column group, two K-warps; float32 and float16 block sums
 
     from kbit_numba import pair_gemv

@@ -129,7 +129,6 @@ class MmaGemvSpec(Spec):
     max_registers: object = None
     silu_pairs: bool = False        # the epilogue silu(C[:, 2j]) * C[:, 2j + 1] into an [M, N / 2] output
     split_k: bool = False           # grid.y splits K; out is a float32 workspace the sums are added to (atomics)
-    stagger: bool = False           # split_k: share s starts at column group s * groups / shares (see STAGGER)
 
     def normalise(self):
         if self.k not in CODES_K:
@@ -144,13 +143,11 @@ class MmaGemvSpec(Spec):
         if self.split_k and (self.silu_pairs or type_name(self.out_dtype, "out_dtype", OUT_TYPES) != "float32"):
             raise ValueError("split_k adds plain sums into a float32 workspace: not silu_pairs (the finishing launch "
                              "applies it), out_dtype float32")
-        if self.stagger and (not self.split_k or self.grouped):
-            raise ValueError("stagger orders a split launch's column groups: split_k, not grouped")
         return dict(k=int(self.k), a_type=type_name(self.a_type, "a_type", MMA_TYPES),
                     out_dtype=type_name(self.out_dtype, "out_dtype", OUT_TYPES), pdl=bool(self.pdl),
                     grouped=bool(self.grouped), tiles=int(self.tiles), fragments=bool(self.fragments),
                     batch=int(self.batch), max_registers=int(self.max_registers) if self.max_registers else None,
-                    silu_pairs=bool(self.silu_pairs), split_k=bool(self.split_k), stagger=bool(self.stagger))
+                    silu_pairs=bool(self.silu_pairs), split_k=bool(self.split_k))
 
 
 @lru_cache(maxsize=None)
@@ -197,11 +194,6 @@ def make_mma_gemv_kernel(spec):
     assert BSTRIDE == 1 and CODE_WORDS == 4 or BLOCK_WORDS == 4, "a 16-byte load is one block or a block pair"
     SILU_PAIRS = spec.silu_pairs
     SPLIT_K = spec.split_k
-    # Split-K's shares of one column group add into the same M x 16 outputs. Walking the groups in the same order,
-    # they do so at about the same time; with STAGGER share s starts at group s * n_groups / shares and wraps, so its
-    # adds meet the other shares' at other times (prepared: benchmarks/README.md, "Forty-sixth session"; off by default
-    # until measured).
-    STAGGER = spec.stagger
     # k = 2's lane holds blocks 2t, 2t + 1 (one 16-byte weight load), but loads its activations as k = 4 does (blocks
     # t, t + 4) and swaps them into place with shuffles, once a launch: its own blocks' 16-byte loads put a quad's four
     # lanes 128 bytes apart, so each load instruction touched 32 cache lines instead of 16, and the prologue's
@@ -308,21 +300,8 @@ def make_mma_gemv_kernel(spec):
                         acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3])
 
     @ir_inlined
-    def group_col(plain, v, off, rot, n_groups, group_cols):
-        """Column ``off`` of the CTA's column group v: ``plain`` (v * group_cols + off as the caller computes it: the
-        kernel's code without STAGGER is the code measured before it), or with STAGGER of group v + ``rot`` wrapped
-        into the weight's groups (a v past them, a load ahead of the CTA's last group, stays past N as without)."""
-        if STAGGER:
-            if v < n_groups:
-                v = u32(v + rot)
-                if v >= n_groups:
-                    v = u32(v - n_groups)
-            return u32(v * group_cols + off)
-        return plain
-
-    @ir_inlined
     def end_strip(smem, table, acc, lane, tid, part, flip, slot, r, grp, grid, n_groups, slices, kw, group_cols, out,
-                  N, M, row0, rot):
+                  N, M, row0):
         """Put this lane's C fragment of the strip in its warp's tile of slot r (of BATCH) of the shared buffer half
         ``flip``: the tile in fragment order (tile j's lane l at floats 128 j + 4 l), so that a lane stores its 4 values
         of a token tile with one 16-byte store (the 32 lanes' 512 bytes in 4 bank phases, no conflict) and the summing
@@ -337,7 +316,7 @@ def make_mma_gemv_kernel(spec):
         if r == BATCH_ - 1 or u32(grp + grid) >= n_groups:
             cuda.syncthreads()
             sum_tiles(smem, table, tid, flip, slot, u32(r + 1), u32(grp - u32(r) * grid), grid, slices, kw,
-                      group_cols, out, N, M, row0, rot, n_groups)
+                      group_cols, out, N, M, row0)
             return u32(u32(BATCH_) * slot - flip)
         return flip
 
@@ -396,8 +375,7 @@ def make_mma_gemv_kernel(spec):
             out[u32(row * u32(u32(N) // u32(2)) + n // u32(2))] = np.float16(y) if f16_out else y
 
     @ir_inlined
-    def sum_tiles(smem, table, tid, flip, slot, count, grp0, grid, slices, kw, group_cols, out, N, M, row0, rot,
-                  n_groups):
+    def sum_tiles(smem, table, tid, flip, slot, count, grp0, grid, slices, kw, group_cols, out, N, M, row0):
         """One thread per (strip, slice, token tile, lane slot) of the batch's ``count`` strips (strip r is column
         group grp0 + r * grid) adds the slot's four values over the slice's KW tiles (:func:`sum_fragment`) and writes
         them: columns g and g + 8 of the strip (g, t: the slot's lane quad and place) x tokens 8j + 2t and + 1 of rows
@@ -423,8 +401,7 @@ def make_mma_gemv_kernel(spec):
             if tok < M:
                 p = u32(u32(PART) + flip + r * slot + s_out * kw * u32(TILE) + u32(4) * slot_j)
                 p_end = u32(p + kw * u32(TILE))
-                n = group_col(u32(u32(u32(grp0 + r * grid) * group_cols) + s_out * u32(STRIP) + g),
-                              u32(grp0 + r * grid), u32(s_out * u32(STRIP) + g), rot, n_groups, group_cols)
+                n = u32(u32(u32(grp0 + r * grid) * group_cols) + s_out * u32(STRIP) + g)
                 row = u32(row0 + tok)
                 if SILU_PAIRS:
                     # gate/up column pairs (n, n + 1) sit in the slots of quads g and g + 1 (16 floats on): an even
@@ -518,13 +495,8 @@ def make_mma_gemv_kernel(spec):
         am_a = cuda.local.array((2, KB_LANE), absmax_t)
         am_b = cuda.local.array((2, KB_LANE), absmax_t)
         am_c = cuda.local.array((2, KB_LANE), absmax_t)
-        rot = u32(0)                # STAGGER: this share's first column group
-        if STAGGER:
-            rot = u32(share * n_groups // shares)
-        load_first(packed, absmax, first, group_col(u32(grp * group_cols + col0), grp, col0, rot, n_groups, group_cols),
-                   kb0, last, nkb, codes_a, am_a)
-        load_first(packed, absmax, first, group_col(u32((grp + grid) * group_cols + col0), u32(grp + grid), col0, rot,
-                                                    n_groups, group_cols), kb0, last, nkb, codes_b, am_b)
+        load_first(packed, absmax, first, u32(grp * group_cols + col0), kb0, last, nkb, codes_a, am_a)
+        load_first(packed, absmax, first, u32((grp + grid) * group_cols + col0), kb0, last, nkb, codes_b, am_b)
 
         # ---- 2. the group table and the E4M4 table (grouped PDL: filled above) -------------------------
         if not (GROUPED and PDL):
@@ -574,29 +546,25 @@ def make_mma_gemv_kernel(spec):
         acc = cuda.local.array(ACC, np.float32)
         # ---- 4. the persistent loop, unrolled three times (pair_gemv says why): a batch of BATCH strips a barrier
         ahead = u32(u32(2) * grid * group_cols)
-        two_grids = u32(u32(2) * grid)
         while grp < n_groups:
-            load_strip(packed, absmax, first, group_col(u32(grp * group_cols + ahead + col0), u32(grp + two_grids),
-                                                        col0, rot, n_groups, group_cols), kb0, last, nkb, codes_c, am_c)
+            load_strip(packed, absmax, first, u32(grp * group_cols + ahead + col0), kb0, last, nkb, codes_c, am_c)
             decode_strip(smem, table, lane_off, codes_a, am_a, bx, acc)
             flip = end_strip(smem, table, acc, lane, tid, part, flip, slot, 0 % BATCH_, grp, grid, n_groups, slices, kw,
-                             group_cols, out, N, m, row0, rot)
+                             group_cols, out, N, m, row0)
             grp = u32(grp + grid)
             if grp >= n_groups:
                 break
-            load_strip(packed, absmax, first, group_col(u32(grp * group_cols + ahead + col0), u32(grp + two_grids),
-                                                        col0, rot, n_groups, group_cols), kb0, last, nkb, codes_a, am_a)
+            load_strip(packed, absmax, first, u32(grp * group_cols + ahead + col0), kb0, last, nkb, codes_a, am_a)
             decode_strip(smem, table, lane_off, codes_b, am_b, bx, acc)
             flip = end_strip(smem, table, acc, lane, tid, part, flip, slot, 1 % BATCH_, grp, grid, n_groups, slices, kw,
-                             group_cols, out, N, m, row0, rot)
+                             group_cols, out, N, m, row0)
             grp = u32(grp + grid)
             if grp >= n_groups:
                 break
-            load_strip(packed, absmax, first, group_col(u32(grp * group_cols + ahead + col0), u32(grp + two_grids),
-                                                        col0, rot, n_groups, group_cols), kb0, last, nkb, codes_b, am_b)
+            load_strip(packed, absmax, first, u32(grp * group_cols + ahead + col0), kb0, last, nkb, codes_b, am_b)
             decode_strip(smem, table, lane_off, codes_c, am_c, bx, acc)
             flip = end_strip(smem, table, acc, lane, tid, part, flip, slot, 2 % BATCH_, grp, grid, n_groups, slices, kw,
-                             group_cols, out, N, m, row0, rot)
+                             group_cols, out, N, m, row0)
             grp = u32(grp + grid)
 
     return jit_kernel(mma_gemv, spec.max_registers)
@@ -680,7 +648,7 @@ def part_bytes(slices, kw, tiles=1, batch=BATCH):
 
 
 def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, cta_warps=None, pdl=False, silu_pairs=False,
-         split=None, workspace=None, stagger=False):
+         split=None, workspace=None):
     """Checked inputs bound into a :class:`launch.Plan`. ``kc``: KbitCodes (k = 2, 4; K a multiple of 64;
     ``pair_gemv.to_codes`` makes one from a flat KbitWeight) or KbitFragments (:func:`to_fragments`;
     N a multiple of 16, K of 256). A: float16 or
@@ -690,9 +658,7 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, cta_war
     a whole CTA would spill): then the sums go into
     ``workspace`` (a zeroed float32 device array of >= M*N values, left zeroed, or a ``dispatch.Workspace`` to draw
     it from; allocated if not given) and a second
-    launch (``core.finish_step``; with ``silu_pairs``, its SiLU epilogue) writes ``out``. ``stagger``: a split
-    launch's shares walk the column groups from different places (``MmaGemvSpec.stagger``; prepared, off by default;
-    no effect without a split)."""
+    launch (``core.finish_step``; with ``silu_pairs``, its SiLU epilogue) writes ``out``."""
     stream = _arrays.as_stream(stream)
     if not isinstance(kc, (KbitCodes, KbitFragments)):
         raise TypeError(f"mma gemv reads the code layout (KbitCodes) or the fragment layout (KbitFragments), got "
@@ -713,14 +679,14 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, cta_war
             _arrays.flat_view(out) if ws is None else ws, i32(N), i32(n_kb), i32(M), unused_i32())
     if ws is None:
         return Plan([_step(spec, args, N, K, cta_warps)], Ad, out, stream)
-    return Plan(_split_steps(spec, args, N, K, cta_warps, splits, ws, out, M, stagger=stagger), Ad, out, stream, ws)
+    return Plan(_split_steps(spec, args, N, K, cta_warps, splits, ws, out, M), Ad, out, stream, ws)
 
 
-def _split_steps(spec, args, N, K, cta_warps, splits, ws, out, rows, slots=None, stagger=False):
+def _split_steps(spec, args, N, K, cta_warps, splits, ws, out, rows, slots=None):
     """A split launch's two steps: the CTAs add plain sums into the workspace ``ws`` (``args``' output), then the
     finishing launch writes ``out``'s rows x N values (or rows x N / 2: the SiLU epilogue of ``spec.silu_pairs``)."""
-    main = _step(replace(spec, out_dtype="float32", split_k=True, silu_pairs=False, stagger=bool(stagger)), args, N, K,
-                 cta_warps, slots=slots, splits=splits)
+    main = _step(replace(spec, out_dtype="float32", split_k=True, silu_pairs=False), args, N, K, cta_warps,
+                 slots=slots, splits=splits)
     return [main, finish_step(ws, out, rows * N // 2, N) if spec.silu_pairs else finish_step(ws, out, rows * N)]
 
 
@@ -839,9 +805,7 @@ def ptx_specs():
                 dict(split_k=True, out_dtype="float32"), dict(split_k=True, out_dtype="float32", tiles=2, pdl=True),
                 dict(split_k=True, out_dtype="float32", grouped=True),
                 dict(tiles=4), dict(split_k=True, out_dtype="float32", tiles=3),
-                dict(split_k=True, out_dtype="float32", tiles=4),
-                dict(split_k=True, out_dtype="float32", stagger=True), dict(split_k=True, out_dtype="float32", tiles=3,
-                                                                            stagger=True)]
+                dict(split_k=True, out_dtype="float32", tiles=4)]
     return [MmaGemvSpec(k=k, **v) for k in CODES_K for v in variants]
 
 

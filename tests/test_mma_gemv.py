@@ -460,26 +460,6 @@ def test_mma_gemv_wide_tiles_split_k(k, M, K):
         assert not p.workspace.copy_to_host().any()
 
 
-@pytest.mark.parametrize("k, M", [(4, 4), (2, 20)] if SIM else [(k, M) for k in CODES_K for M in (4, 16, 24)])
-def test_mma_gemv_split_k_stagger(k, M):
-    """``stagger`` (prepared, off by default): a split launch's shares start at different column groups (share s at
-    s * groups / shares, wrapping), with the same sums and the workspace left zeroed. The simulator: 5 column groups
-    of one strip over 3 shares (rotations 0, 1, 3), a partial last strip; the GPU: K = 14336 split by default."""
-    rng = np.random.default_rng(80 + M + k)
-    N, K = (72, 768) if SIM else (200, 14336)
-    flat = ref.quantize(random_weight(rng, N, K), k=k)
-    kc = pair_gemv.to_codes(flat)
-    A = _activations(rng, M, K, "float16")
-    kw = dict(out_dtype=np.float32, split=3, cta_warps=1) if SIM else dict(out_dtype=np.float32)
-    p = mma_gemv.plan(A, kc, stagger=True, **kw)
-    assert len(p.steps) == 2 and p.steps[0].kernel is not mma_gemv.plan(A, kc, **kw).steps[0].kernel
-    for _ in range(2):                     # the second call finds the workspace zeroed again
-        check_gemm(p.launch().copy_to_host(), A, flat, out_dtype=np.float32)
-        assert not p.workspace.copy_to_host().any()
-    with pytest.raises(ValueError, match="stagger"):
-        mma_gemv.MmaGemvSpec(k, stagger=True)                    # (no split)
-
-
 def test_mma_gemv_refuses():
     rng = np.random.default_rng(6)
     kc = ref.to_codes(ref.quantize(random_weight(rng, 4, 64), k=4))
