@@ -714,9 +714,9 @@ def _step(spec, args, N, K, cta_warps=None, slots=None, splits=1):
     rows = (slots or 1) * splits                           # grid.y: experts, or shares of K; grouped split: y x z
     if rows == 1 and slots is None:
         grid = persistent_grid(n_groups, slices * kw * WARP, regs, shared)
-    else:                                                  # the resident CTAs shared among the grid's rows
-        resident = persistent_grid(n_groups * rows, slices * kw * WARP, regs, shared)
-        x = max(1, min(n_groups, -(-resident // rows)))
+    else:       # the resident CTAs shared among the grid's rows, rounded down: a CTA past the resident ones waits
+        resident = persistent_grid(n_groups * rows, slices * kw * WARP, regs, shared)   # for one to end, a second
+        x = max(1, min(n_groups, resident // rows))        # wave (14336x4096 M = 24: 19 x 7 CTAs on 132 SMs, 1.5x)
         grid = (x, slots, splits) if slots and splits > 1 else (x, rows)
     return Step(kern, grid, slices * kw * WARP, args, shared, spec.pdl)
 

@@ -217,6 +217,27 @@ def test_mma_gemv_batches_of_strips(monkeypatch, k, layout, batch):
         check_gemm(p.launch().copy_to_host(), A, qw)
 
 
+def test_split_and_grouped_grids_fit_the_resident_ctas(monkeypatch):
+    """A grid of rows (K's shares, a grouped launch's slots) shares the resident CTAs rounded down, never more: with 5
+    resident, 2 shares of 4 column groups take 2 x 2 CTAs and 3 slots 1 x 3 (rounding up, 3 x 2 and 2 x 3, put a CTA in
+    a second wave: 14336x4096 at M = 24 took 1.5x the time). The sums stay right."""
+    monkeypatch.setattr(mma_gemv, "persistent_grid", lambda work, *args: min(work, 5))
+    rng = np.random.default_rng(50)
+    N, K = 64, 512
+    flats = [ref.quantize(random_weight(rng, N, K), k=4) for _ in range(4)]
+    A = _activations(rng, 3, K, "float16")
+    p = mma_gemv.plan(A, ref.to_codes(flats[0]), out_dtype=np.float32, cta_warps=1, split=2)
+    assert p.steps[0].grid == (2, 2)
+    check_gemm(p.launch().copy_to_host(), A, flats[0])
+    offsets = np.array([0, 1, 2, 3, 3], np.int32)                 # T = 3 rows of 3 experts: a slot a row
+    p = mma_gemv.plan_grouped(A, kb.stack_experts([ref.to_codes(w) for w in flats]), offsets, out_dtype=np.float32,
+                              cta_warps=1)
+    assert p.steps[0].grid == (1, 3)
+    got = p.launch().copy_to_host()
+    for e in range(3):
+        check_gemm(got[e:e + 1], A[e:e + 1], flats[e])
+
+
 @pytest.mark.parametrize("k", CODES_K)
 def test_fragment_layout_round_trip_and_load_order(k):
     """reference.to_fragments / from_fragments are exact inverses (and to_flat reads the result), and the layout
