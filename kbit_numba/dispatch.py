@@ -21,7 +21,7 @@ by a rule measured on the H100 rather than a per-GPU table.
 
 ``KbitLinear`` keeps a weight ready for repeated calls: by default the code layout where it can (k = 2, 4, K a
 multiple of 64: the pair and tensor-core gemvs for decode, the gemm and dequantize + cuBLAS for larger M), else a tiled copy
-(which serves gemv and gemm); on request the fragment layout (``layout="fragments"``: the tensor-core gemv for M = 1..16,
+(which serves gemv and gemm); on request the fragment layout (``layout="fragments"``: the tensor-core gemv for M = 1..32,
 dequantize + cuBLAS beyond; ``FRAGMENT_RULES``); a ``Workspace`` (split-K sums, the dequantized weight) and prepared
 launches for decode loops.
 """
@@ -75,9 +75,9 @@ PAIR_GEMV_F16_MAX_M = {4: 3}       # k -> the largest M the pair gemv with float
 MMA_GEMV_MAX_M = {4: 16}           # k -> the largest M the tensor-core gemv takes
 # Its three and four token tiles (M = 17..32, CTAs of at most 8 K-warps: mma_gemv.WIDE_KW) took 6-37% less time than
 # the code layout's gemm at M = 24 and 32 on all ten measured shapes with K <= 5120 at k = 4 (H200; at k = 2 on most:
-# the H200 table's caps), but past K = 8192, where the K-warps split over 7 CTAs, the gemm took 10-26% less
-# (14336x4096 k = 4 M = 24: 40.4 us against 44.7). benchmarks/README.md, "Forty-sixth session".
-MMA_GEMV_WIDE_MAX_K = 8192         # past this K the tensor-core gemv takes at most two token tiles (M <= 16)
+# the H200 table's caps); past K = 8192, where the K-warps split over several CTAs, 29-31% less at k = 4 and 17-21% at
+# k = 2 on 14336x4096 (28.96 us against 40.99 at M = 24) once the split grid stopped launching a CTA past the resident
+# ones (benchmarks/README.md, "Forty-sixth session" and "Forty-seventh session").
 # A table may also cap it per shape (``mma_gemv_max_m_shapes``, {"KxN": {k: cap}}; ``bench --tune`` writes them:
 # ``bench.mma_gemv_caps``). On the H200 its two token tiles took 23.4 us at 5120x2048 k = 4 M = 16 against the code
 # layout's gemm's 13.0 while a CTA of 20 K-warps ran at 64 registers; split in two (``mma_gemv.k_splits``, since the
@@ -87,24 +87,24 @@ MMA_GEMV_WIDE_MAX_K = 8192         # past this K the tensor-core gemv takes at m
 # the tensor-core gemv reads it 5-17% faster than the code layout at M = 3..8 (0-10% at 16) and, at M = 1, faster
 # than the pair gemv reads it (H100, 4096x14336, k = 4: 16.15 us against 17.41 with float16 block sums; the pair gemv
 # on the code layout 13.9; H200 14336x4096 M = 4 split in K: 16.38 against 19.77; benchmarks/README.md). No gemm
-# reads it. So the tensor-core gemv takes M = 1..16 (float16/bfloat16 A; no cap by k: the kernel it would give way to
-# is dequantize + cuBLAS), the pair gemv float32 A to M = 4 where its registers fit (PAIR_GEMV_MAX_ROW_WARPS, as on
+# reads it. So the tensor-core gemv takes M = 1..32 (float16/bfloat16 A; no cap by k or K: the kernel it would give
+# way to is dequantize + cuBLAS, which its three and four token tiles beat by 15-38% at M = 24, 32 on 2048x4096,
+# 2048x5120 and 4096x4096 and by 60-65% on 4096x14336 and 14336x4096, k = 2 and 4; H200, benchmarks/README.md,
+# "Forty-seventh session"), the pair gemv float32 A to M = 4 where its registers fit (PAIR_GEMV_MAX_ROW_WARPS, as on
 # the code layout), and dequantize + cuBLAS the rest (with no cuBLAS route: the pair gemv, 4 rows a launch). No
 # per-GPU table. Measured as a whole (H200, llama3-8b step, 2026-11-29; benchmarks/README.md, "Forty-first session"):
 # B = 4..16 8-11% faster than the code layout, B = 1 24-25% slower than its pair gemv with float16 sums.
-FRAGMENT_RULES = [[16, "mma_gemv"], [MAX_M, "pair_gemv"], [None, "dequant_matmul"]]   # (its 3-4 tiles: unmeasured)
+FRAGMENT_RULES = [[32, "mma_gemv"], [MAX_M, "pair_gemv"], [None, "dequant_matmul"]]
 
 
 def mma_gemv_max_m(table, k, N=None, K=None):
     """The largest M the tensor-core gemv takes on an N x K weight of ``k`` bits: the table's cap for that shape
     (``mma_gemv_max_m_shapes["KxN"][str(k)]``), else its cap for ``k`` (``mma_gemv_max_m[str(k)]``; both measured on
-    its GPU), else ``MMA_GEMV_MAX_M[k]``, else one token tile (8); past ``MMA_GEMV_WIDE_MAX_K`` at most two tiles."""
+    its GPU), else ``MMA_GEMV_MAX_M[k]``, else one token tile (8)."""
     shape = table.get("mma_gemv_max_m_shapes", {}).get(f"{K}x{N}", {})
     if str(k) in shape:
-        cap = int(shape[str(k)])
-    else:
-        cap = int(table.get("mma_gemv_max_m", {}).get(str(k), MMA_GEMV_MAX_M.get(k, mma_gemv.N8)))
-    return min(cap, 2 * mma_gemv.N8) if K is not None and K > MMA_GEMV_WIDE_MAX_K else cap
+        return int(shape[str(k)])
+    return int(table.get("mma_gemv_max_m", {}).get(str(k), MMA_GEMV_MAX_M.get(k, mma_gemv.N8)))
 
 
 # ---- the per-GPU table ---------------------------------------------------------------------------
@@ -435,9 +435,9 @@ class KbitLinear:
 
     ``layout="fragments"`` (k = 2, 4, N a multiple of 16 and K of 256; an option for batched decode) keeps the
     fragment layout (``KbitFragments``, the same bytes in the tensor-core gemv's load order): the tensor-core gemv
-    runs M = 1..16 on it, 12-19% faster than on the code layout at M = 4..8 (9-13% at 16; H200), but M = 1, 2 run
-    slower than the code layout's pair gemv with float16 sums, and no gemm reads it: dequantize + cuBLAS takes
-    M > 16 (``FRAGMENT_RULES``). The llama3-8b decode step (H200) with it: B = 4..16 8-11% faster, B = 1 24-25%
+    runs M = 1..32 on it, 12-19% faster than on the code layout at M = 4..8 (9-13% at 16, 0-7% at 24, 32; H200), but
+    M = 1, 2 run slower than the code layout's pair gemv with float16 sums, and no gemm reads it: dequantize + cuBLAS
+    takes M > 32 (``FRAGMENT_RULES``). The llama3-8b decode step (H200) with it: B = 4..16 8-11% faster, B = 1 24-25%
     slower than the code layout with ``f16_acc``.
 
     ``layer(A)`` is ``linear(A, weight, workspace=...)``; ``layer.prepare(A, out)`` binds buffers once and

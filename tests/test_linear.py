@@ -50,9 +50,11 @@ def test_choose_follows_rules_shapes_and_fallbacks():
     assert [ks(M, 4, 128) for M in (4, 5)] == ["mma_gemv", "gemm"]               # 128x512 at k = 4: 4
     assert [ks(M, 2, 128) for M in (16, 17)] == ["mma_gemv", "gemm"]             # 128x512 at k = 2: the k cap, 16
     assert L.mma_gemv_max_m(shaped, 2, 512, 64) == 8 and L.mma_gemv_max_m(shaped, 2) == 16
-    # ... and past MMA_GEMV_WIDE_MAX_K (a split K) at most two token tiles, whatever the caps say
-    wide = dict(TABLE, mma_gemv_max_m={"2": 32, "4": 32}, mma_gemv_max_m_shapes={"14336x512": {"4": 24}})
-    assert [L.mma_gemv_max_m(wide, 4, 512, K) for K in (8192, 8448, 14336)] == [32, 16, 16]
+    # ... on any K (a split K too: no limit past 8192 since the split grid fits the resident CTAs)
+    wide = dict(TABLE, mma_gemv_max_m={"2": 32, "4": 32}, mma_gemv_max_m_shapes={"14336x512": {"4": 24}},
+                codes_variants={"k=4": [[2, "pair_gemv"], [32, "mma_gemv"], [64, "gemm"], [None, "dequant_matmul"]]})
+    assert [L.mma_gemv_max_m(wide, 4, 512, K) for K in (8192, 8448, 14336)] == [32, 32, 24]
+    assert [L.choose(M, 512, 14336, "codes", wide, "torch", k=4) for M in (24, 25)] == ["mma_gemv", "gemm"]
     assert ch(100, layout="codes", backend=False) == "gemm"
     assert {ch(M, K=96, layout="codes", backend=False) for M in (1, 5, 100)} == {"pair_gemv"}   # K % 64 != 0
     # K > 8192: the tensor-core gemv splits K (to its M cap; the gemm beyond) ...
@@ -300,22 +302,22 @@ def test_kbit_linear_codes_f16_acc(M):
 
 
 def test_fragment_layout_rules():
-    """The fragment layout (FRAGMENT_RULES, no table): the tensor-core gemv for M = 1..16 of float16/bfloat16
+    """The fragment layout (FRAGMENT_RULES, no table): the tensor-core gemv for M = 1..32 of float16/bfloat16
     activations at every k and K, the pair gemv for float32 ones to M = 4 where its registers fit, dequantize + cuBLAS
     beyond (the pair gemv in slices where there is no cuBLAS route)."""
     fr = lambda M, half=True, backend="torch", k=2: L.choose(M, 512, 14336, "fragments", TABLE, backend,  # noqa
                                                            half=half, k=k)
-    assert [fr(M) for M in (1, 2, 8, 9, 16, 17, 600)] == ["mma_gemv"] * 5 + ["dequant_matmul"] * 2
+    assert [fr(M) for M in (1, 2, 8, 9, 16, 17, 32, 33, 600)] == ["mma_gemv"] * 7 + ["dequant_matmul"] * 2
     # float32 A: the pair gemv while M rows of K's warps fit its registers (M = 2 at K = 14336, M = 4 at K = 4096)
     assert [fr(M, half=False) for M in (1, 2, 3, 5, 16)] == ["pair_gemv"] * 2 + ["dequant_matmul"] * 3
     assert L.choose(4, 512, 4096, "fragments", TABLE, "torch", half=False) == "pair_gemv"
     # no cuBLAS route: the pair gemv in slices of 4 rows, registers or not
-    assert {fr(3, half=False, backend=False), fr(17, backend=False), fr(600, backend=False)} == {"pair_gemv"}
+    assert {fr(3, half=False, backend=False), fr(33, backend=False), fr(600, backend=False)} == {"pair_gemv"}
     assert fr(16, k=4) == "mma_gemv"
 
 
 @pytest.mark.parametrize("k, M, dtype", [(4, 1, np.float16), (2, 3, np.float16), (4, 2, np.float32),
-                                         (2, 17, np.float16)] if SIM else
+                                         (2, 17, np.float16), (4, 33, np.float16)] if SIM else
                          [(k, M, dt) for k in CODES_K for M, dt in ((1, np.float16), (2, np.float16), (8, np.float16),
                                                                     (16, np.float16), (3, np.float32),
                                                                     (17, np.float16), (64, np.float16))])
@@ -329,7 +331,7 @@ def test_kbit_linear_fragment_layout(k, M, dtype):
     assert layer.weight.layout == "fragments"
     np.testing.assert_array_equal(ref.to_flat(layer.weight.to_numpy()).packed, flat.packed)
     half = dtype == np.float16
-    want = "mma_gemv" if half and M <= 16 else "pair_gemv" if M <= 4 else "dequant_matmul"
+    want = "mma_gemv" if half and M <= 32 else "pair_gemv" if M <= 4 else "dequant_matmul"
     if want == "dequant_matmul" and L.matmul_backend() is None:
         pytest.skip("dequant_matmul needs torch or CuPy")
     assert layer.kernel_for(M, half=half) == want
