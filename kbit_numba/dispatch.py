@@ -89,7 +89,7 @@ MMA_GEMV_MAX_M = {4: 16}           # k -> the largest M the tensor-core gemv tak
 # on the code layout 13.9; H200 14336x4096 M = 4 split in K: 16.38 against 19.77; benchmarks/README.md). No gemm
 # reads it. So the tensor-core gemv takes M = 1..32 (float16/bfloat16 A; no cap by k or K: the kernel it would give
 # way to is dequantize + cuBLAS, which its three and four token tiles beat by 15-38% at M = 24, 32 on 2048x4096,
-# 2048x5120 and 4096x4096 and by 60-65% on 4096x14336 and 14336x4096, k = 2 and 4; H200, benchmarks/README.md,
+# 2048x5120 and 4096x4096 and by 59-66% on 4096x14336 and 14336x4096, k = 2 and 4; H200, benchmarks/README.md,
 # "Forty-seventh session"), the pair gemv float32 A to M = 4 where its registers fit (PAIR_GEMV_MAX_ROW_WARPS, as on
 # the code layout), and dequantize + cuBLAS the rest (with no cuBLAS route: the pair gemv, 4 rows a launch). No
 # per-GPU table. Measured as a whole (H200, llama3-8b step, 2026-11-29; benchmarks/README.md, "Forty-first session"):
