@@ -50,7 +50,7 @@ for K, N in shapes:
         A = cuda.to_device(rng.standard_normal((T, K)).astype(np.float16))
         out = cuda.device_array((T, N), np.float16)
         d_off = cuda.to_device(offsets)
-        res = {}
+        res, grids = {}, {}
         cases = [("old", old, sets), ("new", new, sets), ("mma", mma_gemv, csets), ("mma(f)", mma_gemv, fsets),
                  ("pair", pair_gemv, csets), ("pair f16", pair_gemv, csets)]
         if split:
@@ -61,8 +61,10 @@ for K, N in shapes:
             if mod is None or mt > MAX_ROWS.get(mod, mt):
                 continue
             extra = opts if name.startswith("mma,split") else {}
-            runs = [(mod.plan_grouped(A, w, d_off, out=out, f16_acc=name.endswith("f16")) if mod is pair_gemv else
-                     mod.plan_grouped(A, w, d_off, out=out, max_tokens=mt, **extra)).prepare().run for w in ws]
+            plans = [mod.plan_grouped(A, w, d_off, out=out, f16_acc=name.endswith("f16")) if mod is pair_gemv else
+                     mod.plan_grouped(A, w, d_off, out=out, max_tokens=mt, **extra) for w in ws]
+            grids[name] = plans[0].steps[0].grid
+            runs = [p.prepare().run for p in plans]
             t = graph_time_us(lambda i, s: runs[i % 2](s), 16)
             res[name] = min(res.get(name, t), t)
         nbytes = int((counts > 0).sum()) * N * K // 32 * 17
@@ -70,6 +72,7 @@ for K, N in shapes:
         print(f"K={K} N={N} E={E} B={B} T={T} active={(counts > 0).sum()} max rows {mt} grouped_gemv "
               + "  ".join(f"{name} {us:.2f} us" for name, us in res.items())
               + f"  (floor over the active experts' bytes {floor:.2f} us)", flush=True)
+        print("  grids: " + "  ".join(f"{name} {grid}" for name, grid in grids.items()), flush=True)
     want = ref.grouped_gemv(A.copy_to_host(), sets[0], offsets)
     for name, mod, ws in cases:
         if mod is not None and mt <= MAX_ROWS.get(mod, mt):

@@ -84,6 +84,15 @@ def persistent_grid(work, threads, regs, shared):
     return min(work, sm_count() * per_sm)
 
 
+def row_share(n_groups, rows, resident):
+    """grid.x of a launch whose grid.y (and z) are ``rows`` (K's shares, a grouped launch's slots): the ``resident``
+    CTAs (:func:`persistent_grid` of all the work) shared among the rows, rounded down, at least one and never more
+    than the ``n_groups`` column groups. Rounded up, the CTAs past the resident ones wait for a second wave:
+    14336x4096 at M = 24, 7 shares at one CTA an SM, took 19 x 7 = 133 CTAs on 132 SMs and 1.5x the time
+    (benchmarks/README.md, "Forty-seventh session")."""
+    return max(1, min(n_groups, resident // rows))
+
+
 # ---- split-K sums (the tensor-core gemm's and gemv's): partial sums added atomically into a float32 workspace,
 #      then one small launch writes the output and zeroes the workspace, ready for the next call
 FINISH_THREADS = 256

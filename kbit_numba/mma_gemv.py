@@ -60,7 +60,7 @@ from numba import cuda
 
 from . import _arrays
 from .core import (SHARED_PER_SM, check_grouped, device_weight, finish_step, fit_threads, max_tokens_per_expert,
-                   persistent_grid, split_sums, unused_i32)
+                   persistent_grid, row_share, split_sums, unused_i32)
 from .device import (CODEBOOK, FULL_MASK, PRMT_ROW, TABLE_BYTES, TABLE_FLOATS, WARP, e4m4_decode, f32_to_bf16_bits, i32,
                      jit_kernel, make_table_fill, silu_mul, slot_expert, stage_codebook, u32)
 from .formats import (ABSMAX_FORMATS, BLOCK, CODES_K, KbitCodes, KbitFragments, check_fragment_shape,
@@ -714,9 +714,8 @@ def _step(spec, args, N, K, cta_warps=None, slots=None, splits=1):
     rows = (slots or 1) * splits                           # grid.y: experts, or shares of K; grouped split: y x z
     if rows == 1 and slots is None:
         grid = persistent_grid(n_groups, slices * kw * WARP, regs, shared)
-    else:       # the resident CTAs shared among the grid's rows, rounded down: a CTA past the resident ones waits
-        resident = persistent_grid(n_groups * rows, slices * kw * WARP, regs, shared)   # for one to end, a second
-        x = max(1, min(n_groups, resident // rows))        # wave (14336x4096 M = 24: 19 x 7 CTAs on 132 SMs, 1.5x)
+    else:                                                  # the resident CTAs shared among the rows, rounded down
+        x = row_share(n_groups, rows, persistent_grid(n_groups * rows, slices * kw * WARP, regs, shared))
         grid = (x, slots, splits) if slots and splits > 1 else (x, rows)
     return Step(kern, grid, slices * kw * WARP, args, shared, spec.pdl)
 

@@ -62,7 +62,7 @@ from numba import cuda
 from numba.cuda.misc.special import literal_unroll
 
 from . import _arrays
-from .core import (MAX_M, check_grouped, device_weight, fit_threads, k_warps, persistent_grid, sm_count,
+from .core import (MAX_M, check_grouped, device_weight, fit_threads, k_warps, persistent_grid, row_share, sm_count,
                    unused_i32)
 from .device import (ABSMAX_CODES, CODEBOOK, PRMT_ROW, TABLE_BYTES, TABLE_FLOATS, WARP, e4m4_decode, i32, inlined,
                      jit_kernel, make_silu_pair_out, make_table_fill, make_warp_reduce_scatter, make_word_unpacker, u32)
@@ -639,7 +639,7 @@ def plan_grouped(A, experts, expert_offsets, out=None, stream=None, out_dtype=np
     n_groups = -(-N // (slices * spec.cols))
     shared = TABLE_BYTES + part_bytes(1, spec.cols, slices, kw, spec.batch)
     resident = persistent_grid(n_groups * T, slices * kw * WARP, regs, shared)
-    grid = (max(1, min(n_groups, -(-resident // T))), T)        # the resident CTAs shared among the slots
+    grid = (row_share(n_groups, T, resident), T)                # the resident CTAs shared among the slots
     return Plan([Step(kern, grid, slices * kw * WARP, args, shared, pdl)], Ad, out, stream)
 
 
