@@ -556,12 +556,19 @@ GROUPED_KERNELS = ("pair_gemv", "mma_gemv", "grouped_gemv", "grouped_gemm")
 # 4 rows (runs/2026-11-27_h100_grouped_pair_ab.txt; the qwen3 step -17% / -23% at B = 1 for k = 4 / 2, -8% / -4% at
 # B = 4, -4% / -1.3% at B = 16). With float32 sums it won only at k = 2 on a B = 1 step's 8 rows (1872 -> 1708 us;
 # B = 2 +4.8%, and k = 4 +4% at B = 1: runs/2026-11-27_h100_qwen3_step_ab_pair_fragments.txt).
+# With both grouped grids rounded down to the resident CTAs (H200, 2026-12-01) the f16_acc rule still held in the
+# qwen3-30b-a3b step: the tensor-core gemv for every routing took 9-20% longer at B = 1 / 4 / 16 (1556 / 3165 / 8235
+# us against 1429 / 2649 / 6936, k = 4), though alone its B = 1 launches were 10% faster
+# (runs/2026-12-01_h200_qwen3_step_grids_rounded_down.txt).
 PAIR_GROUPED_MAX_ROWS = 4           # f16_acc: the pair gemv while the largest expert has at most this many rows
 PAIR_GROUPED_F32_MAX_ROWS = {2: 8}  # float32 sums: k -> the pair gemv while all experts have at most this many rows
 # Where the grouped tensor-core gemv splits K (``mma_gemv.k_splits``: two launches and atomics; k = 4 past K = 4096)
 # the pair gemv's float32 path beat it: B = 1 (8 rows) 38.79 vs 53.10 us on 5120x3072, 57.99 vs 96.18 on 7168x4096;
 # B = 4 (32 rows) 124.70 vs 146.46 and 281.04 vs 278.99 (H200, E = 128, top-8; benchmarks/README.md, "Forty-fourth
-# session").
+# session"). With both grouped grids rounded down to the resident CTAs (forty-seventh and forty-eighth sessions) the
+# two shapes part: 5120x3072 the tensor-core gemv wins (B = 1 33.96 vs 39.32 us, B = 4 113.62 vs 134.11), 7168x4096
+# the pair gemv still does (58.04 vs 64.79, 214.59 vs 223.76); one cap per k cannot say both, so it stays
+# (runs/2026-12-01_h200_grouped_pair_grid_rounded_down.txt).
 PAIR_GROUPED_F32_MAX_ROWS_SPLIT = {2: 8, 4: 32}   # the same where it splits (k = 2 there: not measured, kept at 8)
 
 
