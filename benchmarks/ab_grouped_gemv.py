@@ -9,9 +9,12 @@ L2-cold expert sets.
         > benchmarks/_b_scalar_gemv.py
     PYTHONPATH=benchmarks python benchmarks/ab_grouped_gemv.py        # then delete benchmarks/_b_scalar_gemv.py
 
-``python benchmarks/ab_grouped_gemv.py [K x N list] [--split=S]``: other expert shapes (default the qwen3-30b-a3b
-ones, 2048x1536 and 768x2048), and the tensor-core gemv with K split S ways too (``mma,splitS``: grid z the shares,
-a float32 workspace and a finishing launch; for K > 4096, where a CTA of all K-warps runs at 64 registers).
+``python benchmarks/ab_grouped_gemv.py [K x N list] [--split=S[,S...]] [--cta-warps=W] [--batch=B[,B...]]``: other
+expert shapes (default the qwen3-30b-a3b ones, 2048x1536 and 768x2048), and the tensor-core gemv with K split S ways
+too (``mma,splitS``: grid z the shares, a float32 workspace and a finishing launch; for K > 4096, where a CTA of all
+K-warps runs at 64 registers; S = 1: unsplit, with ``--cta-warps``), its CTAs aiming at W warps (``mma,splitS,wW``:
+smaller CTAs, more of them resident, so that the active experts' pieces spread over more SMs), at B tokens (default
+1, 4, 16).
 """
 import sys
 
@@ -30,7 +33,15 @@ except ImportError:                         # no older revision to compare: the 
 # the most rows of one expert each kernel takes (the pair gemv: any number, one a grid slot)
 MAX_ROWS = {mma_gemv: mma_gemv.MAX_TOKENS, new: new.MAX_M, **({old: old.MAX_M} if old is not None else {})}
 args = [a for a in sys.argv[1:] if not a.startswith("--")]
-split = next((int(a.split("=")[1]) for a in sys.argv[1:] if a.startswith("--split=")), None)
+def option(name, default):
+    """The integers of ``--name=a,b,...``, or ``default``."""
+    return next(([int(v) for v in a.split("=")[1].split(",")] for a in sys.argv[1:] if a.startswith(f"--{name}=")),
+                default)
+
+
+splits = option("split", [])
+cta_warps = option("cta-warps", [None])[0]
+batches = option("batch", [1, 4, 16])
 shapes = [tuple(int(v) for v in s.split("x")) for s in (args[0] if args else "2048x1536,768x2048").split(",")]
 rng = np.random.default_rng(3)
 E, top = 128, 8
@@ -42,7 +53,7 @@ for K, N in shapes:
     csets = [kb.stack_experts([codes[(e + s) % 8] for e in range(E)]) for s in range(2)]
     frags = [ref.to_fragments(c) for c in codes]
     fsets = [kb.stack_experts([frags[(e + s) % 8] for e in range(E)]) for s in range(2)]
-    for B in (1, 4, 16):
+    for B in batches:
         routes = np.stack([rng.choice(E, top, replace=False) for _ in range(B)])
         counts = np.bincount(routes.reshape(-1), minlength=E)
         offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
@@ -53,14 +64,16 @@ for K, N in shapes:
         res, grids = {}, {}
         cases = [("old", old, sets), ("new", new, sets), ("mma", mma_gemv, csets), ("mma(f)", mma_gemv, fsets),
                  ("pair", pair_gemv, csets), ("pair f16", pair_gemv, csets)]
-        if split:
-            cases.insert(3, (f"mma,split{split}", mma_gemv, csets))
-            sums = cuda.to_device(np.zeros(T * N, np.float32))
-        opts = dict(split=split, workspace=sums) if split else {}
+        sums = cuda.to_device(np.zeros(T * N, np.float32))
+        opts = {}                                   # case name -> the split launch's plan_grouped options
+        for s in splits:
+            name = f"mma,split{s}" + (f",w{cta_warps}" if cta_warps else "")
+            cases.insert(3 + len(opts), (name, mma_gemv, csets))
+            opts[name] = dict(split=s, workspace=sums, cta_warps=cta_warps)
         for name, mod, ws in cases + cases:
             if mod is None or mt > MAX_ROWS.get(mod, mt):
                 continue
-            extra = opts if name.startswith("mma,split") else {}
+            extra = opts.get(name, {})
             plans = [mod.plan_grouped(A, w, d_off, out=out, f16_acc=name.endswith("f16")) if mod is pair_gemv else
                      mod.plan_grouped(A, w, d_off, out=out, max_tokens=mt, **extra) for w in ws]
             grids[name] = plans[0].steps[0].grid
@@ -77,8 +90,9 @@ for K, N in shapes:
     for name, mod, ws in cases:
         if mod is not None and mt <= MAX_ROWS.get(mod, mt):
             f16 = dict(f16_acc=True) if name.endswith("f16") else {}
-            if name.startswith("mma,split"):
-                got = mma_gemv.plan_grouped(A, ws[0], d_off, out_dtype=np.float32, split=split).launch().copy_to_host()
+            if name in opts:
+                o = dict(opts[name], workspace=None)
+                got = mma_gemv.plan_grouped(A, ws[0], d_off, out_dtype=np.float32, **o).launch().copy_to_host()
             else:
                 got = mod.grouped_gemv(A, ws[0], d_off, out_dtype=np.float32, **f16).copy_to_host()
             print(f"  {name} vs reference (B = {B}) max rel err", float(np.abs(got - want).max() / np.abs(want).max()))
