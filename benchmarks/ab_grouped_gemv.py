@@ -66,7 +66,7 @@ for K, N in shapes:
                  ("pair", pair_gemv, csets), ("pair f16", pair_gemv, csets)]
         sums = cuda.to_device(np.zeros(T * N, np.float32))
         opts = {}                                   # case name -> the split launch's plan_grouped options
-        for s in splits:
+        for s in (s for s in splits if s <= -(-K // 256)):     # (at most one share a K-warp of 256 columns)
             name = f"mma,split{s}" + (f",w{cta_warps}" if cta_warps else "")
             cases.insert(3 + len(opts), (name, mma_gemv, csets))
             opts[name] = dict(split=s, workspace=sums, cta_warps=cta_warps)
