@@ -30,15 +30,16 @@ try:
 except ImportError:                         # no older revision to compare: the working tree's kernels only
     old = None
 
-# the most rows of one expert each kernel takes (the pair gemv: any number, one a grid slot)
-MAX_ROWS = {mma_gemv: mma_gemv.MAX_TOKENS, new: new.MAX_M, **({old: old.MAX_M} if old is not None else {})}
-args = [a for a in sys.argv[1:] if not a.startswith("--")]
+
 def option(name, default):
     """The integers of ``--name=a,b,...``, or ``default``."""
     return next(([int(v) for v in a.split("=")[1].split(",")] for a in sys.argv[1:] if a.startswith(f"--{name}=")),
                 default)
 
 
+# the most rows of one expert each kernel takes (the pair gemv: any number, one a grid slot)
+MAX_ROWS = {mma_gemv: mma_gemv.MAX_TOKENS, new: new.MAX_M, **({old: old.MAX_M} if old is not None else {})}
+args = [a for a in sys.argv[1:] if not a.startswith("--")]
 splits = option("split", [])
 cta_warps = option("cta-warps", [None])[0]
 batches = option("batch", [1, 4, 16])
@@ -66,7 +67,8 @@ for K, N in shapes:
                  ("pair", pair_gemv, csets), ("pair f16", pair_gemv, csets)]
         sums = cuda.to_device(np.zeros(T * N, np.float32))
         opts = {}                                   # case name -> the split launch's plan_grouped options
-        for s in (s for s in splits if s <= -(-K // 256)):     # (at most one share a K-warp of 256 columns)
+        k_warps = -(-(K // mma_gemv.BLOCK) // mma_gemv.KB_WARP)     # (as mma_gemv.k_splits: at most a share each)
+        for s in (s for s in splits if s <= k_warps):
             name = f"mma,split{s}" + (f",w{cta_warps}" if cta_warps else "")
             cases.insert(3 + len(opts), (name, mma_gemv, csets))
             opts[name] = dict(split=s, workspace=sums, cta_warps=cta_warps)
