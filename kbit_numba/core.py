@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
+import math
+
 import numpy as np
 from numba import cuda
 
@@ -91,6 +93,37 @@ def row_share(n_groups, rows, resident):
     14336x4096 at M = 24, 7 shares at one CTA an SM, took 19 x 7 = 133 CTAs on 132 SMs and 1.5x the time
     (benchmarks/README.md, "Forty-seventh session")."""
     return max(1, min(n_groups, resident // rows))
+
+
+# a CTA's fixed work (its tables, B fragments, the pipeline's first loads) in column-group strips, fitted to the
+# measurements slot_share cites (its model then ranks x = 1, 2, 3, 4, 6 as measured at B = 16 and keeps x = 4 at B = 4)
+CTA_OVERHEAD_STRIPS = 3
+# ... and a larger x than row_share's must promise at least 10% less by it (a margin for the model's error)
+MORE_CTAS_GAIN = 0.9
+
+
+def slot_share(n_groups, rows, resident, active):
+    """grid.x of a grouped launch with ``rows`` grid rows (slots, times K's shares) of which about ``active`` have
+    work: the CTAs of the others return at once and free their SM for the next. :func:`row_share`'s x unless a
+    larger one takes at least 10% fewer strip-times: x CTAs a slot run in about ceil(active x / resident) rounds of
+    ceil(n_groups / x) strips plus ``CTA_OVERHEAD_STRIPS`` each. qwen3-30b-a3b's experts at B = 16 (84 of 128 slots
+    active, one 16-warp CTA an SM on 132): x = 1 is one round of whole experts while 48 SMs idle; x = 3 two rounds of
+    thirds, 20-24% less time (x = 2, two rounds of halves: +4%; x = 4, three of quarters: +11-13% on x = 3);
+    at B = 4 (29 of 32 active, x = 4) x = 6, 8, 12 took 10-30% more (benchmarks/README.md, "Forty-ninth session")."""
+    x0 = row_share(n_groups, rows, resident)
+    active = max(1.0, min(rows, active))
+
+    def strip_times(x):
+        return math.ceil(active * x / resident) * (-(-n_groups // x) + CTA_OVERHEAD_STRIPS)
+
+    best = min(range(x0, n_groups + 1), key=lambda x: (strip_times(x), x))
+    return best if strip_times(best) <= MORE_CTAS_GAIN * strip_times(x0) else x0
+
+
+def expected_active(E, T):
+    """About how many of ``E`` experts ``T`` routed rows reach when the router spreads them evenly:
+    E (1 - (1 - 1/E)^T) (qwen3-30b-a3b, E = 128 and top-8: 81 at B = 16, 28.5 at B = 4; measured 80-84, 27-31)."""
+    return E * (1.0 - (1.0 - 1.0 / E) ** T) if E else 0.0
 
 
 # ---- split-K sums (the tensor-core gemm's and gemv's): partial sums added atomically into a float32 workspace,

@@ -59,8 +59,8 @@ import numpy as np
 from numba import cuda
 
 from . import _arrays
-from .core import (SHARED_PER_SM, check_grouped, device_weight, finish_step, fit_threads, max_tokens_per_expert,
-                   persistent_grid, row_share, split_sums, unused_i32)
+from .core import (SHARED_PER_SM, check_grouped, device_weight, expected_active, finish_step, fit_threads, max_tokens_per_expert,
+                   persistent_grid, row_share, slot_share, split_sums, unused_i32)
 from .device import (CODEBOOK, FULL_MASK, PRMT_ROW, TABLE_BYTES, TABLE_FLOATS, WARP, e4m4_decode, f32_to_bf16_bits, i32,
                      jit_kernel, make_table_fill, silu_mul, slot_expert, stage_codebook, u32)
 from .formats import (ABSMAX_FORMATS, BLOCK, CODES_K, KbitCodes, KbitFragments, check_fragment_shape,
@@ -682,11 +682,11 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, cta_war
     return Plan(_split_steps(spec, args, N, K, cta_warps, splits, ws, out, M), Ad, out, stream, ws)
 
 
-def _split_steps(spec, args, N, K, cta_warps, splits, ws, out, rows, slots=None):
+def _split_steps(spec, args, N, K, cta_warps, splits, ws, out, rows, slots=None, active=None):
     """A split launch's two steps: the CTAs add plain sums into the workspace ``ws`` (``args``' output), then the
     finishing launch writes ``out``'s rows x N values (or rows x N / 2: the SiLU epilogue of ``spec.silu_pairs``)."""
     main = _step(replace(spec, out_dtype="float32", split_k=True, silu_pairs=False), args, N, K, cta_warps,
-                 slots=slots, splits=splits)
+                 slots=slots, splits=splits, active=active)
     return [main, finish_step(ws, out, rows * N // 2, N) if spec.silu_pairs else finish_step(ws, out, rows * N)]
 
 
@@ -698,10 +698,11 @@ def _check_inputs(a_src, K):
         raise ValueError(f"mma gemv handles K a multiple of {K_STEP}, got K={K}")
 
 
-def _step(spec, args, N, K, cta_warps=None, slots=None, splits=1):
+def _step(spec, args, N, K, cta_warps=None, slots=None, splits=1, active=None):
     """The launch: S slices of KW = K / 256 warps (S from ``cta_warps``), a persistent grid over the column
-    groups of one weight, or (grouped) over each of ``slots`` experts' column groups, or (split-K) over each of
-    ``splits`` shares of the K-warps (KW a share; grouped: grid (groups, slots, splits))."""
+    groups of one weight, or (grouped) over each of ``slots`` experts' column groups, of which about ``active``
+    have rows (:func:`core.slot_share`), or (split-K) over each of ``splits`` shares of the K-warps (KW a share;
+    grouped: grid (groups, slots, splits))."""
     kw = -(-(-(-(K // BLOCK) // KB_WARP)) // splits)     # ceil(ceil(K / 256) / splits)
     aim = cta_warps or CTA_WARPS_BY_K_TILES.get((spec.k, spec.tiles), DEFAULTS["cta_warps"])
     most_slices = max(1, min(aim // kw, -(-N // STRIP)))
@@ -714,8 +715,10 @@ def _step(spec, args, N, K, cta_warps=None, slots=None, splits=1):
     rows = (slots or 1) * splits                           # grid.y: experts, or shares of K; grouped split: y x z
     if rows == 1 and slots is None:
         grid = persistent_grid(n_groups, slices * kw * WARP, regs, shared)
-    else:                                                  # the resident CTAs shared among the rows, rounded down
-        x = row_share(n_groups, rows, persistent_grid(n_groups * rows, slices * kw * WARP, regs, shared))
+    else:                           # the resident CTAs shared among the rows, rounded down (or more: see slot_share)
+        resident = persistent_grid(n_groups * rows, slices * kw * WARP, regs, shared)
+        x = (row_share(n_groups, rows, resident) if active is None else
+             slot_share(n_groups, rows, resident, active * splits))
         grid = (x, slots, splits) if slots and splits > 1 else (x, rows)
     return Step(kern, grid, slices * kw * WARP, args, shared, spec.pdl)
 
@@ -757,9 +760,13 @@ def plan_grouped(A, experts, expert_offsets, out=None, stream=None, out_dtype=np
     ws = split_sums(workspace, T * N, stream) if splits > 1 else None     # (rows past an expert's 8: NaN there too)
     args = (_arrays.flat_view(Ad, np.uint32), experts.packed, experts.absmax, experts.codebook,
             _arrays.flat_view(out) if ws is None else ws, i32(N), i32(K // BLOCK), i32(0), offs)
+    # the slots with rows: counted where the offsets are on the host, else expected (a CUDA graph's router output)
+    active = (int((np.diff(expert_offsets) > 0).sum()) if isinstance(expert_offsets, np.ndarray) else
+              expected_active(E, T))
     if ws is None:
-        return Plan([_step(spec, args, N, K, cta_warps, slots=min(E, T))], Ad, out, stream)
-    return Plan(_split_steps(spec, args, N, K, cta_warps, splits, ws, out, T, slots=min(E, T)), Ad, out, stream, ws)
+        return Plan([_step(spec, args, N, K, cta_warps, slots=min(E, T), active=active)], Ad, out, stream)
+    return Plan(_split_steps(spec, args, N, K, cta_warps, splits, ws, out, T, slots=min(E, T), active=active), Ad,
+                out, stream, ws)
 
 
 def grouped_gemv(A, experts, expert_offsets, out=None, stream=None, out_dtype=np.float16, bf16=False,

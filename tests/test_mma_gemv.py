@@ -6,7 +6,7 @@ from hypothesis import given, settings, strategies as st
 from numba import cuda
 
 import kbit_numba as kb
-from kbit_numba import mma_gemv, pair_gemv, reference as ref
+from kbit_numba import core, mma_gemv, pair_gemv, reference as ref
 from kbit_numba.formats import CODES_K
 from helpers import (EXAMPLES, SIM, assert_within, gpu_examples, gpu_split, kbit_weight, Out, out_modes, random_weight,
                      seeds, sizes, weight_kinds, variants)
@@ -236,6 +236,41 @@ def test_split_and_grouped_grids_fit_the_resident_ctas(monkeypatch):
     got = p.launch().copy_to_host()
     for e in range(3):
         check_gemm(got[e:e + 1], A[e:e + 1], flats[e])
+
+
+def test_grouped_grid_takes_more_ctas_where_slots_are_empty(monkeypatch):
+    """Where most of a grouped launch's slots have no rows, their CTAs return at once and the active experts take more
+    CTAs each (``core.slot_share``): with 5 resident, 8 slots of which 2 have rows (4 each, the offsets on the host)
+    and 4 column groups, 2 CTAs a slot (one round of halves) instead of 1 (one round of wholes while 3 CTAs idle).
+    The sums stay right, and the empty experts' rows are never written."""
+    monkeypatch.setattr(mma_gemv, "persistent_grid", lambda work, *args: min(work, 5))
+    rng = np.random.default_rng(51)
+    N, K = 64, 512
+    flats = [ref.quantize(random_weight(rng, N, K), k=4) for _ in range(8)]
+    A = _activations(rng, 8, K, "float16")
+    offsets = np.array([0, 4, 4, 4, 4, 4, 8, 8, 8], np.int32)     # experts 0 and 5: rows 0-3 and 4-7
+    p = mma_gemv.plan_grouped(A, kb.stack_experts([ref.to_codes(w) for w in flats]), offsets, out_dtype=np.float32,
+                              cta_warps=1)
+    assert p.steps[0].grid == (2, 8)
+    got = p.launch().copy_to_host()
+    check_gemm(got[:4], A[:4], flats[0])
+    check_gemm(got[4:], A[4:], flats[5])
+
+
+def test_slot_share_at_the_measured_points():
+    """``core.slot_share`` at the qwen3-30b-a3b expert launches it was fitted to (48 column groups, 132 resident
+    16-warp CTAs, E = 128, the routing's expected active experts): 3 CTAs a slot at B = 16 (measured best of 1, 2, 3,
+    4, 6), row_share's 4 at B = 4 (6, 8, 12 took longer) and 16 at B = 1; never fewer than row_share's nor more than
+    the column groups."""
+    def x(T, n_groups=48, resident=132):
+        return core.slot_share(n_groups, min(128, T), resident, core.expected_active(128, T))
+    assert (x(128), x(32), x(8)) == (3, 4, 16)
+    assert 80 < core.expected_active(128, 128) < 84 and 27 < core.expected_active(128, 32) < 31
+    for n_groups in (1, 2, 7, 48):
+        for rows in (1, 3, 8, 128, 400):
+            for active in (0, 1, rows / 2, rows):
+                got = core.slot_share(n_groups, rows, 132, active)
+                assert core.row_share(n_groups, rows, 132) <= got <= n_groups
 
 
 @pytest.mark.parametrize("k", CODES_K)
