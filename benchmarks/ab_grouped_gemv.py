@@ -9,14 +9,17 @@ L2-cold expert sets.
         > benchmarks/_b_scalar_gemv.py
     PYTHONPATH=benchmarks python benchmarks/ab_grouped_gemv.py        # then delete benchmarks/_b_scalar_gemv.py
 
-``python benchmarks/ab_grouped_gemv.py [K x N list] [--split=S[,S...]] [--cta-warps=W] [--batch=B[,B...]]``: other
+``python benchmarks/ab_grouped_gemv.py [K x N list] [--split=S[,S...]] [--cta-warps=W] [--batch=B[,B...]]
+[--grid-x=X[,X...]]``: other
 expert shapes (default the qwen3-30b-a3b ones, 2048x1536 and 768x2048), and the tensor-core gemv with K split S ways
 too (``mma,splitS``: grid z the shares, a float32 workspace and a finishing launch; for K > 4096, where a CTA of all
 K-warps runs at 64 registers; S = 1: unsplit, with ``--cta-warps``), its CTAs aiming at W warps (``mma,splitS,wW``:
 smaller CTAs, more of them resident, so that the active experts' pieces spread over more SMs), at B tokens (default
-1, 4, 16).
+1, 4, 16), and unsplit with grid.x forced to X (``mma,xX``: X CTAs an expert slot instead of
+``core.slot_share``'s, so that more, shorter CTAs share the SMs that the empty slots leave).
 """
 import sys
+from contextlib import contextmanager
 
 import numpy as np
 from numba import cuda
@@ -37,12 +40,27 @@ def option(name, default):
                 default)
 
 
+@contextmanager
+def grid_x_rule(x):
+    """mma_gemv's grouped grid.x rules (``core.row_share``, ``core.slot_share``) replaced by ``x`` CTAs a slot (None:
+    unchanged)."""
+    rules = mma_gemv.row_share, mma_gemv.slot_share
+    if x is not None:
+        mma_gemv.row_share = lambda n_groups, *args: min(x, n_groups)
+        mma_gemv.slot_share = lambda n_groups, *args: min(x, n_groups)
+    try:
+        yield
+    finally:
+        mma_gemv.row_share, mma_gemv.slot_share = rules
+
+
 # the most rows of one expert each kernel takes (the pair gemv: any number, one a grid slot)
 MAX_ROWS = {mma_gemv: mma_gemv.MAX_TOKENS, new: new.MAX_M, **({old: old.MAX_M} if old is not None else {})}
 args = [a for a in sys.argv[1:] if not a.startswith("--")]
 splits = option("split", [])
 cta_warps = option("cta-warps", [None])[0]
 batches = option("batch", [1, 4, 16])
+grid_xs = option("grid-x", [])
 shapes = [tuple(int(v) for v in s.split("x")) for s in (args[0] if args else "2048x1536,768x2048").split(",")]
 rng = np.random.default_rng(3)
 E, top = 128, 8
@@ -72,12 +90,16 @@ for K, N in shapes:
             name = f"mma,split{s}" + (f",w{cta_warps}" if cta_warps else "")
             cases.insert(3 + len(opts), (name, mma_gemv, csets))
             opts[name] = dict(split=s, workspace=sums, cta_warps=cta_warps)
+        for x in grid_xs:
+            cases.insert(3 + len(opts), (f"mma,x{x}", mma_gemv, csets))
+            opts[f"mma,x{x}"] = dict(grid_x=x)
         for name, mod, ws in cases + cases:
             if mod is None or mt > MAX_ROWS.get(mod, mt):
                 continue
-            extra = opts.get(name, {})
-            plans = [mod.plan_grouped(A, w, d_off, out=out, f16_acc=name.endswith("f16")) if mod is pair_gemv else
-                     mod.plan_grouped(A, w, d_off, out=out, max_tokens=mt, **extra) for w in ws]
+            extra = dict(opts.get(name, {}))
+            with grid_x_rule(extra.pop("grid_x", None)):
+                plans = [mod.plan_grouped(A, w, d_off, out=out, f16_acc=name.endswith("f16")) if mod is pair_gemv else
+                         mod.plan_grouped(A, w, d_off, out=out, max_tokens=mt, **extra) for w in ws]
             grids[name] = plans[0].steps[0].grid
             runs = [p.prepare().run for p in plans]
             t = graph_time_us(lambda i, s: runs[i % 2](s), 16)
@@ -94,7 +116,8 @@ for K, N in shapes:
             f16 = dict(f16_acc=True) if name.endswith("f16") else {}
             if name in opts:
                 o = dict(opts[name], workspace=None)
-                got = mma_gemv.plan_grouped(A, ws[0], d_off, out_dtype=np.float32, **o).launch().copy_to_host()
+                with grid_x_rule(o.pop("grid_x", None)):
+                    got = mma_gemv.plan_grouped(A, ws[0], d_off, out_dtype=np.float32, **o).launch().copy_to_host()
             else:
                 got = mod.grouped_gemv(A, ws[0], d_off, out_dtype=np.float32, **f16).copy_to_host()
             print(f"  {name} vs reference (B = {B}) max rel err", float(np.abs(got - want).max() / np.abs(want).max()))
