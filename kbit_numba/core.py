@@ -16,10 +16,9 @@ Kernel families import from here, ``formats``, ``device`` (device functions), ``
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
-
-import math
 
 import numpy as np
 from numba import cuda
@@ -96,7 +95,8 @@ def row_share(n_groups, rows, resident):
 
 
 # a CTA's fixed work (its tables, B fragments, the pipeline's first loads) in column-group strips, fitted to the
-# measurements slot_share cites (its model then ranks x = 1, 2, 3, 4, 6 as measured at B = 16 and keeps x = 4 at B = 4)
+# measurements slot_share cites: its model then picks the measured best x at both qwen3 shapes at B = 16 and 4 (and
+# ranks all five x as measured at 2048x1536; at 768x2048, 26 groups, it puts x = 1 before 4 and 6, measured after)
 CTA_OVERHEAD_STRIPS = 3
 # ... and a larger x than row_share's must promise at least 10% less by it (a margin for the model's error)
 MORE_CTAS_GAIN = 0.9
@@ -109,7 +109,7 @@ def slot_share(n_groups, rows, resident, active):
     ceil(n_groups / x) strips plus ``CTA_OVERHEAD_STRIPS`` each. qwen3-30b-a3b's experts at B = 16 (84 of 128 slots
     active, one 16-warp CTA an SM on 132): x = 1 is one round of whole experts while 48 SMs idle; x = 3 two rounds of
     thirds, 20-24% less time (x = 2, two rounds of halves: +4%; x = 4, three of quarters: +11-13% on x = 3);
-    at B = 4 (29 of 32 active, x = 4) x = 6, 8, 12 took 10-30% more (benchmarks/README.md, "Forty-ninth session")."""
+    at B = 4 (27-31 of 32 active, x = 4) x = 6, 8, 12 took 10-35% more (benchmarks/README.md, "Forty-ninth session")."""
     x0 = row_share(n_groups, rows, resident)
     active = max(1.0, min(rows, active))
 

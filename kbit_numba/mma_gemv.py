@@ -59,8 +59,8 @@ import numpy as np
 from numba import cuda
 
 from . import _arrays
-from .core import (SHARED_PER_SM, check_grouped, device_weight, expected_active, finish_step, fit_threads, max_tokens_per_expert,
-                   persistent_grid, row_share, slot_share, split_sums, unused_i32)
+from .core import (SHARED_PER_SM, check_grouped, device_weight, expected_active, finish_step, fit_threads,
+                   max_tokens_per_expert, persistent_grid, row_share, slot_share, split_sums, unused_i32)
 from .device import (CODEBOOK, FULL_MASK, PRMT_ROW, TABLE_BYTES, TABLE_FLOATS, WARP, e4m4_decode, f32_to_bf16_bits, i32,
                      jit_kernel, make_table_fill, silu_mul, slot_expert, stage_codebook, u32)
 from .formats import (ABSMAX_FORMATS, BLOCK, CODES_K, KbitCodes, KbitFragments, check_fragment_shape,
