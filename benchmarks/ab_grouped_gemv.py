@@ -42,16 +42,15 @@ def option(name, default):
 
 @contextmanager
 def grid_x_rule(x):
-    """mma_gemv's grouped grid.x rules (``core.row_share``, ``core.slot_share``) replaced by ``x`` CTAs a slot (None:
-    unchanged)."""
-    rules = mma_gemv.row_share, mma_gemv.slot_share
+    """mma_gemv's grouped grid.x rule (``core.slot_share``, which every grouped plan calls) replaced by ``x`` CTAs a
+    slot (None: unchanged)."""
+    rule = mma_gemv.slot_share
     if x is not None:
-        mma_gemv.row_share = lambda n_groups, *args: min(x, n_groups)
         mma_gemv.slot_share = lambda n_groups, *args: min(x, n_groups)
     try:
         yield
     finally:
-        mma_gemv.row_share, mma_gemv.slot_share = rules
+        mma_gemv.slot_share = rule
 
 
 # the most rows of one expert each kernel takes (the pair gemv: any number, one a grid slot)

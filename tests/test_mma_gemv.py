@@ -242,7 +242,7 @@ def test_grouped_grid_takes_more_ctas_where_slots_are_empty(monkeypatch):
     """Where most of a grouped launch's slots have no rows, their CTAs return at once and the active experts take more
     CTAs each (``core.slot_share``): with 5 resident, 8 slots of which 2 have rows (4 each, the offsets on the host)
     and 4 column groups, 2 CTAs a slot (one round of halves) instead of 1 (one round of wholes while 3 CTAs idle).
-    The sums stay right, and the empty experts' rows are never written."""
+    The sums stay right."""
     monkeypatch.setattr(mma_gemv, "persistent_grid", lambda work, *args: min(work, 5))
     rng = np.random.default_rng(51)
     N, K = 64, 512
