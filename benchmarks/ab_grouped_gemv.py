@@ -1,5 +1,5 @@
 r"""Same-run A/B of grouped_gemv at a decode step's routing (E = 128 experts, top-8, B = 1, 4 and 16 tokens; the
-qwen3-30b-a3b expert shapes, k = 4): an older revision's scalar_gemv (if benchmarks/_b_scalar_gemv.py is there)
+qwen3-30b-a3b expert shapes, k = 4 unless ``--k``): an older revision's scalar_gemv (if benchmarks/_b_scalar_gemv.py is there)
 against the working tree's, the tensor-core ``mma_gemv.grouped_gemv`` on the same weights in the code
 layout (mma) and in the fragment layout (mma(f)), and ``pair_gemv.grouped_gemv`` (a token row a grid slot) on the
 code layout with float32 and float16 block sums (pair, pair f16); best of two alternations each, CUDA graphs, two
@@ -10,13 +10,14 @@ L2-cold expert sets.
     PYTHONPATH=benchmarks python benchmarks/ab_grouped_gemv.py        # then delete benchmarks/_b_scalar_gemv.py
 
 ``python benchmarks/ab_grouped_gemv.py [K x N list] [--split=S[,S...]] [--cta-warps=W] [--batch=B[,B...]]
-[--grid-x=X[,X...]]``: other
+[--grid-x=X[,X...]] [--k=BITS]``: other
 expert shapes (default the qwen3-30b-a3b ones, 2048x1536 and 768x2048), and the tensor-core gemv with K split S ways
 too (``mma,splitS``: grid z the shares, a float32 workspace and a finishing launch; for K > 4096, where a CTA of all
 K-warps runs at 64 registers; S = 1: unsplit, with ``--cta-warps``), its CTAs aiming at W warps (``mma,splitS,wW``:
 smaller CTAs, more of them resident, so that the active experts' pieces spread over more SMs), at B tokens (default
 1, 4, 16), and unsplit with grid.x forced to X (``mma,xX``: X CTAs an expert slot instead of
-``core.slot_share``'s, so that more, shorter CTAs share the SMs that the empty slots leave).
+``core.slot_share``'s, so that more, shorter CTAs share the SMs that the empty slots leave), with k = BITS experts
+(2 or 4: the code layout's; default 4).
 """
 import sys
 from contextlib import contextmanager
@@ -60,11 +61,12 @@ splits = option("split", [])
 cta_warps = option("cta-warps", [None])[0]
 batches = option("batch", [1, 4, 16])
 grid_xs = option("grid-x", [])
+bits = option("k", [4])[0]
 shapes = [tuple(int(v) for v in s.split("x")) for s in (args[0] if args else "2048x1536,768x2048").split(",")]
 rng = np.random.default_rng(3)
 E, top = 128, 8
 for K, N in shapes:
-    flat = [ref.quantize(rng.standard_normal((N, K)).astype(np.float32) * 0.02, k=4) for _ in range(8)]
+    flat = [ref.quantize(rng.standard_normal((N, K)).astype(np.float32) * 0.02, k=bits) for _ in range(8)]
     base = [ref.repack_tiled(w) for w in flat]
     codes = [ref.to_codes(w) for w in flat]
     sets = [kb.stack_experts([base[(e + s) % 8] for e in range(E)]) for s in range(2)]
@@ -103,9 +105,9 @@ for K, N in shapes:
             runs = [p.prepare().run for p in plans]
             t = graph_time_us(lambda i, s: runs[i % 2](s), 16)
             res[name] = min(res.get(name, t), t)
-        nbytes = int((counts > 0).sum()) * N * K // 32 * 17
+        nbytes = int((counts > 0).sum()) * N * K // 32 * (4 * bits + 1)   # k 4-byte planes + an absmax byte a block
         floor = bench.floor_us(nbytes)
-        print(f"K={K} N={N} E={E} B={B} T={T} active={(counts > 0).sum()} max rows {mt} grouped_gemv "
+        print(f"k={bits} K={K} N={N} E={E} B={B} T={T} active={(counts > 0).sum()} max rows {mt} grouped_gemv "
               + "  ".join(f"{name} {us:.2f} us" for name, us in res.items())
               + f"  (floor over the active experts' bytes {floor:.2f} us)", flush=True)
         print("  grids: " + "  ".join(f"{name} {grid}" for name, grid in grids.items()), flush=True)

@@ -187,6 +187,15 @@ if "grouped" in families:
     for offsets in ([0, 0, 2, 2, 3], [0, 3, 3, 8, 12]):
         mma_gemv.grouped_gemv(rng.standard_normal((offsets[-1], 1024)).astype(np.float16), fexperts,
                               cuda.to_device(np.array(offsets, np.int32))).copy_to_host()
+    # more CTAs a slot than row_share gives (core.slot_share): 128 experts of 768x2048, 16 tokens top-8 (about 81
+    # slots with rows), one 16-warp CTA an SM; each slot's column groups shared by grid.x > 1 CTAs
+    sel = kb.stack_experts([kb.reference.to_codes(kb.reference.quantize(
+        rng.standard_normal((768, 2048)).astype(np.float32), k=4))] * 128)
+    counts = np.bincount(np.stack([rng.choice(128, 8, replace=False) for _ in range(16)]).reshape(-1), minlength=128)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    plan = mma_gemv.plan_grouped(rng.standard_normal((offsets[-1], 2048)).astype(np.float16), sel, offsets)
+    print("slot_share grid", plan.steps[0].grid, "for", int((counts > 0).sum()), "slots with rows of 128", flush=True)
+    plan.launch().copy_to_host()
     # the PDL build (tables before the wait, offsets after it), T < E and T >= E, after a PDL mma gemv
     for offsets in ([0, 0, 2, 2, 3], [0, 3, 3, 8, 12]):
         T = offsets[-1]
