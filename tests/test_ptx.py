@@ -3,8 +3,8 @@
 Runs where PTX can be produced: on a GPU machine directly, and without a GPU in child processes that
 have the simulator off (``KBIT_NUMBA_PTX_ONLY=1``; needs ``numba-cuda[cu13]`` for NVVM). Under the
 simulator the children start as soon as the session has collected this file (tests/conftest.py), so
-their compiling overlaps the simulator tests; the single test below waits for them and fails if any of
-their checks fail.
+their compiling overlaps the simulator tests; the single test below waits for them (conftest runs it last)
+and fails if any of their checks fail.
 """
 import os
 import subprocess

@@ -338,6 +338,20 @@ def test_every_property_is_in_a_fuzz_family():
     assert found == set(listed)
 
 
+def test_the_wait_for_the_ptx_children_runs_last():
+    """conftest moves the test that waits for the PTX children behind every other test, the rest in file order,
+    so the simulator tests run while the children compile (tests/README.md)."""
+    import conftest
+
+    class Item:
+        def __init__(self, name):
+            self.originalname, self.obj = name, None
+
+    items = [Item(n) for n in ("test_a", "test_ptx_in_child_process", "test_b", "test_c")]
+    conftest.pytest_collection_modifyitems(None, items)
+    assert [i.originalname for i in items] == ["test_a", "test_b", "test_c", "test_ptx_in_child_process"]
+
+
 VARIANT_CHOICES = ((4, 2), (1, 2, 3, 4), ("e4m4", "fp32"))     # (k, M, absmax format): 5 one-offs
 
 
