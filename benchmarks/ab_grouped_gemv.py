@@ -1,9 +1,9 @@
 r"""Same-run A/B of grouped_gemv at a decode step's routing (E = 128 experts, top-8, B = 1, 4 and 16 tokens; the
-qwen3-30b-a3b expert shapes, k = 4 unless ``--k``): an older revision's scalar_gemv (if benchmarks/_b_scalar_gemv.py is there)
-against the working tree's, the tensor-core ``mma_gemv.grouped_gemv`` on the same weights in the code
-layout (mma) and in the fragment layout (mma(f)), and ``pair_gemv.grouped_gemv`` (a token row a grid slot) on the
-code layout with float32 and float16 block sums (pair, pair f16); best of two alternations each, CUDA graphs, two
-L2-cold expert sets.
+qwen3-30b-a3b expert shapes, k = 4 unless ``--k``): an older revision's scalar_gemv (if
+benchmarks/_b_scalar_gemv.py is there) against the working tree's, the tensor-core ``mma_gemv.grouped_gemv`` on
+the same weights in the code layout (mma) and in the fragment layout (mma(f)), and ``pair_gemv.grouped_gemv`` (a
+token row a grid slot) on the code layout with float32 and float16 block sums (pair, pair f16); best of two
+alternations each, CUDA graphs, two L2-cold expert sets.
 
     git show REV:kbit_numba/scalar_gemv.py | sed 's/^from \. /from kbit_numba /; s/^from \./from kbit_numba./' \
         > benchmarks/_b_scalar_gemv.py
