@@ -105,7 +105,7 @@ for K, N in shapes:
             runs = [p.prepare().run for p in plans]
             t = graph_time_us(lambda i, s: runs[i % 2](s), 16)
             res[name] = min(res.get(name, t), t)
-        nbytes = int((counts > 0).sum()) * N * K // 32 * (4 * bits + 1)   # k 4-byte planes + an absmax byte a block
+        nbytes = int((counts > 0).sum()) * flat[0].nbytes             # the active experts' planes and absmax
         floor = bench.floor_us(nbytes)
         print(f"k={bits} K={K} N={N} E={E} B={B} T={T} active={(counts > 0).sum()} max rows {mt} grouped_gemv "
               + "  ".join(f"{name} {us:.2f} us" for name, us in res.items())
