@@ -20,7 +20,7 @@ import numpy as np
 
 from .bench_peers import PEERS, peer_rows, peer_summary
 from .core import MAX_M
-from .formats import CODES_K
+from .formats import CODES_K, kbit_nbytes
 
 SEED_SHAPES = ["2048x5120", "5120x2048", "2048x4096", "2048x512", "4096x2048", "4096x14336"]  # K x N
 KS = [2, 3, 4, 5]
@@ -182,7 +182,7 @@ def _gemv_grid_rows(shapes, ks, ms, max_m, prepare, variants, ceilings, progress
     rng = np.random.default_rng(1)
     for K, N in shapes:
         for k in ks:
-            nbytes = N * K // 32 * (4 * k + 1)
+            nbytes = kbit_nbytes(N, K, k)
             n = rotation_count(nbytes)
             ws = prepare(_rotating_weights(K, N, k, n, rng))
             for M in [m for m in ms if m <= max_m]:
@@ -264,7 +264,7 @@ def matmul_rows(shapes, ks, ms, ceilings, progress, kernels=("gemm", "dequant_ma
         if N % 128:
             continue
         for k in ks:
-            nbytes = N * K // 32 * (4 * k + 1)
+            nbytes = kbit_nbytes(N, K, k)
             n = rotation_count(nbytes)
             flats = _rotating_weights(K, N, k, n, rng)
             ws = _tiled_copies(flats)
@@ -526,7 +526,7 @@ def codes_tune_rows(shapes, ks, ceilings, progress, table=None, reps=CODES_TUNE_
     rng = np.random.default_rng(1)
     for K, N in shapes:
         for k in [k for k in ks if k in CODES_K]:
-            nbytes = N * K // 32 * (4 * k + 1)
+            nbytes = kbit_nbytes(N, K, k)
             n = rotation_count(nbytes)
             kcs = [pair_gemv.to_codes(w) for w in _rotating_weights(K, N, k, n, rng)]
             for f16, pdl in variants:
@@ -655,7 +655,7 @@ def moe_rows(progress, E=512, batch=32, top_k=8, k=4, shapes=((2048, 512), (512,
         out = cuda.device_array((T, N), np.float16)
         d_offsets = cuda.to_device(offsets)
         max_tok = int(counts.max())
-        nbytes = len(active) * N * K // 32 * (4 * k + 1)
+        nbytes = len(active) * kbit_nbytes(N, K, k)
 
         def grouped(i, s):
             kb.grouped_gemv(A, sets[i % 2], d_offsets, out=out, stream=s, max_tokens=max_tok)
@@ -818,7 +818,7 @@ def dequantize_rows(shapes, ks, ceilings, progress):
         out = cuda.device_array((N, K), np.float16)
         for k in ks:
             progress(f"dequantize {K}x{N} k={k}")
-            nbytes = N * K // 32 * (4 * k + 1)
+            nbytes = kbit_nbytes(N, K, k)
             n = rotation_count(nbytes)
             ws = _rotating_weights(K, N, k, n, rng)
             moved = nbytes + N * K * 2

@@ -144,6 +144,17 @@ def padded_k(K, layout):
     return -(-K // TILE_K) * TILE_K if layout == "tiled" else K
 
 
+def block_bytes(k, absmax_format="e4m4"):
+    """Bytes of one 32-element block: k bit-plane words and its absmax (an E4M4 byte or a float32)."""
+    return 4 * k + (1 if absmax_format == "e4m4" else 4)
+
+
+def kbit_nbytes(N, K, k, absmax_format="e4m4"):
+    """Bytes of an N x K kbit weight in the flat (or code, or fragment) layout: what a kernel reads to use every
+    weight once (``KbitWeight.nbytes`` without a weight; K a multiple of 32)."""
+    return N * K // BLOCK * block_bytes(k, absmax_format)
+
+
 def tiled_word_index(n, kb_all, bit, N, k):
     """Word offset of (column n, k-block kb_all, plane bit) in the tiled layout."""
     n_tiles = N // TILE_N
@@ -235,7 +246,7 @@ class KbitWeight(_HostDevice):
     @property
     def nbytes(self):
         """Bytes a kernel must read to use every weight once."""
-        return self.n_blocks * (4 * self.k + (1 if self.absmax_format == "e4m4" else 4))
+        return self.n_blocks * block_bytes(self.k, self.absmax_format)
 
 
 

@@ -157,3 +157,12 @@ def test_kbitweight_validates():
     with pytest.raises(ValueError, match="N % 128"):
         kb.KbitWeight(qw.packed, qw.absmax, qw.codebook, 2, (2, 64), layout="tiled")
     assert qw.nbytes == 4 * (4 * 2 + 1)
+
+
+@pytest.mark.parametrize("absmax_format", ["e4m4", "fp32"])
+def test_kbit_nbytes_is_a_weights_nbytes(absmax_format):
+    """``formats.kbit_nbytes`` (the benchmarks' byte counts, no weight needed) equals the quantized weight's."""
+    from kbit_numba.formats import kbit_nbytes
+    for k in (2, 3, 4, 5):
+        qw = ref.quantize(np.ones((3, 96), np.float32), k=k, absmax_format=absmax_format)
+        assert kbit_nbytes(3, 96, k, absmax_format) == qw.nbytes == qw.packed.nbytes + qw.absmax.nbytes
