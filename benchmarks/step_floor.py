@@ -1,0 +1,246 @@
+"""What a decode step's linear layers cost at the read floor, as one launch a layer and as one persistent launch (GPU):
+
+    python benchmarks/step_floor.py [--model llama3-8b] [--k 4,2] [--replays 7]
+
+No kernel here decodes anything: each only reads the bytes of the B = 1 step's linear layers (every layer's QKV, O,
+gate/up and down, in the step's order; ``bench_model.projections``, kbit bytes ``formats.kbit_nbytes``) from DRAM with
+16-byte loads. The question is what the layer boundaries cost when the reading itself is as cheap as it gets, and
+how much of that a persistent kernel could win back: if it is small, fusing the step's layers into one launch cannot
+move issue 16's B = 1 numbers and the kernels' own work is what is left (``benchmarks/README.md``, "Fifty-first
+session"). Every mode is one CUDA graph of the whole step, timed by replays (``_timing.graph_time_us``):
+
+* ``one read``: all of the step's bytes in one floor launch (one 16-byte load a thread, every load in flight from the
+  start): no boundary at all, the bound the others are measured against.
+* ``launches``: one such floor launch a layer, in order (``bench.floor_us``'s kernel).
+* ``launches pdl``: the same as programmatic dependent launches: a layer's CTAs issue their loads, then
+  ``griddepcontrol.wait``, then write (as the package's PDL gemvs wait before reading activations). Only CTAs that
+  fit on an SM beside the previous layer's start early.
+* ``persistent``: one launch of one 1024-thread CTA an SM that reads layer after layer (each thread 4 loads in flight)
+  and meets the whole grid at a barrier after each layer (an arrival counter and a generation word in global memory:
+  the last CTA to arrive opens it; the others poll it with acquire loads), as a kernel running the whole step would
+  have to between dependent layers.
+* ``persistent prefetch``: the same, but each thread issues its first four loads of the next layer before the barrier
+  (weights do not depend on the previous layer; only the activations read after the barrier do).
+* ``persistent arrive-prefetch``: those loads issued after the CTA has arrived at the barrier, before it waits (so
+  that neither the CTA's ``syncthreads`` nor the arrival's release can wait for them).
+* ``persistent no barrier``: the same reads with no barrier (not a valid step: how fast this way of reading streams).
+
+The persistent grid must be resident all at once (its barrier waits for every CTA): one CTA an SM, nothing else
+running. Prints us a step for each mode and k, and each mode's cost over ``one read`` per layer boundary.
+"""
+import argparse
+
+import numpy as np
+from numba import cuda
+
+from kbit_numba import bench, bench_model
+from kbit_numba._timing import graph_time_us
+from kbit_numba.formats import kbit_nbytes
+from kbit_numba.intrinsics import _element_ptr, griddep_launch_dependents, griddep_wait, ld128, ldg128
+from kbit_numba.launch import PreparedLaunch
+from llvmlite import ir
+from numba import types
+from numba.cuda.extending import intrinsic
+
+THREADS = 1024          # the persistent CTA: 1024 threads x 4 loads x 16 bytes = 64 KB in flight an SM
+FLOOR_THREADS = bench.FLOOR_THREADS
+MAGIC = np.uint32(0x9E3779B9)   # a value no XOR of these buffers is expected to hit (keeps the loads alive)
+u32 = np.uint32
+
+
+@cuda.jit(device=True)
+def xor4(t):
+    return t[0] ^ t[1] ^ t[2] ^ t[3]
+
+
+def _sync_op(text, with_value):
+    """An intrinsic (arr, index[, value]) -> u32 (or nothing) around one PTX memory instruction on arr[index]."""
+    ret = text.split(" ")[1].startswith("$0")
+
+    def codegen(context, builder, sig, args):
+        ptr = _element_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        vals = [context.cast(builder, v, t, types.uint32) for v, t in zip(args[2:], sig.args[2:])]
+        fty = ir.FunctionType(ir.IntType(32) if ret else ir.VoidType(), [ptr.type] + [ir.IntType(32)] * len(vals))
+        cons = ",".join((["=r"] if ret else []) + ["l"] + ["r"] * len(vals)) + ",~{memory}"
+        return builder.call(ir.InlineAsm(fty, text, cons, side_effect=True), [ptr] + vals)
+
+    result = types.uint32 if ret else types.void
+    if with_value:
+        @intrinsic
+        def op(typingctx, arr, index, value):
+            return result(arr, index, value), codegen
+    else:
+        @intrinsic
+        def op(typingctx, arr, index):
+            return result(arr, index), codegen
+    return op
+
+
+ld_acquire = _sync_op("ld.acquire.gpu.global.u32 $0, [$1];", False)           # poll: no atomic, past L1
+atom_add_acq_rel = _sync_op("atom.acq_rel.gpu.global.add.u32 $0, [$1], $2;", True)   # arrive: the old count
+red_add_release = _sync_op("red.release.gpu.global.add.u32 [$0], $1;", True)         # open: earlier writes first
+
+
+@cuda.jit(device=True)
+def grid_arrive(sync, tid):
+    """The first half of a barrier every CTA of the grid meets (``grid_wait`` the second; every CTA resident at
+    once). sync[0] counts arrivals, sync[1] is the generation: thread 0 reads the generation before it arrives (it
+    cannot move on before this CTA arrives); the last CTA to arrive resets the count and opens the barrier by
+    advancing the generation (a release, after the reset). Returns the generation to wait past (thread 0's)."""
+    cuda.syncthreads()
+    gen = u32(0)
+    if tid == 0:
+        gen = ld_acquire(sync, 1)
+        if atom_add_acq_rel(sync, 0, u32(1)) == u32(cuda.gridDim.x - 1):
+            sync[0] = u32(0)
+            red_add_release(sync, 1, u32(1))
+    return gen
+
+
+@cuda.jit(device=True)
+def grid_wait(sync, tid, gen):
+    """The second half: thread 0 polls the generation with acquire loads (no atomics), then the CTA meets."""
+    if tid == 0:
+        while ld_acquire(sync, 1) == gen:
+            pass
+    cuda.syncthreads()
+
+
+PREFETCH = (None, "before", "after")
+
+
+def make_persistent(prefetch=None, barrier=True):
+    """The persistent reader: layer L is chunks [starts[L], starts[L] + chunks[L]) of 16 bytes; thread t of T reads
+    chunks t, t + T, ... four at a time. ``prefetch``: each thread's first four of the next layer issued "before" the
+    barrier (before the CTA's own ``syncthreads`` and arrival) or "after" its arrival (before the wait); ordinary
+    loads, which stay where they are written (ptxas sinks read-only ones). ``barrier=False``: no barrier at all
+    (layers read back to back: how fast this way of reading streams, boundaries aside)."""
+    assert prefetch in PREFETCH
+
+    @cuda.jit(device=True)
+    def next_four(src, starts, chunks, L, t, T):
+        """The first four chunks of layer L + 1 for thread t (clamped: a short layer reads its last chunk again)."""
+        nb, last = starts[L + 1], chunks[L + 1] - 1
+        return (ld128(src, 4 * (nb + min(t, last))), ld128(src, 4 * (nb + min(t + T, last))),
+                ld128(src, 4 * (nb + min(t + 2 * T, last))), ld128(src, 4 * (nb + min(t + 3 * T, last))))
+
+    @cuda.jit
+    def persistent(src, starts, chunks, sync, out):
+        tid = cuda.threadIdx.x
+        T = cuda.gridDim.x * cuda.blockDim.x
+        t = cuda.blockIdx.x * cuda.blockDim.x + tid
+        acc = u32(0)
+        n_layers = starts.shape[0]
+        z = (u32(0), u32(0), u32(0), u32(0))
+        p = (z, z, z, z)
+        for L in range(n_layers):
+            base, n = starts[L], chunks[L]
+            i = t
+            if prefetch is not None and L > 0:     # this layer's first four, issued before the barrier's end and
+                acc ^= xor4(p[0]) ^ xor4(p[1]) ^ xor4(p[2]) ^ xor4(p[3])     # used only after it
+                i = t + 4 * T
+            while i + 3 * T < n:
+                a = ldg128(src, 4 * (base + i))
+                b = ldg128(src, 4 * (base + i + T))
+                c = ldg128(src, 4 * (base + i + 2 * T))
+                d = ldg128(src, 4 * (base + i + 3 * T))
+                acc ^= xor4(a) ^ xor4(b) ^ xor4(c) ^ xor4(d)
+                i += 4 * T
+            while i < n:
+                acc ^= xor4(ldg128(src, 4 * (base + i)))
+                i += T
+            if L + 1 < n_layers:
+                if prefetch == "before":
+                    p = next_four(src, starts, chunks, L, t, T)
+                if barrier:
+                    gen = grid_arrive(sync, tid)
+                    if prefetch == "after":
+                        p = next_four(src, starts, chunks, L, t, T)
+                    grid_wait(sync, tid, gen)
+        if acc == MAGIC:
+            out[0] = acc
+    return persistent
+
+
+@cuda.jit
+def floor_pdl(src, first_word, n_words, out):
+    """bench's floor kernel as a programmatic dependent launch: loads, then the wait, then the write."""
+    griddep_launch_dependents()
+    i = cuda.grid(1) * 4
+    v = u32(0)
+    if i < n_words:
+        v = xor4(ld128(src, first_word + i))     # (ordinary loads: ptxas keeps them before the wait)
+    griddep_wait()
+    if v == MAGIC:
+        out[0] = v
+
+
+def layer_bytes(model, k):
+    """Bytes of each linear layer of one B = 1 step of ``model``, in the step's order (16-byte multiples)."""
+    cfg = bench_model.MODELS[model]
+    one = [kbit_nbytes(N, K, k) for _, N, K in bench_model.projections(cfg)]
+    return [-(-b // 16) * 16 for _ in range(cfg["layers"]) for b in one]
+
+
+def run(model, k, replays):
+    sizes = layer_bytes(model, k)
+    chunks = np.array([b // 16 for b in sizes], np.int64)
+    starts = np.concatenate([[0], np.cumsum(chunks)[:-1]]).astype(np.int64)
+    total = int(chunks.sum())
+    src = cuda.device_array(4 * total, np.uint32)     # (what it holds does not matter: only that it is read)
+    out = cuda.device_array(1, np.uint32)
+    sync = cuda.to_device(np.zeros(2, np.uint32))
+    d_starts, d_chunks = cuda.to_device(starts), cuda.to_device(chunks)
+    floor = bench._floor_kernel()
+    sms = cuda.get_current_device().MULTIPROCESSOR_COUNT
+
+    def one_read(i, s):
+        floor[-(-total // FLOOR_THREADS), FLOOR_THREADS, s](src, np.int64(0), np.int64(4 * total), out)
+
+    def launches(i, s):
+        for st, n in zip(starts, chunks):
+            floor[-(-int(n) // FLOOR_THREADS), FLOOR_THREADS, s](src, np.int64(4 * st), np.int64(4 * n), out)
+
+    pdl = [PreparedLaunch(floor_pdl, -(-int(n) // FLOOR_THREADS), FLOOR_THREADS,
+                          (src, np.int64(4 * st), np.int64(4 * n), out), pdl=True) for st, n in zip(starts, chunks)]
+
+    def launches_pdl(i, s):
+        for p in pdl:
+            p(s)
+
+    def persistent(prefetch=None, barrier=True):
+        kern = make_persistent(prefetch, barrier)
+
+        def launch(i, s):
+            kern[sms, THREADS, s](src, d_starts, d_chunks, sync, out)
+        return launch
+
+    modes = [("one read", one_read), ("launches", launches), ("launches pdl", launches_pdl),
+             ("persistent", persistent()), ("persistent prefetch", persistent("before")),
+             ("persistent arrive-prefetch", persistent("after")), ("persistent no barrier", persistent(barrier=False))]
+    res = {name: graph_time_us(fn, 1, replays=replays) for name, fn in modes}
+    gib = total * 16 / 2**30
+    print(f"\n{model} k = {k}: {len(sizes)} layers, {gib:.3f} GiB a step; {sms} SMs")
+    print(f"{'mode':<22}{'us a step':>11}{'TB/s':>8}{'us a boundary over one read':>30}")
+    for name, _ in modes:
+        t = res[name]
+        extra = (t - res["one read"]) / (len(sizes) - 1)
+        print(f"{name:<22}{t:>11.1f}{total * 16 / t / 1e6:>8.2f}{extra:>30.2f}", flush=True)
+    return res
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    dense = sorted(m for m, cfg in bench_model.MODELS.items() if not bench_model.is_moe(cfg))
+    ap.add_argument("--model", default="llama3-8b", choices=dense)
+    ap.add_argument("--k", default="4,2")
+    ap.add_argument("--replays", type=int, default=7)
+    a = ap.parse_args(argv)
+    name = cuda.get_current_device().name
+    print("device:", name.decode() if isinstance(name, bytes) else name)
+    for k in (int(x) for x in a.k.split(",")):
+        run(a.model, k, a.replays)
+
+
+if __name__ == "__main__":
+    main()
