@@ -17,8 +17,8 @@ dist=$(python -c "import xdist; print('worksteal' if tuple(map(int, xdist.__vers
  grep -E '^[0-9.]+s (call|setup)' $OUT/suite.log | head -12
  # tests that never finished (a hang or the time limit): collected but without a result line
  python -m pytest -q --co -p no:cacheprovider $files 2>/dev/null | grep :: | sed 's|^tests/||' | sort > /tmp/collected.txt
- sed -nE 's/^\[gw[0-9]+\] \[ *[0-9]+%\] (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS) //p' $OUT/suite.log | sed 's/ *$//' | sort > /tmp/done.txt
- echo "unfinished: $(comm -23 /tmp/collected.txt /tmp/done.txt | tr '\n' ' ')")
+ # (a result line can carry a warning's text after the test's id, and ids can hold spaces: match id, then end or space)
+ echo "unfinished: $(python ../benchmarks/unfinished_tests.py $OUT/suite.log /tmp/collected.txt)")
 cat $KBIT_COMPILE_LOG.* > $OUT/compiles.tsv 2>/dev/null; python benchmarks/compile_log.py $KBIT_COMPILE_LOG 12
 for tool in memcheck racecheck; do   # (skipped if SUITE_ONLY=1)
   [ -n "$SUITE_ONLY" ] && break
