@@ -24,7 +24,8 @@ FUZZ_FAMILIES = {
         "test_pair_gemv.py::test_codes_round_trip", "test_formats.py::test_tiled_round_trip",
         "test_formats.py::test_bitplanes_round_trip", "test_formats.py::test_reference_error_bound",
         "test_formats.py::test_e4m4_relative_error_normal_range",
-        "test_formats.py::test_e4m4_absolute_error_subnormal_range"],
+        "test_formats.py::test_e4m4_absolute_error_subnormal_range",
+        "test_formats.py::test_kbit_nbytes_is_a_weights_nbytes"],
     "gemv (scalar, pair, tensor-core)": [
         "test_gemv.py::test_gemv_flat", "test_gemv.py::test_gemv_tiled", "test_pair_gemv.py::test_pair_gemv",
         "test_pair_gemv.py::test_pair_gemv_f16_acc", "test_pair_gemv.py::test_pair_gemv_silu_pairs",

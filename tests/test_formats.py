@@ -159,10 +159,11 @@ def test_kbitweight_validates():
     assert qw.nbytes == 4 * (4 * 2 + 1)
 
 
-@pytest.mark.parametrize("absmax_format", ["e4m4", "fp32"])
-def test_kbit_nbytes_is_a_weights_nbytes(absmax_format):
+@given(N=st.integers(1, 6), blocks=st.integers(1, 6), k=st.sampled_from((2, 3, 4, 5)),
+       absmax_format=st.sampled_from(("e4m4", "fp32")))
+def test_kbit_nbytes_is_a_weights_nbytes(N, blocks, k, absmax_format):
     """``formats.kbit_nbytes`` (the benchmarks' byte counts, no weight needed) equals the quantized weight's."""
     from kbit_numba.formats import kbit_nbytes
-    for k in (2, 3, 4, 5):
-        qw = ref.quantize(np.ones((3, 96), np.float32), k=k, absmax_format=absmax_format)
-        assert kbit_nbytes(3, 96, k, absmax_format) == qw.nbytes == qw.packed.nbytes + qw.absmax.nbytes
+    qw = ref.quantize(np.ones((N, 32 * blocks), np.float32), k=k, absmax_format=absmax_format)
+    nbytes = kbit_nbytes(N, 32 * blocks, k, absmax_format)
+    assert nbytes == qw.nbytes == qw.packed.nbytes + qw.absmax.nbytes
