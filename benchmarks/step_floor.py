@@ -31,16 +31,15 @@ running. Prints us a step for each mode and k, and each mode's cost over ``one r
 import argparse
 
 import numpy as np
-from numba import cuda
+from llvmlite import ir
+from numba import cuda, types
+from numba.cuda.extending import intrinsic
 
 from kbit_numba import bench, bench_model
 from kbit_numba._timing import graph_time_us
 from kbit_numba.formats import kbit_nbytes
 from kbit_numba.intrinsics import _element_ptr, griddep_launch_dependents, griddep_wait, ld128, ldg128
 from kbit_numba.launch import PreparedLaunch
-from llvmlite import ir
-from numba import types
-from numba.cuda.extending import intrinsic
 
 THREADS = 1024          # the persistent CTA: 1024 threads x 4 loads x 16 bytes = 64 KB in flight an SM
 FLOOR_THREADS = bench.FLOOR_THREADS
@@ -221,11 +220,11 @@ def run(model, k, replays):
     res = {name: graph_time_us(fn, 1, replays=replays) for name, fn in modes}
     gib = total * 16 / 2**30
     print(f"\n{model} k = {k}: {len(sizes)} layers, {gib:.3f} GiB a step; {sms} SMs")
-    print(f"{'mode':<22}{'us a step':>11}{'TB/s':>8}{'us a boundary over one read':>30}")
+    print(f"{'mode':<28}{'us a step':>11}{'TB/s':>8}{'us a boundary over one read':>30}")
     for name, _ in modes:
         t = res[name]
         extra = (t - res["one read"]) / (len(sizes) - 1)
-        print(f"{name:<22}{t:>11.1f}{total * 16 / t / 1e6:>8.2f}{extra:>30.2f}", flush=True)
+        print(f"{name:<28}{t:>11.1f}{total * 16 / t / 1e6:>8.2f}{extra:>30.2f}", flush=True)
     return res
 
 

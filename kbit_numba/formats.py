@@ -151,7 +151,8 @@ def block_bytes(k, absmax_format="e4m4"):
 
 def kbit_nbytes(N, K, k, absmax_format="e4m4"):
     """Bytes of an N x K kbit weight in the flat (or code, or fragment) layout: what a kernel reads to use every
-    weight once (``KbitWeight.nbytes`` without a weight; K a multiple of 32)."""
+    weight once (``KbitWeight.nbytes`` without a weight; K a multiple of 32; the tiled layout pads K to whole tiles,
+    ``padded_k``)."""
     return N * K // BLOCK * block_bytes(k, absmax_format)
 
 
