@@ -1,6 +1,6 @@
 """What a decode step's linear layers cost at the read floor, as one launch a layer and as one persistent launch (GPU):
 
-    python benchmarks/step_floor.py [--model llama3-8b] [--k 4,2] [--replays 7]
+    python benchmarks/step_floor.py [--model llama3-8b] [--k 4,2] [--replays 7] [--projections qkv,o,gate_up,down]
 
 No kernel here decodes anything: each only reads the bytes of the B = 1 step's linear layers (every layer's QKV, O,
 gate/up and down, in the step's order; ``bench_model.projections``, kbit bytes ``formats.kbit_nbytes``) from DRAM with
@@ -174,15 +174,16 @@ def floor_pdl(src, first_word, n_words, out):
         out[0] = v
 
 
-def layer_bytes(model, k):
-    """Bytes of each linear layer of one B = 1 step of ``model``, in the step's order (16-byte multiples)."""
+def layer_bytes(model, k, only=None):
+    """Bytes of each linear layer of one B = 1 step of ``model``, in the step's order (16-byte multiples); ``only``:
+    the projections to keep (names from ``bench_model.projections``, e.g. ("o",): that projection's launches alone)."""
     cfg = bench_model.MODELS[model]
-    one = [kbit_nbytes(N, K, k) for _, N, K in bench_model.projections(cfg)]
+    one = [kbit_nbytes(N, K, k) for name, N, K in bench_model.projections(cfg) if only is None or name in only]
     return [-(-b // 16) * 16 for _ in range(cfg["layers"]) for b in one]
 
 
-def run(model, k, replays):
-    sizes = layer_bytes(model, k)
+def run(model, k, replays, only=None):
+    sizes = layer_bytes(model, k, only)
     chunks = np.array([b // 16 for b in sizes], np.int64)
     starts = np.concatenate([[0], np.cumsum(chunks)[:-1]]).astype(np.int64)
     total = int(chunks.sum())
@@ -219,7 +220,8 @@ def run(model, k, replays):
              ("persistent arrive-prefetch", persistent("after")), ("persistent no barrier", persistent(barrier=False))]
     res = {name: graph_time_us(fn, 1, replays=replays) for name, fn in modes}
     gib = total * 16 / 2**30
-    print(f"\n{model} k = {k}: {len(sizes)} layers, {gib:.3f} GiB a step; {sms} SMs")
+    print(f"\n{model} k = {k}{'' if only is None else ' (' + ','.join(only) + ' only)'}: {len(sizes)} layers, "
+          f"{gib:.3f} GiB a step; {sms} SMs")
     print(f"{'mode':<28}{'us a step':>11}{'TB/s':>8}{'us a boundary over one read':>30}")
     for name, _ in modes:
         t = res[name]
@@ -234,11 +236,17 @@ def main(argv=None):
     ap.add_argument("--model", default="llama3-8b", choices=dense)
     ap.add_argument("--k", default="4,2")
     ap.add_argument("--replays", type=int, default=7)
+    ap.add_argument("--projections", default=None,
+                    help="comma-separated projections to keep (e.g. qkv,o; default: all), each layer's in step order")
     a = ap.parse_args(argv)
+    only = None if a.projections is None else tuple(a.projections.split(","))
+    known = [name for name, _, _ in bench_model.projections(bench_model.MODELS[a.model])]
+    if only is not None and not set(only) <= set(known):
+        ap.error(f"--projections takes names from {known}, got {a.projections!r}")
     name = cuda.get_current_device().name
     print("device:", name.decode() if isinstance(name, bytes) else name)
     for k in (int(x) for x in a.k.split(",")):
-        run(a.model, k, a.replays)
+        run(a.model, k, a.replays, only)
 
 
 if __name__ == "__main__":
