@@ -19,7 +19,7 @@ import numpy as np
 from numba import cuda
 
 from kbit_numba import bench, codec, mma_gemv, pair_gemv
-from kbit_numba.formats import fits_fragments
+from kbit_numba.formats import fits_fragments, kbit_nbytes
 from kbit_numba._timing import graph_time_us, rotation_count
 
 args = [a for a in sys.argv[1:] if not a.startswith("--")]
@@ -47,7 +47,7 @@ for K, N in shapes:
     for layout, k in cases:
         if layout == "fragments" and not fits_fragments(N, K):
             continue
-        nbytes = N * K // 32 * (4 * k + 1)
+        nbytes = kbit_nbytes(N, K, k)
         n = rotation_count(nbytes)
         ws = bench._rotating_weights(K, N, k, n, rng)
         if layout in ("codes", "fragments"):

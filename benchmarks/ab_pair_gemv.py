@@ -22,6 +22,7 @@ import numpy as np
 from numba import cuda
 
 from kbit_numba import bench, mma_gemv, pair_gemv
+from kbit_numba.formats import kbit_nbytes
 from kbit_numba._timing import graph_time_us, rotation_count
 
 mma = "--mma" in sys.argv
@@ -48,7 +49,7 @@ print(f"{'K x N':>11} {'k':>1} {'M':>2} {'acc':>4} {'A us':>7} {'B us':>7} {'A/B
       f"{'cuBLAS':>7} {'A vs cuBLAS':>11}")
 for K, N in shapes:
     for k in ks:
-        nbytes = N * K // 32 * (4 * k + 1)
+        nbytes = kbit_nbytes(N, K, k)
         n = rotation_count(nbytes)
         codes = [pair_gemv.to_codes(w) for w in bench._rotating_weights(K, N, k, n, rng)]
         kcs = [mma_gemv.to_fragments(kc) for kc in codes] if fragments or layouts else codes     # A's weights

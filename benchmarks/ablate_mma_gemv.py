@@ -35,6 +35,7 @@ import numpy as np
 from numba import cuda
 
 from kbit_numba import bench, mma_gemv, pair_gemv
+from kbit_numba.formats import kbit_nbytes
 from kbit_numba._timing import graph_time_us, rotation_count
 
 SOURCE = Path(mma_gemv.__file__).read_text()
@@ -115,7 +116,7 @@ def main():
     rng = np.random.default_rng(1)
     k = int(sys.argv[4]) if len(sys.argv) > 4 else 4
     for K, N in shapes:
-        nbytes = N * K // 32 * (4 * k + 1)
+        nbytes = kbit_nbytes(N, K, k)
         n = rotation_count(nbytes)
         codes = [pair_gemv.to_codes(w) for w in bench._rotating_weights(K, N, k, n, rng)]
         for M in ms:

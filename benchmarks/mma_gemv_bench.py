@@ -30,6 +30,7 @@ import numpy as np
 from numba import cuda
 
 from kbit_numba import bench, core, dispatch, mma_gemv, pair_gemv, tensor_gemm
+from kbit_numba.formats import kbit_nbytes
 from kbit_numba.codec import repack_tiled
 from kbit_numba._timing import graph_time_us, rotation_count
 
@@ -67,7 +68,7 @@ print(f"{'K x N':>11} {'k':>1} {'M':>2} " + " ".join(f"{c:>{width[c]}}" for c in
       " %floor(mma) mma vs cuBLAS  mma vs best other  mma(f)/mma(c)")
 for K, N in shapes:
     for k in ks:
-        nbytes = N * K // 32 * (4 * k + 1)
+        nbytes = kbit_nbytes(N, K, k)
         n = rotation_count(nbytes)
         flats = bench._rotating_weights(K, N, k, n, rng)
         codes = [pair_gemv.to_codes(w) for w in flats]

@@ -12,6 +12,7 @@ from numba import cuda
 
 import kbit_numba as kb
 from kbit_numba import bench, reference as ref, scalar_gemv
+from kbit_numba.formats import kbit_nbytes
 from kbit_numba._timing import graph_time_us
 
 args = sys.argv[1:]
@@ -31,7 +32,7 @@ for K, N in ((2048, 1536), (768, 2048)):
         A = cuda.to_device(rng.standard_normal((T, K)).astype(np.float16))
         out = cuda.device_array((T, N), np.float16)
         d_off = cuda.to_device(offsets)
-        floor = bench.floor_us(int((counts > 0).sum()) * N * K // 32 * (4 * k + 1))
+        floor = bench.floor_us(int((counts > 0).sum()) * kbit_nbytes(N, K, k))
         line = []
         for cols in cols_list:
             for warps in warps_list:

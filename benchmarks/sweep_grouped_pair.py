@@ -13,6 +13,7 @@ from numba import cuda
 
 import kbit_numba as kb
 from kbit_numba import bench, pair_gemv, reference as ref
+from kbit_numba.formats import kbit_nbytes
 from kbit_numba._timing import graph_time_us
 
 p = argparse.ArgumentParser()
@@ -39,7 +40,7 @@ for k in (int(x) for x in args.k.split(",")):
             A = cuda.to_device(rng.standard_normal((T, K)).astype(np.float16))
             out = cuda.device_array((T, N // 2 if silu else N), np.float16)
             d_off = cuda.to_device(offsets)
-            floor = bench.floor_us(int((counts > 0).sum()) * N * K // 32 * (4 * k + 1))
+            floor = bench.floor_us(int((counts > 0).sum()) * kbit_nbytes(N, K, k))
             for f16, pdl in itertools.product([s == "f16" for s in args.sums.split(",")],
                                               [p == "1" for p in args.pdl.split(",")]):
                 knobs = [(None, None)] + [(c, w) for c in pair_gemv.COL_CHOICES if not (silu and c % 2)

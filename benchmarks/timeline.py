@@ -41,6 +41,7 @@ from numba import cuda, types
 from numba.core.extending import intrinsic
 
 from kbit_numba import bench, mma_gemv, pair_gemv
+from kbit_numba.formats import kbit_nbytes
 from kbit_numba._timing import graph_time_us, rotation_count
 from kbit_numba.intrinsics import ldg128
 
@@ -352,7 +353,7 @@ def gemv_timeline(K, N, name, rng, out_dir):
     base = pair_gemv if fam == "pair" else mma_gemv
     plain_mod = instrumented(base, variants, stamps=False)
     stamped_mod = instrumented(base, variants) if STAMPS else None
-    nbytes = N * K // 32 * (4 * k + 1)
+    nbytes = kbit_nbytes(N, K, k)
     n = rotation_count(nbytes)
     ws = [pair_gemv.to_codes(w) for w in bench._rotating_weights(K, N, k, n, rng)]
     if frag:
