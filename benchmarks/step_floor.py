@@ -1,6 +1,7 @@
 """What a decode step's linear layers cost at the read floor, as one launch a layer and as one persistent launch (GPU):
 
     python benchmarks/step_floor.py [--model llama3-8b] [--k 4,2] [--replays 7] [--projections qkv,o,gate_up,down]
+    python benchmarks/step_floor.py --real "pdl f16_acc" [--k 4,2] [--projections ...]    (needs torch)
 
 No kernel here decodes anything: each only reads the bytes of the B = 1 step's linear layers (every layer's QKV, O,
 gate/up and down, in the step's order; ``bench_model.projections``, kbit bytes ``formats.kbit_nbytes``) from DRAM with
@@ -24,6 +25,12 @@ session"). Every mode is one CUDA graph of the whole step, timed by replays (``_
 * ``persistent arrive-prefetch``: those loads issued after the CTA has arrived at the barrier, before it waits (so
   that neither the CTA's ``syncthreads`` nor the arrival's release can wait for them).
 * ``persistent no barrier``: the same reads with no barrier (not a valid step: how fast this way of reading streams).
+
+``--real SUFFIX`` times, beside ``one read`` and ``launches pdl`` only, the real kernels over the same layers: the
+step's linears as ``bench --model`` builds them (variant ``kbit k=K SUFFIX``, B = 1, the gate/up with the SiLU
+epilogue where the variant fuses it), one graph of every selected layer's launch on static inputs (as
+``DecodeStep.linears_only``), for all projections together and for each projection alone. What a real launch costs
+over its floor launch is then seen per projection.
 
 The persistent grid must be resident all at once (its barrier waits for every CTA): one CTA an SM, nothing else
 running. Prints us a step for each mode and k, and each mode's cost over ``one read`` per layer boundary.
@@ -182,7 +189,11 @@ def layer_bytes(model, k, only=None):
     return [-(-b // 16) * 16 for _ in range(cfg["layers"]) for b in one]
 
 
-def run(model, k, replays, only=None):
+MODES = ("one read", "launches", "launches pdl", "persistent", "persistent prefetch", "persistent arrive-prefetch",
+         "persistent no barrier")
+
+
+def run(model, k, replays, only=None, keep=MODES):
     sizes = layer_bytes(model, k, only)
     chunks = np.array([b // 16 for b in sizes], np.int64)
     starts = np.concatenate([[0], np.cumsum(chunks)[:-1]]).astype(np.int64)
@@ -218,6 +229,7 @@ def run(model, k, replays, only=None):
     modes = [("one read", one_read), ("launches", launches), ("launches pdl", launches_pdl),
              ("persistent", persistent()), ("persistent prefetch", persistent("before")),
              ("persistent arrive-prefetch", persistent("after")), ("persistent no barrier", persistent(barrier=False))]
+    modes = [(name, fn) for name, fn in modes if name in keep]
     res = {name: graph_time_us(fn, 1, replays=replays) for name, fn in modes}
     gib = total * 16 / 2**30
     print(f"\n{model} k = {k}{'' if only is None else ' (' + ','.join(only) + ' only)'}: {len(sizes)} layers, "
@@ -230,6 +242,39 @@ def run(model, k, replays, only=None):
     return res
 
 
+def real_chains(model, variant, selections, replays, floors):
+    """Microseconds of one graph of the real linears' launches for each selection (None: every projection), B = 1,
+    printed beside ``floors`` (selection -> run()'s result) with the excess a launch over ``launches pdl``."""
+    import torch
+    cfg = bench_model.MODELS[model]
+    rng = np.random.default_rng(0)
+    base = {name: rng.standard_normal((N, K), dtype=np.float32) * 0.02 for name, N, K in bench_model.projections(cfg)}
+    fused = bench_model.fuses_silu(cfg, variant)
+    linears = bench_model.build_linears(cfg, variant, base, lambda m: None, silu_pairs=fused)
+    names = [name for name, _, _ in bench_model.projections(cfg)]
+    static = {K: torch.randn(1, K, device="cuda", dtype=torch.float16) * 0.1 for _, _, K in bench_model.projections(cfg)}
+    print(f"\n{variant} (silu epilogue: {fused}), B = 1, us a step (median of {replays} graph replays)")
+    print(f"{'projections':<24}{'launches':>9}{'one read':>10}{'floor pdl':>11}{'real':>9}{'real/pdl':>9}"
+          f"{'us a launch over pdl':>22}")
+    out = {}
+    for only in selections:
+        chain = [(lin, K) for layer in linears for lin, (name, _, K) in zip(layer, bench_model.projections(cfg))
+                 if only is None or name in only]
+
+        def fn():
+            for lin, K in chain:
+                lin(static[K])
+        with torch.no_grad():
+            t = bench_model.graph_us(torch, fn, replays=replays)
+        f = floors[only]
+        label = ",".join(only) if only else ",".join(names)
+        print(f"{label:<24}{len(chain):>9}{f['one read']:>10.1f}{f['launches pdl']:>11.1f}{t:>9.1f}"
+              f"{t / f['launches pdl']:>9.2f}{(t - f['launches pdl']) / len(chain):>22.2f}", flush=True)
+        out[only] = t
+    del linears
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     dense = sorted(m for m, cfg in bench_model.MODELS.items() if not bench_model.is_moe(cfg))
@@ -238,15 +283,26 @@ def main(argv=None):
     ap.add_argument("--replays", type=int, default=7)
     ap.add_argument("--projections", default=None,
                     help="comma-separated projections to keep (e.g. qkv,o; default: all), each layer's in step order")
+    ap.add_argument("--real", default=None, metavar="SUFFIX",
+                    help='also time the real kernels of variant "kbit k=K SUFFIX" (e.g. "pdl f16_acc"): all the '
+                         'selected projections together, then each alone, beside their floor chains (needs torch)')
     a = ap.parse_args(argv)
     only = None if a.projections is None else tuple(a.projections.split(","))
     known = [name for name, _, _ in bench_model.projections(bench_model.MODELS[a.model])]
     if only is not None and not set(only) <= set(known):
         ap.error(f"--projections takes names from {known}, got {a.projections!r}")
+    ks = [int(x) for x in a.k.split(",")]
+    if a.real is not None:
+        bench_model.check_names(a.model, [f"kbit k={k} {a.real}" for k in ks])
     name = cuda.get_current_device().name
     print("device:", name.decode() if isinstance(name, bytes) else name)
-    for k in (int(x) for x in a.k.split(",")):
-        run(a.model, k, a.replays, only)
+    for k in ks:
+        if a.real is None:
+            run(a.model, k, a.replays, only)
+            continue
+        selections = [only] + [(p,) for p in (only or known)]
+        floors = {sel: run(a.model, k, a.replays, sel, keep=("one read", "launches pdl")) for sel in selections}
+        real_chains(a.model, f"kbit k={k} {a.real}", selections, a.replays, floors)
 
 
 if __name__ == "__main__":
