@@ -27,10 +27,12 @@ session"). Every mode is one CUDA graph of the whole step, timed by replays (``_
 * ``persistent no barrier``: the same reads with no barrier (not a valid step: how fast this way of reading streams).
 
 ``--real SUFFIX`` times, beside ``one read`` and ``launches pdl`` only, the real kernels over the same layers: the
-step's linears as ``bench --model`` builds them (variant ``kbit k=K SUFFIX``, B = 1, the gate/up with the SiLU
+step's linears as ``bench --model`` builds them (variant ``kbit k=K SUFFIX``, B = 1, the gate/up through the SiLU
 epilogue where the variant fuses it), one graph of every selected layer's launch on static inputs (as
 ``DecodeStep.linears_only``), for all projections together and for each projection alone. What a real launch costs
-over its floor launch is then seen per projection.
+over its floor launch is then seen per projection. Between the two, four ``shaped`` modes (:func:`make_shaped`): a
+pure-read chain launched with each real launch's grid, CTA size and residency, then with the pair gemv's table fill,
+its activation reads (every slice reads all of A), or both: what the gemv's start costs apart from its decode.
 
 The persistent grid must be resident all at once (its barrier waits for every CTA): one CTA an SM, nothing else
 running. Prints us a step for each mode and k, and each mode's cost over ``one read`` per layer boundary.
@@ -181,6 +183,68 @@ def floor_pdl(src, first_word, n_words, out):
         out[0] = v
 
 
+TABLE_WORDS = 8192      # the pair gemv's group table as filled (32 KB: half of each 256-byte row at k = 4, f16 sums)
+A_WORDS = 16            # a lane's activations at M = 1: its block's 32 float16 values, four 16-byte loads
+
+
+def make_shaped(with_table, with_a):
+    """A pure-read kernel launched with a real gemv's grid, CTA size and dynamic shared bytes (``--real``'s
+    ``shaped`` modes): thread t of T reads 16-byte chunks t, t + T, ... of the layer's bytes, its first two before
+    ``griddepcontrol.wait`` (as the pair gemv's PDL build writes its first two column groups), the rest four at a time
+    after it. ``with_table``: before the wait, one codebook word read from global memory and ``TABLE_WORDS`` shared
+    stores a CTA that depend on it, then a barrier (the pair gemv's table fill). ``with_a``: after the wait, lane l of
+    every slice of ``slice_threads`` threads reads block l's activations (``A_WORDS`` words: every slice reads all of
+    A, as the pair gemv's lanes do), then a barrier. The weights are read with ordinary loads (ptxas keeps them
+    where they are written). Nothing is decoded or reduced: what each part of the gemv's start costs in a chain."""
+    @cuda.jit
+    def shaped(src, first_word, n_words, A, n_kb, slice_threads, cb, out):
+        smem = cuda.shared.array(0, np.uint32)
+        griddep_launch_dependents()
+        tid = cuda.threadIdx.x
+        T = cuda.gridDim.x * cuda.blockDim.x
+        i = (cuda.blockIdx.x * cuda.blockDim.x + tid) * 4
+        acc = u32(0)
+        if i < n_words:
+            acc ^= xor4(ld128(src, first_word + i))
+        i += 4 * T
+        if i < n_words:
+            acc ^= xor4(ld128(src, first_word + i))
+        i += 4 * T
+        if with_table:
+            c = cb[tid % 16]
+            w = tid
+            while w < TABLE_WORDS:
+                smem[w] = u32(w) ^ c
+                w += cuda.blockDim.x
+            cuda.syncthreads()
+        griddep_wait()
+        if with_a:
+            kb = tid % slice_threads
+            if kb < n_kb:
+                for q in range(A_WORDS // 4):
+                    acc ^= xor4(ld128(A, kb * A_WORDS + 4 * q))
+            cuda.syncthreads()
+        while i + 12 * T < n_words:
+            a = ld128(src, first_word + i)
+            b = ld128(src, first_word + i + 4 * T)
+            c2 = ld128(src, first_word + i + 8 * T)
+            d = ld128(src, first_word + i + 12 * T)
+            acc ^= xor4(a) ^ xor4(b) ^ xor4(c2) ^ xor4(d)
+            i += 16 * T
+        while i < n_words:
+            acc ^= xor4(ld128(src, first_word + i))
+            i += 4 * T
+        if with_table:
+            acc ^= smem[tid]
+        if acc == MAGIC:
+            out[0] = acc
+    return shaped
+
+
+SHAPED = (("shaped", False, False), ("shaped + table", True, False), ("shaped + A", False, True),
+          ("shaped + table + A", True, True))
+
+
 def layer_bytes(model, k, only=None):
     """Bytes of each linear layer of one B = 1 step of ``model``, in the step's order (16-byte multiples); ``only``:
     the projections to keep (names from ``bench_model.projections``, e.g. ("o",): that projection's launches alone)."""
@@ -193,7 +257,9 @@ MODES = ("one read", "launches", "launches pdl", "persistent", "persistent prefe
          "persistent no barrier")
 
 
-def run(model, k, replays, only=None, keep=MODES):
+def run(model, k, replays, only=None, keep=MODES, shapes=None):
+    """Prints and returns {mode: us a step}. ``shapes``: projection name -> (grid, threads, shared bytes, slice
+    threads, K) of its real launch, for the ``shaped`` modes (``--real``)."""
     sizes = layer_bytes(model, k, only)
     chunks = np.array([b // 16 for b in sizes], np.int64)
     starts = np.concatenate([[0], np.cumsum(chunks)[:-1]]).astype(np.int64)
@@ -230,7 +296,29 @@ def run(model, k, replays, only=None, keep=MODES):
              ("persistent", persistent()), ("persistent prefetch", persistent("before")),
              ("persistent arrive-prefetch", persistent("after")), ("persistent no barrier", persistent(barrier=False))]
     modes = [(name, fn) for name, fn in modes if name in keep]
+    if shapes:
+        cfg = bench_model.MODELS[model]
+        names = [name for _ in range(cfg["layers"]) for name, _, _ in bench_model.projections(cfg)
+                 if only is None or name in only]
+        cb = cuda.to_device(np.arange(16, dtype=np.uint32))
+        acts = {K: cuda.to_device(np.ones(K // 2, np.uint32)) for _, _, _, _, K in shapes.values()}
+        for label, with_table, with_a in SHAPED:
+            kern = make_shaped(with_table, with_a)
+            launches_ = []
+            for name, st, n in zip(names, starts, chunks):
+                grid, threads, shared, slice_threads, K = shapes[name]
+                launches_.append(PreparedLaunch(kern, grid, threads, (src, np.int64(4 * st), np.int64(4 * n), acts[K],
+                                                                      np.int32(K // 32), np.int32(slice_threads), cb, out),
+                                                shared_bytes=shared, pdl=True))
+
+            def chain(i, s, launches_=launches_):
+                for p in launches_:
+                    p(s)
+            modes.append((label, chain))
     res = {name: graph_time_us(fn, 1, replays=replays) for name, fn in modes}
+    if shapes:
+        print("launch shapes (grid, threads, shared bytes, slice threads, K): "
+              + "; ".join(f"{n} {v}" for n, v in shapes.items() if only is None or n in only))
     gib = total * 16 / 2**30
     print(f"\n{model} k = {k}{'' if only is None else ' (' + ','.join(only) + ' only)'}: {len(sizes)} layers, "
           f"{gib:.3f} GiB a step; {sms} SMs")
@@ -242,36 +330,72 @@ def run(model, k, replays, only=None, keep=MODES):
     return res
 
 
-def real_chains(model, variant, selections, replays, floors):
-    """Microseconds of one graph of the real linears' launches for each selection (None: every projection), B = 1,
-    printed beside ``floors`` (selection -> run()'s result) with the excess a launch over ``launches pdl``."""
+def build_real(model, variant):
+    """The step's linears of ``variant`` as ``bench --model`` builds them, B = 1 static inputs (one per K), and
+    whether the gate/up rows are interleaved for the SiLU epilogue."""
     import torch
     cfg = bench_model.MODELS[model]
     rng = np.random.default_rng(0)
     base = {name: rng.standard_normal((N, K), dtype=np.float32) * 0.02 for name, N, K in bench_model.projections(cfg)}
     fused = bench_model.fuses_silu(cfg, variant)
     linears = bench_model.build_linears(cfg, variant, base, lambda m: None, silu_pairs=fused)
-    names = [name for name, _, _ in bench_model.projections(cfg)]
     static = {K: torch.randn(1, K, device="cuda", dtype=torch.float16) * 0.1 for _, _, K in bench_model.projections(cfg)}
-    print(f"\n{variant} (silu epilogue: {fused}), B = 1, us a step (median of {replays} graph replays)")
-    print(f"{'projections':<24}{'launches':>9}{'one read':>10}{'floor pdl':>11}{'real':>9}{'real/pdl':>9}"
-          f"{'us a launch over pdl':>22}")
+    return linears, static, fused
+
+
+def call(lin, name, x, fused):
+    """One projection's call as the step makes it (the gate/up through its SiLU epilogue where it has one)."""
+    if name == "gate_up" and bench_model.epilogue_silu(lin, x, fused):
+        return lin.run(x, silu_pairs=True)
+    return lin(x)
+
+
+def launch_shapes(model, linears, static, fused):
+    """Projection name -> (grid, threads, shared bytes, slice threads, K) of its real B = 1 launch (a pair gemv),
+    the shared bytes raised where needed so that, as with the real kernel's registers, one more CTA does not fit
+    on an SM beside the launch's own: the next launch's CTAs start only as these exit."""
+    from kbit_numba.core import SHARED_PER_SM, k_warps
+    sms = cuda.get_current_device().MULTIPROCESSOR_COUNT
+    shapes = {}
+    for lin, (name, _, K) in zip(linears[0], bench_model.projections(bench_model.MODELS[model])):
+        x = static[K]
+        silu = name == "gate_up" and bench_model.epilogue_silu(lin, x, fused)
+        steps = lin.runtime.plan(cuda.as_cuda_array(x), silu_pairs=silu).steps
+        if len(steps) != 1 or "pair_gemv" not in steps[0].kernel.py_func.__qualname__:
+            raise ValueError(f"{name}: the shaped modes model one pair gemv launch, this plan has {steps}")
+        st = steps[0]
+        grid = st.grid if isinstance(st.grid, int) else int(np.prod(st.grid))
+        per_sm = -(-grid // sms)
+        shared = max(int(st.shared), SHARED_PER_SM // (per_sm + 1) - 1024 + 256)
+        shapes[name] = (grid, int(st.block), shared, k_warps(K) * 32, K)
+    return shapes
+
+
+def real_chains(model, linears, static, fused, variant, selections, replays, floors):
+    """Microseconds of one graph of the real linears' launches for each selection (None: every projection), B = 1,
+    printed beside ``floors`` (selection -> run()'s result) with each mode's excess a launch over ``launches pdl``."""
+    import torch
+    cfg = bench_model.MODELS[model]
+    names = [name for name, _, _ in bench_model.projections(cfg)]
+    cols = ["one read", "launches pdl"] + [label for label, _, _ in SHAPED] + ["real"]
+    print(f"\n{variant} (gate/up through the SiLU epilogue: {fused}), B = 1, us a step (median of {replays} graph "
+          f"replays); below it, us a launch over `launches pdl`")
+    print(f"{'projections':<24}{'launches':>9}" + "".join(f"{c:>20}" for c in cols))
     out = {}
     for only in selections:
-        chain = [(lin, K) for layer in linears for lin, (name, _, K) in zip(layer, bench_model.projections(cfg))
+        chain = [(lin, name, K) for layer in linears for lin, (name, _, K) in zip(layer, bench_model.projections(cfg))
                  if only is None or name in only]
 
         def fn():
-            for lin, K in chain:
-                lin(static[K])
+            for lin, name, K in chain:
+                call(lin, name, static[K], fused)
         with torch.no_grad():
             t = bench_model.graph_us(torch, fn, replays=replays)
-        f = floors[only]
+        row = dict(floors[only], real=t)
         label = ",".join(only) if only else ",".join(names)
-        print(f"{label:<24}{len(chain):>9}{f['one read']:>10.1f}{f['launches pdl']:>11.1f}{t:>9.1f}"
-              f"{t / f['launches pdl']:>9.2f}{(t - f['launches pdl']) / len(chain):>22.2f}", flush=True)
+        print(f"{label:<24}{len(chain):>9}" + "".join(f"{row[c]:>20.1f}" for c in cols))
+        print(f"{'':<33}" + "".join(f"{(row[c] - row['launches pdl']) / len(chain):>20.2f}" for c in cols), flush=True)
         out[only] = t
-    del linears
     return out
 
 
@@ -300,9 +424,14 @@ def main(argv=None):
         if a.real is None:
             run(a.model, k, a.replays, only)
             continue
+        variant = f"kbit k={k} {a.real}"
+        linears, static, fused = build_real(a.model, variant)
+        shapes = launch_shapes(a.model, linears, static, fused)
         selections = [only] + [(p,) for p in (only or known)]
-        floors = {sel: run(a.model, k, a.replays, sel, keep=("one read", "launches pdl")) for sel in selections}
-        real_chains(a.model, f"kbit k={k} {a.real}", selections, a.replays, floors)
+        floors = {sel: run(a.model, k, a.replays, sel, keep=("one read", "launches pdl"), shapes=shapes)
+                  for sel in selections}
+        real_chains(a.model, linears, static, fused, variant, selections, a.replays, floors)
+        del linears
 
 
 if __name__ == "__main__":

@@ -45,7 +45,8 @@ or, for a mixture-of-experts model (``qwen3-30b-a3b``), the second line per toke
   output. Batches that run another kernel use ``silu_pairs``, the SiLU kernel for interleaved pairs.
 * **Timing**: the whole step is captured in one CUDA graph (``torch.cuda.graph``) and replayed; the step
   time is the median over replays (CUDA events). The linear-only time is a second graph of the same layers'
-  linear calls alone, so "linear share" = linear-only / step.
+  linear calls alone (the gate/up through its SiLU epilogue where the step runs it so), so "linear share" =
+  linear-only / step.
 """
 from __future__ import annotations
 
@@ -848,9 +849,7 @@ class DecodeStep:
         """silu(g) * u of the layer's gate/up projection: with ``silu_pairs``, from the pair or tensor-core gemv's
         epilogue where this batch runs one (one launch less; benchmarks/README.md), else its output through the SiLU
         kernel."""
-        runtime = getattr(gate_up, "runtime", None)
-        if (self.silu_pairs and h.is_cuda and runtime is not None
-                and runtime.kernel_for(h.shape[0]) in EPILOGUE_GEMVS):
+        if epilogue_silu(gate_up, h, self.silu_pairs):
             return gate_up.run(h, silu_pairs=True)
         return self.silu_mul(gate_up(h), pairs=self.silu_pairs)
 
@@ -889,8 +888,19 @@ class DecodeStep:
                 for run in self.expert_runs[i]:
                     run()
                 continue
-            for lin, (_, _, K) in zip(layer, projections(self.cfg)):
-                lin(self.static[K])
+            for lin, (name, _, K) in zip(layer, projections(self.cfg)):
+                x = self.static[K]
+                if name == "gate_up" and epilogue_silu(lin, x, self.silu_pairs):    # as the step runs it
+                    lin.run(x, silu_pairs=True)
+                else:
+                    lin(x)
+
+
+def epilogue_silu(gate_up, h, silu_pairs):
+    """Whether the step runs gate/up layer ``gate_up`` on ``h`` through the SiLU epilogue: ``silu_pairs`` (its rows
+    interleaved), a kbit layer on the GPU, and the kernel for h's rows a pair or tensor-core gemv."""
+    runtime = getattr(gate_up, "runtime", None)
+    return bool(silu_pairs and h.is_cuda and runtime is not None and runtime.kernel_for(h.shape[0]) in EPILOGUE_GEMVS)
 
 
 def graph_us(torch, fn, replays=20, warmup=3):

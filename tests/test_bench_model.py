@@ -50,6 +50,11 @@ def test_quantized_step_follows_the_fp16_step(variant):
         assert [lin.weight.layout for lin in q[0]] == ["fragments"] * 3 + ["codes"]
     if not SIM:
         assert 0 < bench_model.weight_bytes(q) < bench_model.weight_bytes(f) / 3
+    # the step and its linear-only pass take the gate/up through the epilogue exactly for the fused variants
+    gate_up, K = q[0][2], bench_model.projections(TINY)[2][2]
+    x = torch.zeros(2, K, device=DEVICE, dtype=torch.float16)
+    assert bench_model.epilogue_silu(gate_up, x, fused) == (fused and not SIM)
+    assert not bench_model.epilogue_silu(f[0][2], x, True)      # (nn.Linear: the SiLU kernel)
     outs = []
     for linears, pdl in ((q, bench_model.uses_pdl(variant)), (f, False)):   # (pdl: the fused kernels too)
         step = bench_model.DecodeStep(TINY, linears, 2, context=64, device=DEVICE, pdl=pdl, silu_pairs=fused)
