@@ -505,13 +505,14 @@ CODES_TUNE_VARIANTS = tuple(CODES_TUNE_VARIANT_NAMES.values())
 
 
 def codes_tune_rows(shapes, ks, ceilings, progress, table=None, reps=CODES_TUNE_REPS, variants=CODES_TUNE_VARIANTS,
-                    knob_sets=None, ms=None):
+                    knob_sets=None, ms=None, silu=False):
     """``--tune-codes``: the pair gemv on the code layout at every shape x k (2, 4) x variant (``CODES_TUNE_VARIANTS``)
     x M of ``CODES_TUNE_MS`` where ``table``'s general rules run it (or every M of ``ms``), with its default plan
     (params None) and each knob set (default: ``CODES_TUNE_COLS`` x ``CODES_TUNE_CTA_WARPS``), timed in turns
     ``reps`` times: the best counts, every turn's time is under ``turns_us``. A knob set whose launch equals an
     earlier one's (same kernel, CTA and grid) is timed once: its row repeats that time and names the twin under
-    ``same_as``."""
+    ``same_as``. ``silu``: the SiLU epilogue's build (``silu_pairs=True``, an [M, N / 2] output; rows tagged "silu",
+    which ``tune_codes_table`` does not read: the table has no rules of its own for it)."""
     from numba import cuda
 
     from . import dispatch, pair_gemv
@@ -533,11 +534,12 @@ def codes_tune_rows(shapes, ks, ceilings, progress, table=None, reps=CODES_TUNE_
                 for M in ms or [m for m in CODES_TUNE_MS if dispatch.choose(m, N, K, "codes", general, backend=False,
                                                                          f16_acc=f16, k=k) == "pair_gemv"]:
                     A = cuda.to_device(rng.standard_normal((M, K)).astype(np.float16))
-                    out = cuda.device_array((M, N), np.float16)
+                    out = cuda.device_array((M, N // 2 if silu else N), np.float16)
                     cands, twin, seen = [], {}, {}
                     for j, knobs in enumerate(knob_sets):
                         try:
-                            plans = [pair_gemv.plan(A, kc, out, 0, f16_acc=f16, pdl=pdl, **(knobs or {})) for kc in kcs]
+                            plans = [pair_gemv.plan(A, kc, out, 0, f16_acc=f16, pdl=pdl, silu_pairs=silu, **(knobs or {}))
+                                     for kc in kcs]
                         except ValueError:             # (e.g. cols = 8 at a long K: the CTA does not fit)
                             continue
                         step = plans[0].steps[0]
@@ -557,7 +559,7 @@ def codes_tune_rows(shapes, ks, ceilings, progress, table=None, reps=CODES_TUNE_
                     for j in sorted(set(turns) | set(twin)):
                         knobs = knob_sets[j]
                         tags = ([f"{a}={b}" for a, b in (knobs or {}).items()] + (["f16"] if f16 else [])
-                                + (["pdl"] if pdl else []))
+                                + (["pdl"] if pdl else []) + (["silu"] if silu else []))
                         row = _mm_row("pair_gemv" + (f"[{','.join(tags)}]" if tags else ""), K, N, k, M,
                                       min(turns[twin.get(j, j)]), nbytes, ceilings, knobs)
                         row["f16_acc"], row["pdl"], row["turns_us"] = f16, pdl, turns[twin.get(j, j)]
@@ -586,7 +588,7 @@ def tune_codes_table(rows, table, margin=CODES_TUNE_MARGIN):
     tail = table.get("codes_rules", dispatch.CODES_RULES)
     times = {}                 # variant -> M -> shape -> {knobs as JSON: us}
     for r in rows:
-        if r["kernel"].startswith("pair_gemv") and "f16_acc" in r:
+        if r["kernel"].startswith("pair_gemv") and "f16_acc" in r and "silu" not in r["kernel"]:
             variant = dispatch.codes_variant(r["k"], r["f16_acc"], r.get("pdl", False))
             point = times.setdefault(variant, {}).setdefault(r["M"], {})
             point.setdefault(r["shape"], {})[json.dumps(r.get("params") or {}, sort_keys=True)] = r["us"]
