@@ -307,9 +307,9 @@ def run(model, k, replays, only=None, keep=MODES, shapes=None):
             launches_ = []
             for name, st, n in zip(names, starts, chunks):
                 grid, threads, shared, slice_threads, K = shapes[name]
-                launches_.append(PreparedLaunch(kern, grid, threads, (src, np.int64(4 * st), np.int64(4 * n), acts[K],
-                                                                      np.int32(K // 32), np.int32(slice_threads), cb, out),
-                                                shared_bytes=shared, pdl=True))
+                args = (src, np.int64(4 * st), np.int64(4 * n), acts[K], np.int32(K // 32), np.int32(slice_threads),
+                        cb, out)
+                launches_.append(PreparedLaunch(kern, grid, threads, args, shared_bytes=shared, pdl=True))
 
             def chain(i, s, launches_=launches_):
                 for p in launches_:
@@ -339,7 +339,8 @@ def build_real(model, variant):
     base = {name: rng.standard_normal((N, K), dtype=np.float32) * 0.02 for name, N, K in bench_model.projections(cfg)}
     fused = bench_model.fuses_silu(cfg, variant)
     linears = bench_model.build_linears(cfg, variant, base, lambda m: None, silu_pairs=fused)
-    static = {K: torch.randn(1, K, device="cuda", dtype=torch.float16) * 0.1 for _, _, K in bench_model.projections(cfg)}
+    static = {K: torch.randn(1, K, device="cuda", dtype=torch.float16) * 0.1
+              for _, _, K in bench_model.projections(cfg)}
     return linears, static, fused
 
 

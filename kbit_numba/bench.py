@@ -538,8 +538,8 @@ def codes_tune_rows(shapes, ks, ceilings, progress, table=None, reps=CODES_TUNE_
                     cands, twin, seen = [], {}, {}
                     for j, knobs in enumerate(knob_sets):
                         try:
-                            plans = [pair_gemv.plan(A, kc, out, 0, f16_acc=f16, pdl=pdl, silu_pairs=silu, **(knobs or {}))
-                                     for kc in kcs]
+                            plans = [pair_gemv.plan(A, kc, out, 0, f16_acc=f16, pdl=pdl, silu_pairs=silu,
+                                                    **(knobs or {})) for kc in kcs]
                         except ValueError:             # (e.g. cols = 8 at a long K: the CTA does not fit)
                             continue
                         step = plans[0].steps[0]

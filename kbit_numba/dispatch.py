@@ -159,6 +159,23 @@ def codes_rules(table, N, K, k=None, f16_acc=False, pdl=False):
             or table.get("codes_variants", {}).get(variant) or table.get("codes_rules", CODES_RULES))
 
 
+SILU = " silu"       # a codes_shapes variant key's suffix: the pair gemv's knobs for its SiLU epilogue's build
+
+
+def silu_knobs(table, N, K, M, k=None, f16_acc=False, pdl=False):
+    """The pair gemv's launch knobs for its SiLU epilogue's build (``silu_pairs``: more registers than the plain
+    build, so other knobs may win) at M rows of an N x K weight: the table's per-shape rules under
+    ``codes_variant(k, f16_acc, pdl) + " silu"`` where it has them and they run the pair gemv at M, else None (the
+    plain build's knobs apply). Which kernel runs is the plain rules' choice either way (``kernel_for`` does not
+    know the epilogue). Measured: llama3-8b's gate/up, k = 4, M = 1, as a PDL chain, ``cols = 2`` with 8-warp CTAs
+    5.5% faster than the plain build's knobs (benchmarks/README.md, "Fifty-second session")."""
+    rules = table.get("codes_shapes", {}).get(f"{K}x{N}", {}).get(codes_variant(k, f16_acc, pdl) + SILU)
+    if not rules:
+        return None
+    kernel, params = _first_rule(rules, M)
+    return params if kernel == "pair_gemv" else None
+
+
 def _first_rule(rules, M):
     """(kernel, launch parameters) of the first rule ``[max_m, kernel(, params)]`` with M <= max_m (None: any M)."""
     return next((r[1], dict(r[2]) if len(r) > 2 else {}) for r in rules if r[0] is None or M <= r[0])
@@ -522,8 +539,8 @@ class KbitLinear:
         parameters included when the kernel is the table's choice). ``silu_pairs``: the pair or tensor-core gemv's
         epilogue (``pair_gemv.plan``, ``mma_gemv.plan``), an [M, N / 2] output; a ValueError where the call runs
         another kernel."""
-        params = {}
-        if kernel is None:
+        params, chosen = {}, kernel is None
+        if chosen:
             N, K = self.weight.shape
             kernel, params = choose_rule(_rows(_arrays.check_array(A, "A")), N, K, self.weight.layout, self.table,
                                          half=half_input(A, bf16), f16_acc=self.f16_acc and f16_input(A, bf16),
@@ -534,6 +551,12 @@ class KbitLinear:
             if kernel not in EPILOGUE_GEMVS:
                 raise ValueError(f"silu_pairs is the pair and tensor-core gemvs' epilogue; this call runs {kernel!r} "
                                  "(kernel_for(M) says which kernel a batch runs)")
+            knobs = None
+            if kernel == "pair_gemv" and chosen:
+                knobs = silu_knobs(self.table or load_table(), *self.weight.shape, _rows(A), self.weight.k,
+                                   self.f16_acc and f16_input(A, bf16), self.pdl)
+            if knobs is not None:          # the SiLU build's own knobs replace the plain build's
+                params = {key: v for key, v in params.items() if key not in ("cols", "cta_warps")} | knobs
             params = dict(params, silu_pairs=True)
         # f16_acc sums in float16 only float16 activations; float32 and bfloat16 ones keep float32 sums
         # (and only in the pair gemv: the gemm's MMAs have no such option)

@@ -93,6 +93,34 @@ def test_table_parameters_reach_the_kernel():
         pair_gemv.PairGemvSpec(4, 1, cols=1, out_dtype="float32"))
 
 
+def test_silu_knobs_reach_only_the_silu_build():
+    """A table's "<variant> silu" per-shape rules (dispatch.silu_knobs) give the pair gemv's SiLU build its own
+    launch knobs; the plain build, an explicitly named kernel and a silu rule naming another kernel keep the plain
+    rules' knobs."""
+    rng = np.random.default_rng(2)
+    N, K = 16, 64
+    qw = ref.quantize(random_weight(rng, N, K), k=4)
+    A = rng.standard_normal((1, K)).astype(np.float16)
+    table = {"rules": [[None, "gemv"]], "shapes": {}, "codes_rules": [[4, "pair_gemv", {"cols": 4}], [None, "gemm"]],
+             "codes_shapes": {f"{K}x{N}": {"k=4 silu": [[1, "pair_gemv", {"cols": 2, "cta_warps": 2}]]}}}
+    layer = kb.KbitLinear(qw, table=table)
+
+    def kernel(cols, silu):
+        return pair_gemv.make_pair_gemv_kernel(pair_gemv.PairGemvSpec(4, 1, cols, silu_pairs=silu))
+    assert layer.plan(A).steps[0].kernel is kernel(4, False)
+    p = layer.plan(A, silu_pairs=True)
+    assert p.steps[0].kernel is kernel(2, True) and p.steps[0].block == 2 * 32      # two 1-warp slices (K = 64)
+    want = ref.silu_pairs(ref.gemv(A, qw).astype(np.float64))
+    np.testing.assert_allclose(p.launch().copy_to_host(), want, rtol=2e-2, atol=2e-3 * np.abs(want).max())
+    named = layer.plan(A, kernel="pair_gemv", silu_pairs=True).steps[0]        # the caller's kernel: no table knobs
+    direct = pair_gemv.plan(A, layer.weight, silu_pairs=True).steps[0]
+    assert (named.kernel, named.grid, named.block) == (direct.kernel, direct.grid, direct.block)
+    default = kb.KbitLinear(qw).plan(A, silu_pairs=True).steps[0]               # the device's own table (None given)
+    assert default.kernel is pair_gemv.plan(A, layer.weight, silu_pairs=True).steps[0].kernel
+    table["codes_shapes"][f"{K}x{N}"]["k=4 silu"] = [[1, "mma_gemv"]]            # not the pair gemv at M = 1: ignored
+    assert kb.KbitLinear(qw, table=table).plan(A, silu_pairs=True).steps[0].kernel is kernel(4, True)
+
+
 # ---- the core ---------------------------------------------------------------------------------------
 FAMILIES = ("codec", "scalar_gemv", "pair_gemv", "mma_gemv", "tensor_gemm", "uniform", "sbvr", "bitnet")
 SHARED = ("_arrays", "core", "formats", "device", "intrinsics", "launch", "act_quant", "reference")
