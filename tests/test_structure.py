@@ -121,6 +121,29 @@ def test_silu_knobs_reach_only_the_silu_build():
     assert kb.KbitLinear(qw, table=table).plan(A, silu_pairs=True).steps[0].kernel is kernel(4, True)
 
 
+def test_shipped_silu_rules_are_knobs_the_silu_build_takes():
+    """The per-GPU tables' hand-written "<variant> silu" rules: a known variant key, M thresholds, and knobs the SiLU
+    build accepts (an even cols from COL_CHOICES, cta_warps), so that silu_knobs never hands the plan a bad knob."""
+    import glob
+    import os
+    variants = {dispatch.codes_variant(k, f, p) + dispatch.SILU for k in (2, 4) for f in (False, True)
+                for p in (False, True)}
+    seen = 0
+    for path in glob.glob(os.path.join(dispatch.TUNING_DIR, "*.json")):
+        for shape, rules in json.load(open(path)).get("codes_shapes", {}).items():
+            for variant, rs in rules.items():
+                if not variant.endswith(dispatch.SILU):
+                    continue
+                assert variant in variants, (path, shape, variant)
+                for r in rs:
+                    assert (r[0] is None or r[0] >= 1) and r[1] in dispatch.KERNELS, (path, shape, r)
+                    knobs = r[2] if len(r) > 2 else {}
+                    assert set(knobs) <= {"cols", "cta_warps"}, (path, shape, r)
+                    assert knobs.get("cols", 2) in pair_gemv.COL_CHOICES and knobs.get("cols", 2) % 2 == 0
+                    seen += 1
+    assert seen >= 2          # (the H200's gate/up rules, float16 sums with and without PDL)
+
+
 # ---- the core ---------------------------------------------------------------------------------------
 FAMILIES = ("codec", "scalar_gemv", "pair_gemv", "mma_gemv", "tensor_gemm", "uniform", "sbvr", "bitnet")
 SHARED = ("_arrays", "core", "formats", "device", "intrinsics", "launch", "act_quant", "reference")
