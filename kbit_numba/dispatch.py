@@ -167,8 +167,9 @@ def silu_knobs(table, N, K, M, k=None, f16_acc=False, pdl=False):
     build, so other knobs may win) at M rows of an N x K weight: the table's per-shape rules under
     ``codes_variant(k, f16_acc, pdl) + " silu"`` where it has them and they run the pair gemv at M, else None (the
     plain build's knobs apply). Which kernel runs is the plain rules' choice either way (``kernel_for`` does not
-    know the epilogue). Measured: llama3-8b's gate/up, k = 4, M = 1, as a PDL chain, ``cols = 2`` with 8-warp CTAs
-    5.5% faster than the plain build's knobs (benchmarks/README.md, "Fifty-second session")."""
+    know the epilogue). Measured (H200): llama3-8b's gate/up, k = 4, M = 1, float16 sums, alone and as a PDL chain,
+    ``cols = 2`` with 8-warp CTAs 5.5% faster than the plain build's knobs; with float32 sums no knob set was 3%
+    faster (benchmarks/README.md, "Fifty-second session")."""
     rules = table.get("codes_shapes", {}).get(f"{K}x{N}", {}).get(codes_variant(k, f16_acc, pdl) + SILU)
     if not rules:
         return None
