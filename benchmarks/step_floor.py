@@ -183,7 +183,8 @@ def floor_pdl(src, first_word, n_words, out):
         out[0] = v
 
 
-TABLE_WORDS = 8192      # the pair gemv's group table as filled (32 KB: half of each 256-byte row at k = 4, f16 sums)
+TABLE_WORDS = 8192      # the group table's stores (32 KB: what the k = 4 float16-sum build fills, half of each
+                        # 256-byte row; the same count stands in for every build)
 A_WORDS = 16            # a lane's activations at M = 1: its block's 32 float16 values, four 16-byte loads
 
 
