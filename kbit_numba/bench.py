@@ -511,8 +511,8 @@ def codes_tune_rows(shapes, ks, ceilings, progress, table=None, reps=CODES_TUNE_
     (params None) and each knob set (default: ``CODES_TUNE_COLS`` x ``CODES_TUNE_CTA_WARPS``), timed in turns
     ``reps`` times: the best counts, every turn's time is under ``turns_us``. A knob set whose launch equals an
     earlier one's (same kernel, CTA and grid) is timed once: its row repeats that time and names the twin under
-    ``same_as``. ``silu``: the SiLU epilogue's build (``silu_pairs=True``, an [M, N / 2] output; rows tagged "silu",
-    which ``tune_codes_table`` does not read: the table has no rules of its own for it)."""
+    ``same_as``. ``silu``: the SiLU epilogue's build (``silu_pairs=True``, an [M, N / 2] output; rows marked ``silu``,
+    which ``tune_codes_table`` does not read: their rules are ``dispatch.silu_knobs``', written by hand)."""
     from numba import cuda
 
     from . import dispatch, pair_gemv
@@ -563,6 +563,8 @@ def codes_tune_rows(shapes, ks, ceilings, progress, table=None, reps=CODES_TUNE_
                         row = _mm_row("pair_gemv" + (f"[{','.join(tags)}]" if tags else ""), K, N, k, M,
                                       min(turns[twin.get(j, j)]), nbytes, ceilings, knobs)
                         row["f16_acc"], row["pdl"], row["turns_us"] = f16, pdl, turns[twin.get(j, j)]
+                        if silu:
+                            row["silu"] = True
                         if j in twin:
                             row["same_as"] = knob_sets[twin[j]] or "default"
                         rows.append(row)
@@ -588,7 +590,7 @@ def tune_codes_table(rows, table, margin=CODES_TUNE_MARGIN):
     tail = table.get("codes_rules", dispatch.CODES_RULES)
     times = {}                 # variant -> M -> shape -> {knobs as JSON: us}
     for r in rows:
-        if r["kernel"].startswith("pair_gemv") and "f16_acc" in r and "silu" not in r["kernel"]:
+        if r["kernel"].startswith("pair_gemv") and "f16_acc" in r and not r.get("silu"):
             variant = dispatch.codes_variant(r["k"], r["f16_acc"], r.get("pdl", False))
             point = times.setdefault(variant, {}).setdefault(r["M"], {})
             point.setdefault(r["shape"], {})[json.dumps(r.get("params") or {}, sort_keys=True)] = r["us"]

@@ -314,6 +314,7 @@ def test_tune_codes_table_writes_per_shape_knobs():
             row(3, 20.0, shape="64x256"), row(3, 15.0, {"cols": 2}, shape="64x256"),   # (M = 3 on one shape only)
             row(1, 5.0, k=2), row(1, 4.99, {"cols": 2}, k=2),                           # a near-tie: no rules
             row(1, 10.0, pdl=True), row(1, 8.0, c8, pdl=True)]                          # as a PDL chain
+    rows += [dict(row(1, 1.0, {"cols": 4}), silu=True)]            # the SiLU build's rows: not the table's to read
     tail = [[16, "mma_gemv"], [None, "gemm"]]
     old = {"rules": [[None, "gemm"]], "codes_rules": [[2, "pair_gemv"]] + tail,
            "codes_shapes": {"64x128": {"k=2": [[1, "pair_gemv", {"cols": 1}], [None, "gemm"]]}, "9x9": {"k=4": []}}}
