@@ -85,6 +85,11 @@ if "pair" in families:     # N = 37 (a partial column group), K = 1056 (two K-wa
     for f16_acc in (False, True):
         pair_gemv.plan(rng.standard_normal((1, 1056)).astype(np.float16), kc, f16_acc=f16_acc,
                        pdl=True).launch().copy_to_host()
+    # the SiLU build with the knobs the H200 table gives llama3-8b's gate/up (cols = 2, 8-warp CTAs: here 4 slices of
+    # 2 K-warps), float16 sums, as a PDL launch; N = 2 x 37 interleaved rows (a partial column group)
+    ks = pair_gemv.to_codes(kb.quantize(rng.standard_normal((74, 1056)).astype(np.float16), k=4))
+    pair_gemv.plan(rng.standard_normal((1, 1056)).astype(np.float16), ks, cols=2, cta_warps=8, f16_acc=True, pdl=True,
+                   silu_pairs=True).launch().copy_to_host()
     # the fragment layout (N = 80: 5 strips of 16 columns; K = 1280: the second K-warp's last lanes idle)
     for k in pair_gemv.CODES_K:
         kf = kb.reference.to_fragments(kb.quantize(rng.standard_normal((80, 1280)).astype(np.float16), k=k))
