@@ -32,7 +32,9 @@ epilogue where the variant fuses it), one graph of every selected layer's launch
 ``DecodeStep.linears_only``), for all projections together and for each projection alone. What a real launch costs
 over its floor launch is then seen per projection. Between the two, four ``shaped`` modes (:func:`make_shaped`): a
 pure-read chain launched with each real launch's grid, CTA size and residency, then with the pair gemv's table fill,
-its activation reads (every slice reads all of A), or both: what the gemv's start costs apart from its decode.
+its activation reads (every slice reads all of A), or both: what the gemv's start costs apart from its decode; and
+both with A read once a CTA (``shaped + table + A once``: added after the fifty-second session's run, not yet run on
+a GPU), what sharing the activations among a CTA's slices could win at most.
 
 The persistent grid must be resident all at once (its barrier waits for every CTA): one CTA an SM, nothing else
 running. Prints us a step for each mode and k, and each mode's cost over ``one read`` per layer boundary.
@@ -188,14 +190,15 @@ TABLE_WORDS = 8192      # the group table's stores (32 KB: what the k = 4 float1
 A_WORDS = 16            # a lane's activations at M = 1: its block's 32 float16 values, four 16-byte loads
 
 
-def make_shaped(with_table, with_a):
+def make_shaped(with_table, a_reads):
     """A pure-read kernel launched with a real gemv's grid, CTA size and dynamic shared bytes (``--real``'s
     ``shaped`` modes): thread t of T reads 16-byte chunks t, t + T, ... of the layer's bytes, its first two before
     ``griddepcontrol.wait`` (as the pair gemv's PDL build writes its first two column groups), the rest four at a time
     after it. ``with_table``: before the wait, one codebook word read from global memory and ``TABLE_WORDS`` shared
-    stores a CTA that depend on it, then a barrier (the pair gemv's table fill). ``with_a``: after the wait, lane l of
-    every slice of ``slice_threads`` threads reads block l's activations (``A_WORDS`` words: every slice reads all of
-    A, as the pair gemv's lanes do), then a barrier. The weights are read with ordinary loads (ptxas keeps them
+    stores a CTA that depend on it, then a barrier (the pair gemv's table fill). ``a_reads``: after the wait, "slice":
+    lane l of every slice of ``slice_threads`` threads reads block l's activations (``A_WORDS`` words: every slice
+    reads all of A, as the pair gemv's lanes do); "cta": thread l of the CTA reads block l's (A once a CTA, what a
+    gemv whose slices shared their activations would read); then a barrier. None: no activations. The weights are read with ordinary loads (ptxas keeps them
     where they are written). Nothing is decoded or reduced: what each part of the gemv's start costs in a chain."""
     @cuda.jit
     def shaped(src, first_word, n_words, A, n_kb, slice_threads, cb, out):
@@ -219,8 +222,8 @@ def make_shaped(with_table, with_a):
                 w += cuda.blockDim.x
             cuda.syncthreads()
         griddep_wait()
-        if with_a:
-            kb = tid % slice_threads
+        if a_reads is not None:
+            kb = tid % slice_threads if a_reads == "slice" else tid
             if kb < n_kb:
                 for q in range(A_WORDS // 4):
                     acc ^= xor4(ld128(A, kb * A_WORDS + 4 * q))
@@ -242,8 +245,8 @@ def make_shaped(with_table, with_a):
     return shaped
 
 
-SHAPED = (("shaped", False, False), ("shaped + table", True, False), ("shaped + A", False, True),
-          ("shaped + table + A", True, True))
+SHAPED = (("shaped", False, None), ("shaped + table", True, None), ("shaped + A", False, "slice"),
+          ("shaped + table + A", True, "slice"), ("shaped + table + A once", True, "cta"))
 
 
 def layer_bytes(model, k, only=None):
@@ -303,8 +306,8 @@ def run(model, k, replays, only=None, keep=MODES, shapes=None):
                  if only is None or name in only]
         cb = cuda.to_device(np.arange(16, dtype=np.uint32))
         acts = {K: cuda.to_device(np.ones(K // 2, np.uint32)) for _, _, _, _, K in shapes.values()}
-        for label, with_table, with_a in SHAPED:
-            kern = make_shaped(with_table, with_a)
+        for label, with_table, a_reads in SHAPED:
+            kern = make_shaped(with_table, a_reads)
             launches_ = []
             for name, st, n in zip(names, starts, chunks):
                 grid, threads, shared, slice_threads, K = shapes[name]
