@@ -198,8 +198,9 @@ def make_shaped(with_table, a_reads):
     stores a CTA that depend on it, then a barrier (the pair gemv's table fill). ``a_reads``: after the wait, "slice":
     lane l of every slice of ``slice_threads`` threads reads block l's activations (``A_WORDS`` words: every slice
     reads all of A, as the pair gemv's lanes do); "cta": thread l of the CTA reads block l's (A once a CTA, what a
-    gemv whose slices shared their activations would read); then a barrier. None: no activations. The weights are read with ordinary loads (ptxas keeps them
-    where they are written). Nothing is decoded or reduced: what each part of the gemv's start costs in a chain."""
+    gemv whose slices shared their activations would read); then a barrier. None: no activations. The weights are
+    read with ordinary loads (ptxas keeps them where they are written). Nothing is decoded or reduced: what each part
+    of the gemv's start costs in a chain."""
     @cuda.jit
     def shaped(src, first_word, n_words, A, n_kb, slice_threads, cb, out):
         smem = cuda.shared.array(0, np.uint32)
@@ -348,13 +349,6 @@ def build_real(model, variant):
     return linears, static, fused
 
 
-def call(lin, name, x, fused):
-    """One projection's call as the step makes it (the gate/up through its SiLU epilogue where it has one)."""
-    if name == "gate_up" and bench_model.epilogue_silu(lin, x, fused):
-        return lin.run(x, silu_pairs=True)
-    return lin(x)
-
-
 def launch_shapes(model, linears, static, fused):
     """Projection name -> (grid, threads, shared bytes, slice threads, K) of its real B = 1 launch (a pair gemv),
     the shared bytes raised where needed so that, as with the real kernel's registers, one more CTA does not fit
@@ -393,7 +387,7 @@ def real_chains(model, linears, static, fused, variant, selections, replays, flo
 
         def fn():
             for lin, name, K in chain:
-                call(lin, name, static[K], fused)
+                bench_model.run_linear(lin, name, static[K], fused)
         with torch.no_grad():
             t = bench_model.graph_us(torch, fn, replays=replays)
         row = dict(floors[only], real=t)

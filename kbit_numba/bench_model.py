@@ -889,11 +889,15 @@ class DecodeStep:
                     run()
                 continue
             for lin, (name, _, K) in zip(layer, projections(self.cfg)):
-                x = self.static[K]
-                if name == "gate_up" and epilogue_silu(lin, x, self.silu_pairs):    # as the step runs it
-                    lin.run(x, silu_pairs=True)
-                else:
-                    lin(x)
+                run_linear(lin, name, self.static[K], self.silu_pairs)
+
+
+def run_linear(lin, name, x, silu_pairs):
+    """Projection ``name``'s layer on x as the step runs it: the gate/up through its SiLU epilogue where it has one
+    (:func:`epilogue_silu`), every other call plain."""
+    if name == "gate_up" and epilogue_silu(lin, x, silu_pairs):
+        return lin.run(x, silu_pairs=True)
+    return lin(x)
 
 
 def epilogue_silu(gate_up, h, silu_pairs):
