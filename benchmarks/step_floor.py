@@ -32,9 +32,12 @@ epilogue where the variant fuses it), one graph of every selected layer's launch
 ``DecodeStep.linears_only``), for all projections together and for each projection alone. What a real launch costs
 over its floor launch is then seen per projection. Between the two, four ``shaped`` modes (:func:`make_shaped`): a
 pure-read chain launched with each real launch's grid, CTA size and residency, then with the pair gemv's table fill,
-its activation reads (every slice reads all of A), or both: what the gemv's start costs apart from its decode; and
-both with A read once a CTA (``shaped + table + A once``: added after the fifty-second session's run, not yet run on
-a GPU), what sharing the activations among a CTA's slices could win at most.
+its activation reads (every slice reads all of A) followed by a barrier, or both: what the gemv's start costs apart
+from its decode; both with A read once a CTA (``shaped + table + A once``), what sharing the activations among a
+CTA's slices could win at most if the barrier stayed; and both with no barrier after the activations (``shaped + table
++ A unsynced``: their L2 traffic alone). The k = 4 PDL build has no barrier after its activation reads, so for it the
+barrier modes overstate what the activations cost (the fifty-third session's ``share_a``, built on the ``A once``
+bound, lost: benchmarks/README.md).
 
 The persistent grid must be resident all at once (its barrier waits for every CTA): one CTA an SM, nothing else
 running. Prints us a step for each mode and k, and each mode's cost over ``one read`` per layer boundary.
@@ -190,7 +193,7 @@ TABLE_WORDS = 8192      # the group table's stores (32 KB: what the k = 4 float1
 A_WORDS = 16            # a lane's activations at M = 1: its block's 32 float16 values, four 16-byte loads
 
 
-def make_shaped(with_table, a_reads):
+def make_shaped(with_table, a_reads, a_barrier=True):
     """A pure-read kernel launched with a real gemv's grid, CTA size and dynamic shared bytes (``--real``'s
     ``shaped`` modes): thread t of T reads 16-byte chunks t, t + T, ... of the layer's bytes, its first two before
     ``griddepcontrol.wait`` (as the pair gemv's PDL build writes its first two column groups), the rest four at a time
@@ -198,7 +201,9 @@ def make_shaped(with_table, a_reads):
     stores a CTA that depend on it, then a barrier (the pair gemv's table fill). ``a_reads``: after the wait, "slice":
     lane l of every slice of ``slice_threads`` threads reads block l's activations (``A_WORDS`` words: every slice
     reads all of A, as the pair gemv's lanes do); "cta": thread l of the CTA reads block l's (A once a CTA, what a
-    gemv whose slices shared their activations would read); then a barrier. None: no activations. The weights are
+    gemv whose slices shared their activations would read); then a barrier (``a_barrier``; without it the reads only
+    add their L2 traffic: the k = 4 PDL build, whose tables' barrier comes before the wait and whose warps each wait
+    for their own activations only, which arrive before its first weights do). None: no activations. The weights are
     read with ordinary loads (ptxas keeps them where they are written). Nothing is decoded or reduced: what each part
     of the gemv's start costs in a chain."""
     @cuda.jit
@@ -228,7 +233,8 @@ def make_shaped(with_table, a_reads):
             if kb < n_kb:
                 for q in range(A_WORDS // 4):
                     acc ^= xor4(ld128(A, kb * A_WORDS + 4 * q))
-            cuda.syncthreads()
+            if a_barrier:
+                cuda.syncthreads()
         while i + 12 * T < n_words:
             a = ld128(src, first_word + i)
             b = ld128(src, first_word + i + 4 * T)
@@ -247,7 +253,8 @@ def make_shaped(with_table, a_reads):
 
 
 SHAPED = (("shaped", False, None), ("shaped + table", True, None), ("shaped + A", False, "slice"),
-          ("shaped + table + A", True, "slice"), ("shaped + table + A once", True, "cta"))
+          ("shaped + table + A", True, "slice"), ("shaped + table + A once", True, "cta"),
+          ("shaped + table + A unsynced", True, "slice", False))
 
 
 def layer_bytes(model, k, only=None):
@@ -307,8 +314,8 @@ def run(model, k, replays, only=None, keep=MODES, shapes=None):
                  if only is None or name in only]
         cb = cuda.to_device(np.arange(16, dtype=np.uint32))
         acts = {K: cuda.to_device(np.ones(K // 2, np.uint32)) for _, _, _, _, K in shapes.values()}
-        for label, with_table, a_reads in SHAPED:
-            kern = make_shaped(with_table, a_reads)
+        for label, with_table, a_reads, *a_barrier in SHAPED:
+            kern = make_shaped(with_table, a_reads, *a_barrier)
             launches_ = []
             for name, st, n in zip(names, starts, chunks):
                 grid, threads, shared, slice_threads, K = shapes[name]
@@ -376,7 +383,7 @@ def real_chains(model, linears, static, fused, variant, selections, replays, flo
     import torch
     cfg = bench_model.MODELS[model]
     names = [name for name, _, _ in bench_model.projections(cfg)]
-    cols = ["one read", "launches pdl"] + [label for label, _, _ in SHAPED] + ["real"]
+    cols = ["one read", "launches pdl"] + [label for label, *_ in SHAPED] + ["real"]
     print(f"\n{variant} (gate/up through the SiLU epilogue: {fused}), B = 1, us a step (median of {replays} graph "
           f"replays); below it, us a launch over `launches pdl`")
     print(f"{'projections':<24}{'launches':>9}" + "".join(f"{c:>20}" for c in cols))
