@@ -35,9 +35,10 @@ pure-read chain launched with each real launch's grid, CTA size and residency, t
 its activation reads (every slice reads all of A) followed by a barrier, or both: what the gemv's start costs apart
 from its decode; both with A read once a CTA (``shaped + table + A once``), what sharing the activations among a
 CTA's slices could win at most if the barrier stayed; and both with no barrier after the activations (``shaped + table
-+ A unsynced``: their L2 traffic alone). The k = 4 PDL build has no barrier after its activation reads, so for it the
-barrier modes overstate what the activations cost (the fifty-third session's ``share_a``, built on the ``A once``
-bound, lost: benchmarks/README.md).
++ A unsynced``: their L2 traffic alone, as in the k = 4 PDL build, which has no barrier after its activation reads).
+On the H200 the unsynced reads cost what the synced ones do: the activations cost their traffic, not a wait. The
+``A once`` bound holds only for a build in which no warp waits for another's copy: the fifty-third session's five
+builds that shared A within a CTA all lost (benchmarks/README.md).
 
 The persistent grid must be resident all at once (its barrier waits for every CTA): one CTA an SM, nothing else
 running. Prints us a step for each mode and k, and each mode's cost over ``one read`` per layer boundary.
