@@ -30,12 +30,12 @@ session"). Every mode is one CUDA graph of the whole step, timed by replays (``_
 step's linears as ``bench --model`` builds them (variant ``kbit k=K SUFFIX``, B = 1, the gate/up through the SiLU
 epilogue where the variant fuses it), one graph of every selected layer's launch on static inputs (as
 ``DecodeStep.linears_only``), for all projections together and for each projection alone. What a real launch costs
-over its floor launch is then seen per projection. Between the two, four ``shaped`` modes (:func:`make_shaped`): a
+over its floor launch is then seen per projection. Between the two, six ``shaped`` modes (:func:`make_shaped`): a
 pure-read chain launched with each real launch's grid, CTA size and residency, then with the pair gemv's table fill,
 its activation reads (every slice reads all of A) followed by a barrier, or both: what the gemv's start costs apart
 from its decode; both with A read once a CTA (``shaped + table + A once``), what sharing the activations among a
-CTA's slices could win at most if the barrier stayed; and both with no barrier after the activations (``shaped + table
-+ A unsynced``: their L2 traffic alone, as in the k = 4 PDL build, which has no barrier after its activation reads).
+CTA's slices could win at most; and both with no barrier after the activations (``shaped + table + A unsynced``: their
+L2 traffic alone, as in the k = 4 PDL build, which has no barrier after its activation reads).
 On the H200 the unsynced reads cost what the synced ones do: the activations cost their traffic, not a wait. The
 ``A once`` bound holds only for a build in which no warp waits for another's copy: the fifty-third session's five
 builds that shared A within a CTA all lost (benchmarks/README.md).
@@ -203,8 +203,8 @@ def make_shaped(with_table, a_reads, a_barrier=True):
     lane l of every slice of ``slice_threads`` threads reads block l's activations (``A_WORDS`` words: every slice
     reads all of A, as the pair gemv's lanes do); "cta": thread l of the CTA reads block l's (A once a CTA, what a
     gemv whose slices shared their activations would read); then a barrier (``a_barrier``; without it the reads only
-    add their L2 traffic: the k = 4 PDL build, whose tables' barrier comes before the wait and whose warps each wait
-    for their own activations only, which arrive before its first weights do). None: no activations. The weights are
+    add their L2 traffic, as in the k = 4 PDL build, whose tables' barrier comes before the wait and whose warps each
+    wait for their own activations only). None: no activations. The weights are
     read with ordinary loads (ptxas keeps them where they are written). Nothing is decoded or reduced: what each part
     of the gemv's start costs in a chain."""
     @cuda.jit
