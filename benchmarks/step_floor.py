@@ -37,7 +37,7 @@ from its decode; both with A read once a CTA (``shaped + table + A once``), what
 CTA's slices could win at most; and both with no barrier after the activations (``shaped + table + A unsynced``: their
 L2 traffic alone, as in the k = 4 PDL build, which has no barrier after its activation reads).
 On the H200 the unsynced reads cost what the synced ones do: the activations cost their traffic, not a wait. The
-``A once`` bound holds only for a build in which no warp waits for another's copy: the fifty-third session's five
+``A once`` bound holds only for a build in which no warp waits for another's copy: the fifty-third session's six
 builds that shared A within a CTA all lost (benchmarks/README.md).
 
 The persistent grid must be resident all at once (its barrier waits for every CTA): one CTA an SM, nothing else
