@@ -194,7 +194,7 @@ TABLE_WORDS = 8192      # the group table's stores (32 KB: what the k = 4 float1
 A_WORDS = 16            # a lane's activations at M = 1: its block's 32 float16 values, four 16-byte loads
 
 
-def make_shaped(with_table, a_reads, a_barrier=True):
+def make_shaped(with_table, a_reads, a_barrier):
     """A pure-read kernel launched with a real gemv's grid, CTA size and dynamic shared bytes (``--real``'s
     ``shaped`` modes): thread t of T reads 16-byte chunks t, t + T, ... of the layer's bytes, its first two before
     ``griddepcontrol.wait`` (as the pair gemv's PDL build writes its first two column groups), the rest four at a time
@@ -253,8 +253,9 @@ def make_shaped(with_table, a_reads, a_barrier=True):
     return shaped
 
 
-SHAPED = (("shaped", False, None), ("shaped + table", True, None), ("shaped + A", False, "slice"),
-          ("shaped + table + A", True, "slice"), ("shaped + table + A once", True, "cta"),
+# (label, table fill, activation reads, a barrier after them): make_shaped's arguments for each mode
+SHAPED = (("shaped", False, None, True), ("shaped + table", True, None, True), ("shaped + A", False, "slice", True),
+          ("shaped + table + A", True, "slice", True), ("shaped + table + A once", True, "cta", True),
           ("shaped + table + A unsynced", True, "slice", False))
 
 
@@ -315,8 +316,8 @@ def run(model, k, replays, only=None, keep=MODES, shapes=None):
                  if only is None or name in only]
         cb = cuda.to_device(np.arange(16, dtype=np.uint32))
         acts = {K: cuda.to_device(np.ones(K // 2, np.uint32)) for _, _, _, _, K in shapes.values()}
-        for label, with_table, a_reads, *a_barrier in SHAPED:
-            kern = make_shaped(with_table, a_reads, *a_barrier)
+        for label, with_table, a_reads, a_barrier in SHAPED:
+            kern = make_shaped(with_table, a_reads, a_barrier)
             launches_ = []
             for name, st, n in zip(names, starts, chunks):
                 grid, threads, shared, slice_threads, K = shapes[name]
