@@ -26,7 +26,10 @@ offline and looks weights up several at a time:
   warp reduce-scatter, then over the KW warps in shared memory (double-buffered, one barrier per iteration,
   or per three at M = 1 with ``f16_acc``: the slice's own named barrier, so slices do not wait for each other).
   The plan takes S from ~16 warps a CTA up to where the persistent grid's rounds come out whole
-  (:func:`whole_rounds`).
+  (:func:`whole_rounds`). Every slice loads all of A for itself (4-7 MB from the L2 a launch in the llama3-8b
+  step, ~0.75 us of it); six builds that shared A among a CTA's slices instead (a copy in shared memory, by the TMA,
+  or handed over by slice 0) were all slower, since each made warps wait for another warp's load
+  (benchmarks/README.md, "Fifty-third session").
 * **Programmatic dependent launch** (``pdl=True``, sm_90; ``launch.py``): a CTA lets the next kernel start
   at once and fills its tables *before* ``griddep_wait``; the activation loads (ordinary loads: ptxas moved
   ``ld.global.nc`` ones above the wait, a race; tests/test_pdl_reads.py) and the output writes come after it. In a
