@@ -213,6 +213,8 @@ def make_pair_gemv_kernel(spec):
         """Issue the loads of columns n0 .. n0+NCOL-1 of this lane's block (k words in one 16- or 8-byte
         load, and the absmax) into codes / code_absmax. The code words are read once: their loads skip L1
         (``ldg128_stream``: ``.L1::no_allocate``, 1-6% faster on the H100; benchmarks/README.md, eighth step).
+        The absmax byte keeps Numba's plain load: read as ``ld.global.nc.L1::no_allocate.u8`` it cost 4-11%
+        (H200; benchmarks/README.md, "Fifty-fourth session").
         The loads are unconditional: a column past N (or a lane past the last block) reads the last
         block instead (last4 = 4 x its index), whose sums are never written (or meet zero activations).
         That is one min per column instead of a compare and a predicate, and fewer registers (a
