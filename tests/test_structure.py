@@ -144,6 +144,31 @@ def test_shipped_silu_rules_are_knobs_the_silu_build_takes():
     assert seen >= 2          # (the H200's gate/up rules, float16 sums with and without PDL)
 
 
+def test_shipped_pair_gemv_rules_are_knobs_the_plan_takes():
+    """Every per-GPU table's pair gemv rules, per variant and per shape (the tune writes them, people edit them: the
+    H200's 4096x6144 k = 2 rule is hand-set): knobs pair_gemv.plan takes, cols from COL_CHOICES, cta_warps a positive
+    int, so that a typo fails here rather than in a user's first call on that GPU."""
+    import glob
+    import os
+    seen = 0
+    for path in glob.glob(os.path.join(dispatch.TUNING_DIR, "*.json")):
+        table = json.load(open(path))
+        groups = [("codes_variants", table.get("codes_variants", {}))]
+        groups += [(f"codes_shapes {shape}", rules) for shape, rules in table.get("codes_shapes", {}).items()]
+        for where, by_variant in groups:
+            for variant, rs in by_variant.items():
+                for r in rs:
+                    if r[1] != "pair_gemv" or len(r) < 3:
+                        continue
+                    knobs = r[2]
+                    assert set(knobs) <= {"cols", "cta_warps"}, (path, where, variant, r)
+                    assert knobs.get("cols", 4) in pair_gemv.COL_CHOICES, (path, where, variant, r)
+                    w = knobs.get("cta_warps", 1)
+                    assert isinstance(w, int) and w >= 1, (path, where, variant, r)
+                    seen += 1
+    assert seen >= 200        # (264 in the H100 and H200 tables today)
+
+
 # ---- the core ---------------------------------------------------------------------------------------
 FAMILIES = ("codec", "scalar_gemv", "pair_gemv", "mma_gemv", "tensor_gemm", "uniform", "sbvr", "bitnet")
 SHARED = ("_arrays", "core", "formats", "device", "intrinsics", "launch", "act_quant", "reference")
