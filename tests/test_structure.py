@@ -121,26 +121,36 @@ def test_silu_knobs_reach_only_the_silu_build():
     assert kb.KbitLinear(qw, table=table).plan(A, silu_pairs=True).steps[0].kernel is kernel(4, True)
 
 
+def shipped_rules():
+    """(table path, where, variant, rule) of every rule of the per-GPU tables' code-layout sections: ``codes_variants``
+    and each shape of ``codes_shapes``."""
+    import glob
+    import os
+    for path in sorted(glob.glob(os.path.join(dispatch.TUNING_DIR, "*.json"))):
+        table = json.load(open(path))
+        groups = [("codes_variants", table.get("codes_variants", {}))]
+        groups += [(f"codes_shapes {shape}", rules) for shape, rules in table.get("codes_shapes", {}).items()]
+        for where, by_variant in groups:
+            for variant, rs in by_variant.items():
+                for r in rs:
+                    yield path, where, variant, r
+
+
 def test_shipped_silu_rules_are_knobs_the_silu_build_takes():
     """The per-GPU tables' hand-written "<variant> silu" rules: a known variant key, M thresholds, and knobs the SiLU
     build accepts (an even cols from COL_CHOICES, cta_warps), so that silu_knobs never hands the plan a bad knob."""
-    import glob
-    import os
     variants = {dispatch.codes_variant(k, f, p) + dispatch.SILU for k in (2, 4) for f in (False, True)
                 for p in (False, True)}
     seen = 0
-    for path in glob.glob(os.path.join(dispatch.TUNING_DIR, "*.json")):
-        for shape, rules in json.load(open(path)).get("codes_shapes", {}).items():
-            for variant, rs in rules.items():
-                if not variant.endswith(dispatch.SILU):
-                    continue
-                assert variant in variants, (path, shape, variant)
-                for r in rs:
-                    assert (r[0] is None or r[0] >= 1) and r[1] in dispatch.KERNELS, (path, shape, r)
-                    knobs = r[2] if len(r) > 2 else {}
-                    assert set(knobs) <= {"cols", "cta_warps"}, (path, shape, r)
-                    assert knobs.get("cols", 2) in pair_gemv.COL_CHOICES and knobs.get("cols", 2) % 2 == 0
-                    seen += 1
+    for path, where, variant, r in shipped_rules():
+        if not variant.endswith(dispatch.SILU):
+            continue
+        assert variant in variants, (path, where, variant)
+        assert (r[0] is None or r[0] >= 1) and r[1] in dispatch.KERNELS, (path, where, r)
+        knobs = r[2] if len(r) > 2 else {}
+        assert set(knobs) <= {"cols", "cta_warps"}, (path, where, r)
+        assert knobs.get("cols", 2) in pair_gemv.COL_CHOICES and knobs.get("cols", 2) % 2 == 0
+        seen += 1
     assert seen >= 2          # (the H200's gate/up rules, float16 sums with and without PDL)
 
 
@@ -148,24 +158,16 @@ def test_shipped_pair_gemv_rules_are_knobs_the_plan_takes():
     """Every per-GPU table's pair gemv rules, per variant and per shape (the tune writes them, people edit them: the
     H200's 4096x6144 k = 2 rule is hand-set): knobs pair_gemv.plan takes, cols from COL_CHOICES, cta_warps a positive
     int, so that a typo fails here rather than in a user's first call on that GPU."""
-    import glob
-    import os
     seen = 0
-    for path in glob.glob(os.path.join(dispatch.TUNING_DIR, "*.json")):
-        table = json.load(open(path))
-        groups = [("codes_variants", table.get("codes_variants", {}))]
-        groups += [(f"codes_shapes {shape}", rules) for shape, rules in table.get("codes_shapes", {}).items()]
-        for where, by_variant in groups:
-            for variant, rs in by_variant.items():
-                for r in rs:
-                    if r[1] != "pair_gemv" or len(r) < 3:
-                        continue
-                    knobs = r[2]
-                    assert set(knobs) <= {"cols", "cta_warps"}, (path, where, variant, r)
-                    assert knobs.get("cols", 4) in pair_gemv.COL_CHOICES, (path, where, variant, r)
-                    w = knobs.get("cta_warps", 1)
-                    assert isinstance(w, int) and w >= 1, (path, where, variant, r)
-                    seen += 1
+    for path, where, variant, r in shipped_rules():
+        if r[1] != "pair_gemv" or len(r) < 3:
+            continue
+        knobs = r[2]
+        assert set(knobs) <= {"cols", "cta_warps"}, (path, where, variant, r)
+        assert knobs.get("cols", 4) in pair_gemv.COL_CHOICES, (path, where, variant, r)
+        w = knobs.get("cta_warps", 1)
+        assert isinstance(w, int) and w >= 1, (path, where, variant, r)
+        seen += 1
     assert seen >= 200        # (264 in the H100 and H200 tables today)
 
 
