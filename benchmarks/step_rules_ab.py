@@ -1,0 +1,130 @@
+"""Table rules timed inside the decode step: package copies of the library whose GPU table differs in one rule each,
+traced by decode_step_trace.py in alternating processes against the unchanged table (GPU, torch):
+
+    python benchmarks/step_rules_ab.py prepare [--table nvidia_h200] NAME=SHAPE/VARIANT/M/KNOBS ...
+    python benchmarks/step_rules_ab.py run [--rounds 2] [--variants "kbit k=4 pdl f16_acc"] [--batch 1] [NAME ...]
+
+Why: the tune (``bench --tune-codes``) times each gemv in a chain of itself, but inside the step a launch's grid also
+moves the kernels around it (the k = 2 QKV rule of the fifty-fourth session, the k = 4 down rule of the fifty-fifth:
+benchmarks/README.md). ``prepare`` (no GPU needed) makes ``benchmarks/_pk/base`` and ``benchmarks/_pk/NAME`` from
+``git archive HEAD kbit_numba``; in NAME's ``kbit_numba/tuning/TABLE.json`` the rule of ``codes_shapes[SHAPE][VARIANT]``
+for M rows becomes the pair gemv with KNOBS (``cols=2,cta_warps=8``; empty: the plan's defaults). The fifty-fifth
+session's kept rule, for example: ``prepare d2="14336x4096/k=4 f16_acc pdl/1/cols=2"``. Carry ``benchmarks/_pk`` to the
+device; ``run`` then traces base and every copy (default: all but base) once a round, each in its own process with the
+copy first on PYTHONPATH, prints each process's step lines, and per variant a table of the untraced step us by copy
+and round with each copy's mean difference from base's. Delete ``benchmarks/_pk`` before committing.
+"""
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PACKAGES = os.path.join(HERE, "_pk")
+STEP_LINE = re.compile(r"^(\S+) B=(\d+) (.+) \(increments in us")
+UNTRACED = re.compile(r"^\s+step: .*untraced (\d+(?:\.\d+)?) us")
+
+
+def parse_rule(text):
+    """NAME=SHAPE/VARIANT/M/KNOBS -> (name, shape, variant, M, {knob: int})."""
+    name, _, spec = text.partition("=")
+    parts = spec.split("/")
+    if not name or len(parts) != 4:
+        raise SystemExit(f"a rule is NAME=SHAPE/VARIANT/M/KNOBS, got {text!r}")
+    shape, variant, m, knobs = parts
+    return name, shape, variant, int(m), {k: int(v) for k, v in (kv.split("=") for kv in knobs.split(",") if kv)}
+
+
+def set_rule(table, shape, variant, m, knobs):
+    """``table`` with the pair gemv rule for M rows of codes_shapes[shape][variant] set to ``knobs``."""
+    rules = table["codes_shapes"][shape][variant]
+    at = [i for i, r in enumerate(rules) if r[0] == m]
+    if not at:
+        raise SystemExit(f"{shape} {variant!r} has no rule for M = {m}: {rules}")
+    rules[at[0]] = [m, "pair_gemv", knobs] if knobs else [m, "pair_gemv"]
+    return table
+
+
+def copy_package(name):
+    """benchmarks/_pk/NAME/kbit_numba from git HEAD (what a run compares: committed code, edited tables)."""
+    dest = os.path.join(PACKAGES, name)
+    os.makedirs(dest, exist_ok=True)
+    archive = subprocess.run(["git", "archive", "HEAD", "kbit_numba"], cwd=os.path.dirname(HERE), check=True,
+                             capture_output=True)
+    subprocess.run(["tar", "-x", "-C", dest], input=archive.stdout, check=True)
+    return dest
+
+
+def prepare(rules, table_name):
+    copy_package("base")
+    for text in rules:
+        name, shape, variant, m, knobs = parse_rule(text)
+        path = os.path.join(copy_package(name), "kbit_numba", "tuning", f"{table_name}.json")
+        with open(path) as f:
+            raw = f.read()
+        table = set_rule(json.loads(raw), shape, variant, m, knobs)
+        with open(path, "w") as f:
+            f.write(json.dumps(table, indent=1) + ("\n" if raw.endswith("\n") else ""))
+        print(f"{name}: {shape} {variant!r} M = {m} -> pair_gemv {knobs or '(the plan defaults)'}")
+
+
+def parse_trace(text):
+    """{variant: untraced step us} from decode_step_trace.py's output."""
+    out, variant = {}, None
+    for line in text.splitlines():
+        m = STEP_LINE.match(line)
+        if m:
+            variant = m.group(3)
+        m = UNTRACED.match(line)
+        if m and variant is not None and variant not in out:
+            out[variant] = float(m.group(1))
+    return out
+
+
+def run(names, rounds, variants, batch):
+    names = names or sorted(n for n in os.listdir(PACKAGES) if n != "base" and os.path.isdir(os.path.join(PACKAGES, n)))
+    times = {}                                      # (variant, name) -> [untraced us per round]
+    for rnd in range(rounds):
+        for name in ["base"] + names:
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(PACKAGES, name)]
+                                                             + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+            res = subprocess.run([sys.executable, os.path.join(HERE, "decode_step_trace.py"), "--batch", str(batch),
+                                  "--variants", variants], env=env, capture_output=True, text=True)
+            print(f"== round {rnd + 1}, {name}")
+            print("\n".join(line for line in res.stdout.splitlines() if line.strip()), flush=True)
+            if res.returncode:
+                print(res.stderr[-2000:], flush=True)
+            for variant, us in parse_trace(res.stdout).items():
+                times.setdefault((variant, name), []).append(us)
+    for variant in variants.split(","):
+        base = times.get((variant, "base"), [])
+        print(f"\n{variant}, B = {batch}: the untraced step (us) by copy and round")
+        for name in ["base"] + names:
+            t = times.get((variant, name), [])
+            diff = (f"  mean {sum(t) / len(t) - sum(base) / len(base):+.1f} against base"
+                    if t and base and name != "base" else "")
+            print(f"  {name:<12} {' '.join(f'{v:.0f}' for v in t) or 'failed'}{diff}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("prepare")
+    p.add_argument("rules", nargs="+")
+    p.add_argument("--table", default="nvidia_h200")
+    r = sub.add_parser("run")
+    r.add_argument("names", nargs="*")
+    r.add_argument("--rounds", type=int, default=2)
+    r.add_argument("--variants", default="kbit k=4 pdl f16_acc")
+    r.add_argument("--batch", type=int, default=1)
+    args = ap.parse_args(argv)
+    if args.cmd == "prepare":
+        prepare(args.rules, args.table)
+    else:
+        run(args.names, args.rounds, args.variants, args.batch)
+
+
+if __name__ == "__main__":
+    main()

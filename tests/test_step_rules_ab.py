@@ -1,0 +1,45 @@
+"""benchmarks/step_rules_ab.py's pieces that need no GPU: a rule's text, its edit of a table, and the parsing of
+decode_step_trace.py's output (the run itself is a device visit's: benchmarks/README.md)."""
+import importlib.util
+import json
+import os
+
+import pytest
+
+_path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "step_rules_ab.py")
+_spec = importlib.util.spec_from_file_location("step_rules_ab", _path)
+S = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(S)
+
+TRACE = """
+llama3-8b B=1 kbit k=4 pdl f16_acc (increments in us, averaged over replays 2..6)
+  step: 227 kernels a replay, span 1557-1564 us (untraced 1556 us); total of increments 1560 us
+    norm1 42.1  qkv 223.3  attention 115.6  o 143.8  norm2 48.8  gate_up 608.4  down 371.5  other 6.2
+  linears_only: 128 kernels a replay, span 1321-1327 us (untraced 1327 us); total of increments 1325 us
+    qkv 188.7  o 159.9  gate_up 608.8  down 367.1  other 0.0
+
+llama3-8b B=1 kbit k=2 pdl f16_acc (increments in us, averaged over replays 2..6)
+  step: 227 kernels a replay, span 1301-1308 us (untraced 1351.5 us); total of increments 1305 us
+"""
+
+
+def test_rules_edit_one_entry_of_the_shipped_table():
+    assert S.parse_rule("d2=14336x4096/k=4 f16_acc pdl/1/cols=2") == ("d2", "14336x4096", "k=4 f16_acc pdl", 1,
+                                                                        {"cols": 2})
+    assert S.parse_rule("x=4096x4096/k=2 f16_acc pdl/1/")[4] == {}
+    with pytest.raises(SystemExit, match="NAME=SHAPE/VARIANT/M/KNOBS"):
+        S.parse_rule("d2=14336x4096/1/cols=2")
+    path = os.path.join(os.path.dirname(__file__), "..", "kbit_numba", "tuning", "nvidia_h200.json")
+    with open(path) as f:
+        table = json.load(f)
+    before = json.loads(json.dumps(table))
+    rules = S.set_rule(table, "4096x4096", "k=4 f16_acc pdl", 1, {"cols": 4, "cta_warps": 8})["codes_shapes"]
+    assert rules["4096x4096"]["k=4 f16_acc pdl"][0] == [1, "pair_gemv", {"cols": 4, "cta_warps": 8}]
+    rules["4096x4096"]["k=4 f16_acc pdl"][0] = before["codes_shapes"]["4096x4096"]["k=4 f16_acc pdl"][0]
+    assert table == before                                  # (nothing else changed)
+    with pytest.raises(SystemExit, match="no rule for M = 99"):
+        S.set_rule(table, "4096x4096", "k=4 f16_acc pdl", 99, {})
+
+
+def test_trace_output_gives_each_variants_untraced_step():
+    assert S.parse_trace(TRACE) == {"kbit k=4 pdl f16_acc": 1556.0, "kbit k=2 pdl f16_acc": 1351.5}
