@@ -88,8 +88,10 @@ def run(names, rounds, variants, batch):
     times = {}                                      # (variant, name) -> [untraced us per round]
     for rnd in range(rounds):
         for name in ["base"] + names:
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(PACKAGES, name)]
-                                                             + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+            path = os.path.join(PACKAGES, name)             # (the copy before whatever PYTHONPATH holds)
+            if os.environ.get("PYTHONPATH"):
+                path += os.pathsep + os.environ["PYTHONPATH"]
+            env = dict(os.environ, PYTHONPATH=path)
             res = subprocess.run([sys.executable, os.path.join(HERE, "decode_step_trace.py"), "--batch", str(batch),
                                   "--variants", variants], env=env, capture_output=True, text=True)
             print(f"== round {rnd + 1}, {name}")
