@@ -8,11 +8,14 @@ Why: the tune (``bench --tune-codes``) times each gemv in a chain of itself, but
 moves the kernels around it (the k = 2 QKV rule of the fifty-fourth session, the k = 4 down rule of the fifty-fifth:
 benchmarks/README.md). ``prepare`` (no GPU needed) makes ``benchmarks/_pk/base`` and ``benchmarks/_pk/NAME`` from
 ``git archive HEAD kbit_numba``; in NAME's ``kbit_numba/tuning/TABLE.json`` the rule of ``codes_shapes[SHAPE][VARIANT]``
-for M rows becomes the pair gemv with KNOBS (``cols=2,cta_warps=8``; empty: the plan's defaults). The fifty-fifth
-session's kept rule, for example: ``prepare d2="14336x4096/k=4 f16_acc pdl/1/cols=2"``. Carry ``benchmarks/_pk`` to the
-device; ``run`` then traces base and every copy (default: all but base) once a round, each in its own process with the
-copy first on PYTHONPATH, prints each process's step lines, and per variant a table of the untraced step us by copy
-and round with each copy's mean difference from base's. Delete ``benchmarks/_pk`` before committing.
+for M rows becomes the pair gemv with KNOBS (``cols=2,cta_warps=8``; empty: the plan's defaults; a SiLU build's
+variant, ``... silu``, gets the rule added where it has none). The fifty-fifth session's kept rule, for example:
+``prepare d2="14336x4096/k=4 f16_acc pdl/1/cols=2"``. An argument ``NAME=const:MODULE.CONST=VALUE`` makes a copy whose
+``kbit_numba/MODULE.py`` sets CONST to VALUE instead (``n512=const:bench_model.NORM_THREADS=512``). Carry
+``benchmarks/_pk`` to the device; ``run`` then traces base and every copy (default: all but base) once a round, each
+in its own process with the copy first on PYTHONPATH, prints each process's step lines, and per variant a table of the
+untraced step us by copy and round with each copy's mean difference from base's. Delete ``benchmarks/_pk`` before
+committing.
 """
 import argparse
 import json
@@ -24,12 +27,15 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 PACKAGES = os.path.join(HERE, "_pk")
 STEP_LINE = re.compile(r"^(\S+) B=(\d+) (.+) \(increments in us")
+CONST = "const:"                # a prepare argument NAME=const:MODULE.CONST=VALUE edits a constant, not a rule
 UNTRACED = re.compile(r"^\s+step: .*untraced (\d+(?:\.\d+)?) us")
 
 
 def parse_rule(text):
     """NAME=SHAPE/VARIANT/M/KNOBS -> (name, shape, variant, M, {knob: int})."""
     name, _, spec = text.partition("=")
+    if spec.startswith(CONST):
+        raise SystemExit(f"{text!r} is a constant's edit (parse_constant)")
     parts = spec.split("/")
     if not name or len(parts) != 4:
         raise SystemExit(f"a rule is NAME=SHAPE/VARIANT/M/KNOBS, got {text!r}")
@@ -38,13 +44,43 @@ def parse_rule(text):
 
 
 def set_rule(table, shape, variant, m, knobs):
-    """``table`` with the pair gemv rule for M rows of codes_shapes[shape][variant] set to ``knobs``."""
-    rules = table["codes_shapes"][shape][variant]
+    """``table`` with the pair gemv rule for M rows of codes_shapes[shape][variant] set to ``knobs``. A SiLU build's
+    variant (``... silu``: dispatch.silu_knobs) that the table lacks, or lacks M in, gets the rule added (without one
+    the SiLU build runs the plain rule's knobs); any other variant must have a rule for M."""
+    variants = table["codes_shapes"][shape]
+    rule = [m, "pair_gemv", knobs] if knobs else [m, "pair_gemv"]
+    if variant.endswith(" silu") and not any(r[0] == m for r in variants.get(variant, [])):
+        variants[variant] = sorted(variants.get(variant, []) + [rule], key=lambda r: r[0])
+        return table
+    rules = variants[variant]
     at = [i for i, r in enumerate(rules) if r[0] == m]
     if not at:
         raise SystemExit(f"{shape} {variant!r} has no rule for M = {m}: {rules}")
-    rules[at[0]] = [m, "pair_gemv", knobs] if knobs else [m, "pair_gemv"]
+    rules[at[0]] = rule
     return table
+
+
+def set_constant(root, module, name, value):
+    """Edit ``NAME = ...`` at the start of a line of ``root/kbit_numba/MODULE.py`` to ``NAME = VALUE`` (one line; a
+    comment after it is kept): for constants that no table holds, e.g. ``bench_model.NORM_THREADS``."""
+    path = os.path.join(root, "kbit_numba", f"{module}.py")
+    with open(path) as f:
+        src = f.read()
+    pattern = re.compile(rf"^{re.escape(name)}( *)= *[^#\n]*?( *#.*)?$", re.M)
+    if len(pattern.findall(src)) != 1:
+        raise SystemExit(f"kbit_numba/{module}.py has no single line that sets {name}")
+    with open(path, "w") as f:
+        f.write(pattern.sub(lambda m: f"{name}{m.group(1)}= {value}{m.group(2) or ''}", src))
+
+
+def parse_constant(text):
+    """NAME=const:MODULE.CONST=VALUE -> (name, module, constant, value text)."""
+    name, _, spec = text.partition("=")
+    target, _, value = spec[len(CONST):].partition("=")
+    module, _, const = target.partition(".")
+    if not (name and spec.startswith(CONST) and module and const and value):
+        raise SystemExit(f"a constant's edit is NAME=const:MODULE.CONST=VALUE, got {text!r}")
+    return name, module, const, value
 
 
 def copy_package(name):
@@ -60,6 +96,11 @@ def copy_package(name):
 def prepare(rules, table_name):
     copy_package("base")
     for text in rules:
+        if text.partition("=")[2].startswith(CONST):
+            name, module, const, value = parse_constant(text)
+            set_constant(copy_package(name), module, const, value)
+            print(f"{name}: {module}.{const} = {value}")
+            continue
         name, shape, variant, m, knobs = parse_rule(text)
         path = os.path.join(copy_package(name), "kbit_numba", "tuning", f"{table_name}.json")
         with open(path) as f:

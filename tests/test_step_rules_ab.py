@@ -43,3 +43,35 @@ def test_rules_edit_one_entry_of_the_shipped_table():
 
 def test_trace_output_gives_each_variants_untraced_step():
     assert S.parse_trace(TRACE) == {"kbit k=4 pdl f16_acc": 1556.0, "kbit k=2 pdl f16_acc": 1351.5}
+
+
+def test_a_silu_variant_the_table_lacks_gets_its_rule_added():
+    table = {"codes_shapes": {"4096x28672": {"k=2 f16_acc pdl": [[1, "pair_gemv", {"cols": 4}], [32, "mma_gemv"]],
+                                             "k=4 f16_acc pdl silu": [[1, "pair_gemv", {"cols": 2}]]}}}
+    S.set_rule(table, "4096x28672", "k=2 f16_acc pdl silu", 1, {"cols": 2, "cta_warps": 8})
+    S.set_rule(table, "4096x28672", "k=4 f16_acc pdl silu", 2, {})
+    S.set_rule(table, "4096x28672", "k=4 f16_acc pdl silu", 1, {"cols": 4})
+    assert table["codes_shapes"]["4096x28672"] == {
+        "k=2 f16_acc pdl": [[1, "pair_gemv", {"cols": 4}], [32, "mma_gemv"]],       # (the plain rules untouched)
+        "k=2 f16_acc pdl silu": [[1, "pair_gemv", {"cols": 2, "cta_warps": 8}]],
+        "k=4 f16_acc pdl silu": [[1, "pair_gemv", {"cols": 4}], [2, "pair_gemv"]]}
+    with pytest.raises(KeyError):                          # a plain variant is never invented
+        S.set_rule(table, "4096x28672", "k=3 f16_acc pdl", 1, {})
+
+
+def test_a_constants_edit_changes_that_line_only(tmp_path):
+    assert S.parse_constant("n512=const:bench_model.NORM_THREADS=512") == ("n512", "bench_model", "NORM_THREADS",
+                                                                             "512")
+    with pytest.raises(SystemExit, match="NAME=const:MODULE.CONST=VALUE"):
+        S.parse_constant("n512=const:NORM_THREADS=512")
+    with pytest.raises(SystemExit, match="a constant's edit"):
+        S.parse_rule("n512=const:bench_model.NORM_THREADS=512")
+    (tmp_path / "kbit_numba").mkdir()
+    src = "NORM_THREADS = 256\nHALVES = 8            # float16 values\nX = NORM_THREADS  # not this one\n"
+    (tmp_path / "kbit_numba" / "bench_model.py").write_text(src)
+    S.set_constant(str(tmp_path), "bench_model", "HALVES", "16")
+    S.set_constant(str(tmp_path), "bench_model", "NORM_THREADS", "512")
+    assert (tmp_path / "kbit_numba" / "bench_model.py").read_text() == (
+        "NORM_THREADS = 512\nHALVES = 16            # float16 values\nX = NORM_THREADS  # not this one\n")
+    with pytest.raises(SystemExit, match="no single line"):
+        S.set_constant(str(tmp_path), "bench_model", "MISSING", "1")
