@@ -33,7 +33,8 @@ def old_norm_step(path):
             from numba import cuda
             h = torch.empty_like(res)
             s = cuda.external_stream(torch.cuda.current_stream().cuda_stream)
-            old._kernels()["add_rmsnorm"][res.shape[0], old.NORM_THREADS, s](
+            threads = old.norm_threads(res.shape[1]) if hasattr(old, "norm_threads") else old.NORM_THREADS
+            old._kernels()["add_rmsnorm"][res.shape[0], threads, s](
                 cuda.as_cuda_array(res), cuda.as_cuda_array(y), cuda.as_cuda_array(w), cuda.as_cuda_array(h), eps)
             return h
     return OldNorm

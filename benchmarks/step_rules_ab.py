@@ -19,8 +19,10 @@ committing.
 """
 import argparse
 import json
+import math
 import os
 import re
+import statistics
 import subprocess
 import sys
 
@@ -142,13 +144,20 @@ def run(names, rounds, variants, batch):
             for variant, us in parse_trace(res.stdout).items():
                 times.setdefault((variant, name), []).append(us)
     for variant in variants.split(","):
-        base = times.get((variant, "base"), [])
         print(f"\n{variant}, B = {batch}: the untraced step (us) by copy and round")
         for name in ["base"] + names:
-            t = times.get((variant, name), [])
-            diff = (f"  mean {sum(t) / len(t) - sum(base) / len(base):+.1f} against base"
-                    if t and base and name != "base" else "")
-            print(f"  {name:<12} {' '.join(f'{v:.0f}' for v in t) or 'failed'}{diff}")
+            print(summary_line(name, times.get((variant, name), []), times.get((variant, "base"), [])))
+
+
+def summary_line(name, t, base):
+    """A copy's untraced steps, and beside a copy's its mean's difference from base's with that difference's
+    standard error (from both sides' spread: the step moves ~5-15 us from process to process, fifty-sixth session)."""
+    line = f"  {name:<12} {' '.join(f'{v:.0f}' for v in t) or 'failed'}"
+    if t and base and name != "base":
+        line += f"  mean {statistics.fmean(t) - statistics.fmean(base):+.1f} against base"
+        if len(t) > 1 and len(base) > 1:
+            line += f" +- {math.sqrt(statistics.variance(t) / len(t) + statistics.variance(base) / len(base)):.1f}"
+    return line
 
 
 def main(argv=None):

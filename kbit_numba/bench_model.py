@@ -150,14 +150,18 @@ def check_names(model, variants):
         raise ValueError(f"unknown format variant(s) {unknown}: known variants are {', '.join(VARIANTS)}")
 
 
-# add_rmsnorm: one CTA of NORM_THREADS per token row. At batch 1 it is load latency, not bandwidth, so a thread
-# issues all its 16-byte loads (its ceil(H / 8 / NORM_THREADS) chunks of res, y and w) before it uses one, and
+# add_rmsnorm: one CTA of norm_threads(H) per token row. At batch 1 it is load latency, not bandwidth, so a thread
+# issues all its 16-byte loads (its ceil(H / 8 / threads) chunks of res, y and w) before it uses one, and
 # keeps the row in registers as float16 pairs between the sum of squares and the scaling (loads and stores to
 # the same arrays interleaved would wait one by one: the compiler cannot move a load past a store that may
-# alias it). The sum is a warp shuffle tree plus one shared word per warp (one barrier). 256 threads of few
-# registers leave room beside a 512-thread gemv CTA on the same SM, which a programmatic launch needs.
+# alias it). The sum is a warp shuffle tree plus one shared word per warp (one barrier). A row takes one 16-byte
+# chunk a thread (H / 8 threads) between NORM_THREADS and NORM_MAX_THREADS: few registers, so the CTA fits beside a
+# 512-thread gemv CTA on the same SM, which a programmatic launch needs. 512 threads (one chunk each) against 256
+# (two) made llama3-8b's B = 1 step 5.5 +- 0.5 us faster at k = 4 over six rounds (H200, benchmarks/README.md,
+# "Fifty-sixth session"); rows of 2048 (qwen3) keep 256, one chunk each already.
 # silu_mul, gather_rows, moe_combine: one thread per output element, 256 a CTA, a grid over (columns, rows).
 NORM_THREADS = 256
+NORM_MAX_THREADS = 512
 HALVES_PER_CHUNK = 8            # float16 values in one 16-byte load
 SILU_THREADS = 256
 # decode_attention (flash decoding): the new token's query of each head over the KV cache, split along the cache
@@ -175,13 +179,21 @@ SILU_THREADS = 256
 ATT_TILE = 16                   # tokens a warp takes: one m16 tile
 ATT_HEAD_DIM = 128              # the fragment mapping's head_dim (llama3-8b's and qwen3's)
 ATT_WARPS = 8                   # at most: 128-token slices (fewer slices to merge where the batch fills the GPU)
-ATT_MIN_CTAS = 128              # fewer warps a CTA (shorter slices) until the step has this many CTAs,
+ATT_MIN_CTAS = 64               # fewer warps a CTA (shorter slices) until the step has this many CTAs (128 until
+                                # the fifty-sixth session: llama3-8b's B = 1 attention in 128 CTAs of 4 warps; 64 of
+                                # 8 made its k = 4 step 9.5 +- 0.7 us faster, benchmarks/README.md),
 ATT_MERGE_SLICES = 64           # while slices x query heads a group stay within this (qwen3 at batch 1, 2 warps:
                                 # 256, the last CTAs' merge made the call 21 us; 8 warps: 64, 11 us under ncu)
 ATT_MAX_CLUSTER = 16            # the slices of a (row, KV head) merge in their thread block cluster's shared memory
                                 # (H100: at most 16 CTAs a cluster) instead of through the L2 and a count (sm_90, not
                                 # on the simulator, which runs one CTA at a time)
 _KERNELS = {}
+
+
+def norm_threads(H):
+    """add_rmsnorm's threads for rows of H float16 values: one 16-byte chunk a thread, a whole number of warps, within
+    NORM_THREADS .. NORM_MAX_THREADS (4096: 512; 2048 and shorter: 256)."""
+    return min(NORM_MAX_THREADS, max(NORM_THREADS, -(-H // (HALVES_PER_CHUNK * 32)) * 32))
 
 
 def _kernel(name, width=0, pdl=False, cluster=False):
@@ -212,8 +224,9 @@ def _kernel(name, width=0, pdl=False, cluster=False):
         if name == "add_rmsnorm":
             H = width
             CHUNKS = H // HALVES_PER_CHUNK                      # 16-byte chunks of a row
-            CPT = -(-CHUNKS // NORM_THREADS)                    # chunks a thread keeps
-            WORDS, WARPS, SLOTS = H // 2, NORM_THREADS // 32, 4 * CPT
+            THREADS = norm_threads(H)
+            CPT = -(-CHUNKS // THREADS)                         # chunks a thread keeps
+            WORDS, WARPS, SLOTS = H // 2, THREADS // 32, 4 * CPT
 
             @jit_kernel
             def kernel(res, y, w, h, eps):
@@ -224,18 +237,18 @@ def _kernel(name, width=0, pdl=False, cluster=False):
                 rw = cuda.local.array(SLOTS, uint32)            # res words, then res + y
                 yw = cuda.local.array(SLOTS, uint32)            # y words
                 for i in range(CPT):                            # the norm weights are no kernel's output:
-                    c = t + i * NORM_THREADS                    # loaded before the wait
+                    c = t + i * THREADS                         # loaded before the wait
                     if c < CHUNKS:
                         ww[4 * i], ww[4 * i + 1], ww[4 * i + 2], ww[4 * i + 3] = ldg128(w, 4 * c)
                 pdl_start()
                 for i in range(CPT):
-                    c = t + i * NORM_THREADS
+                    c = t + i * THREADS
                     if c < CHUNKS:
                         rw[4 * i], rw[4 * i + 1], rw[4 * i + 2], rw[4 * i + 3] = load_prev(res, b * WORDS + 4 * c)
                         yw[4 * i], yw[4 * i + 1], yw[4 * i + 2], yw[4 * i + 3] = load_prev(y, b * WORDS + 4 * c)
                 acc = float32(0)
                 for i in range(CPT):
-                    c = t + i * NORM_THREADS
+                    c = t + i * THREADS
                     if c < CHUNKS:
                         for q in range(4):
                             r, a = rw[4 * i + q], yw[4 * i + q]
@@ -258,7 +271,7 @@ def _kernel(name, width=0, pdl=False, cluster=False):
                     total += part[i]
                 inv = float32(1) / math.sqrt(total / float32(H) + float32(eps))
                 for i in range(CPT):
-                    c = t + i * NORM_THREADS
+                    c = t + i * THREADS
                     if c < CHUNKS:
                         o = cuda.local.array(4, uint32)
                         for q in range(4):
@@ -543,9 +556,8 @@ def _kernel(name, width=0, pdl=False, cluster=False):
 def attention_plan(cfg, context, batch=1):
     """decode_attention's warps a CTA (16 tokens each) for this model, cache length and batch: ATT_WARPS, halved
     while the step would have fewer than ATT_MIN_CTAS CTAs, but not into more than ATT_MERGE_SLICES slices x
-    query heads of a group (the last CTA's merge: llama3-8b 4 warps at batch 1, 8 from batch 2; qwen3's 8 heads a
-    group 8 warps). ValueError where the heads or the cache do not fit the kernel (at most 32 slices: the merge
-    keeps a slice a lane)."""
+    query heads of a group (the last CTA's merge: llama3-8b and qwen3 8 warps at every batch). ValueError where the
+    heads or the cache do not fit the kernel (at most 32 slices: the merge keeps a slice a lane)."""
     G, HD = cfg["heads"] // cfg["kv_heads"], cfg["head_dim"]
     if cfg["heads"] % cfg["kv_heads"] or HD != ATT_HEAD_DIM or G > 8:
         raise ValueError(f"decode_attention takes head_dim {ATT_HEAD_DIM} and at most 8 query heads a KV head, got "
@@ -576,11 +588,14 @@ def att_cluster(slices, ctas=1):
 
 
 def kernel_specializations():
-    """(name, kernel, argument types) for the PTX checks (tests/test_ptx.py): decode_attention as the llama3-8b and
-    qwen3-30b-a3b steps build it at batch 1, both merges, with and without PDL."""
+    """(name, kernel, argument types) for the PTX checks (tests/test_ptx.py): add_rmsnorm at both models' hidden
+    sizes (256 and 512 threads) and decode_attention as the llama3-8b and qwen3-30b-a3b steps build it at batch 1,
+    both merges, with and without PDL."""
     from numba import types as t
     sig = (t.uint32[::1],) * 3 + (t.float16[:, ::1], t.float32[::1], t.float32[::1], t.int32[::1])
-    specs = []
+    specs = [(f"add_rmsnorm H={cfg['hidden']} threads={norm_threads(cfg['hidden'])} pdl={pdl}",
+              _kernel("add_rmsnorm", cfg["hidden"], pdl), (t.uint32[::1],) * 4 + (t.float64,))
+             for cfg in MODELS.values() for pdl in (False, True)]
     for model, builds in (("llama3-8b", ((True, True), (True, False), (False, True), (False, False))),
                           ("qwen3-30b-a3b", ((True, True),))):
         cfg = MODELS[model]
@@ -833,7 +848,7 @@ class DecodeStep:
                              f"{HALVES_PER_CHUNK} values, got {tuple(res.shape)}")
         h = self.torch.empty_like(res)
         words = [cuda.as_cuda_array(t.reshape(-1)).view(np.uint32) for t in (res, y, w, h)]
-        self._launch("add_rmsnorm", res.shape[0], NORM_THREADS, *words, float(eps), width=H)
+        self._launch("add_rmsnorm", res.shape[0], norm_threads(H), *words, float(eps), width=H)
         return h
 
     def silu_mul(self, gu, out=None, pairs=False):

@@ -12,6 +12,7 @@ from helpers import SIM
 # (query heads per KV head, KV heads, head_dim, cache tokens, warps, batch): the simulator's case has two slices of
 # 16 tokens; on the GPU llama3-8b's and qwen3-30b-a3b's heads at a 1024-token cache, as the step plans them
 CASES = [(2, 1, 128, 32, 1, 1)] if SIM else [(2, 1, 128, 32, 1, 1), (2, 2, 128, 256, 2, 3), (4, 8, 128, 1024, 4, 1),
+                                             (4, 8, 128, 1024, 8, 1),
                                              (4, 8, 128, 1024, 8, 2), (8, 4, 128, 1024, 2, 1), (8, 4, 128, 1024, 8, 4),
                                              (8, 4, 128, 512, 1, 4)]
 
@@ -46,7 +47,8 @@ def test_decode_attention_equals_its_twin(G, NKV, HD, S, W, B, cluster):
 
 def test_attention_plan_fits_the_cache():
     llama, qwen = bench_model.MODELS["llama3-8b"], bench_model.MODELS["qwen3-30b-a3b"]
-    assert bench_model.attention_plan(llama, 1024) == 4          # batch 1: 128 CTAs of 64 tokens
+    assert bench_model.attention_plan(llama, 1024) == 8          # batch 1: 64 CTAs of 128 tokens (ATT_MIN_CTAS)
+    assert bench_model.attention_plan(dict(heads=8, kv_heads=2, head_dim=128), 1024) == 4   # 16 CTAs: halved once
     assert bench_model.attention_plan(llama, 1024, 4) == 8       # 128-token slices once the batch fills the GPU
     assert bench_model.attention_plan(qwen, 1024) == 8           # 8 heads a group: 8 slices to merge, not 32
     assert bench_model.attention_plan(llama, 4096) == 8          # (no more than 32 slices)

@@ -105,7 +105,13 @@ def _requirements(name):
             must += ["griddepcontrol.launch_dependents", "griddepcontrol.wait"]
         else:
             never += ["griddepcontrol"]
-    if "pdl=True" in name and name.startswith(("pair_gemv", "mma_gemv", "decode_attention")):
+    if name.startswith("add_rmsnorm"):                       # 16-byte loads and stores, one shared word a warp
+        must += ["ld.global.nc.v4.u32", "st.global.v4.u32", "shfl.sync.bfly.b32", "bar.sync", "sqrt.rn.f32"]
+        if "pdl=True" in name:
+            must += ["griddepcontrol.launch_dependents", "griddepcontrol.wait"]
+        else:
+            never += ["griddepcontrol"]
+    if "pdl=True" in name and name.startswith(("pair_gemv", "mma_gemv", "decode_attention", "add_rmsnorm")):
         must += ["ld.global.v4.u32"]     # what the kernel before writes, by ordinary loads (tests/test_pdl_reads.py)
     if name.startswith("mma_gemv") and "pdl=True" in name and "grouped=False" in name:
         must += ["cp.async.ca.shared.global"]               # the codebook staged before the first weight loads

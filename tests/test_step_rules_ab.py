@@ -75,3 +75,11 @@ def test_a_constants_edit_changes_that_line_only(tmp_path):
         "NORM_THREADS = 512\nHALVES = 16            # float16 values\nX = NORM_THREADS  # not this one\n")
     with pytest.raises(SystemExit, match="no single line"):
         S.set_constant(str(tmp_path), "bench_model", "MISSING", "1")
+
+
+def test_summary_gives_the_difference_and_its_standard_error():
+    assert S.summary_line("base", [1552.0, 1548.0], [1552.0, 1548.0]) == "  base         1552 1548"
+    assert S.summary_line("am64", [1539.0, 1543.0], [1552.0, 1567.0]) == (
+        "  am64         1539 1543  mean -18.5 against base +- 7.8")     # sqrt(8 / 2 + 112.5 / 2) = 7.76
+    assert S.summary_line("x", [1500.0], [1552.0, 1548.0]).endswith("mean -50.0 against base")
+    assert S.summary_line("x", [], [1552.0]) == "  x            failed"
