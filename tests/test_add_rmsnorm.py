@@ -31,7 +31,8 @@ def test_add_rmsnorm_equals_its_twin(H, B, pdl):
     res, y = (rng.standard_normal((B, H)).astype(np.float16) for _ in range(2))
     w = (rng.random(H) + 0.5).astype(np.float16)
     want_res, want_h = add_rmsnorm_numpy(res, y, w, 1e-6)
-    words = [cuda.to_device(np.ascontiguousarray(a).reshape(-1).view(np.uint32)) for a in (res, y, w, np.zeros_like(res))]
+    words = [cuda.to_device(np.ascontiguousarray(a).reshape(-1).view(np.uint32))
+             for a in (res, y, w, np.zeros_like(res))]
     kernel = bench_model._kernel("add_rmsnorm", H, pdl)
     PreparedLaunch(kernel, B, bench_model.norm_threads(H), (*words, 1e-6), pdl=pdl)()
     got_res, got_h = (d.copy_to_host().view(np.float16).reshape(B, H) for d in (words[0], words[3]))

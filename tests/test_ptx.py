@@ -101,13 +101,10 @@ def _requirements(name):
         else:                                                # the last CTA, found by a count, merges
             must += ["atom.global.add"]
             never += cluster
-        if "pdl=True" in name:
-            must += ["griddepcontrol.launch_dependents", "griddepcontrol.wait"]
-        else:
-            never += ["griddepcontrol"]
     if name.startswith("add_rmsnorm"):                       # 16-byte loads and stores, one shared word a warp
         must += ["ld.global.nc.v4.u32", "st.global.v4.u32", "shfl.sync.bfly.b32", "bar.sync", "sqrt.rn.f32"]
-        if "pdl=True" in name:
+    if name.startswith(("decode_attention", "add_rmsnorm")):    # the step's fused kernels: griddepcontrol exactly
+        if "pdl=True" in name:                                  # in their PDL builds
             must += ["griddepcontrol.launch_dependents", "griddepcontrol.wait"]
         else:
             never += ["griddepcontrol"]
