@@ -4,8 +4,9 @@ kernels (needs torch and a GPU):
     python benchmarks/decode_step_parts.py [--model llama3-8b] [--batch 1,4] [--variants "fp16,kbit k=4 pdl f16_acc"]
                                            [--old OLD.py] [--no-parts]
 
-* parts: CUDA graphs of the 32 layers' calls of one op alone (add_rmsnorm, the attention stand-in, silu_mul),
-  for both attention kernels: ``fused`` (decode_attention at every batch) and ``sdpa`` (torch's SDPA);
+* parts: CUDA graphs of the 32 layers' calls of one op alone (add_rmsnorm, the attention stand-in, silu_mul;
+  ``attention x32 L2``: every call over one layer's cache, so that it is read from the L2), for both attention
+  kernels: ``fused`` (decode_attention at every batch) and ``sdpa`` (torch's SDPA);
 * steps: the whole step per variant, alternating the step's configurations on the same linears (best of
   ``--rounds``): ``fused`` (the committed fused kernels, decode_attention at every batch), ``sdpa`` (the same
   with torch's SDPA as the attention), ``fused pdl`` and ``sdpa pdl`` (as programmatic dependent launches, for
@@ -74,6 +75,8 @@ def parts(cfg, B, step):
     ops = {
         "add_rmsnorm x32": lambda: [step.add_rmsnorm(r, a, b) for r, a, b in zip(res, y, w)],
         "attention x32": lambda: [step._attention(x, c) for x, c in zip(qkv, step.kv)],
+        # every call over layer 0's cache (4 MB at llama3-8b's batch 1): read from the L2 after the first
+        "attention x32 L2": lambda: [step._attention(x, step.kv[0]) for x in qkv],
         "silu_mul x32": lambda: [step.silu_mul(g) for g in gu],
     }
     return {name: bm.graph_us(torch, fn) for name, fn in ops.items()}

@@ -1,14 +1,16 @@
 """Small launches of every kernel family for compute-sanitizer (memcheck / racecheck) on the device:
 
     compute-sanitizer --tool memcheck python benchmarks/sanitize.py \
-        [codec,gemv,pair,mma,pdl,grouped,grouped_pair,gemm,formats,attention]
+        [codec,gemv,pair,mma,pdl,grouped,grouped_pair,gemm,formats,attention,norm]
 
 (default: every family; name some to check only those). ``pdl``: a chain of pair gemvs launched as
 programmatic dependent launches, each reading the previous one's output. ``mma``: the tensor-core gemv (also
 several batches of strips a CTA, on both layouts, as a PDL chain, and split-K, with the SiLU epilogue too);
 ``grouped`` includes fragment-layout experts and split-K;
 ``grouped_pair``: the grouped pair gemv (a token row a grid slot) at each of its default knob sets;
-``attention``: ``bench_model``'s ``decode_attention`` (the decode step's attention stand-in).
+``attention``: ``bench_model``'s ``decode_attention`` (the decode step's attention stand-in);
+``norm``: ``bench_model``'s ``add_rmsnorm`` at each of its thread counts (``norm_threads``: 256..512), and its
+prefetch build (CTAs past the rows asking the L2 for a cache's lines).
 """
 import sys
 
@@ -20,7 +22,7 @@ from kbit_numba.core import sm_count
 from kbit_numba.pair_gemv import to_codes
 
 families = (sys.argv[1].split(",") if len(sys.argv) > 1
-            else ["codec", "gemv", "pair", "mma", "pdl", "grouped", "grouped_pair", "gemm", "formats", "attention"])
+            else ["codec", "gemv", "pair", "mma", "pdl", "grouped", "grouped_pair", "gemm", "formats", "attention", "norm"])
 rng = np.random.default_rng(0)
 for k in (2, 3, 4, 5):
     for layout in ("flat", "tiled"):
@@ -246,7 +248,8 @@ if "formats" in families:  # uniform (every width, fp16/int8, 3-bit padding), SB
 if "attention" in families:  # bench_model's decode_attention: 2-16 slices a head, every build, each launched twice
     from kbit_numba import bench_model      # (the second launch finds the counts the first one's last CTAs reset)
     from kbit_numba.launch import PreparedLaunch
-    for G, NKV, S, W, B in ((2, 1, 32, 1, 1), (4, 2, 128, 2, 2), (8, 1, 256, 8, 1), (4, 2, 1024, 4, 1)):
+    for G, NKV, S, W, B in ((2, 1, 32, 1, 1), (4, 2, 128, 2, 2), (8, 1, 256, 8, 1), (4, 2, 1024, 4, 1),
+                            (4, 8, 1024, 8, 1)):        # (the last: llama3-8b's batch-1 grid, 64 CTAs of 8 warps)
         qkv = rng.standard_normal((B, (G + 2) * NKV * 128)).astype(np.float16)
         kv = [cuda.to_device(rng.standard_normal(B * NKV * S * 128).astype(np.float16).view(np.uint32)) for _ in "kv"]
         slices = B * NKV * S // (bench_model.ATT_TILE * W)
@@ -261,4 +264,19 @@ if "attention" in families:  # bench_model's decode_attention: 2-16 slices a hea
                         cuda.device_array(slices * G * 128, np.float32), cuda.device_array(slices * G * 2, np.float32),
                         count), pdl=pdl, cluster=cluster)()
         cuda.synchronize()
+if "norm" in families:   # add_rmsnorm: rows of 1000 (125 chunks, 256 threads), 2048, 4096 (512 threads of one chunk)
+    from kbit_numba import bench_model          # and 5120 (512 threads, a second pass over the last chunks)
+    from kbit_numba.launch import PreparedLaunch
+    for H, B in ((1000, 3), (2048, 2), (4096, 1), (4096, 3), (5120, 2)):
+        for pdl in (False, True):
+            words = [cuda.to_device(a.reshape(-1).view(np.uint32)) for a in
+                     (*(rng.standard_normal((B, H)).astype(np.float16) for _ in "ry"),
+                      rng.random(H).astype(np.float16), np.zeros((B, H), np.float16))]
+            PreparedLaunch(bench_model._kernel("add_rmsnorm", H, pdl), B, bench_model.norm_threads(H),
+                           (*words, 1e-6), pdl=pdl)()
+            # the prefetch build: 3 CTAs past the rows over a 1000-line cache (not a multiple of their threads)
+            kv = [cuda.to_device(rng.integers(0, 2**32, 1000 * bench_model.LINE_WORDS, dtype=np.uint32)) for _ in "kv"]
+            PreparedLaunch(bench_model._kernel("add_rmsnorm", H, pdl, prefetch=True), B + 3,
+                           bench_model.norm_threads(H), (*words, 1e-6, *kv), pdl=pdl)()
+    cuda.synchronize()
 print("sanitize workload done:", ",".join(families))

@@ -163,6 +163,12 @@ def check_names(model, variants):
 NORM_THREADS = 256
 NORM_MAX_THREADS = 512
 HALVES_PER_CHUNK = 8            # float16 values in one 16-byte load
+# The attention's cache prefetched by the norm before the QKV gemv: that many more CTAs in the layer's first
+# add_rmsnorm, which wait for the kernel before (so the lines arrive during the QKV gemv and are not evicted by the
+# layer before's weights) and then ask the L2 for every 128-byte line of the layer's K and V cache (prefetch.global.L2;
+# llama3-8b at batch 1: 4 MB, 32 CTAs of 512 threads, a line of each a thread). 0: none.
+NORM_PREFETCH_CTAS = 0
+LINE_WORDS = 32                 # uint32 words in one 128-byte L2 line
 SILU_THREADS = 256
 # decode_attention (flash decoding): the new token's query of each head over the KV cache, split along the cache
 # so that a batch-1 step fills the GPU (8 KV heads alone would be 8 CTAs). One CTA per (row b, KV head, slice of
@@ -196,19 +202,20 @@ def norm_threads(H):
     return min(NORM_MAX_THREADS, max(NORM_THREADS, -(-H // (HALVES_PER_CHUNK * 32)) * 32))
 
 
-def _kernel(name, width=0, pdl=False, cluster=False):
-    """A fused elementwise kernel, compiled once per (name, row width, pdl, cluster). ``pdl``: built for a
+def _kernel(name, width=0, pdl=False, cluster=False, prefetch=False):
+    """A fused elementwise kernel, compiled once per (name, row width, pdl, cluster, prefetch). ``pdl``: built for a
     programmatic dependent launch (sm_90): it lets the next kernel start at once (that kernel's weight loads and
     tables overlap this one) and waits for the kernel before it before reading anything. ``cluster``
     (decode_attention): a (row, KV head)'s slices merge in their cluster's shared memory (launch with
-    ``cluster=`` the slices a head: :func:`att_cluster`)."""
-    key = (name, width if name in ("add_rmsnorm", "decode_attention") else 0, pdl, cluster)
+    ``cluster=`` the slices a head: :func:`att_cluster`). ``prefetch`` (add_rmsnorm): two more arguments, the
+    attention cache's K and V words, which the CTAs past the rows prefetch into the L2 (``NORM_PREFETCH_CTAS``)."""
+    key = (name, width if name in ("add_rmsnorm", "decode_attention") else 0, pdl, cluster, prefetch)
     if key not in _KERNELS:
         from .device import inlined, jit_kernel
         from .intrinsics import (cluster_arrive, cluster_rank, cluster_wait, f16_bits_to_f32, f16x2_as_u32,
                                  griddep_launch_dependents, griddep_wait, ld128, ldg128, lds128, mbar_expect_tx,
-                                 mbar_init_cluster, mbar_try_wait, mma_f16, prmt, shared_addr, st_async_x2, st_async_x4,
-                                 stg128, u32_as_f32)
+                                 mbar_init_cluster, mbar_try_wait, mma_f16, prefetch_l2, prmt, shared_addr, st_async_x2,
+                                 st_async_x4, stg128, u32_as_f32)
         PDL, CLUSTER = pdl, cluster
         # what the kernel before writes: with PDL an ordinary load after the wait (an ld.global.nc may be moved above
         # it by ptxas: tests/test_pdl_reads.py); what no kernel writes (norm weights, the cache) keeps ldg128
@@ -228,11 +235,10 @@ def _kernel(name, width=0, pdl=False, cluster=False):
             CPT = -(-CHUNKS // THREADS)                         # chunks a thread keeps
             WORDS, WARPS, SLOTS = H // 2, THREADS // 32, 4 * CPT
 
-            @jit_kernel
-            def kernel(res, y, w, h, eps):
+            @inlined
+            def norm_row(res, y, w, h, eps, t, b):
                 """res[b] += y[b] (float16, in place); h[b] = res[b] / rms(res[b]) * w (float32 sum of squares).
                 The arrays are the rows' float16 pairs as flat uint32 words."""
-                t, b = cuda.threadIdx.x, cuda.blockIdx.x
                 ww = cuda.local.array(SLOTS, uint32)            # w words
                 rw = cuda.local.array(SLOTS, uint32)            # res words, then res + y
                 yw = cuda.local.array(SLOTS, uint32)            # y words
@@ -279,6 +285,28 @@ def _kernel(name, width=0, pdl=False, cluster=False):
                             o[q] = f16x2_as_u32(f16_bits_to_f32(r) * inv * f16_bits_to_f32(g),
                                                 f16_bits_to_f32(r >> 16) * inv * f16_bits_to_f32(g >> 16))
                         stg128(h, b * WORDS + 4 * c, o[0], o[1], o[2], o[3])
+
+            if not prefetch:
+                @jit_kernel
+                def kernel(res, y, w, h, eps):
+                    """norm_row of row blockIdx.x."""
+                    norm_row(res, y, w, h, eps, cuda.threadIdx.x, cuda.blockIdx.x)
+            else:
+                @jit_kernel
+                def kernel(res, y, w, h, eps, kc, vc):
+                    """norm_row of row blockIdx.x; the CTAs past the rows (the grid's rest) ask the L2 for every
+                    128-byte line of kc and vc (the attention's cache, read two kernels later), after the wait,
+                    so that the lines arrive while the QKV gemv runs, not while the layer before still streams
+                    its weights. They touch no output."""
+                    t, b, rows = cuda.threadIdx.x, cuda.blockIdx.x, h.size // WORDS
+                    if b < rows:
+                        norm_row(res, y, w, h, eps, t, b)
+                        return
+                    pdl_start()
+                    step = (cuda.gridDim.x - rows) * THREADS
+                    for i in range((b - rows) * THREADS + t, kc.size // LINE_WORDS, step):
+                        prefetch_l2(kc, i * LINE_WORDS)
+                        prefetch_l2(vc, i * LINE_WORDS)
 
         elif name == "decode_attention":
             G, NKV, HD, S, WARPS = width        # query heads per KV head, KV heads, head_dim, cache tokens, warps
@@ -589,13 +617,15 @@ def att_cluster(slices, ctas=1):
 
 def kernel_specializations():
     """(name, kernel, argument types) for the PTX checks (tests/test_ptx.py): add_rmsnorm at both models' hidden
-    sizes (256 and 512 threads) and decode_attention as the llama3-8b and qwen3-30b-a3b steps build it at batch 1,
+    sizes (256 and 512 threads; at llama3-8b's also its prefetch build) and decode_attention as the llama3-8b and qwen3-30b-a3b steps build it at batch 1,
     both merges, with and without PDL."""
     from numba import types as t
     sig = (t.uint32[::1],) * 3 + (t.float16[:, ::1], t.float32[::1], t.float32[::1], t.int32[::1])
-    specs = [(f"add_rmsnorm H={cfg['hidden']} threads={norm_threads(cfg['hidden'])} pdl={pdl}",
-              _kernel("add_rmsnorm", cfg["hidden"], pdl), (t.uint32[::1],) * 4 + (t.float64,))
-             for cfg in MODELS.values() for pdl in (False, True)]
+    specs = [(f"add_rmsnorm H={cfg['hidden']} threads={norm_threads(cfg['hidden'])} pdl={pdl} prefetch={pf}",
+              _kernel("add_rmsnorm", cfg["hidden"], pdl, prefetch=pf),
+              (t.uint32[::1],) * 4 + (t.float64,) + (t.uint32[::1],) * (2 if pf else 0))
+             for cfg in MODELS.values() for pdl in (False, True)
+             for pf in ((False, True) if cfg is MODELS["llama3-8b"] else (False,))]
     for model, builds in (("llama3-8b", ((True, True), (True, False), (False, True), (False, False))),
                           ("qwen3-30b-a3b", ((True, True),))):
         cfg = MODELS[model]
@@ -807,12 +837,12 @@ class DecodeStep:
         down()
         return self.moe_combine(self.down_rows, inv, weights)
 
-    def _launch(self, name, grid, block, *args, width=0, cluster=1):
+    def _launch(self, name, grid, block, *args, width=0, cluster=1, prefetch=False):
         """Launch fused kernel ``name`` on torch's current stream (tensors passed as Numba device arrays); with
         ``self.pdl`` as a programmatic dependent launch (``launch.PreparedLaunch``), as the pdl linears are;
-        ``cluster``: in clusters of that many CTAs (the kernel's cluster build)."""
+        ``cluster``: in clusters of that many CTAs (the kernel's cluster build); ``prefetch``: its prefetch build."""
         from .launch import PreparedLaunch
-        kernel = _kernel(name, width, self.pdl, cluster > 1)
+        kernel = _kernel(name, width, self.pdl, cluster > 1, prefetch)
         args = [cuda.as_cuda_array(a) if hasattr(a, "__cuda_array_interface__") else a for a in args]
         stream = self.torch.cuda.current_stream().cuda_stream
         if self.pdl or cluster > 1:
@@ -838,7 +868,8 @@ class DecodeStep:
         self._elementwise("moe_combine", *out.shape, rows, inv, weights, out)
         return out
 
-    def add_rmsnorm(self, res, y, w, eps=1e-6):
+    def add_rmsnorm(self, res, y, w, eps=1e-6, prefetch=None):
+        """``prefetch``: a layer's (K, V) cache, which NORM_PREFETCH_CTAS more CTAs ask the L2 for."""
         if not res.is_cuda:
             return add_rmsnorm_torch(res, y, w, eps)
         H = res.shape[1]
@@ -848,7 +879,12 @@ class DecodeStep:
                              f"{HALVES_PER_CHUNK} values, got {tuple(res.shape)}")
         h = self.torch.empty_like(res)
         words = [cuda.as_cuda_array(t.reshape(-1)).view(np.uint32) for t in (res, y, w, h)]
-        self._launch("add_rmsnorm", res.shape[0], norm_threads(H), *words, float(eps), width=H)
+        if prefetch is None or not NORM_PREFETCH_CTAS:
+            self._launch("add_rmsnorm", res.shape[0], norm_threads(H), *words, float(eps), width=H)
+        else:
+            cache = [cuda.as_cuda_array(t.reshape(-1)).view(np.uint32) for t in prefetch]
+            self._launch("add_rmsnorm", res.shape[0] + NORM_PREFETCH_CTAS, norm_threads(H), *words, float(eps),
+                         *cache, width=H, prefetch=True)
         return h
 
     def silu_mul(self, gu, out=None, pairs=False):
@@ -888,7 +924,8 @@ class DecodeStep:
         y = self.torch.zeros_like(res)
         moe = is_moe(self.cfg)
         for layer, ((qkv, o, gate_up, down), (n1, n2), kv) in enumerate(zip(self.linears, self.norms, self.kv)):
-            h = self.add_rmsnorm(res, y, n1)               # (layer 0: res += 0)
+            h = self.add_rmsnorm(res, y, n1,               # (layer 0: res += 0)
+                                 prefetch=kv if self.attention == "numba" else None)
             h = self.add_rmsnorm(res, o(self._attention(qkv(h), kv)), n2)
             y = self.moe(h, layer) if moe else down(self.mlp_activation(gate_up, h))
         res.add_(y)

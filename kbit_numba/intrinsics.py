@@ -13,6 +13,7 @@ nothing, by the chain of layers in ``tests/test_pair_gemv.py``).
 | ldg64(a, i)  | ld.global.nc.v2.u32                   | one 8-byte read-only load of a[i..i+1]         |
 | ldg128_stream, ldg64_stream | ld.global.nc.L1::no_allocate...  | the same for weights read once (STREAM_HINT)  |
 | stg128(...)  | st.global.v4.u32                      | one 16-byte store (coalesced 512 B per warp)   |
+| prefetch_l2(a, i) | prefetch.global.L2               | a later kernel's input into the L2 (a hint)    |
 | dp4a(a,b,c)  | dp4a.s32.s32                          | 4 int8 products + add in one instruction       |
 | lop3(a,b,c,L)| lop3.b32 (L a literal truth table)    | any 3-input bitwise function in one instruction|
 | prmt(a,b,s)  | prmt.b32                              | byte permute / byte lookup from 8 bytes        |
@@ -144,6 +145,26 @@ def ptx_stg128(typingctx, arr, index, a, b, c, d):
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+@intrinsic
+def ptx_prefetch_l2(typingctx, arr, index):
+    """Ask the L2 for the 128-byte line holding arr[index] (prefetch.global.L2): no register, no wait, no data to
+    the SM. For what a later kernel reads (the decode step's attention cache, prefetched by the norm before it)."""
+    _check_u32_array(arr, "prefetch_l2")
+    sig = types.void(arr, index)
+
+    def codegen(context, builder, sig, args):
+        ptr = _element_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        fty = ir.FunctionType(ir.VoidType(), [ptr.type])
+        builder.call(ir.InlineAsm(fty, "prefetch.global.L2 [$0];", "l", side_effect=True), [ptr])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def py_prefetch_l2(arr, index):     # a cache hint: no value changes (the index must still be inside the array)
+    arr[int(index)]
 
 
 def py_ldg128(arr, index):
@@ -883,7 +904,7 @@ def py_f16x2_as_u32(lo, hi):
 # ---------------------------------------------------------------------------------------------
 # The names kernels use
 # ---------------------------------------------------------------------------------------------
-NAMES = ("ldg128", "ldg64", "ldg128_stream", "ldg64_stream", "ld128", "stg128", "shared_addr", "lds_f32", "lds_u32",
+NAMES = ("ldg128", "ldg64", "ldg128_stream", "ldg64_stream", "ld128", "stg128", "prefetch_l2", "shared_addr", "lds_f32", "lds_u32",
          "lds128", "lds64", "sts128", "cp_async16", "cp_async4", "cp_async_commit", "cp_async_wait", "griddep_wait",
          "griddep_launch_dependents", "cluster_arrive", "cluster_wait", "cluster_rank", "mbar_init_cluster", "mbar_expect_tx", "mbar_try_wait", "st_async_x2", "st_async_x4",
          "bar_sync", "ldmatrix_x4",
@@ -892,7 +913,7 @@ NAMES = ("ldg128", "ldg64", "ldg128_stream", "ldg64_stream", "ld128", "stg128", 
 PAIRS = {name: (globals()["ptx_" + name], globals()["py_" + name]) for name in NAMES}
 
 _pick = 1 if SIMULATOR else 0
-(ldg128, ldg64, ldg128_stream, ldg64_stream, ld128, stg128, shared_addr, lds_f32, lds_u32, lds128, lds64, sts128,
+(ldg128, ldg64, ldg128_stream, ldg64_stream, ld128, stg128, prefetch_l2, shared_addr, lds_f32, lds_u32, lds128, lds64, sts128,
  cp_async16, cp_async4, cp_async_commit, cp_async_wait, griddep_wait, griddep_launch_dependents, cluster_arrive,
  cluster_wait, cluster_rank, mbar_init_cluster, mbar_expect_tx, mbar_try_wait,
  st_async_x2, st_async_x4, bar_sync, ldmatrix_x4, mma_f16, mma_bf16, hmul2, hfma2, bmul2, dp4a, lop3, prmt, rotr, u32_as_f32,

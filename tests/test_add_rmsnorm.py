@@ -38,3 +38,25 @@ def test_add_rmsnorm_equals_its_twin(H, B, pdl):
     got_res, got_h = (d.copy_to_host().view(np.float16).reshape(B, H) for d in (words[0], words[3]))
     assert np.array_equal(got_res, want_res)
     np.testing.assert_allclose(got_h.astype(np.float32), want_h.astype(np.float32), rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("pdl", [False] if SIM else [False, True])
+def test_prefetch_build_equals_its_twin(pdl):
+    """The layer's first norm with NORM_PREFETCH_CTAS-style CTAs past the rows, which only ask the L2 for the
+    attention cache's lines: the rows as the plain build's, the cache untouched."""
+    H, B, extra = 4096, 1 if SIM else 2, 2 if SIM else 32
+    rng = np.random.default_rng(7)
+    res, y = (rng.standard_normal((B, H)).astype(np.float16) for _ in range(2))
+    w = (rng.random(H) + 0.5).astype(np.float16)
+    cache = [rng.integers(0, 2**32, 2 * 4096 if SIM else 8 * 1024 * 128 // 2 * B, dtype=np.uint32) for _ in "kv"]
+    want_res, want_h = add_rmsnorm_numpy(res, y, w, 1e-6)
+    words = [cuda.to_device(np.ascontiguousarray(a).reshape(-1).view(np.uint32))
+             for a in (res, y, w, np.zeros_like(res))]
+    kv = [cuda.to_device(c) for c in cache]
+    kernel = bench_model._kernel("add_rmsnorm", H, pdl, prefetch=True)
+    PreparedLaunch(kernel, B + extra, bench_model.norm_threads(H), (*words, 1e-6, *kv), pdl=pdl)()
+    got_res, got_h = (d.copy_to_host().view(np.float16).reshape(B, H) for d in (words[0], words[3]))
+    assert np.array_equal(got_res, want_res)
+    np.testing.assert_allclose(got_h.astype(np.float32), want_h.astype(np.float32), rtol=2e-3, atol=2e-3)
+    for c, d in zip(cache, kv):
+        assert np.array_equal(d.copy_to_host(), c)

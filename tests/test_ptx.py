@@ -103,6 +103,7 @@ def _requirements(name):
             never += cluster
     if name.startswith("add_rmsnorm"):                       # 16-byte loads and stores, one shared word a warp
         must += ["ld.global.nc.v4.u32", "st.global.v4.u32", "shfl.sync.bfly.b32", "bar.sync", "sqrt.rn.f32"]
+        (must if "prefetch=True" in name else never).append("prefetch.global.L2")   # the cache's lines, its build
     if name.startswith(("decode_attention", "add_rmsnorm")):    # the step's fused kernels: griddepcontrol exactly
         if "pdl=True" in name:                                  # in their PDL builds
             must += ["griddepcontrol.launch_dependents", "griddepcontrol.wait"]
@@ -172,7 +173,8 @@ else:
                 assert f", {lut};" in ptx
             ptx, _ = cuda.compile_ptx(_mem_kernel.py_func, (u32, u32, u32), cc=CC)
             for s in ("ld.global.nc.v4.u32", "ld.global.nc.v2.u32", "st.global.v4.u32",
-                      f"ld.global.nc{I.STREAM_HINT}.v4.u32", f"ld.global.nc{I.STREAM_HINT}.v2.u32", "ld.global.v4.u32"):
+                      f"ld.global.nc{I.STREAM_HINT}.v4.u32", f"ld.global.nc{I.STREAM_HINT}.v2.u32", "ld.global.v4.u32",
+                      "prefetch.global.L2"):
                 assert s in ptx, s
             ptx, _ = cuda.compile_ptx(_named_barrier_kernel.py_func, (u32, u32), cc=CC)
             assert "bar.sync %r" in ptx                        # bar_sync: id and count in registers
