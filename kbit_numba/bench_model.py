@@ -168,6 +168,7 @@ HALVES_PER_CHUNK = 8            # float16 values in one 16-byte load
 # layer before's weights) and then ask the L2 for every 128-byte line of the layer's K and V cache (prefetch.global.L2;
 # llama3-8b at batch 1: 4 MB, 32 CTAs of 512 threads, a line of each a thread). 0: none.
 NORM_PREFETCH_CTAS = 0
+NORM_PREFETCH_WAIT = True       # the prefetch CTAs wait for the kernel before (False: they prefetch at once and exit)
 LINE_WORDS = 32                 # uint32 words in one 128-byte L2 line
 SILU_THREADS = 256
 # decode_attention (flash decoding): the new token's query of each head over the KV cache, split along the cache
@@ -216,7 +217,7 @@ def _kernel(name, width=0, pdl=False, cluster=False, prefetch=False):
                                  griddep_launch_dependents, griddep_wait, ld128, ldg128, lds128, mbar_expect_tx,
                                  mbar_init_cluster, mbar_try_wait, mma_f16, prefetch_l2, prmt, shared_addr, st_async_x2,
                                  st_async_x4, stg128, u32_as_f32)
-        PDL, CLUSTER = pdl, cluster
+        PDL, CLUSTER, PREFETCH_WAIT = pdl, cluster, NORM_PREFETCH_WAIT
         # what the kernel before writes: with PDL an ordinary load after the wait (an ld.global.nc may be moved above
         # it by ptxas: tests/test_pdl_reads.py); what no kernel writes (norm weights, the cache) keeps ldg128
         load_prev = ld128 if PDL else ldg128
@@ -302,11 +303,14 @@ def _kernel(name, width=0, pdl=False, cluster=False, prefetch=False):
                     if b < rows:
                         norm_row(res, y, w, h, eps, t, b)
                         return
-                    pdl_start()
-                    step = (cuda.gridDim.x - rows) * THREADS
-                    for i in range((b - rows) * THREADS + t, kc.size // LINE_WORDS, step):
-                        prefetch_l2(kc, i * LINE_WORDS)
-                        prefetch_l2(vc, i * LINE_WORDS)
+                    if PREFETCH_WAIT:
+                        pdl_start()
+                    ctas, lines = cuda.gridDim.x - rows, kc.size // LINE_WORDS
+                    for i in range(b - rows + ctas * t, 2 * lines, ctas * THREADS):  # line i: CTA i % ctas (a
+                        if i < lines:                                               # CTA's lines spread over
+                            prefetch_l2(kc, i * LINE_WORDS)                         # all of them: an SM issues
+                        else:                                                       # its prefetches at its own
+                            prefetch_l2(vc, (i - lines) * LINE_WORDS)               # rate, as loads)
 
         elif name == "decode_attention":
             G, NKV, HD, S, WARPS = width        # query heads per KV head, KV heads, head_dim, cache tokens, warps
