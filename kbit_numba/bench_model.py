@@ -31,7 +31,8 @@ or, for a mixture-of-experts model (``qwen3-30b-a3b``), the second line per toke
   ``context``-token fp16 KV cache per layer (GQA); the new token's k and v are not appended, and no rotary
   embedding is applied. On the GPU ``decode_attention``, a fused Numba kernel that splits the cache over CTAs
   (flash decoding, as an engine's decode attention; a ``pdl`` step launches it early, so it loads the cache
-  while the QKV projection runs) and merges a head's slices in their thread block cluster's shared memory where
+  as the QKV projection's CTAs leave; on dense models at batch 1 the norm before that projection has already asked
+  the L2 for the layer's cache: ``NORM_PREFETCH_CTAS``) and merges a head's slices in their thread block cluster's shared memory where
   the launch allows (:func:`att_cluster`); ``attention="sdpa"`` runs torch's ``scaled_dot_product_attention`` instead
   (the stand-in before 2026-11-26), as do CPU tensors.
 * **RMSNorm, SiLU, residual** (and the MoE sum): small fused Numba kernels, as an inference engine runs them (vLLM's
@@ -165,10 +166,17 @@ NORM_MAX_THREADS = 512
 HALVES_PER_CHUNK = 8            # float16 values in one 16-byte load
 # The attention's cache prefetched by the norm before the QKV gemv: that many more CTAs in the layer's first
 # add_rmsnorm, which wait for the kernel before (so the lines arrive during the QKV gemv and are not evicted by the
-# layer before's weights) and then ask the L2 for every 128-byte line of the layer's K and V cache (prefetch.global.L2;
-# llama3-8b at batch 1: 4 MB, 32 CTAs of 512 threads, a line of each a thread). 0: none.
-NORM_PREFETCH_CTAS = 0
-NORM_PREFETCH_WAIT = True       # the prefetch CTAs wait for the kernel before (False: they prefetch at once and exit)
+# layer before's weights) and then ask the L2 for the layer's K and V cache, line i by CTA i % CTAs
+# (prefetch.global.L2). A CTA of prefetches retires only once its lines have arrived, so the norm ends later, and the
+# QKV gemv, which waits for it, with it: spread over 128 CTAs (32 KB an SM at llama3-8b's batch 1, 4 MB) that cost
+# is smaller than what the attention gains. Measured on the H200 (benchmarks/README.md, "Fifty-seventh session"):
+# llama3-8b batch 1 -13..-24 us a step (k = 4 and 2; 32 CTAs: +25 at k = 2, 8: +31..+101, 256: as 128 at k = 4, -4..-11
+# at k = 2); slower at llama3-8b batch 4 (+37..+46 us, a 16 MB cache) and qwen3-30b-a3b batch 1 (+24..+37, MoE), so it
+# runs at batches up to NORM_PREFETCH_MAX_BATCH on dense models only. 0 CTAs: never.
+NORM_PREFETCH_CTAS = 128
+NORM_PREFETCH_MAX_BATCH = 1
+NORM_PREFETCH_WAIT = True       # the prefetch CTAs wait for the kernel before (False: they prefetch at once and exit,
+                                # and their lines are partly evicted by then: k = 2 -9 us, k = 4's attention +10)
 LINE_WORDS = 32                 # uint32 words in one 128-byte L2 line
 SILU_THREADS = 256
 # decode_attention (flash decoding): the new token's query of each head over the KV cache, split along the cache
@@ -782,6 +790,8 @@ class DecodeStep:
         self.torch, self.cfg, self.linears, self.B, self.pdl = torch, cfg, linears, B, bool(pdl)
         self.silu_pairs = bool(silu_pairs)          # the gate/up rows interleaved (build_linears(silu_pairs=True))
         self.attention = attention_kernel(attention, B)
+        # the layer's first norm prefetches its attention cache (NORM_PREFETCH_CTAS: where it was measured faster)
+        self.prefetch_kv = self.attention == "numba" and B <= NORM_PREFETCH_MAX_BATCH and not is_moe(cfg)
         H, hd = cfg["hidden"], cfg["head_dim"]
         dev, f16 = device, torch.float16
         g = torch.Generator(device=dev).manual_seed(0)
@@ -928,8 +938,7 @@ class DecodeStep:
         y = self.torch.zeros_like(res)
         moe = is_moe(self.cfg)
         for layer, ((qkv, o, gate_up, down), (n1, n2), kv) in enumerate(zip(self.linears, self.norms, self.kv)):
-            h = self.add_rmsnorm(res, y, n1,               # (layer 0: res += 0)
-                                 prefetch=kv if self.attention == "numba" else None)
+            h = self.add_rmsnorm(res, y, n1, prefetch=kv if self.prefetch_kv else None)    # (layer 0: res += 0)
             h = self.add_rmsnorm(res, o(self._attention(qkv(h), kv)), n2)
             y = self.moe(h, layer) if moe else down(self.mlp_activation(gate_up, h))
         res.add_(y)

@@ -181,17 +181,23 @@ def test_unknown_model_or_variant_lists_the_known_ones():
 @pytest.mark.skipif(SIM, reason="the fused kernels take CUDA tensors")
 @pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("H", [4096, 1000])       # (1000: a row that is not a multiple of the CTA)
-def test_fused_kernels_equal_their_torch_twins(H, pdl):
+def test_fused_kernels_equal_their_torch_twins(H, pdl, monkeypatch):
     g = torch.Generator(device="cuda").manual_seed(1)
     res = torch.randn(3, H, device="cuda", dtype=torch.float16, generator=g)
     y = torch.randn(3, H, device="cuda", dtype=torch.float16, generator=g)
     w = torch.rand(H, device="cuda", dtype=torch.float16, generator=g) + 0.5
     step = bench_model.DecodeStep(TINY, [], 3, context=64, pdl=pdl)
-    res2 = res.clone()
+    res2, res3 = res.clone(), res.clone()
     h = step.add_rmsnorm(res, y, w)
     h2 = bench_model.add_rmsnorm_torch(res2, y, w)
     assert torch.equal(res, res2)
     torch.testing.assert_close(h, h2, rtol=2e-3, atol=2e-3)
+    # the layer's first norm, which also prefetches a cache (5 CTAs past the rows; the step's default may be off)
+    cache = [torch.randn(3, 2, 64, 128, device="cuda", dtype=torch.float16, generator=g) for _ in "kv"]
+    kept = [c.clone() for c in cache]
+    monkeypatch.setattr(bench_model, "NORM_PREFETCH_CTAS", 5)
+    assert torch.equal(step.add_rmsnorm(res3, y, w, prefetch=cache), h) and torch.equal(res3, res)
+    assert all(torch.equal(c, d) for c, d in zip(cache, kept))
     gu = torch.randn(3, 2 * 14336, device="cuda", dtype=torch.float16, generator=g) * 4
     torch.testing.assert_close(step.silu_mul(gu), bench_model.silu_mul_torch(gu), rtol=2e-3, atol=2e-3)
     torch.testing.assert_close(step.silu_mul(gu, pairs=True), bench_model.silu_mul_torch(gu, pairs=True), rtol=2e-3,
