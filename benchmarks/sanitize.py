@@ -22,7 +22,8 @@ from kbit_numba.core import sm_count
 from kbit_numba.pair_gemv import to_codes
 
 families = (sys.argv[1].split(",") if len(sys.argv) > 1
-            else ["codec", "gemv", "pair", "mma", "pdl", "grouped", "grouped_pair", "gemm", "formats", "attention", "norm"])
+            else ["codec", "gemv", "pair", "mma", "pdl", "grouped", "grouped_pair", "gemm", "formats", "attention",
+                  "norm"])
 rng = np.random.default_rng(0)
 for k in (2, 3, 4, 5):
     for layout in ("flat", "tiled"):

@@ -32,9 +32,9 @@ or, for a mixture-of-experts model (``qwen3-30b-a3b``), the second line per toke
   embedding is applied. On the GPU ``decode_attention``, a fused Numba kernel that splits the cache over CTAs
   (flash decoding, as an engine's decode attention; a ``pdl`` step launches it early, so it loads the cache
   as the QKV projection's CTAs leave; on dense models at batch 1 the norm before that projection has already asked
-  the L2 for the layer's cache: ``NORM_PREFETCH_CTAS``) and merges a head's slices in their thread block cluster's shared memory where
-  the launch allows (:func:`att_cluster`); ``attention="sdpa"`` runs torch's ``scaled_dot_product_attention`` instead
-  (the stand-in before 2026-11-26), as do CPU tensors.
+  the L2 for the layer's cache: ``NORM_PREFETCH_CTAS``) and merges a head's slices in their thread block cluster's
+  shared memory where the launch allows (:func:`att_cluster`); ``attention="sdpa"`` runs torch's
+  ``scaled_dot_product_attention`` instead (the stand-in before 2026-11-26), as do CPU tensors.
 * **RMSNorm, SiLU, residual** (and the MoE sum): small fused Numba kernels, as an inference engine runs them (vLLM's
   ``fused_add_rms_norm`` and ``silu_and_mul``): ``add_rmsnorm`` (residual += y; h = rmsnorm(residual) * w)
   and ``silu_mul`` (silu(g) * u); their torch twins run on CPU tensors (the simulator) and test them on the
@@ -174,9 +174,8 @@ HALVES_PER_CHUNK = 8            # float16 values in one 16-byte load
 # at k = 2); slower at llama3-8b batch 4 (+37..+46 us, a 16 MB cache) and qwen3-30b-a3b batch 1 (+24..+37, MoE), so it
 # runs at batches up to NORM_PREFETCH_MAX_BATCH on dense models only. 0 CTAs: never.
 NORM_PREFETCH_CTAS = 128
-NORM_PREFETCH_MAX_BATCH = 1
-NORM_PREFETCH_WAIT = True       # the prefetch CTAs wait for the kernel before (False: they prefetch at once and exit,
-                                # and their lines are partly evicted by then: k = 2 -9 us, k = 4's attention +10)
+NORM_PREFETCH_MAX_BATCH = 1     # (prefetching before the wait, during the layer before, lost: its lines were partly
+                                # evicted by the attention's turn; k = 2 -9 us, k = 4's attention +10)
 LINE_WORDS = 32                 # uint32 words in one 128-byte L2 line
 SILU_THREADS = 256
 # decode_attention (flash decoding): the new token's query of each head over the KV cache, split along the cache
@@ -225,7 +224,7 @@ def _kernel(name, width=0, pdl=False, cluster=False, prefetch=False):
                                  griddep_launch_dependents, griddep_wait, ld128, ldg128, lds128, mbar_expect_tx,
                                  mbar_init_cluster, mbar_try_wait, mma_f16, prefetch_l2, prmt, shared_addr, st_async_x2,
                                  st_async_x4, stg128, u32_as_f32)
-        PDL, CLUSTER, PREFETCH_WAIT = pdl, cluster, NORM_PREFETCH_WAIT
+        PDL, CLUSTER = pdl, cluster
         # what the kernel before writes: with PDL an ordinary load after the wait (an ld.global.nc may be moved above
         # it by ptxas: tests/test_pdl_reads.py); what no kernel writes (norm weights, the cache) keeps ldg128
         load_prev = ld128 if PDL else ldg128
@@ -311,8 +310,7 @@ def _kernel(name, width=0, pdl=False, cluster=False, prefetch=False):
                     if b < rows:
                         norm_row(res, y, w, h, eps, t, b)
                         return
-                    if PREFETCH_WAIT:
-                        pdl_start()
+                    pdl_start()
                     ctas, lines = cuda.gridDim.x - rows, kc.size // LINE_WORDS
                     for i in range(b - rows + ctas * t, 2 * lines, ctas * THREADS):  # line i: CTA i % ctas (a
                         if i < lines:                                               # CTA's lines spread over
@@ -629,8 +627,8 @@ def att_cluster(slices, ctas=1):
 
 def kernel_specializations():
     """(name, kernel, argument types) for the PTX checks (tests/test_ptx.py): add_rmsnorm at both models' hidden
-    sizes (256 and 512 threads; at llama3-8b's also its prefetch build) and decode_attention as the llama3-8b and qwen3-30b-a3b steps build it at batch 1,
-    both merges, with and without PDL."""
+    sizes (256 and 512 threads; at llama3-8b's also its prefetch build) and decode_attention as the llama3-8b and
+    qwen3-30b-a3b steps build it at batch 1, both merges, with and without PDL."""
     from numba import types as t
     sig = (t.uint32[::1],) * 3 + (t.float16[:, ::1], t.float32[::1], t.float32[::1], t.int32[::1])
     specs = [(f"add_rmsnorm H={cfg['hidden']} threads={norm_threads(cfg['hidden'])} pdl={pdl} prefetch={pf}",

@@ -904,17 +904,18 @@ def py_f16x2_as_u32(lo, hi):
 # ---------------------------------------------------------------------------------------------
 # The names kernels use
 # ---------------------------------------------------------------------------------------------
-NAMES = ("ldg128", "ldg64", "ldg128_stream", "ldg64_stream", "ld128", "stg128", "prefetch_l2", "shared_addr", "lds_f32", "lds_u32",
-         "lds128", "lds64", "sts128", "cp_async16", "cp_async4", "cp_async_commit", "cp_async_wait", "griddep_wait",
-         "griddep_launch_dependents", "cluster_arrive", "cluster_wait", "cluster_rank", "mbar_init_cluster", "mbar_expect_tx", "mbar_try_wait", "st_async_x2", "st_async_x4",
+NAMES = ("ldg128", "ldg64", "ldg128_stream", "ldg64_stream", "ld128", "stg128", "prefetch_l2", "shared_addr", "lds_f32",
+         "lds_u32", "lds128", "lds64", "sts128", "cp_async16", "cp_async4", "cp_async_commit", "cp_async_wait",
+         "griddep_wait", "griddep_launch_dependents", "cluster_arrive", "cluster_wait", "cluster_rank",
+         "mbar_init_cluster", "mbar_expect_tx", "mbar_try_wait", "st_async_x2", "st_async_x4",
          "bar_sync", "ldmatrix_x4",
          "mma_f16", "mma_bf16", "hmul2", "hfma2", "bmul2", "dp4a", "lop3", "prmt", "rotr", "u32_as_f32", "f32_as_u32",
          "f16x2_as_u32", "f16_bits_to_f32")
 PAIRS = {name: (globals()["ptx_" + name], globals()["py_" + name]) for name in NAMES}
 
 _pick = 1 if SIMULATOR else 0
-(ldg128, ldg64, ldg128_stream, ldg64_stream, ld128, stg128, prefetch_l2, shared_addr, lds_f32, lds_u32, lds128, lds64, sts128,
- cp_async16, cp_async4, cp_async_commit, cp_async_wait, griddep_wait, griddep_launch_dependents, cluster_arrive,
+(ldg128, ldg64, ldg128_stream, ldg64_stream, ld128, stg128, prefetch_l2, shared_addr, lds_f32, lds_u32, lds128, lds64,
+ sts128, cp_async16, cp_async4, cp_async_commit, cp_async_wait, griddep_wait, griddep_launch_dependents, cluster_arrive,
  cluster_wait, cluster_rank, mbar_init_cluster, mbar_expect_tx, mbar_try_wait,
  st_async_x2, st_async_x4, bar_sync, ldmatrix_x4, mma_f16, mma_bf16, hmul2, hfma2, bmul2, dp4a, lop3, prmt, rotr, u32_as_f32,
  f32_as_u32, f16x2_as_u32, f16_bits_to_f32) = (PAIRS[n][_pick] for n in NAMES)
