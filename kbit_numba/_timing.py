@@ -59,17 +59,22 @@ def _graph_time_torch(launch, n_launch, replays, warmup):
 
 
 def replay_us(g, replays=7, warmup=2):
-    """Median microseconds of one replay of the torch CUDA graph ``g`` (CUDA events), after ``warmup``."""
-    times = []
-    for r in range(warmup + replays):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    """Median microseconds of one replay of the torch CUDA graph ``g`` (CUDA events), after ``warmup``.
+
+    The replays are queued back to back, an event between each, and timed from one event to the next: the GPU never
+    waits for the host. With an event pair around each replay and a synchronize between them (as until 2026-12-03),
+    the host's time to submit the replay after the start event counted as GPU time: ~13 us a replay of the llama3-8b
+    step in a clean process (2-5 us of it seen in the step's time), ~61 us once a ``torch.profiler`` session had run
+    in the process, which made a second variant's step ~50 us slow (benchmarks/README.md, "Fifty-eighth session")."""
+    for _ in range(warmup):
         g.replay()
-        stop.record()
-        stop.synchronize()
-        if r >= warmup:
-            times.append(start.elapsed_time(stop) * 1e3)
-    return statistics.median(times)
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(replays + 1)]
+    events[0].record()
+    for r in range(replays):
+        g.replay()
+        events[r + 1].record()
+    events[-1].synchronize()
+    return statistics.median(events[r].elapsed_time(events[r + 1]) * 1e3 for r in range(replays))
 
 
 def _graph_time_driver(launch, n_launch, replays, warmup):
@@ -92,15 +97,15 @@ def _graph_time_driver(launch, n_launch, replays, warmup):
             launch(i, stream)
         graph = check(drv.cuStreamEndCapture(handle))
     gexec = check(drv.cuGraphInstantiate(graph, 0))
-    times = []
-    for r in range(warmup + replays):
-        start, stop = cuda.event(), cuda.event()
-        start.record(stream)
+    for _ in range(warmup):                 # (queued back to back, as replay_us)
         check(drv.cuGraphLaunch(gexec, handle))
-        stop.record(stream)
-        stop.synchronize()
-        if r >= warmup:
-            times.append(cuda.event_elapsed_time(start, stop) * 1e3 / n_launch)
+    events = [cuda.event() for _ in range(replays + 1)]
+    events[0].record(stream)
+    for r in range(replays):
+        check(drv.cuGraphLaunch(gexec, handle))
+        events[r + 1].record(stream)
+    events[-1].synchronize()
+    times = [cuda.event_elapsed_time(events[r], events[r + 1]) * 1e3 / n_launch for r in range(replays)]
     check(drv.cuGraphExecDestroy(gexec))
     check(drv.cuGraphDestroy(graph))
     return statistics.median(times)

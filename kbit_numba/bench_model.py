@@ -45,9 +45,9 @@ or, for a mixture-of-experts model (``qwen3-30b-a3b``), the second line per toke
   (``KbitLinear.run(x, silu_pairs=True)``, ``ExpertsKbit.bind(silu_pairs=True)``): no SiLU kernel and no [B, 2I]
   output. Batches that run another kernel use ``silu_pairs``, the SiLU kernel for interleaved pairs.
 * **Timing**: the whole step is captured in one CUDA graph (``torch.cuda.graph``) and replayed; the step
-  time is the median over replays (CUDA events). The linear-only time is a second graph of the same layers'
-  linear calls alone (the gate/up through its SiLU epilogue where the step runs it so), so "linear share" =
-  linear-only / step.
+  time is the median over replays queued back to back (CUDA events between them: ``_timing.replay_us``). The
+  linear-only time is a second graph of the same layers' linear calls alone (the gate/up through its SiLU epilogue
+  where the step runs it so), so "linear share" = linear-only / step.
 """
 from __future__ import annotations
 
