@@ -87,7 +87,7 @@ def main():
             untraced = [bm.graph_us(torch, fn) for fn in graphs]
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for fn in graphs:
-                    bm.graph_us(torch, fn, replays=5, warmup=1)
+                    bm.graph_us(torch, fn, replays=5, warmup=1, spaced=True)   # (gaps tell the replays apart)
         path = os.path.join(tempfile.mkdtemp(), "trace.json")
         prof.export_chrome_trace(path)
         reps = replays(kernels(path))

@@ -58,14 +58,28 @@ def _graph_time_torch(launch, n_launch, replays, warmup):
     return t
 
 
-def replay_us(g, replays=7, warmup=2):
+def replay_us(g, replays=7, warmup=2, spaced=False):
     """Median microseconds of one replay of the torch CUDA graph ``g`` (CUDA events), after ``warmup``.
 
     The replays are queued back to back, an event between each, and timed from one event to the next: the GPU never
     waits for the host. With an event pair around each replay and a synchronize between them (as until 2026-12-03),
     the host's time to submit the replay after the start event counted as GPU time: ~13 us a replay of the llama3-8b
     step in a clean process (2-5 us of it seen in the step's time), ~61 us once a ``torch.profiler`` session had run
-    in the process, which made a second variant's step ~50 us slow (benchmarks/README.md, "Fifty-eighth session")."""
+    in the process, which made a second variant's step ~50 us slow (benchmarks/README.md, "Fifty-eighth session").
+    ``spaced=True``: each replay synchronised before the next is submitted, so the GPU idles between replays (for a
+    profiler trace that tells the replays apart by those gaps: ``benchmarks/decode_step_trace.py``); its times then
+    include the host's submission, as before that date."""
+    if spaced:
+        times = []
+        for r in range(warmup + replays):
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            g.replay()
+            stop.record()
+            stop.synchronize()
+            if r >= warmup:
+                times.append(start.elapsed_time(stop) * 1e3)
+        return statistics.median(times)
     for _ in range(warmup):
         g.replay()
     events = [torch.cuda.Event(enable_timing=True) for _ in range(replays + 1)]

@@ -970,8 +970,9 @@ def epilogue_silu(gate_up, h, silu_pairs):
     return bool(silu_pairs and h.is_cuda and runtime is not None and runtime.kernel_for(h.shape[0]) in EPILOGUE_GEMVS)
 
 
-def graph_us(torch, fn, replays=20, warmup=3):
-    """Median microseconds of one replay of a CUDA graph that captured ``fn()`` once."""
+def graph_us(torch, fn, replays=20, warmup=3, spaced=False):
+    """Median microseconds of one replay of a CUDA graph that captured ``fn()`` once (``spaced``: the replays one at a
+    time, for a profiler trace: ``_timing.replay_us``)."""
     from ._timing import replay_us
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -983,7 +984,7 @@ def graph_us(torch, fn, replays=20, warmup=3):
     g = torch.cuda.CUDAGraph()
     with cuda.defer_cleanup(), torch.cuda.graph(g):   # (no Numba cuMemFree inside the capture)
         fn()
-    t = replay_us(g, replays, warmup)
+    t = replay_us(g, replays, warmup, spaced)
     del g
     return t
 

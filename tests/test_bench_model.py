@@ -223,8 +223,8 @@ def test_fused_kernels_equal_their_torch_twins(H, pdl, monkeypatch):
 @pytest.mark.skipif(SIM, reason="CUDA graphs need a GPU")
 def test_replay_us_times_each_replay_once():
     """The benchmark's graph timing (``_timing.replay_us``, behind ``graph_us``) replays the graph warmup + replays
-    times, queued back to back: a graph that adds 1 to a counter counts them; each time is a positive number of
-    microseconds, and graph_us's own capture runs fn twice more before it (compile, allocator)."""
+    times, queued back to back or (``spaced``) one at a time: a graph that adds 1 to a counter counts them; each time
+    is a positive number of microseconds, and graph_us's own capture runs fn twice more before it (compile, allocator)."""
     from kbit_numba._timing import replay_us
     x = torch.zeros(1, device="cuda", dtype=torch.float64)
     g = torch.cuda.CUDAGraph()
@@ -234,6 +234,9 @@ def test_replay_us_times_each_replay_once():
     t = replay_us(g, replays=5, warmup=2)
     torch.cuda.synchronize()
     assert x.item() == 7 and 0 < t < 1e6
+    assert replay_us(g, replays=2, warmup=1, spaced=True) > 0     # (one at a time, for decode_step_trace.py)
+    torch.cuda.synchronize()
+    assert x.item() == 10
     y = torch.zeros(1, device="cuda", dtype=torch.float64)
     assert bench_model.graph_us(torch, lambda: y.add_(1), replays=4, warmup=1) > 0
     torch.cuda.synchronize()
