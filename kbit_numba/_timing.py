@@ -69,24 +69,17 @@ def replay_us(g, replays=7, warmup=2, spaced=False):
     ``spaced=True``: each replay synchronised before the next is submitted, so the GPU idles between replays (for a
     profiler trace that tells the replays apart by those gaps: ``benchmarks/decode_step_trace.py``); its times then
     include the host's submission, as before that date."""
-    if spaced:
-        times = []
-        for r in range(warmup + replays):
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            g.replay()
-            stop.record()
-            stop.synchronize()
-            if r >= warmup:
-                times.append(start.elapsed_time(stop) * 1e3)
-        return statistics.median(times)
     for _ in range(warmup):
         g.replay()
+        if spaced:
+            torch.cuda.synchronize()
     events = [torch.cuda.Event(enable_timing=True) for _ in range(replays + 1)]
     events[0].record()
     for r in range(replays):
         g.replay()
         events[r + 1].record()
+        if spaced:
+            events[r + 1].synchronize()
     events[-1].synchronize()
     return statistics.median(events[r].elapsed_time(events[r + 1]) * 1e3 for r in range(replays))
 
