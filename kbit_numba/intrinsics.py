@@ -125,11 +125,8 @@ ptx_ldg64 = make_ldg(2)
 # the same for weights streamed once: not kept in L1 (kept for what is read again: activations, tables)
 ptx_ldg128_stream = make_ldg(4, STREAM_HINT)
 ptx_ldg64_stream = make_ldg(2, STREAM_HINT)
-# 16 bytes another kernel may still be writing when this one starts (a PDL launch's activations, after griddep_wait);
-# and ordinary loads stay where the source puts them, so before griddep_wait too (ptxas sinks .nc ones below it: the
-# pair gemv's early_loads); ld64: the same, 8 bytes
+# 16 bytes another kernel may still be writing when this one starts (a PDL launch's activations, after griddep_wait)
 ptx_ld128 = make_ldg(4, nc=False)
-ptx_ld64 = make_ldg(2, nc=False)
 
 
 @intrinsic
@@ -182,7 +179,6 @@ def py_ldg64(arr, index):
 
 py_ldg128_stream, py_ldg64_stream = py_ldg128, py_ldg64     # (a cache hint changes no value)
 py_ld128 = py_ldg128
-py_ld64 = py_ldg64
 
 
 def py_stg128(arr, index, a, b, c, d):
@@ -908,8 +904,8 @@ def py_f16x2_as_u32(lo, hi):
 # ---------------------------------------------------------------------------------------------
 # The names kernels use
 # ---------------------------------------------------------------------------------------------
-NAMES = ("ldg128", "ldg64", "ldg128_stream", "ldg64_stream", "ld128", "ld64", "stg128", "prefetch_l2", "shared_addr",
-         "lds_f32", "lds_u32", "lds128", "lds64", "sts128", "cp_async16", "cp_async4", "cp_async_commit", "cp_async_wait",
+NAMES = ("ldg128", "ldg64", "ldg128_stream", "ldg64_stream", "ld128", "stg128", "prefetch_l2", "shared_addr", "lds_f32",
+         "lds_u32", "lds128", "lds64", "sts128", "cp_async16", "cp_async4", "cp_async_commit", "cp_async_wait",
          "griddep_wait", "griddep_launch_dependents", "cluster_arrive", "cluster_wait", "cluster_rank",
          "mbar_init_cluster", "mbar_expect_tx", "mbar_try_wait", "st_async_x2", "st_async_x4",
          "bar_sync", "ldmatrix_x4",
@@ -918,8 +914,8 @@ NAMES = ("ldg128", "ldg64", "ldg128_stream", "ldg64_stream", "ld128", "ld64", "s
 PAIRS = {name: (globals()["ptx_" + name], globals()["py_" + name]) for name in NAMES}
 
 _pick = 1 if SIMULATOR else 0
-(ldg128, ldg64, ldg128_stream, ldg64_stream, ld128, ld64, stg128, prefetch_l2, shared_addr, lds_f32, lds_u32, lds128,
- lds64, sts128, cp_async16, cp_async4, cp_async_commit, cp_async_wait, griddep_wait, griddep_launch_dependents, cluster_arrive,
+(ldg128, ldg64, ldg128_stream, ldg64_stream, ld128, stg128, prefetch_l2, shared_addr, lds_f32, lds_u32, lds128, lds64,
+ sts128, cp_async16, cp_async4, cp_async_commit, cp_async_wait, griddep_wait, griddep_launch_dependents, cluster_arrive,
  cluster_wait, cluster_rank, mbar_init_cluster, mbar_expect_tx, mbar_try_wait,
  st_async_x2, st_async_x4, bar_sync, ldmatrix_x4, mma_f16, mma_bf16, hmul2, hfma2, bmul2, dp4a, lop3, prmt, rotr, u32_as_f32,
  f32_as_u32, f16x2_as_u32, f16_bits_to_f32) = (PAIRS[n][_pick] for n in NAMES)

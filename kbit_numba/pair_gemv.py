@@ -68,11 +68,10 @@ from . import _arrays
 from .core import (MAX_M, check_grouped, device_weight, fit_threads, k_warps, persistent_grid, row_share, sm_count,
                    unused_i32)
 from .device import (ABSMAX_CODES, CODEBOOK, PRMT_ROW, TABLE_BYTES, TABLE_FLOATS, WARP, e4m4_decode, i32, inlined,
-                     jit_kernel, make_silu_pair_out, make_table_fill, make_warp_reduce_scatter, make_word_unpacker,
-                     stage_codebook, u32)
+                     jit_kernel, make_silu_pair_out, make_table_fill, make_warp_reduce_scatter, make_word_unpacker, u32)
 from .formats import ABSMAX_FORMATS, BLOCK, CODES_K, KbitCodes, KbitFragments, KbitWeight
-from .intrinsics import (SIMULATOR, bar_sync, f16_bits_to_f32, griddep_launch_dependents, griddep_wait, hfma2, ld64,
-                         ld128, ldg128, ldg64_stream, ldg128_stream, lds64, lds128, lds_u32, prmt, shared_addr, u32_as_f32)
+from .intrinsics import (SIMULATOR, bar_sync, f16_bits_to_f32, griddep_launch_dependents, griddep_wait, hfma2, ld128,
+                         ldg128, ldg64_stream, ldg128_stream, lds64, lds128, lds_u32, prmt, shared_addr, u32_as_f32)
 from .launch import NUMBA_TYPES, OUT_TYPES, Plan, Spec, Step, launch_step, type_name
 
 MAX_KW = 32                       # K-warps per slice: K <= 32 * 32 * 32 = 32768
@@ -114,7 +113,6 @@ class PairGemvSpec(Spec):
     silu_pairs: bool = False                # the epilogue silu(C[:, 2j]) * C[:, 2j + 1] into an [M, N / 2] output
     grouped: bool = False                   # MoE experts: blockIdx.y is a token row, M = 1 (see the module docstring)
     fragments: bool = False                 # the weight in the fragment layout (KbitFragments), not the code layout
-    early_loads: bool = False               # pdl: the first two column groups' loads before griddep_wait (plan())
 
     def normalise(self):
         if self.k not in CODES_K or not 1 <= self.M <= MAX_M:
@@ -123,9 +121,6 @@ class PairGemvSpec(Spec):
             raise ValueError(f"cols must be one of {COL_CHOICES}, got {self.cols!r}")
         if self.grouped and self.M != 1:        # (a row a slot: each row its own expert's weights)
             raise ValueError(f"the grouped pair gemv runs one row a slot (M = 1), got M={self.M}")
-        if self.early_loads and not (self.pdl and not self.grouped):
-            raise ValueError("early_loads moves a plain PDL launch's first weight loads before its wait: it needs "
-                             "pdl=True and a plain (not grouped) build")
         if self.silu_pairs and self.cols % 2:   # (a column pair must stay within one slice's columns)
             raise ValueError(f"silu_pairs needs an even cols, got {self.cols}")
         if self.absmax_format not in ABSMAX_FORMATS:
@@ -140,8 +135,7 @@ class PairGemvSpec(Spec):
                     out_dtype=type_name(self.out_dtype, "out_dtype", OUT_TYPES), f16_acc=bool(self.f16_acc),
                     pdl=bool(self.pdl), batch=int(batch),
                     max_registers=int(self.max_registers) if self.max_registers else None,
-                    silu_pairs=bool(self.silu_pairs), grouped=bool(self.grouped), fragments=bool(self.fragments),
-                    early_loads=bool(self.early_loads))
+                    silu_pairs=bool(self.silu_pairs), grouped=bool(self.grouped), fragments=bool(self.fragments))
 
 
 
@@ -167,6 +161,7 @@ def make_pair_gemv_kernel(spec):
     BATCH_ = spec.batch                            # column groups per barrier and sum
     absmax_format, a_src, out_dtype = spec.absmax_format, spec.a_type, spec.out_dtype
     G = 8 // k                                     # elements per code byte
+    fill_table, ENTRY, COPIES = make_table_fill(k, "float16" if f16_acc else "float32")
     PAIRS = BLOCK // 2                             # f16x2 words of a block's activations
     CM = NCOL * M
     V = 1 << (CM - 1).bit_length()                 # partial sums per lane, padded to a power of two
@@ -183,13 +178,6 @@ def make_pair_gemv_kernel(spec):
     # without PDL, keep it after the activation loads, which then overlap it (benchmarks/README.md, "the tables'
     # barrier before the wait").
     EARLY_BARRIER = PDL and k == 4 and not GROUPED
-    # early_loads (a launch's knob, off by default): the first two column groups' weight loads before griddep_wait, as
-    # ordinary loads (ptxas sinks the read-only ones below the wait), with the codebook staged first by cp.async so that
-    # the table fill is not queued behind them. In the llama3-8b step it pays only for a gemv that follows another gemv
-    # (its loads then run during that kernel's uneven last round); before a gemv that follows a norm or the attention
-    # they slow that small, latency-bound kernel by more than they save (benchmarks/README.md, "Fifty-eighth session").
-    EARLY_LOADS = spec.early_loads
-    fill_table, ENTRY, COPIES = make_table_fill(k, "float16" if f16_acc else "float32", staged=EARLY_LOADS)
     SILU_PAIRS = spec.silu_pairs
     # The activations: with PDL the kernel before may still be writing them when this one starts, so an ordinary load
     # (ptxas moved ld.global.nc ones above griddep_wait: tests/test_pdl_reads.py); else the read-only path.
@@ -220,36 +208,30 @@ def make_pair_gemv_kernel(spec):
             return u32(tile + u32(u32((kb >> u32(2)) & u32(1)) * u32(32)) + u32(kb & u32(3)))
         return u32(tile + u32(kb & u32(7)))
 
-    def make_load_columns(load4, load2):
-        """load_columns with its code words read by load4 (k = 4: 16 bytes) and load2 (k = 2: 8 bytes)."""
-        @inlined
-        def load_columns(packed, absmax, n0, kb, last4, n_kb, codes, code_absmax):
-            """Issue the loads of columns n0 .. n0+NCOL-1 of this lane's block (k words in one 16- or 8-byte
-            load, and the absmax) into codes / code_absmax. The code words are read once: their loads skip L1
-            (``ldg128_stream``: ``.L1::no_allocate``, 1-6% faster on the H100; benchmarks/README.md, eighth step).
-            The absmax byte keeps Numba's plain load: read as ``ld.global.nc.L1::no_allocate.u8`` it cost 4-11%
-            (H200; benchmarks/README.md, "Fifty-fourth session").
-            The loads are unconditional: a column past N (or a lane past the last block) reads the last
-            block instead (last4 = 4 x its index), whose sums are never written (or meet zero activations).
-            That is one min per column instead of a compare and a predicate, and fewer registers (a
-            predicated load must keep its register's old value). ptxas still issues these loads after
-            the decode that follows them in the source, whichever form: hence the loop's three buffers.
-            All index math is 32-bit and unsigned (Numba's default int64 indexing costs ~20 SASS
-            instructions per column: 64-bit multiplies, compares and wraparound checks): w4 (4 x the
-            block index, its first word) of column n0 + c is one add after column c - 1's."""
-            w4 = u32(u32(col_part(n0, n_kb) + kb) * u32(4))    # Numba widens every sum to 64 bits: u32() narrows
-            for c in range(NCOL):
-                i4 = min(w4, last4)
-                if k == 4:
-                    codes[c, 0], codes[c, 1], codes[c, 2], codes[c, 3] = load4(packed, i4)
-                else:
-                    codes[c, 0], codes[c, 1] = load2(packed, u32(i4 >> u32(1)))
-                code_absmax[c] = absmax[u32(i4 >> u32(2))]
-                w4 = u32(w4 + (u32(COL_STEP4) if FRAGMENTS else u32(n_kb * u32(4))))
-        return load_columns
-
-    load_columns = make_load_columns(ldg128_stream, ldg64_stream)
-    load_first = make_load_columns(ld128, ld64) if EARLY_LOADS else load_columns     # the first two groups' loads
+    @inlined
+    def load_columns(packed, absmax, n0, kb, last4, n_kb, codes, code_absmax):
+        """Issue the loads of columns n0 .. n0+NCOL-1 of this lane's block (k words in one 16- or 8-byte
+        load, and the absmax) into codes / code_absmax. The code words are read once: their loads skip L1
+        (``ldg128_stream``: ``.L1::no_allocate``, 1-6% faster on the H100; benchmarks/README.md, eighth step).
+        The absmax byte keeps Numba's plain load: read as ``ld.global.nc.L1::no_allocate.u8`` it cost 4-11%
+        (H200; benchmarks/README.md, "Fifty-fourth session").
+        The loads are unconditional: a column past N (or a lane past the last block) reads the last
+        block instead (last4 = 4 x its index), whose sums are never written (or meet zero activations).
+        That is one min per column instead of a compare and a predicate, and fewer registers (a
+        predicated load must keep its register's old value). ptxas still issues these loads after
+        the decode that follows them in the source, whichever form: hence the loop's three buffers.
+        All index math is 32-bit and unsigned (Numba's default int64 indexing costs ~20 SASS
+        instructions per column: 64-bit multiplies, compares and wraparound checks): w4 (4 x the
+        block index, its first word) of column n0 + c is one add after column c - 1's."""
+        w4 = u32(u32(col_part(n0, n_kb) + kb) * u32(4))    # Numba widens every sum to 64 bits: u32() narrows
+        for c in range(NCOL):
+            i4 = min(w4, last4)
+            if k == 4:
+                codes[c, 0], codes[c, 1], codes[c, 2], codes[c, 3] = ldg128_stream(packed, i4)
+            else:
+                codes[c, 0], codes[c, 1] = ldg64_stream(packed, u32(i4 >> u32(1)))
+            code_absmax[c] = absmax[u32(i4 >> u32(2))]
+            w4 = u32(w4 + (u32(COL_STEP4) if FRAGMENTS else u32(n_kb * u32(4))))
 
     @inlined
     def decode_columns(smem, table, lane_off, codes, code_absmax, a, ah, acc):
@@ -403,8 +385,6 @@ def make_pair_gemv_kernel(spec):
 
         if PDL:                     # the next kernel may start now: it waits for this one in griddep_wait
             griddep_launch_dependents()
-        if EARLY_LOADS:             # the fill's one global read goes out before the weights' (see EARLY_LOADS)
-            stage_codebook(smem, cb, tid, u32(CODEBOOK), u32(len(cb)))
         if GROUPED:                 # slot = token row r, run by the expert whose rows hold it (offsets: [E + 1])
             if PDL:                 # the offsets are the router's output, and so are the weights to load: only
                 fill_tables(smem, cb, tid)      # the tables before the wait
@@ -433,8 +413,8 @@ def make_pair_gemv_kernel(spec):
         absmax_b = cuda.local.array(NCOL, absmax_t)
         absmax_c = cuda.local.array(NCOL, absmax_t)
         grid = u32(cuda.gridDim.x)
-        load_first(packed, absmax, u32(g * group_cols + col0), kb_at, last4, nkb, codes_a, absmax_a)
-        load_first(packed, absmax, u32((g + grid) * group_cols + col0), kb_at, last4, nkb, codes_b, absmax_b)
+        load_columns(packed, absmax, u32(g * group_cols + col0), kb_at, last4, nkb, codes_a, absmax_a)
+        load_columns(packed, absmax, u32((g + grid) * group_cols + col0), kb_at, last4, nkb, codes_b, absmax_b)
 
         # ---- 2. the group table and the E4M4 table (grouped PDL: filled above) ---------------------
         if not (GROUPED and PDL):
@@ -579,14 +559,12 @@ def whole_rounds(slices, most, N, spec, kw, regs):
 
 
 def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc=False, cols=None, cta_warps=None,
-         pdl=False, silu_pairs=False, early_loads=False):
+         pdl=False, silu_pairs=False):
     """Checked inputs bound into a :class:`launch.Plan` (one launch). ``kc``: KbitCodes or KbitFragments (slower:
     the module docstring; a KbitWeight is re-packed with :func:`to_codes`, a copy per call: keep the KbitCodes for
     repeated use). f16_acc: see :func:`make_pair_gemv_kernel` (float16 A only). pdl: a programmatic dependent launch (sm_90; the
     weights must not be written by the kernel just before it in the stream). ``cols`` (default :func:`default_cols`) and
-    ``cta_warps`` (warps per CTA aimed at) override the ``DEFAULTS`` table (``benchmarks/sweep_pair_gemv.py``).
-    ``early_loads`` (with ``pdl``): the first two column groups' weight loads go out before the wait for the kernel
-    before, which pays after another gemv and loses after a small latency-bound kernel (``make_pair_gemv_kernel``)."""
+    ``cta_warps`` (warps per CTA aimed at) override the ``DEFAULTS`` table (``benchmarks/sweep_pair_gemv.py``)."""
     stream = _arrays.as_stream(stream)
     kc = (device_weight(kc, KbitFragments, stream) if isinstance(kc, KbitFragments)
           else to_codes(kc, stream))                       # checked device arrays (re-packed if a KbitWeight)
@@ -603,7 +581,7 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc
             i32(N), i32(n_kb), unused_i32())
     cols = default_cols(M, N, K) if cols is None else cols
     spec = PairGemvSpec(kc.k, M, cols, kc.absmax_format, a_src, out.dtype, f16_acc, pdl, silu_pairs=silu_pairs,
-                        fragments=isinstance(kc, KbitFragments), early_loads=early_loads)
+                        fragments=isinstance(kc, KbitFragments))
     spec, kern, regs, max_threads = fit_threads(make_pair_gemv_kernel, spec, args, kw * WARP)
     if kw * WARP > max_threads:
         raise ValueError(f"pair gemv with M={M}, cols={spec.cols} fits {max_threads} threads per CTA: K <= "
@@ -690,23 +668,21 @@ def gemv(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc
     return plan(A, kc, out, stream, out_dtype, bf16, f16_acc).launch()
 
 
-def prepare(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc=False, pdl=False, early_loads=False):
+def prepare(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc=False, pdl=False):
     """The fast path for repeated calls: a :class:`launch.Prepared` whose ``run()`` is one driver launch.
-    Write the next activations into ``.A`` before ``run()``; results land in ``.out``. ``pdl``, ``early_loads``: see
+    Write the next activations into ``.A`` before ``run()``; results land in ``.out``. ``pdl``: see
     :func:`plan`."""
-    return plan(A, kc, out, stream, out_dtype, bf16, f16_acc, pdl=pdl, early_loads=early_loads).prepare()
+    return plan(A, kc, out, stream, out_dtype, bf16, f16_acc, pdl=pdl).prepare()
 
 
 def ptx_specs():
-    """Every (k, M) at the default cols (and f16_acc at M = 1, 4; pdl at M = 1, also with early_loads; the silu_pairs
-    epilogue at M = 1, 3),
+    """Every (k, M) at the default cols (and f16_acc at M = 1, 4; pdl at M = 1; the silu_pairs epilogue at M = 1, 3),
     M = 1 at ``small_cols``, grouped (plain, f16_acc + pdl + silu_pairs, and 8 columns + pdl), on the fragment layout
     (M = 1, M = 2 with f16_acc, grouped with pdl), and each other value of
     cols, absmax format, A type and output type with every k."""
     variants = [dict(M=M) for M in (1, 2, 3, 4)] + [dict(M=M, f16_acc=True) for M in (1, 4)]
     variants += [dict(M=1, pdl=True), dict(M=1, f16_acc=True, pdl=True)]
     variants += [dict(M=1, f16_acc=True, pdl=True, silu_pairs=True), dict(M=3, silu_pairs=True)]   # the epilogue
-    variants += [dict(M=1, f16_acc=True, pdl=True, early_loads=True)]
     variants += [dict(M=1, cols=DEFAULTS["small_cols"])]             # what M = 1 runs on small weights
     variants += [dict(M=1, grouped=True), dict(M=1, f16_acc=True, pdl=True, grouped=True, silu_pairs=True)]   # MoE
     variants += [dict(M=1, grouped=True, cols=GROUPED_K4_F32_ONE_WARP["cols"], pdl=True)]

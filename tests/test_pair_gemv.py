@@ -162,13 +162,12 @@ def test_pair_gemv_vector_input_out_buffer_and_prepare():
     check_close(step.run().copy_to_host(), A.copy_to_host(), qw, out_dtype=np.float16)
 
 
-@pytest.mark.parametrize("f16_acc, early_loads", [(False, False), (True, False), (True, True)])
-def test_pair_gemv_pdl_chain_waits_for_the_previous_layer(f16_acc, early_loads):
+@pytest.mark.parametrize("f16_acc", [False, True])
+def test_pair_gemv_pdl_chain_waits_for_the_previous_layer(f16_acc):
     """Programmatic dependent launch: a chain of layers, each reading the previous one's output as its
     activations, launched back to back on one stream. Each layer starts before the previous one ends and must
     wait (griddep_wait) before reading it; a layer that read early would see the last run's values, so the
-    chain runs twice with different inputs and the second run's every layer is checked against its input.
-    ``early_loads``: each layer's first weight loads go out before its wait (the weights are not written)."""
+    chain runs twice with different inputs and the second run's every layer is checked against its input."""
     rng = np.random.default_rng(5)
     D, LAYERS = (64, 3) if SIM else (2048, 6)
     qws = [ref.quantize((rng.standard_normal((D, D)) / np.sqrt(D)).astype(np.float32), k=4) for _ in range(LAYERS)]
@@ -177,7 +176,7 @@ def test_pair_gemv_pdl_chain_waits_for_the_previous_layer(f16_acc, early_loads):
     steps = []
     for qw in qws:
         steps.append(pair_gemv.prepare(outs[-1], pair_gemv.to_codes(qw, stream), stream=stream, f16_acc=f16_acc,
-                                       pdl=True, early_loads=early_loads))
+                                       pdl=True))
         outs.append(steps[-1].out)
     for run in range(2):
         outs[0].copy_to_device(rng.standard_normal((1, D)).astype(np.float16), stream=stream)
@@ -203,8 +202,6 @@ def test_pair_gemv_refuses():
         pair_gemv.to_codes(ref.quantize(random_weight(rng, 4, 64), k=3))
     with pytest.raises(ValueError, match="cols must be one of"):
         pair_gemv.plan(np.zeros((1, 64), np.float16), qw, cols=3)
-    with pytest.raises(ValueError, match="early_loads .* needs pdl=True"):
-        pair_gemv.plan(np.zeros((1, 64), np.float16), qw, early_loads=True)
     with pytest.raises(ValueError, match="f16_acc needs float16 activations"):
         pair_gemv.plan(np.zeros((1, 64), np.float32), qw, f16_acc=True)
     with pytest.raises(ValueError, match="silu_pairs needs an even cols"):
