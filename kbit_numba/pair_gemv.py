@@ -79,6 +79,7 @@ MAX_SLICES = 16                   # a slice's named barrier is one of the CTA's 
 PART = CODEBOOK + 16              # float offset of the cross-warp partial sums
 BATCH = 3                         # column groups whose partials are summed after one barrier (the loop's unroll)
 COL_CHOICES = (1, 2, 4, 8)        # columns per warp per iteration a kernel can be built for
+PAIR_FULL_BATCHES_K = (2,)        # batch = 3 at these k: whole batches in a branch-free loop body (make_pair_gemv_kernel)
 # The defaults table, from the H100 sweep (benchmarks/runs/2026-11-23_h100_pair_gemv_sweep.txt):
 # cols: columns per warp per iteration (cols * 16 bytes in flight per lane), but small_cols at M = 1 on
 # weights under small_weight elements (9-12% faster there; see default_cols); cta_warps: warps per CTA
@@ -311,38 +312,45 @@ def make_pair_gemv_kernel(spec):
                     out[u32(row * u32(N) + n)] = np.float16(total) if f16_out else total
 
     @inlined
+    def finish_batch(smem, flip, slot, r, g, grid, sl, kw, slice_tid, group_cols, out, N):
+        """The end of a batch of r + 1 column groups (the last one g) whose partials are in the buffer half ``flip``:
+        the slice meets at its barrier and one thread per (group, column, row) sums its KW partials and writes the
+        output; returns the half the next batch writes."""
+        bar_sync(sl, u32(kw * u32(WARP)))
+        i = slice_tid
+        while i < u32(u32(r + 1) * u32(CM)):       # thread i: group i // CM of the batch, (column, row)
+            rr = u32(i // u32(CM))
+            v = u32(i - rr * u32(CM))
+            col = u32(v // u32(M))
+            row = u32(v - col * u32(M))
+            n = u32(u32(u32(g - u32(u32(r) - rr) * grid) * group_cols) + sl * u32(NCOL) + col)
+            p = u32(u32(PART) + flip + rr * slot + sl * kw * u32(V) + v)
+            if SILU_PAIRS:
+                silu_pair_out(smem, p, kw, out, row, n, N)
+            else:
+                p_end = u32(p + kw * u32(V))
+                total = np.float32(0.0)
+                while p < p_end:
+                    total += smem[p]
+                    p = u32(p + u32(V))
+                if n < u32(N):
+                    out[u32(row * u32(N) + n)] = np.float16(total) if f16_out else total
+            i = u32(i + kw * u32(WARP))
+        return u32(u32(BATCH) * slot - flip)
+
+    @inlined
     def end_group(smem, acc, lane, part, flip, slot, r, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N):
         """``batch = 3``: :func:`reduce_columns` with one barrier per three groups. The warp's partials go to
         slot r (of 3) of the buffer half ``flip``; after a batch's last group (or the CTA's) the slice meets at
-        its barrier and one thread per (group, column, row) of the batch sums; returns the half the next batch
-        writes. 0.5-11% faster than a barrier a group at M = 1 with float16 sums, up to 11% slower at M = 4
-        (benchmarks/README.md, "three column groups a barrier"). Its sum is written out again rather than
-        shared with reduce_columns: a shared helper changed batch 1's PTX and cost it up to 10% at M = 4."""
+        its barrier and one thread per (group, column, row) of the batch sums (:func:`finish_batch`); returns the
+        half the next batch writes. 0.5-11% faster than a barrier a group at M = 1 with float16 sums, up to 11%
+        slower at M = 4 (benchmarks/README.md, "three column groups a barrier"). Its sum is written out again rather
+        than shared with reduce_columns: a shared helper changed batch 1's PTX and cost it up to 10% at M = 4."""
         rs, v_idx, owner = reduce_scatter(acc, lane)
         if owner:
             smem[u32(part + flip + u32(r) * slot + u32(v_idx))] = rs
         if r == BATCH - 1 or u32(g + grid) >= n_groups:
-            bar_sync(sl, u32(kw * u32(WARP)))
-            i = slice_tid
-            while i < u32(u32(r + 1) * u32(CM)):       # thread i: group i // CM of the batch, (column, row)
-                rr = u32(i // u32(CM))
-                v = u32(i - rr * u32(CM))
-                col = u32(v // u32(M))
-                row = u32(v - col * u32(M))
-                n = u32(u32(u32(g - u32(u32(r) - rr) * grid) * group_cols) + sl * u32(NCOL) + col)
-                p = u32(u32(PART) + flip + rr * slot + sl * kw * u32(V) + v)
-                if SILU_PAIRS:
-                    silu_pair_out(smem, p, kw, out, row, n, N)
-                else:
-                    p_end = u32(p + kw * u32(V))
-                    total = np.float32(0.0)
-                    while p < p_end:
-                        total += smem[p]
-                        p = u32(p + u32(V))
-                    if n < u32(N):
-                        out[u32(row * u32(N) + n)] = np.float16(total) if f16_out else total
-                i = u32(i + kw * u32(WARP))
-            return u32(u32(BATCH) * slot - flip)
+            return finish_batch(smem, flip, slot, r, g, grid, sl, kw, slice_tid, group_cols, out, N)
         return flip
 
     @inlined
@@ -352,6 +360,14 @@ def make_pair_gemv_kernel(spec):
         return u32(slot - flip)
 
     end = end_group if BATCH_ > 1 else end_each        # how a column group ends (chosen here, not in the kernel)
+    # With batch = 3 the loop below ends each group with a branch (is it the CTA's last?), so ptxas schedules every
+    # group's reduction chain (five shuffles, each waiting on the last) at the end of its own basic block, where
+    # nothing overlaps it (benchmarks/README.md, "Fifty-ninth session": 13% of the gate/up gemv's stall samples). While
+    # three more groups remain, FULL_BATCHES runs a batch with no branch inside and stores its partials only after its
+    # last decode; ptxas then puts the three decodes first and the three chains together after them. At k = 2, whose
+    # loop is bound by its instructions, that made the llama3-8b B = 1 step 44 us faster (the gate/up gemv 9%); at
+    # k = 4, where it also issues some of the next groups' loads later, 14 us slower (H200), so k = 4 keeps the old loop.
+    FULL_BATCHES = BATCH_ > 1 and k in PAIR_FULL_BATCHES_K
 
     @inlined
     def fill_tables(smem, cb, tid):
@@ -453,7 +469,27 @@ def make_pair_gemv_kernel(spec):
         #         the barrier), so two iterations ahead is what keeps a whole decode between a load
         #         and its use. With batch = 3 the three groups of a pass share one barrier.
         ahead = u32(u32(2) * grid * group_cols)
-        while g < n_groups:
+        if FULL_BATCHES:            # whole batches first: three groups with no branch between them (see FULL_BATCHES)
+            full_end = u32(n_groups - u32(2) * grid) if n_groups > u32(2) * grid else u32(0)
+            while g < full_end:     # (g, g + grid and g + 2 grid are all < n_groups)
+                load_columns(packed, absmax, u32(g * group_cols + ahead + col0), kb_at, last4, nkb, codes_c, absmax_c)
+                decode_columns(smem, table, lane_off, codes_a, absmax_a, a, ah, acc)
+                rs0, v_idx, owner = reduce_scatter(acc, lane)
+                g = u32(g + grid)
+                load_columns(packed, absmax, u32(g * group_cols + ahead + col0), kb_at, last4, nkb, codes_a, absmax_a)
+                decode_columns(smem, table, lane_off, codes_b, absmax_b, a, ah, acc)
+                rs1, v_idx, owner = reduce_scatter(acc, lane)
+                g = u32(g + grid)
+                load_columns(packed, absmax, u32(g * group_cols + ahead + col0), kb_at, last4, nkb, codes_b, absmax_b)
+                decode_columns(smem, table, lane_off, codes_c, absmax_c, a, ah, acc)
+                rs2, v_idx, owner = reduce_scatter(acc, lane)
+                if owner:           # the three groups' partials, stored after the last decode (see FULL_BATCHES)
+                    smem[u32(part + flip + u32(v_idx))] = rs0
+                    smem[u32(part + flip + FLIP + u32(v_idx))] = rs1
+                    smem[u32(part + flip + u32(2) * FLIP + u32(v_idx))] = rs2
+                flip = finish_batch(smem, flip, FLIP, 2, g, grid, sl, kw, slice_tid, group_cols, out, N)
+                g = u32(g + grid)
+        while g < n_groups:         # (the last, partial batch; every batch when FULL_BATCHES is off)
             load_columns(packed, absmax, u32(g * group_cols + ahead + col0), kb_at, last4, nkb, codes_c, absmax_c)
             decode_columns(smem, table, lane_off, codes_a, absmax_a, a, ah, acc)
             flip = end(smem, acc, lane, part, flip, FLIP, 0, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N)
