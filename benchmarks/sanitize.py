@@ -9,6 +9,7 @@ several batches of strips a CTA, on both layouts, as a PDL chain, and split-K, w
 ``grouped`` includes fragment-layout experts and split-K;
 ``grouped_pair``: the grouped pair gemv (a token row a grid slot) at each of its default knob sets;
 ``attention``: ``bench_model``'s ``decode_attention`` (the decode step's attention stand-in);
+``batches``: only ``pair``'s launches of many column groups a CTA (its batches of three);
 ``norm``: ``bench_model``'s ``add_rmsnorm`` at each of its thread counts (``norm_threads``: 256..512), and its
 prefetch build (CTAs past the rows asking the L2 for a cache's lines).
 """
@@ -78,12 +79,20 @@ if "pair" in families:     # N = 37 (a partial column group), K = 1056 (two K-wa
                     for f16_acc in ((False, True) if fmt == "e4m4" else (False,)):
                         pair_gemv.plan(rng.standard_normal((M, 1056)).astype(np.float16), kc, cols=cols,
                                        f16_acc=f16_acc).launch().copy_to_host()
+if "pair" in families or "batches" in families:
     # M = 1 with f16_acc sums once per three column groups (PairGemvSpec.batch): one slice a CTA (cta_warps = KW)
-    # and 7 to 28 groups a CTA, the last one partial
-    kc = pair_gemv.to_codes(kb.quantize(rng.standard_normal((28 * sm_count() - 3, 1056)).astype(np.float16), k=4))
-    for cols in (1, 4):
-        pair_gemv.plan(rng.standard_normal((1, 1056)).astype(np.float16), kc, cols=cols, f16_acc=True,
-                       cta_warps=2).launch().copy_to_host()
+    # and 2 to 28 groups a CTA, the last one partial (at k = 2 whole batches run their own loop: PAIR_FULL_BATCHES_K),
+    # also as the SiLU build's PDL launch
+    from kbit_numba import pair_gemv
+    for k in pair_gemv.CODES_K:
+        kc = pair_gemv.to_codes(kb.quantize(rng.standard_normal((28 * sm_count() - 3, 1056)).astype(np.float16), k=k))
+        for cols in (1, 4):
+            pair_gemv.plan(rng.standard_normal((1, 1056)).astype(np.float16), kc, cols=cols, f16_acc=True,
+                           cta_warps=2).launch().copy_to_host()
+    ks = pair_gemv.to_codes(kb.quantize(rng.standard_normal((2 * (28 * sm_count() - 3), 1056)).astype(np.float16), k=2))
+    pair_gemv.plan(rng.standard_normal((1, 1056)).astype(np.float16), ks, cols=2, cta_warps=2, f16_acc=True, pdl=True,
+                   silu_pairs=True).launch().copy_to_host()
+if "pair" in families:
     # the PDL builds (at k = 4 the tables' barrier comes before griddep_wait, and none after the activation loads)
     for f16_acc in (False, True):
         pair_gemv.plan(rng.standard_normal((1, 1056)).astype(np.float16), kc, f16_acc=f16_acc,
