@@ -216,7 +216,9 @@ def test_pair_gemv_refuses():
 def test_pair_gemv_batches_of_groups(monkeypatch, k, cols, N, ctas):
     """At M = 1 with float16 sums a slice sums its partials once per batch of three column groups
     (``PairGemvSpec.batch``). One slice of one K-warp walks seven groups: one CTA in batches of 3, 3, 1 (the last
-    group partial), or two CTAs in 3 + 1 and 3. On the simulator it fails when a batch sums only its last group."""
+    group partial), or two CTAs in 3 + 1 and 3 (at k = 2 each CTA's first batch runs the branch-free loop of whole
+    batches, ``pair_gemv.PAIR_FULL_BATCHES_K``, and the rest the loop that may stop after any group). On the
+    simulator it fails when a batch sums only its last group."""
     monkeypatch.setattr(pair_gemv, "persistent_grid", lambda work, *args: min(work, ctas))
     rng = np.random.default_rng(30 + k)
     qw = ref.quantize(random_weight(rng, N, 128), k=k)
