@@ -212,13 +212,14 @@ def test_pair_gemv_refuses():
         KbitCodes(np.zeros(10, np.uint32), np.zeros(2, np.uint8), np.zeros(32, np.float32), 5, (2, 32))
 
 
-@pytest.mark.parametrize("k, cols, N, ctas", [(4, 8, 55, 1), (2, 1, 7, 2)])
+@pytest.mark.parametrize("k, cols, N, ctas", [(4, 8, 55, 1), (2, 1, 7, 2), (2, 1, 7, 1)])
 def test_pair_gemv_batches_of_groups(monkeypatch, k, cols, N, ctas):
     """At M = 1 with float16 sums a slice sums its partials once per batch of three column groups
     (``PairGemvSpec.batch``). One slice of one K-warp walks seven groups: one CTA in batches of 3, 3, 1 (the last
-    group partial), or two CTAs in 3 + 1 and 3 (at k = 2 each CTA's first batch runs the branch-free loop of whole
-    batches, ``pair_gemv.PAIR_FULL_BATCHES_K``, and the rest the loop that may stop after any group). On the
-    simulator it fails when a batch sums only its last group."""
+    group partial), or two CTAs in 3 + 1 and 3. At k = 2 whole batches run a loop of their own with no branch inside
+    (``pair_gemv.PAIR_FULL_BATCHES_K``) and the last, partial one the loop that may stop after any group: one CTA runs
+    two whole batches and then one group, two CTAs one whole batch each and then one group. On the simulator it fails
+    when a batch sums only its last group."""
     monkeypatch.setattr(pair_gemv, "persistent_grid", lambda work, *args: min(work, ctas))
     rng = np.random.default_rng(30 + k)
     qw = ref.quantize(random_weight(rng, N, 128), k=k)
