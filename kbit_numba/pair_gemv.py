@@ -79,7 +79,7 @@ MAX_SLICES = 16                   # a slice's named barrier is one of the CTA's 
 PART = CODEBOOK + 16              # float offset of the cross-warp partial sums
 BATCH = 3                         # column groups whose partials are summed after one barrier (the loop's unroll)
 COL_CHOICES = (1, 2, 4, 8)        # columns per warp per iteration a kernel can be built for
-PAIR_FULL_BATCHES_K = (2,)        # batch = 3 at these k: whole batches in a branch-free loop body (make_pair_gemv_kernel)
+PAIR_FULL_BATCHES_K = (2,)        # batch = 3 at these k: whole batches in a loop body with no branch (FULL_BATCHES)
 # The defaults table, from the H100 sweep (benchmarks/runs/2026-11-23_h100_pair_gemv_sweep.txt):
 # cols: columns per warp per iteration (cols * 16 bytes in flight per lane), but small_cols at M = 1 on
 # weights under small_weight elements (9-12% faster there; see default_cols); cta_warps: warps per CTA
@@ -366,7 +366,7 @@ def make_pair_gemv_kernel(spec):
     # three more groups remain, FULL_BATCHES runs a batch with no branch inside and stores its partials only after its
     # last decode; ptxas then puts the three decodes first and the three chains together after them. At k = 2, whose
     # loop is bound by its instructions, that made the llama3-8b B = 1 step 44 us faster (the gate/up gemv 9%); at
-    # k = 4, where it also issues some of the next groups' loads later, 14 us slower (H200), so k = 4 keeps the old loop.
+    # k = 4, where it also issues some of the next groups' loads later, 14 us slower (H200): k = 4 keeps the old loop.
     FULL_BATCHES = BATCH_ > 1 and k in PAIR_FULL_BATCHES_K
 
     @inlined
