@@ -57,7 +57,7 @@ Tests: ``tests/test_pair_gemv.py``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import numpy as np
@@ -79,7 +79,7 @@ MAX_SLICES = 16                   # a slice's named barrier is one of the CTA's 
 PART = CODEBOOK + 16              # float offset of the cross-warp partial sums
 BATCH = 3                         # column groups whose partials are summed after one barrier (the loop's unroll)
 COL_CHOICES = (1, 2, 4, 8)        # columns per warp per iteration a kernel can be built for
-PAIR_FULL_BATCHES_K = (2,)        # batch = 3 at these k: whole batches in a loop body with no branch (FULL_BATCHES)
+PAIR_FULL_BATCHES_K = (2,)        # plan builds batch = 3 launches at these k with full_batches where a CTA runs one
 # The defaults table, from the H100 sweep (benchmarks/runs/2026-11-23_h100_pair_gemv_sweep.txt):
 # cols: columns per warp per iteration (cols * 16 bytes in flight per lane), but small_cols at M = 1 on
 # weights under small_weight elements (9-12% faster there; see default_cols); cta_warps: warps per CTA
@@ -114,6 +114,7 @@ class PairGemvSpec(Spec):
     silu_pairs: bool = False                # the epilogue silu(C[:, 2j]) * C[:, 2j + 1] into an [M, N / 2] output
     grouped: bool = False                   # MoE experts: blockIdx.y is a token row, M = 1 (see the module docstring)
     fragments: bool = False                 # the weight in the fragment layout (KbitFragments), not the code layout
+    full_batches: bool = False              # batch = 3: whole batches run a loop with no branch inside (FULL_BATCHES)
 
     def normalise(self):
         if self.k not in CODES_K or not 1 <= self.M <= MAX_M:
@@ -132,11 +133,14 @@ class PairGemvSpec(Spec):
         batch = (BATCH if self.f16_acc and self.M == 1 else 1) if self.batch is None else self.batch
         if batch not in (1, BATCH):              # the loop body holds BATCH groups: a batch ends with it or each group
             raise ValueError(f"pair gemv sums the partials of 1 or {BATCH} column groups at a time, got {batch}")
+        if self.full_batches and batch != BATCH:
+            raise ValueError(f"full_batches runs whole batches of {BATCH} column groups, got batch={batch}")
         return dict(k=int(self.k), M=int(self.M), cols=int(self.cols), a_type=a_type,
                     out_dtype=type_name(self.out_dtype, "out_dtype", OUT_TYPES), f16_acc=bool(self.f16_acc),
                     pdl=bool(self.pdl), batch=int(batch),
                     max_registers=int(self.max_registers) if self.max_registers else None,
-                    silu_pairs=bool(self.silu_pairs), grouped=bool(self.grouped), fragments=bool(self.fragments))
+                    silu_pairs=bool(self.silu_pairs), grouped=bool(self.grouped), fragments=bool(self.fragments),
+                    full_batches=bool(self.full_batches))
 
 
 
@@ -366,8 +370,9 @@ def make_pair_gemv_kernel(spec):
     # three more groups remain, FULL_BATCHES runs a batch with no branch inside and stores its partials only after its
     # last decode; ptxas then puts the three decodes first and the three chains together after them. At k = 2, whose
     # loop is bound by its instructions, that made the llama3-8b B = 1 step 44 us faster (the gate/up gemv 9%); at
-    # k = 4, where it also issues some of the next groups' loads later, 14 us slower (H200): k = 4 keeps the old loop.
-    FULL_BATCHES = BATCH_ > 1 and k in PAIR_FULL_BATCHES_K
+    # k = 4, where it also issues some of the next groups' loads later, 14 us slower (H200). Where no CTA runs a whole
+    # batch the loop only costs (more registers): plan builds it only at PAIR_FULL_BATCHES_K and where one does.
+    FULL_BATCHES = spec.full_batches
 
     @inlined
     def fill_tables(smem, cb, tid):
@@ -600,7 +605,11 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc
     the module docstring; a KbitWeight is re-packed with :func:`to_codes`, a copy per call: keep the KbitCodes for
     repeated use). f16_acc: see :func:`make_pair_gemv_kernel` (float16 A only). pdl: a programmatic dependent launch (sm_90; the
     weights must not be written by the kernel just before it in the stream). ``cols`` (default :func:`default_cols`) and
-    ``cta_warps`` (warps per CTA aimed at) override the ``DEFAULTS`` table (``benchmarks/sweep_pair_gemv.py``)."""
+    ``cta_warps`` (warps per CTA aimed at) override the ``DEFAULTS`` table (``benchmarks/sweep_pair_gemv.py``).
+    Batches of three groups (M = 1, float16 sums) at a k of ``PAIR_FULL_BATCHES_K`` get the ``full_batches`` build
+    where a CTA runs a whole batch (more groups than twice the grid; :func:`plan_grouped` never builds it):
+    qwen3-30b-a3b's k = 2 step, whose dense launches run none, was 10 us slower with it in those and 21 us in its
+    grouped ones (benchmarks/README.md, "Sixtieth session")."""
     stream = _arrays.as_stream(stream)
     kc = (device_weight(kc, KbitFragments, stream) if isinstance(kc, KbitFragments)
           else to_codes(kc, stream))                       # checked device arrays (re-packed if a KbitWeight)
@@ -629,6 +638,10 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc
     n_groups = -(-N // (slices * spec.cols))
     shared = TABLE_BYTES + part_bytes(M, spec.cols, slices, kw, spec.batch)
     grid = persistent_grid(n_groups, slices * kw * WARP, regs, shared)
+    if spec.batch == BATCH and spec.k in PAIR_FULL_BATCHES_K and n_groups > 2 * grid:     # a CTA runs a whole batch
+        spec, kern, regs, _ = fit_threads(make_pair_gemv_kernel, replace(spec, full_batches=True), args,
+                                          slices * kw * WARP)
+        grid = persistent_grid(n_groups, slices * kw * WARP, regs, shared)
     return Plan([Step(kern, grid, slices * kw * WARP, args, shared, pdl)], Ad, out, stream)
 
 
@@ -713,6 +726,7 @@ def prepare(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_
 
 def ptx_specs():
     """Every (k, M) at the default cols (and f16_acc at M = 1, 4; pdl at M = 1; the silu_pairs epilogue at M = 1, 3),
+    M = 1 with f16_acc and ``full_batches`` (plain, and PDL with silu_pairs) at the k of ``PAIR_FULL_BATCHES_K``,
     M = 1 at ``small_cols``, grouped (plain, f16_acc + pdl + silu_pairs, and 8 columns + pdl), on the fragment layout
     (M = 1, M = 2 with f16_acc, grouped with pdl), and each other value of
     cols, absmax format, A type and output type with every k."""
@@ -727,7 +741,10 @@ def ptx_specs():
     variants += [dict(M=2, cols=c) for c in COL_CHOICES if c != DEFAULTS["cols"]]
     variants += [dict(absmax_format="fp32", M=3), dict(a_type="float32", M=2), dict(a_type="bfloat16", M=1),
                  dict(out_dtype="float32", M=1)]
-    return [PairGemvSpec(k=k, **v) for k in CODES_K for v in variants]
+    whole = [dict(M=1, f16_acc=True, full_batches=True),                  # where plan builds whole batches
+             dict(M=1, f16_acc=True, pdl=True, silu_pairs=True, full_batches=True)]
+    return ([PairGemvSpec(k=k, **v) for k in CODES_K for v in variants]
+            + [PairGemvSpec(k=k, **v) for k in PAIR_FULL_BATCHES_K for v in whole])
 
 
 def argtypes(spec):

@@ -37,6 +37,7 @@ def test_specs_normalise_so_equal_choices_are_one_key():
     (lambda: pair_gemv.PairGemvSpec(3, 1), "k in"),
     (lambda: pair_gemv.PairGemvSpec(4, 1, a_type="float32", f16_acc=True), "f16_acc needs float16"),
     (lambda: pair_gemv.PairGemvSpec(4, 2, grouped=True), "one row a slot"),
+    (lambda: pair_gemv.PairGemvSpec(2, 1, full_batches=True), "full_batches runs whole batches"),
 ])
 def test_specs_refuse_bad_choices(make, match):
     with pytest.raises(ValueError, match=match):
