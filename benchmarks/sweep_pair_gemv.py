@@ -3,7 +3,8 @@ fp16 in the same run); the timing is ``kbit_numba.bench.codes_tune_rows``, the o
 
     python benchmarks/sweep_pair_gemv.py [K x N list, or model names] [k] [M list] [f16|fp32|f16+pdl|fp32+pdl][+silu] [knob sets]
 
-Knobs: cols (columns per warp per iteration) and cta_warps (warps per CTA aimed at). Prints one row per point and
+Knobs: cols (columns per warp per iteration), cta_warps (warps per CTA aimed at) and max_registers (a per-thread
+register cap; e.g. ``"cols=4,cta_warps=8,max_registers=80"``). Prints one row per point and
 knob set; the default plan is the first of each shape/M. ``f16``: block sums in float16 (``f16_acc=True``); ``+pdl``:
 timed as a chain of programmatic dependent launches; ``+silu``: the SiLU epilogue's build (give N as the interleaved
 gate/up width, e.g. 4096x28672). Knob sets (default: ``KNOBS``): e.g.

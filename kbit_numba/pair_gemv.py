@@ -600,7 +600,7 @@ def whole_rounds(slices, most, N, spec, kw, regs):
 
 
 def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc=False, cols=None, cta_warps=None,
-         pdl=False, silu_pairs=False):
+         pdl=False, silu_pairs=False, max_registers=None):
     """Checked inputs bound into a :class:`launch.Plan` (one launch). ``kc``: KbitCodes or KbitFragments (slower:
     the module docstring; a KbitWeight is re-packed with :func:`to_codes`, a copy per call: keep the KbitCodes for
     repeated use). f16_acc: see :func:`make_pair_gemv_kernel` (float16 A only). pdl: a programmatic dependent launch (sm_90; the
@@ -609,7 +609,9 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc
     Batches of three groups (M = 1, float16 sums) at a k of ``PAIR_FULL_BATCHES_K`` get the ``full_batches`` build
     where a CTA runs a whole batch (more groups than twice the grid; :func:`plan_grouped` never builds it):
     qwen3-30b-a3b's k = 2 step, whose dense launches run none, was 10 us slower with it in those and 21 us in its
-    grouped ones (benchmarks/README.md, "Sixtieth session")."""
+    grouped ones (benchmarks/README.md, "Sixtieth session"). ``max_registers``: a per-thread register cap, so that more
+    warps fit an SM (an experiment's knob for ``sweep_pair_gemv.py``: at k = 4 every cap measured was slower, even
+    without spills, fifty-fourth session), or None."""
     stream = _arrays.as_stream(stream)
     kc = (device_weight(kc, KbitFragments, stream) if isinstance(kc, KbitFragments)
           else to_codes(kc, stream))                       # checked device arrays (re-packed if a KbitWeight)
@@ -625,8 +627,8 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc
     args = (_arrays.flat_view(Ad, np.uint32), kc.packed, kc.absmax, kc.codebook, _arrays.flat_view(out),
             i32(N), i32(n_kb), unused_i32())
     cols = default_cols(M, N, K) if cols is None else cols
-    spec = PairGemvSpec(kc.k, M, cols, kc.absmax_format, a_src, out.dtype, f16_acc, pdl, silu_pairs=silu_pairs,
-                        fragments=isinstance(kc, KbitFragments))
+    spec = PairGemvSpec(kc.k, M, cols, kc.absmax_format, a_src, out.dtype, f16_acc, pdl, max_registers=max_registers,
+                        silu_pairs=silu_pairs, fragments=isinstance(kc, KbitFragments))
     spec, kern, regs, max_threads = fit_threads(make_pair_gemv_kernel, spec, args, kw * WARP)
     if kw * WARP > max_threads:
         raise ValueError(f"pair gemv with M={M}, cols={spec.cols} fits {max_threads} threads per CTA: K <= "

@@ -233,6 +233,21 @@ def test_pair_gemv_batches_of_groups(monkeypatch, k, cols, N, ctas, whole):
     check_close_f16_acc(p.launch().copy_to_host(), A, qw, np.float32)
 
 
+@pytest.mark.parametrize("cap", [None, 64])
+def test_pair_gemv_register_cap(monkeypatch, cap):
+    """``plan(max_registers=)`` (an experiment's knob for the knob sweep) builds the capped kernel, and its results
+    are the uncapped one's: seven column groups for four CTAs, k = 2, float16 sums."""
+    monkeypatch.setattr(pair_gemv, "persistent_grid", lambda work, *args: min(work, 4))
+    rng = np.random.default_rng(61)
+    qw = ref.quantize(random_weight(rng, 7, 128), k=2)
+    A = _activations(rng, 1, 128, "float16")
+    p = pair_gemv.plan(A, pair_gemv.to_codes(qw), out_dtype=np.float32, cols=1, cta_warps=1, f16_acc=True,
+                       max_registers=cap)
+    spec = pair_gemv.PairGemvSpec(2, 1, 1, out_dtype="float32", f16_acc=True, max_registers=cap)
+    assert p.steps[0].kernel is pair_gemv.make_pair_gemv_kernel(spec)
+    check_close_f16_acc(p.launch().copy_to_host(), A, qw, np.float32)
+
+
 @pytest.mark.parametrize("k, cols, slices, M, f16_acc", [(4, 2, 2, 1, True), (2, 8, 2, 2, False), (2, 4, 3, 2, True),
                                                           (4, 2, 4, 3, False)])
 def test_pair_gemv_tuned_knobs(k, cols, slices, M, f16_acc):
