@@ -212,39 +212,28 @@ def test_pair_gemv_refuses():
         KbitCodes(np.zeros(10, np.uint32), np.zeros(2, np.uint8), np.zeros(32, np.float32), 5, (2, 32))
 
 
-@pytest.mark.parametrize("k, cols, N, ctas, whole", [(4, 8, 55, 1, False), (2, 1, 7, 2, True), (2, 1, 7, 1, True),
-                                                   (2, 1, 7, 4, False)])
-def test_pair_gemv_batches_of_groups(monkeypatch, k, cols, N, ctas, whole):
+@pytest.mark.parametrize("k, cols, N, ctas, whole, cap", [(4, 8, 55, 1, False, None), (2, 1, 7, 2, True, None),
+                                                        (2, 1, 7, 1, True, None), (2, 1, 7, 4, False, None),
+                                                        (2, 1, 7, 4, False, 64)])
+def test_pair_gemv_batches_of_groups(monkeypatch, k, cols, N, ctas, whole, cap):
     """At M = 1 with float16 sums a slice sums its partials once per batch of three column groups
     (``PairGemvSpec.batch``). One slice of one K-warp walks seven groups: one CTA in batches of 3, 3, 1 (the last
     group partial), two CTAs in 3 + 1 and 3, four CTAs in 2, 2, 2, 1. At k = 2, where a CTA runs a whole batch, plan
     builds ``full_batches`` (``pair_gemv.PAIR_FULL_BATCHES_K``): whole batches run a loop of their own with no branch
     inside and the last, partial one the loop that may stop after any group: one CTA runs two whole batches and then
     one group, two CTAs one whole batch each and then one group; four CTAs run none, so the build is the plain one.
-    On the simulator it fails when a batch sums only its last group."""
+    ``cap``: plan's ``max_registers`` (an experiment's knob for the knob sweep) builds the capped kernel, with the
+    same results. On the simulator it fails when a batch sums only its last group."""
     monkeypatch.setattr(pair_gemv, "persistent_grid", lambda work, *args: min(work, ctas))
     rng = np.random.default_rng(30 + k)
     qw = ref.quantize(random_weight(rng, N, 128), k=k)
     A = _activations(rng, 1, 128, "float16")
-    p = pair_gemv.plan(A, pair_gemv.to_codes(qw), out_dtype=np.float32, cols=cols, cta_warps=1, f16_acc=True)
-    spec = pair_gemv.PairGemvSpec(k, 1, cols, out_dtype="float32", f16_acc=True, full_batches=whole)
+    p = pair_gemv.plan(A, pair_gemv.to_codes(qw), out_dtype=np.float32, cols=cols, cta_warps=1, f16_acc=True,
+                       max_registers=cap)
+    spec = pair_gemv.PairGemvSpec(k, 1, cols, out_dtype="float32", f16_acc=True, full_batches=whole,
+                                  max_registers=cap)
     assert spec.batch == pair_gemv.BATCH and p.steps[0].kernel is pair_gemv.make_pair_gemv_kernel(spec)
     assert p.steps[0].grid == ctas and p.steps[0].block == 32 and -(-N // cols) == 7
-    check_close_f16_acc(p.launch().copy_to_host(), A, qw, np.float32)
-
-
-@pytest.mark.parametrize("cap", [None, 64])
-def test_pair_gemv_register_cap(monkeypatch, cap):
-    """``plan(max_registers=)`` (an experiment's knob for the knob sweep) builds the capped kernel, and its results
-    are the uncapped one's: seven column groups for four CTAs, k = 2, float16 sums."""
-    monkeypatch.setattr(pair_gemv, "persistent_grid", lambda work, *args: min(work, 4))
-    rng = np.random.default_rng(61)
-    qw = ref.quantize(random_weight(rng, 7, 128), k=2)
-    A = _activations(rng, 1, 128, "float16")
-    p = pair_gemv.plan(A, pair_gemv.to_codes(qw), out_dtype=np.float32, cols=1, cta_warps=1, f16_acc=True,
-                       max_registers=cap)
-    spec = pair_gemv.PairGemvSpec(2, 1, 1, out_dtype="float32", f16_acc=True, max_registers=cap)
-    assert p.steps[0].kernel is pair_gemv.make_pair_gemv_kernel(spec)
     check_close_f16_acc(p.launch().copy_to_host(), A, qw, np.float32)
 
 
