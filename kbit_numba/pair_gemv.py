@@ -610,8 +610,8 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc
     where a CTA runs a whole batch (more groups than twice the grid; :func:`plan_grouped` never builds it):
     qwen3-30b-a3b's k = 2 step, whose dense launches run none, was 10 us slower with it in those and 21 us in its
     grouped ones (benchmarks/README.md, "Sixtieth session"). ``max_registers``: a per-thread register cap, so that more
-    warps fit an SM (an experiment's knob for ``sweep_pair_gemv.py``: at k = 4 every cap measured was slower, even
-    without spills, fifty-fourth session), or None."""
+    warps fit an SM (an experiment's knob for ``sweep_pair_gemv.py``: every cap measured was slower, even without
+    spills, at k = 4 in the fifty-fourth session and at k = 2 in the sixty-first), or None."""
     stream = _arrays.as_stream(stream)
     kc = (device_weight(kc, KbitFragments, stream) if isinstance(kc, KbitFragments)
           else to_codes(kc, stream))                       # checked device arrays (re-packed if a KbitWeight)
