@@ -316,12 +316,12 @@ def make_pair_gemv_kernel(spec):
                     out[u32(row * u32(N) + n)] = np.float16(total) if f16_out else total
 
     @inlined
-    def finish_batch(smem, flip, slot, r, g, grid, sl, kw, slice_tid, group_cols, out, N):
+    def finish_batch(smem, flip, fw, slot, r, g, grid, sl, kw, slice_tid, group_cols, out, N):
         """The end of a batch of r + 1 column groups (the last one g) whose partials are in the buffer half ``flip``:
-        the slice meets at its barrier and one thread per (group, column, row) sums its KW partials and writes the
-        output; returns the half the next batch writes."""
+        the slice meets at its barrier and one thread per (group, column, row), a lane of the slice's warp ``fw``,
+        sums its KW partials and writes the output; returns the half the next batch writes."""
         bar_sync(sl, u32(kw * u32(WARP)))
-        i = slice_tid
+        i = u32(slice_tid - fw * u32(WARP))          # (wraps past every item in the warps below fw)
         while i < u32(u32(r + 1) * u32(CM)):       # thread i: group i // CM of the batch, (column, row)
             rr = u32(i // u32(CM))
             v = u32(i - rr * u32(CM))
@@ -354,7 +354,7 @@ def make_pair_gemv_kernel(spec):
         if owner:
             smem[u32(part + flip + u32(r) * slot + u32(v_idx))] = rs
         if r == BATCH - 1 or u32(g + grid) >= n_groups:
-            return finish_batch(smem, flip, slot, r, g, grid, sl, kw, slice_tid, group_cols, out, N)
+            return finish_batch(smem, flip, u32(0), slot, r, g, grid, sl, kw, slice_tid, group_cols, out, N)
         return flip
 
     @inlined
@@ -372,6 +372,12 @@ def make_pair_gemv_kernel(spec):
     # loop is bound by its instructions, that made the llama3-8b B = 1 step 44 us faster (the gate/up gemv 9%); at
     # k = 4, where it also issues some of the next groups' loads later, 14 us slower (H200). Where no CTA runs a whole
     # batch the loop only costs (more registers): plan builds it only at PAIR_FULL_BATCHES_K and where one does.
+    # Its batches' sums rotate through the slice's warps (fw): the warp that sums starts the next batch late and the
+    # slice's next barrier waits for it, so always warp 0 put that delay on every batch (the llama3-8b k = 2 B = 1 step
+    # 12.7 us faster, most of it the down gemv, a slice of 14 K-warps, -3.5%; benchmarks/README.md, "Sixty-second
+    # session"). The other builds keep warp 0
+    # (a CTA there runs one batch; with a rotating counter their builds took fewer registers, likely more CTAs an SM,
+    # and the k = 2 o gemv ran 46% slower).
     FULL_BATCHES = spec.full_batches
 
     @inlined
@@ -476,6 +482,7 @@ def make_pair_gemv_kernel(spec):
         ahead = u32(u32(2) * grid * group_cols)
         if FULL_BATCHES:            # whole batches first: three groups with no branch between them (see FULL_BATCHES)
             full_end = u32(n_groups - u32(2) * grid) if n_groups > u32(2) * grid else u32(0)
+            fw = u32(0)     # the slice's warp that sums the next whole batch (see FULL_BATCHES)
             while g < full_end:     # (g, g + grid and g + 2 grid are all < n_groups)
                 load_columns(packed, absmax, u32(g * group_cols + ahead + col0), kb_at, last4, nkb, codes_c, absmax_c)
                 decode_columns(smem, table, lane_off, codes_a, absmax_a, a, ah, acc)
@@ -492,7 +499,8 @@ def make_pair_gemv_kernel(spec):
                     smem[u32(part + flip + u32(v_idx))] = rs0
                     smem[u32(part + flip + FLIP + u32(v_idx))] = rs1
                     smem[u32(part + flip + u32(2) * FLIP + u32(v_idx))] = rs2
-                flip = finish_batch(smem, flip, FLIP, 2, g, grid, sl, kw, slice_tid, group_cols, out, N)
+                flip = finish_batch(smem, flip, fw, FLIP, 2, g, grid, sl, kw, slice_tid, group_cols, out, N)
+                fw = u32(fw + u32(1)) if fw + u32(1) < kw else u32(0)
                 g = u32(g + grid)
         while g < n_groups:         # (the last, partial batch; every batch when FULL_BATCHES is off)
             load_columns(packed, absmax, u32(g * group_cols + ahead + col0), kb_at, last4, nkb, codes_c, absmax_c)
