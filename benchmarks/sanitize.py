@@ -81,8 +81,9 @@ if "pair" in families:     # N = 37 (a partial column group), K = 1056 (two K-wa
                                        f16_acc=f16_acc).launch().copy_to_host()
 if "pair" in families or "batches" in families:
     # M = 1 with f16_acc sums once per three column groups (PairGemvSpec.batch): one slice a CTA (cta_warps = KW)
-    # and 2 to 28 groups a CTA, the last one partial (at k = 2 plan builds whole batches' own loop here, where CTAs run
-    # whole batches: PairGemvSpec.full_batches), also as the SiLU build's PDL launch
+    # and 2 to 28 groups a CTA, the last one partial (at the k of PAIR_FULL_BATCHES_K, 2 and 4, plan builds whole
+    # batches' own loop here, where CTAs run whole batches: PairGemvSpec.full_batches), also as k = 2's SiLU build's
+    # PDL launch
     from kbit_numba import pair_gemv
     for k in pair_gemv.CODES_K:
         kc = pair_gemv.to_codes(kb.quantize(rng.standard_normal((28 * sm_count() - 3, 1056)).astype(np.float16), k=k))

@@ -79,7 +79,7 @@ MAX_SLICES = 16                   # a slice's named barrier is one of the CTA's 
 PART = CODEBOOK + 16              # float offset of the cross-warp partial sums
 BATCH = 3                         # column groups whose partials are summed after one barrier (the loop's unroll)
 COL_CHOICES = (1, 2, 4, 8)        # columns per warp per iteration a kernel can be built for
-PAIR_FULL_BATCHES_K = (2,)        # plan builds batch = 3 launches at these k with full_batches where a CTA runs one
+PAIR_FULL_BATCHES_K = (2, 4)      # plan builds batch = 3 launches at these k with full_batches where a CTA runs one
 # The defaults table, from the H100 sweep (benchmarks/runs/2026-11-23_h100_pair_gemv_sweep.txt):
 # cols: columns per warp per iteration (cols * 16 bytes in flight per lane), but small_cols at M = 1 on
 # weights under small_weight elements (9-12% faster there; see default_cols); cta_warps: warps per CTA
@@ -370,12 +370,13 @@ def make_pair_gemv_kernel(spec):
     # three more groups remain, FULL_BATCHES runs a batch with no branch inside and stores its partials only after its
     # last decode; ptxas then puts the three decodes first and the three chains together after them. At k = 2, whose
     # loop is bound by its instructions, that made the llama3-8b B = 1 step 44 us faster (the gate/up gemv 9%); at
-    # k = 4, where it also issues some of the next groups' loads later, 14 us slower (H200). Where no CTA runs a whole
-    # batch the loop only costs (more registers): plan builds it only at PAIR_FULL_BATCHES_K and where one does.
-    # Its batches' sums rotate through the slice's warps (fw): the warp that sums starts the next batch late and the
-    # slice's next barrier waits for it, so always warp 0 put that delay on every batch (the llama3-8b k = 2 B = 1 step
-    # 12.7 us faster, most of it the down gemv, a slice of 14 K-warps, -3.5%; benchmarks/README.md, "Sixty-second
-    # session"). The other builds keep warp 0
+    # k = 4, where it also issues some of the next groups' loads later, 4-14 us slower at first (H200). Where no CTA
+    # runs a whole batch the loop only costs (more registers): plan builds it only at PAIR_FULL_BATCHES_K and where one
+    # does. Its batches' sums rotate through the slice's warps (fw): the warp that sums starts the next batch late and
+    # the slice's next barrier waits for it, so always warp 0 put that delay on every batch. With the rotation the
+    # llama3-8b B = 1 step got 12.7 us faster at k = 2 (most of it the down gemv, a slice of 14 K-warps, -3.5%), and the
+    # loop now pays at k = 4 too: 21.0 us against the k = 4 step without it (the gate/up gemv, slices of 4 K-warps,
+    # -4.4%; benchmarks/README.md, "Sixty-second session"). The other builds keep warp 0
     # (a CTA there runs one batch; with a rotating counter their builds took fewer registers, likely more CTAs an SM,
     # and the k = 2 o gemv ran 46% slower).
     FULL_BATCHES = spec.full_batches

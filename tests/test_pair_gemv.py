@@ -212,14 +212,14 @@ def test_pair_gemv_refuses():
         KbitCodes(np.zeros(10, np.uint32), np.zeros(2, np.uint8), np.zeros(32, np.float32), 5, (2, 32))
 
 
-@pytest.mark.parametrize("k, cols, N, ctas, whole, cap", [(4, 8, 55, 1, False, None), (2, 1, 7, 2, True, None),
-                                                        (2, 1, 7, 1, True, None), (2, 1, 7, 4, False, None),
-                                                        (2, 1, 7, 4, False, 64)])
+@pytest.mark.parametrize("k, cols, N, ctas, whole, cap", [(4, 8, 55, 1, True, None), (4, 8, 55, 4, False, None),
+                                                        (2, 1, 7, 2, True, None), (2, 1, 7, 1, True, None),
+                                                        (2, 1, 7, 4, False, None), (2, 1, 7, 4, False, 64)])
 def test_pair_gemv_batches_of_groups(monkeypatch, k, cols, N, ctas, whole, cap):
     """At M = 1 with float16 sums a slice sums its partials once per batch of three column groups
     (``PairGemvSpec.batch``). One slice of one K-warp walks seven groups: one CTA in batches of 3, 3, 1 (the last
-    group partial), two CTAs in 3 + 1 and 3, four CTAs in 2, 2, 2, 1. At k = 2, where a CTA runs a whole batch, plan
-    builds ``full_batches`` (``pair_gemv.PAIR_FULL_BATCHES_K``): whole batches run a loop of their own with no branch
+    group partial), two CTAs in 3 + 1 and 3, four CTAs in 2, 2, 2, 1. Where a CTA runs a whole batch (at the k of
+    ``pair_gemv.PAIR_FULL_BATCHES_K``, 2 and 4) plan builds ``full_batches``: whole batches run a loop of their own with no branch
     inside and the last, partial one the loop that may stop after any group: one CTA runs two whole batches and then
     one group, two CTAs one whole batch each and then one group; four CTAs run none, so the build is the plain one.
     ``cap``: plan's ``max_registers`` (an experiment's knob for the knob sweep) builds the capped kernel, with the
