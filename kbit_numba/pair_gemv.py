@@ -375,9 +375,8 @@ def make_pair_gemv_kernel(spec):
     # does. Its batches' sums rotate through the slice's warps (fw): the warp that sums starts the next batch late and
     # the slice's next barrier waits for it, so always warp 0 put that delay on every batch. With the rotation the
     # llama3-8b B = 1 step got 12.7 us faster at k = 2 (most of it the down gemv, a slice of 14 K-warps, -3.5%), and the
-    # loop now pays at k = 4 too: 21.0 us against the k = 4 step without it (the gate/up gemv -4.4%, whose build there
-    # also takes 64 registers instead of 67, so four 8-warp CTAs fit an SM instead of three: likely part of it;
-    # benchmarks/README.md, "Sixty-second session"). The other builds keep warp 0
+    # loop now pays at k = 4 too: 21.0 us against the k = 4 step without it (the gate/up gemv -4.4%, its residency
+    # unchanged; benchmarks/README.md, "Sixty-second session"). The other builds keep warp 0
     # (a CTA there runs one batch; with a rotating counter their builds took fewer registers, likely more CTAs an SM,
     # and the k = 2 o gemv ran 46% slower).
     FULL_BATCHES = spec.full_batches
