@@ -380,6 +380,8 @@ def make_pair_gemv_kernel(spec):
     # (a CTA there runs one batch; with a rotating counter their builds took fewer registers, likely more CTAs an SM,
     # and the k = 2 o gemv ran 46% slower).
     FULL_BATCHES = spec.full_batches
+    # (a batch's sums fit one warp, so the rotating warp fw finds every item: M = 1, cols <= 8)
+    assert not FULL_BATCHES or BATCH * CM <= WARP, "whole batches sum their partials in one warp"
 
     @inlined
     def fill_tables(smem, cb, tid):

@@ -219,9 +219,10 @@ def test_pair_gemv_batches_of_groups(monkeypatch, k, cols, N, ctas, whole, cap):
     """At M = 1 with float16 sums a slice sums its partials once per batch of three column groups
     (``PairGemvSpec.batch``). One slice of one K-warp walks seven groups: one CTA in batches of 3, 3, 1 (the last
     group partial), two CTAs in 3 + 1 and 3, four CTAs in 2, 2, 2, 1. Where a CTA runs a whole batch (at the k of
-    ``pair_gemv.PAIR_FULL_BATCHES_K``, 2 and 4) plan builds ``full_batches``: whole batches run a loop of their own with no branch
-    inside and the last, partial one the loop that may stop after any group: one CTA runs two whole batches and then
-    one group, two CTAs one whole batch each and then one group; four CTAs run none, so the build is the plain one.
+    ``pair_gemv.PAIR_FULL_BATCHES_K``, 2 and 4) plan builds ``full_batches``: whole batches run a loop of their own
+    with no branch inside and the last, partial one the loop that may stop after any group: one CTA runs two whole
+    batches and then one group, two CTAs one whole batch each and then one group; four CTAs run none, so the build is
+    the plain one.
     ``cap``: plan's ``max_registers`` (an experiment's knob for the knob sweep) builds the capped kernel, with the
     same results. On the simulator it fails when a batch sums only its last group."""
     monkeypatch.setattr(pair_gemv, "persistent_grid", lambda work, *args: min(work, ctas))
