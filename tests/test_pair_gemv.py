@@ -141,12 +141,17 @@ def test_pair_gemv_silu_pairs(seed, v, half_n, kbn):
     out = pair_gemv.plan(A, pair_gemv.to_codes(qw), out_dtype=out_dtype, cols=cols, f16_acc=f16_acc,
                          silu_pairs=True).launch()
     assert out.shape == (M, N // 2) and out.dtype == np.dtype(out_dtype)
+    check_silu_pairs(out.copy_to_host(), A, qw, f16_acc, out_dtype)
+
+
+def check_silu_pairs(got, A, qw, f16_acc, out_dtype):
+    """``got`` against reference.silu_pairs of the product, within the bound of test_pair_gemv_silu_pairs."""
     C = ref.gemv(A, qw).astype(np.float64)
     e = gemv_bound(A, qw, f16_acc)
     gate, up, e_gate, e_up = C[:, 0::2], C[:, 1::2], e[:, 0::2], e[:, 1::2]
     want = ref.silu_pairs(C)
     tol = 1.1 * e_gate * (np.abs(up) + e_up) + np.abs(gate / (1 + np.exp(-gate))) * e_up + 1e-6 * np.abs(want) + 1e-30
-    assert_within(out.copy_to_host(), want, tol, out_dtype)
+    assert_within(got, want, tol, out_dtype)
 
 
 def test_pair_gemv_vector_input_out_buffer_and_prepare():
@@ -236,6 +241,30 @@ def test_pair_gemv_batches_of_groups(monkeypatch, k, cols, N, ctas, whole, cap):
     assert spec.batch == pair_gemv.BATCH and p.steps[0].kernel is pair_gemv.make_pair_gemv_kernel(spec)
     assert p.steps[0].grid == ctas and p.steps[0].block == 32 and -(-N // cols) == 7
     check_close_f16_acc(p.launch().copy_to_host(), A, qw, np.float32)
+
+
+@pytest.mark.parametrize("silu", [True] if SIM else [False, True])
+def test_pair_gemv_whole_batches_of_slices(monkeypatch, silu):
+    """Whole batches (``full_batches``) in a CTA of two slices of two K-warps: eight column groups of four columns (N =
+    30, the last group partial) in one CTA, so each slice runs two whole batches (groups 0-2, 3-5), summed by its warp
+    0 and then its warp 1 (the rotation), and then the last two groups in the other loop. Here the partials' addresses
+    take a slice, a warp, a group of the batch and a buffer half other than the first, which one slice of one warp
+    (test_pair_gemv_batches_of_groups) cannot tell apart. (The simulator runs the SiLU epilogue only: ~40 s a case.)"""
+    monkeypatch.setattr(pair_gemv, "persistent_grid", lambda work, *args: min(work, 1))
+    rng = np.random.default_rng(63)
+    N, K = 30, 1056                                    # k_warps(K) = 2
+    qw = ref.quantize(random_weight(rng, N, K), k=4)
+    A = _activations(rng, 1, K, "float16")
+    p = pair_gemv.plan(A, pair_gemv.to_codes(qw), out_dtype=np.float32, cols=2, cta_warps=4, f16_acc=True,
+                       silu_pairs=silu)
+    spec = pair_gemv.PairGemvSpec(4, 1, 2, out_dtype="float32", f16_acc=True, silu_pairs=silu, full_batches=True)
+    assert p.steps[0].kernel is pair_gemv.make_pair_gemv_kernel(spec)
+    assert p.steps[0].grid == 1 and p.steps[0].block == 2 * k_warps(K) * 32 and -(-N // 4) == 8
+    got = p.launch().copy_to_host()
+    if silu:
+        check_silu_pairs(got, A, qw, True, np.float32)
+    else:
+        check_close_f16_acc(got, A, qw, np.float32)
 
 
 @pytest.mark.parametrize("k, cols, slices, M, f16_acc", [(4, 2, 2, 1, True), (2, 8, 2, 2, False), (2, 4, 3, 2, True),
