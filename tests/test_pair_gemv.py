@@ -249,8 +249,8 @@ def test_pair_gemv_whole_batches_of_slices(monkeypatch, silu):
     30, the last group partial) in one CTA, so each slice runs two whole batches (groups 0-2, 3-5), summed by its warp
     0 and then its warp 1 (the rotation), and then the last two groups in the other loop. Here the partials' addresses
     take a slice, a warp, a group of the batch and a buffer half other than the first, which one slice of one warp
-    (test_pair_gemv_batches_of_groups) cannot tell apart; each K-warp holds 32 blocks, so one warp's partial left out
-    is far outside the bound (with K = 1056 the second warp held one block, within it)."""
+    (test_pair_gemv_batches_of_groups) cannot tell apart. Each K-warp holds 32 blocks, so one warp's partial left out
+    is far outside the bound."""
     monkeypatch.setattr(pair_gemv, "persistent_grid", lambda work, *args: min(work, 1))
     rng = np.random.default_rng(63)
     N, K = 30, 2048                                    # two K-warps, each with a whole warp's blocks
