@@ -203,13 +203,6 @@ ATT_MAX_CLUSTER = 16            # the slices of a (row, KV head) merge in their 
                                 # on the simulator, which runs one CTA at a time)
 _KERNELS = {}
 
-# The layer's second norm inside the gate/up pair gemv (``pair_gemv`` ``add_norm``): x = res + y, the product scaled by
-# 1 / rms(x) in the epilogue (the norm's weight folded into gate/up's: ones here), CTA 0 writing x to the other of two
-# residual buffers; no add_rmsnorm launch before gate/up. Where gate/up runs its SiLU epilogue by the pair gemv (dense
-# models on the GPU, float16 sums: :func:`norm_in_gate_up`). See benchmarks/README.md, "Sixty-fourth session".
-NORM_IN_GATE_UP = True
-NORM_EPS = 1e-6                 # the RMSNorms' epsilon
-
 
 def norm_threads(H):
     """add_rmsnorm's threads for rows of H float16 values: one 16-byte chunk a thread, a whole number of warps, within
@@ -802,14 +795,13 @@ class DecodeStep:
         g = torch.Generator(device=dev).manual_seed(0)
         self.x = torch.randn(B, H, device=dev, dtype=f16, generator=g)
         self.norms = [(torch.ones(H, device=dev, dtype=f16), torch.ones(H, device=dev, dtype=f16))
-                      for _ in linears]     # (ones: NORM_IN_GATE_UP's fold of norm2's weight into gate/up is exact)
+                      for _ in linears]
         kv_shape = (B, cfg["kv_heads"], context, hd)
         self.kv = [(torch.randn(kv_shape, device=dev, dtype=f16, generator=g),
                     torch.randn(kv_shape, device=dev, dtype=f16, generator=g)) for _ in linears]
         # the linear-only graph's inputs: one static tensor per projection input width
         self.static = {K: torch.randn(B, K, device=dev, dtype=f16, generator=g) * 0.1
                        for _, _, K in projections(cfg)}
-        self.spare = torch.empty(B, H, device=dev, dtype=f16)     # (the gate/up norm's residual out: NORM_IN_GATE_UP)
         if is_moe(cfg):
             self._bind_experts(torch, dev, f16)
         if self.attention == "numba" and torch.device(dev).type == "cuda":   # decode_attention's slices and counts,
@@ -941,18 +933,11 @@ class DecodeStep:
     def step(self):
         """The residual stream after every layer (x is left as it was: each replay computes the same step)."""
         res = self.x.clone()
-        spare = self.torch.empty_like(res)          # (NORM_IN_GATE_UP: gate/up writes res + o's output here)
         y = self.torch.zeros_like(res)
         moe = is_moe(self.cfg)
         for layer, ((qkv, o, gate_up, down), (n1, n2), kv) in enumerate(zip(self.linears, self.norms, self.kv)):
             h = self.add_rmsnorm(res, y, n1, prefetch=kv if self.prefetch_kv else None)    # (layer 0: res += 0)
-            a = o(self._attention(qkv(h), kv))
-            if not moe and norm_in_gate_up(gate_up, res, self.silu_pairs):     # (n2: ones, folded into gate/up)
-                act = gate_up.run(res, silu_pairs=True, add_norm=(a, spare, NORM_EPS))     # (norm2 + gate/up)
-                res, spare = spare, res
-                y = down(act)
-                continue
-            h = self.add_rmsnorm(res, a, n2)
+            h = self.add_rmsnorm(res, o(self._attention(qkv(h), kv)), n2)
             y = self.moe(h, layer) if moe else down(self.mlp_activation(gate_up, h))
         res.add_(y)
         return res
@@ -967,9 +952,6 @@ class DecodeStep:
                     run()
                 continue
             for lin, (name, _, K) in zip(layer, projections(self.cfg)):
-                if name == "gate_up" and norm_in_gate_up(lin, self.static[K], self.silu_pairs):   # (as the step)
-                    lin.run(self.static[K], silu_pairs=True, add_norm=(self.static[K], self.spare, NORM_EPS))
-                    continue
                 run_linear(lin, name, self.static[K], self.silu_pairs)
 
 
@@ -979,14 +961,6 @@ def run_linear(lin, name, x, silu_pairs):
     if name == "gate_up" and epilogue_silu(lin, x, silu_pairs):
         return lin.run(x, silu_pairs=True)
     return lin(x)
-
-
-def norm_in_gate_up(gate_up, x, silu_pairs):
-    """Whether the step runs the layer's second norm inside gate/up's pair gemv (``NORM_IN_GATE_UP``): its SiLU
-    epilogue by the pair gemv with float16 sums on float16 rows (``pair_gemv`` ``add_norm``)."""
-    runtime = getattr(gate_up, "runtime", None)
-    return bool(NORM_IN_GATE_UP and silu_pairs and x.is_cuda and runtime is not None and runtime.f16_acc
-                and str(x.dtype) == "torch.float16" and runtime.kernel_for(x.shape[0]) == "pair_gemv")
 
 
 def epilogue_silu(gate_up, h, silu_pairs):

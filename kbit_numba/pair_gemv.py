@@ -68,18 +68,15 @@ from . import _arrays
 from .core import (MAX_M, check_grouped, device_weight, fit_threads, k_warps, persistent_grid, row_share, sm_count,
                    unused_i32)
 from .device import (ABSMAX_CODES, CODEBOOK, PRMT_ROW, TABLE_BYTES, TABLE_FLOATS, WARP, e4m4_decode, i32, inlined,
-                     jit_kernel, make_silu_pair_out, make_table_fill, make_warp_reduce_scatter, make_word_unpacker,
-                     rsqrt_mean, u32)
+                     jit_kernel, make_silu_pair_out, make_table_fill, make_warp_reduce_scatter, make_word_unpacker, u32)
 from .formats import ABSMAX_FORMATS, BLOCK, CODES_K, KbitCodes, KbitFragments, KbitWeight
 from .intrinsics import (SIMULATOR, bar_sync, f16_bits_to_f32, griddep_launch_dependents, griddep_wait, hfma2, ld128,
-                         ldg128, ldg64_stream, ldg128_stream, lds64, lds128, lds_u32, prmt, shared_addr, stg128,
-                         u32_as_f32)
+                         ldg128, ldg64_stream, ldg128_stream, lds64, lds128, lds_u32, prmt, shared_addr, u32_as_f32)
 from .launch import NUMBA_TYPES, OUT_TYPES, Plan, Spec, Step, launch_step, type_name
 
 MAX_KW = 32                       # K-warps per slice: K <= 32 * 32 * 32 = 32768
 MAX_SLICES = 16                   # a slice's named barrier is one of the CTA's 16 (bar.sync 0..15)
 PART = CODEBOOK + 16              # float offset of the cross-warp partial sums
-ONE2 = 0x3C003C00                 # (1.0, 1.0) as float16 pairs: hfma2(y, ONE2, x) is x + y rounded once
 BATCH = 3                         # column groups whose partials are summed after one barrier (the loop's unroll)
 COL_CHOICES = (1, 2, 4, 8)        # columns per warp per iteration a kernel can be built for
 PAIR_FULL_BATCHES_K = (2, 4)      # plan builds batch = 3 launches at these k with full_batches where a CTA runs one
@@ -118,7 +115,6 @@ class PairGemvSpec(Spec):
     grouped: bool = False                   # MoE experts: blockIdx.y is a token row, M = 1 (see the module docstring)
     fragments: bool = False                 # the weight in the fragment layout (KbitFragments), not the code layout
     full_batches: bool = False              # batch = 3: whole batches run a loop with no branch inside (FULL_BATCHES)
-    add_norm: bool = False                  # x = A + Y and out = (x W^T) / rms(x): a decode step's add + RMSNorm
 
     def normalise(self):
         if self.k not in CODES_K or not 1 <= self.M <= MAX_M:
@@ -127,8 +123,6 @@ class PairGemvSpec(Spec):
             raise ValueError(f"cols must be one of {COL_CHOICES}, got {self.cols!r}")
         if self.grouped and self.M != 1:        # (a row a slot: each row its own expert's weights)
             raise ValueError(f"the grouped pair gemv runs one row a slot (M = 1), got M={self.M}")
-        if self.add_norm and (self.grouped or type_name(self.a_type, "a_type") != "float16"):
-            raise ValueError("add_norm takes float16 activations and no grouped launch")
         if self.silu_pairs and self.cols % 2:   # (a column pair must stay within one slice's columns)
             raise ValueError(f"silu_pairs needs an even cols, got {self.cols}")
         if self.absmax_format not in ABSMAX_FORMATS:
@@ -146,7 +140,7 @@ class PairGemvSpec(Spec):
                     pdl=bool(self.pdl), batch=int(batch),
                     max_registers=int(self.max_registers) if self.max_registers else None,
                     silu_pairs=bool(self.silu_pairs), grouped=bool(self.grouped), fragments=bool(self.fragments),
-                    full_batches=bool(self.full_batches), add_norm=bool(self.add_norm))
+                    full_batches=bool(self.full_batches))
 
 
 
@@ -189,7 +183,7 @@ def make_pair_gemv_kernel(spec):
     # without PDL, keep it after the activation loads, which then overlap it (benchmarks/README.md, "the tables'
     # barrier before the wait").
     EARLY_BARRIER = PDL and k == 4 and not GROUPED
-    SILU_PAIRS, ADD_NORM = spec.silu_pairs, spec.add_norm
+    SILU_PAIRS = spec.silu_pairs
     # The activations: with PDL the kernel before may still be writing them when this one starts, so an ordinary load
     # (ptxas moved ld.global.nc ones above griddep_wait: tests/test_pdl_reads.py); else the read-only path.
     load_a = ld128 if PDL else ldg128
@@ -295,19 +289,7 @@ def make_pair_gemv_kernel(spec):
                 acc[c * M + m] = s[m] * scale
 
     @inlined
-    def norm_scale(smem, sl, kw, row, nkb, eps):
-        """``add_norm``: 1 / rms(x) of row ``row`` of x = A + Y, from the slice's sum of squares (its warps' atomics,
-        made before the loop, so the slice's first barrier has made them visible: device.rsqrt_mean; adding the KW
-        warps' own words here instead took the SiLU build from 80 to 106 registers); 1 otherwise (a product ptxas
-        drops)."""
-        if not ADD_NORM:
-            return np.float32(1.0)
-        slices = u32(u32(cuda.blockDim.x) // u32(kw * u32(WARP)))
-        ss = smem[u32(u32(PART) + u32(2 * BATCH_) * slices * kw * u32(V) + sl * u32(M) + row)]
-        return rsqrt_mean(ss, np.float32(nkb * u32(BLOCK)), eps)
-
-    @inlined
-    def reduce_columns(smem, acc, lane, part, flip, sl, kw, slice_tid, n_first, out, N, nkb, eps):
+    def reduce_columns(smem, acc, lane, part, flip, sl, kw, slice_tid, n_first, out, N):
         """Sum acc over the slice's K-warps: a warp reduce-scatter, one partial per (warp, value) into the
         shared buffer half ``flip`` (double-buffered: one barrier per iteration), then one thread per
         (column, row) of the slice adds its KW partials and writes column n_first + sl * NCOL + c.
@@ -322,9 +304,8 @@ def make_pair_gemv_kernel(spec):
             row = u32(slice_tid - col * u32(M))
             n = u32(n_first + sl * u32(NCOL) + col)
             p = u32(u32(PART) + flip + sl * kw * u32(V) + slice_tid)
-            scale = norm_scale(smem, sl, kw, row, nkb, eps)
             if SILU_PAIRS:
-                silu_pair_out(smem, p, kw, out, row, n, N, scale)
+                silu_pair_out(smem, p, kw, out, row, n, N)
             else:
                 p_end = u32(p + kw * u32(V))
                 total = np.float32(0.0)
@@ -332,11 +313,10 @@ def make_pair_gemv_kernel(spec):
                     total += smem[p]
                     p = u32(p + u32(V))
                 if n < u32(N):
-                    total *= scale
                     out[u32(row * u32(N) + n)] = np.float16(total) if f16_out else total
 
     @inlined
-    def finish_batch(smem, flip, fw, slot, r, g, grid, sl, kw, slice_tid, group_cols, out, N, nkb, eps):
+    def finish_batch(smem, flip, fw, slot, r, g, grid, sl, kw, slice_tid, group_cols, out, N):
         """The end of a batch of r + 1 column groups (the last one g) whose partials are in the buffer half ``flip``:
         the slice meets at its barrier and one thread per (group, column, row), a lane of the slice's warp ``fw``,
         sums its KW partials and writes the output; returns the half the next batch writes."""
@@ -349,9 +329,8 @@ def make_pair_gemv_kernel(spec):
             row = u32(v - col * u32(M))
             n = u32(u32(u32(g - u32(u32(r) - rr) * grid) * group_cols) + sl * u32(NCOL) + col)
             p = u32(u32(PART) + flip + rr * slot + sl * kw * u32(V) + v)
-            scale = norm_scale(smem, sl, kw, row, nkb, eps)
             if SILU_PAIRS:
-                silu_pair_out(smem, p, kw, out, row, n, N, scale)
+                silu_pair_out(smem, p, kw, out, row, n, N)
             else:
                 p_end = u32(p + kw * u32(V))
                 total = np.float32(0.0)
@@ -359,14 +338,12 @@ def make_pair_gemv_kernel(spec):
                     total += smem[p]
                     p = u32(p + u32(V))
                 if n < u32(N):
-                    total *= scale
                     out[u32(row * u32(N) + n)] = np.float16(total) if f16_out else total
             i = u32(i + kw * u32(WARP))
         return u32(u32(BATCH) * slot - flip)
 
     @inlined
-    def end_group(smem, acc, lane, part, flip, slot, r, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N,
-                  nkb, eps):
+    def end_group(smem, acc, lane, part, flip, slot, r, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N):
         """``batch = 3``: :func:`reduce_columns` with one barrier per three groups. The warp's partials go to
         slot r (of 3) of the buffer half ``flip``; after a batch's last group (or the CTA's) the slice meets at
         its barrier and one thread per (group, column, row) of the batch sums (:func:`finish_batch`); returns the
@@ -377,15 +354,13 @@ def make_pair_gemv_kernel(spec):
         if owner:
             smem[u32(part + flip + u32(r) * slot + u32(v_idx))] = rs
         if r == BATCH - 1 or u32(g + grid) >= n_groups:
-            return finish_batch(smem, flip, u32(0), slot, r, g, grid, sl, kw, slice_tid, group_cols, out, N, nkb,
-                                eps)
+            return finish_batch(smem, flip, u32(0), slot, r, g, grid, sl, kw, slice_tid, group_cols, out, N)
         return flip
 
     @inlined
-    def end_each(smem, acc, lane, part, flip, slot, r, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N,
-                 nkb, eps):
+    def end_each(smem, acc, lane, part, flip, slot, r, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N):
         """``batch = 1``: :func:`reduce_columns` after every group (end_group's signature)."""
-        reduce_columns(smem, acc, lane, part, flip, sl, kw, slice_tid, u32(g * group_cols), out, N, nkb, eps)
+        reduce_columns(smem, acc, lane, part, flip, sl, kw, slice_tid, u32(g * group_cols), out, N)
         return u32(slot - flip)
 
     end = end_group if BATCH_ > 1 else end_each        # how a column group ends (chosen here, not in the kernel)
@@ -409,36 +384,6 @@ def make_pair_gemv_kernel(spec):
     assert not FULL_BATCHES or BATCH * CM <= WARP, "whole batches sum their partials in one warp"
 
     @inlined
-    def add_rows(A, Y, res_out, a, ah, ss, kb, active, nkb, sl, lane):
-        """``add_norm``: this lane's 32 values of each row of x = A + Y (float16 pairs, one rounding, as add_rmsnorm's
-        residual add) into ah (and a: float32 sums); CTA 0's slice 0, whose warps cover all of K, writes x to res_out.
-        ss[m]: the float32 sum of x^2 over the lane and then the warp (five shuffles), which the kernel adds into its
-        slice's word after the prologue's barrier and the epilogue reads (norm_scale) after the slice's first barrier:
-        the decode waits only for the two loads and the adds, not for the norm."""
-        writer = cuda.blockIdx.x == 0 and sl == u32(0) and active
-        for m in literal_unroll(ROWS):
-            a_base = u32(u32(m) * nkb * u32(PAIRS) + (kb * u32(PAIRS) if active else u32(0)))
-            sq = np.float32(0.0)
-            for q in range(PAIRS // 4):
-                r4 = load_a(A, a_base + u32(4 * q))
-                y4 = load_a(Y, a_base + u32(4 * q))
-                for h in range(4):
-                    x = hfma2(y4[h], u32(ONE2), r4[h]) if active else u32(0)
-                    ah[m, 4 * q + h] = x
-                    lo = f16_bits_to_f32(x)
-                    hi = f16_bits_to_f32(x >> u32(16))
-                    sq += lo * lo + hi * hi
-                    if not f16_acc:
-                        a[m, 8 * q + 2 * h] = lo
-                        a[m, 8 * q + 2 * h + 1] = hi
-                if writer:
-                    stg128(res_out, a_base + u32(4 * q), ah[m, 4 * q], ah[m, 4 * q + 1], ah[m, 4 * q + 2],
-                           ah[m, 4 * q + 3])
-            for s in range(5):                      # the warp's sum
-                sq += cuda.shfl_xor_sync(0xFFFFFFFF, sq, 16 >> s)
-            ss[m] = sq
-
-    @inlined
     def fill_tables(smem, cb, tid):
         """The group table (make_table_fill) and every E4M4 byte's value (one shared load per block)."""
         fill_table(smem, cb, tid)
@@ -447,7 +392,7 @@ def make_pair_gemv_kernel(spec):
             smem[u32(u32(TABLE_FLOATS) + i)] = e4m4_decode(np.uint8(i))
             i = u32(i + u32(cuda.blockDim.x))
 
-    def pair_gemv(A, packed, absmax, cb, out, N, n_kb, offsets, Y, res_out, eps):
+    def pair_gemv(A, packed, absmax, cb, out, N, n_kb, offsets):
         smem = cuda.shared.array(0, np.float32)    # [group table][E4M4 table][codebook][partials]
         # Every index below is uint32 (see load_columns): Numba would make them int64.
         tid = u32(cuda.threadIdx.x)
@@ -504,9 +449,6 @@ def make_pair_gemv_kernel(spec):
         # ---- 2. the group table and the E4M4 table (grouped PDL: filled above) ---------------------
         if not (GROUPED and PDL):
             fill_tables(smem, cb, tid)
-        ss_at = u32(u32(PART) + u32(2 * BATCH_) * slices * kw * u32(V))    # (add_norm: [slices, M] sums of x^2)
-        if ADD_NORM and tid < slices * u32(M):     # (zeroed before the barrier that ends the prologue)
-            smem[u32(ss_at + tid)] = np.float32(0.0)
         table = shared_addr(smem)
 
         if EARLY_BARRIER:           # the tables' barrier before the wait (see EARLY_BARRIER)
@@ -515,28 +457,21 @@ def make_pair_gemv_kernel(spec):
             griddep_wait()
         # ---- 3. this lane's 32 x M activations, element order, 16-byte loads ---------------------
         a = cuda.local.array((M, BLOCK), np.float32)       # (f16_acc: unused)
-        ss = cuda.local.array(M, np.float32)               # (add_norm: the warp's sums of x^2)
         ah = cuda.local.array((M, PAIRS), np.uint32)       # f16_acc: the f16x2 words as loaded
-        if ADD_NORM:                # x = A + Y, its sums of squares, CTA 0's copy of x (see add_rows)
-            add_rows(A, Y, res_out, a, ah, ss, kb, active, nkb, sl, lane)
-        else:
-            for m in literal_unroll(ROWS):          # (once per launch: range(M) stays rolled at M = 4)
-                a_base = (m * n_kb * BLOCK + kb * BLOCK) // A_PER_WORD if active else 0
-                a_live = np.float32(1.0) if active else np.float32(0.0)
-                for q in range(BLOCK // A_PER_WORD // 4):
-                    w4 = load_a(A, a_base + 4 * q)
-                    for h in range(4):
-                        if f16_acc:
-                            ah[m, 4 * q + h] = w4[h] if active else u32(0)
-                        else:
-                            for e in range(A_PER_WORD):
-                                a[m, (4 * q + h) * A_PER_WORD + e] = word_to_f32(w4[h], e) * a_live
+        for m in literal_unroll(ROWS):              # (once per launch: range(M) stays rolled at M = 4)
+            a_base = (m * n_kb * BLOCK + kb * BLOCK) // A_PER_WORD if active else 0
+            a_live = np.float32(1.0) if active else np.float32(0.0)
+            for q in range(BLOCK // A_PER_WORD // 4):
+                w4 = load_a(A, a_base + 4 * q)
+                for h in range(4):
+                    if f16_acc:
+                        ah[m, 4 * q + h] = w4[h] if active else u32(0)
+                    else:
+                        for e in range(A_PER_WORD):
+                            a[m, (4 * q + h) * A_PER_WORD + e] = word_to_f32(w4[h], e) * a_live
         lane_off = u32((lane % COPIES) * ENTRY)
         if not EARLY_BARRIER:       # (the activation loads above overlap the barrier)
             cuda.syncthreads()
-        if ADD_NORM and lane == u32(0):     # the warp's sums of squares into its slice's word a row (zeroed above)
-            for m in range(M):
-                cuda.atomic.add(smem, u32(ss_at + sl * u32(M) + u32(m)), ss[m])
 
         part = u32(u32(PART) + (sl * kw + w) * u32(V))     # this warp's partial sums (double-buffered: + flip)
         flip = u32(0)
@@ -567,39 +502,35 @@ def make_pair_gemv_kernel(spec):
                     smem[u32(part + flip + u32(v_idx))] = rs0
                     smem[u32(part + flip + FLIP + u32(v_idx))] = rs1
                     smem[u32(part + flip + u32(2) * FLIP + u32(v_idx))] = rs2
-                flip = finish_batch(smem, flip, fw, FLIP, 2, g, grid, sl, kw, slice_tid, group_cols, out, N, nkb,
-                                    eps)
+                flip = finish_batch(smem, flip, fw, FLIP, 2, g, grid, sl, kw, slice_tid, group_cols, out, N)
                 fw = u32(fw + u32(1)) if fw + u32(1) < kw else u32(0)
                 g = u32(g + grid)
         while g < n_groups:         # (the last, partial batch; every batch when FULL_BATCHES is off)
             load_columns(packed, absmax, u32(g * group_cols + ahead + col0), kb_at, last4, nkb, codes_c, absmax_c)
             decode_columns(smem, table, lane_off, codes_a, absmax_a, a, ah, acc)
-            flip = end(smem, acc, lane, part, flip, FLIP, 0, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N,
-                       nkb, eps)
+            flip = end(smem, acc, lane, part, flip, FLIP, 0, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N)
             g = u32(g + grid)
             if g >= n_groups:
                 break
             load_columns(packed, absmax, u32(g * group_cols + ahead + col0), kb_at, last4, nkb, codes_a, absmax_a)
             decode_columns(smem, table, lane_off, codes_b, absmax_b, a, ah, acc)
-            flip = end(smem, acc, lane, part, flip, FLIP, 1, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N,
-                       nkb, eps)
+            flip = end(smem, acc, lane, part, flip, FLIP, 1, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N)
             g = u32(g + grid)
             if g >= n_groups:
                 break
             load_columns(packed, absmax, u32(g * group_cols + ahead + col0), kb_at, last4, nkb, codes_b, absmax_b)
             decode_columns(smem, table, lane_off, codes_c, absmax_c, a, ah, acc)
-            flip = end(smem, acc, lane, part, flip, FLIP, 2, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N,
-                       nkb, eps)
+            flip = end(smem, acc, lane, part, flip, FLIP, 2, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N)
             g = u32(g + grid)
 
     return jit_kernel(pair_gemv, spec.max_registers)
 
 
-def part_bytes(M, cols, slices, kw, batch=1, add_norm=False):
-    """Dynamic shared bytes after the group table: the E4M4 table, the codebook, the double-buffered
-    partials [2, batch, slices, kw, V] float32 and (``add_norm``) the slices' sums of squares [slices, M]."""
+def part_bytes(M, cols, slices, kw, batch=1):
+    """Dynamic shared bytes after the group table: the E4M4 table, the codebook and the double-buffered
+    partials [2, batch, slices, kw, V] float32."""
     V = 1 << (cols * M - 1).bit_length()
-    return 4 * (PART - TABLE_FLOATS) + 2 * batch * slices * kw * V * 4 + (4 * slices * M if add_norm else 0)
+    return 4 * (PART - TABLE_FLOATS) + 2 * batch * slices * kw * V * 4
 
 
 # ------------------------------------------------------------------------------------------------
@@ -672,46 +603,15 @@ def whole_rounds(slices, most, N, spec, kw, regs):
     for s in range(slices, most + 1):
         groups = -(-N // (s * spec.cols))
         grid = persistent_grid(groups, s * kw * WARP, regs,
-                               TABLE_BYTES + part_bytes(spec.M, spec.cols, s, kw, spec.batch, spec.add_norm))
+                               TABLE_BYTES + part_bytes(spec.M, spec.cols, s, kw, spec.batch))
         cost = -(-grid // sms) * s * -(-groups // grid)
         if best is None or cost < best[0]:
             best = (cost, s)
     return best[1]
 
 
-def _same_buffer(a, b):
-    """Whether two 1-D device arrays overlap (their pointers and byte sizes; the simulator's: their NumPy arrays)."""
-    if hasattr(a, "_ary") and hasattr(b, "_ary"):              # (the simulator's arrays)
-        return bool(np.shares_memory(a._ary, b._ary))
-    pa, pb = a.__cuda_array_interface__["data"][0], b.__cuda_array_interface__["data"][0]
-    return pa < pb + b.size * b.dtype.itemsize and pb < pa + a.size * a.dtype.itemsize
-
-
-def norm_args(add_norm, Ad, stream):
-    """The kernel's last three arguments (Y, res_out, eps) for ``add_norm = (Y, res_out, eps)`` (:func:`plan`), or
-    unused ones (A's words and 0) where it is None."""
-    a_words = _arrays.flat_view(Ad, np.uint32)
-    if add_norm is None:
-        return a_words, a_words, np.float32(0.0)
-    if len(add_norm) != 3:
-        raise ValueError("add_norm is (Y, res_out, eps)")
-    Y, res_out, eps = add_norm
-    if Ad.dtype != np.float16:
-        raise TypeError(f"add_norm takes float16 activations, got {Ad.dtype}")
-    words = []
-    for arr, name in ((Y, "add_norm's Y"), (res_out, "add_norm's res_out")):
-        arr = _arrays.device_array(arr, name, (np.float16,), stream=stream)
-        if arr.size != Ad.size or tuple(arr.shape)[-1:] != tuple(Ad.shape)[-1:]:
-            raise ValueError(f"{name} must have A's shape {tuple(Ad.shape)}, got {tuple(arr.shape)}")
-        _arrays.check_aligned(arr, 16, name)
-        words.append(_arrays.flat_view(arr, np.uint32))
-    if any(_same_buffer(words[1], other) for other in (a_words, words[0])):
-        raise ValueError("add_norm's res_out must be another buffer than A and Y (CTA 0 writes it while others read)")
-    return words[0], words[1], np.float32(eps)
-
-
 def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc=False, cols=None, cta_warps=None,
-         pdl=False, silu_pairs=False, max_registers=None, add_norm=None):
+         pdl=False, silu_pairs=False, max_registers=None):
     """Checked inputs bound into a :class:`launch.Plan` (one launch). ``kc``: KbitCodes or KbitFragments (slower:
     the module docstring; a KbitWeight is re-packed with :func:`to_codes`, a copy per call: keep the KbitCodes for
     repeated use). f16_acc: see :func:`make_pair_gemv_kernel` (float16 A only). pdl: a programmatic dependent launch (sm_90; the
@@ -722,11 +622,7 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc
     qwen3-30b-a3b's k = 2 step, whose dense launches run none, was 10 us slower with it in those and 21 us in its
     grouped ones (benchmarks/README.md, "Sixtieth session"). ``max_registers``: a per-thread register cap, so that more
     warps fit an SM (an experiment's knob for ``sweep_pair_gemv.py``: every cap measured was slower, even without
-    spills, at k = 4 in the fifty-fourth session and at k = 2 in the sixty-first), or None.
-    ``add_norm = (Y, res_out, eps)``: a decode step's residual add and RMSNorm before this projection, in the launch:
-    the kernel multiplies x = A + Y (float16 [M, K] each, rounded once) by the weight and scales each output row by
-    1 / sqrt(mean(x^2) + eps), and writes x to ``res_out`` (float16 [M, K], not A or Y). The norm's own weight w must be
-    folded into this weight beforehand (quantize W * w[None, :]); twin ``reference.add_norm_gemv``."""
+    spills, at k = 4 in the fifty-fourth session and at k = 2 in the sixty-first), or None."""
     stream = _arrays.as_stream(stream)
     kc = (device_weight(kc, KbitFragments, stream) if isinstance(kc, KbitFragments)
           else to_codes(kc, stream))                       # checked device arrays (re-packed if a KbitWeight)
@@ -740,10 +636,10 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc
         raise ValueError(f"pair gemv handles K <= {MAX_KW * WARP * BLOCK}, got K={K}")
     _arrays.check_aligned(Ad, 16, "A")
     args = (_arrays.flat_view(Ad, np.uint32), kc.packed, kc.absmax, kc.codebook, _arrays.flat_view(out),
-            i32(N), i32(n_kb), unused_i32()) + norm_args(add_norm, Ad, stream)
+            i32(N), i32(n_kb), unused_i32())
     cols = default_cols(M, N, K) if cols is None else cols
     spec = PairGemvSpec(kc.k, M, cols, kc.absmax_format, a_src, out.dtype, f16_acc, pdl, max_registers=max_registers,
-                        silu_pairs=silu_pairs, fragments=isinstance(kc, KbitFragments), add_norm=add_norm is not None)
+                        silu_pairs=silu_pairs, fragments=isinstance(kc, KbitFragments))
     spec, kern, regs, max_threads = fit_threads(make_pair_gemv_kernel, spec, args, kw * WARP)
     if kw * WARP > max_threads:
         raise ValueError(f"pair gemv with M={M}, cols={spec.cols} fits {max_threads} threads per CTA: K <= "
@@ -753,7 +649,7 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc
     if cta_warps is None:
         slices = whole_rounds(slices, most, N, spec, kw, regs)
     n_groups = -(-N // (slices * spec.cols))
-    shared = TABLE_BYTES + part_bytes(M, spec.cols, slices, kw, spec.batch, spec.add_norm)
+    shared = TABLE_BYTES + part_bytes(M, spec.cols, slices, kw, spec.batch)
     grid = persistent_grid(n_groups, slices * kw * WARP, regs, shared)
     if spec.batch == BATCH and spec.k in PAIR_FULL_BATCHES_K and n_groups > 2 * grid:     # a CTA runs a whole batch
         spec, kern, regs, _ = fit_threads(make_pair_gemv_kernel, replace(spec, full_batches=True), args,
@@ -798,7 +694,7 @@ def plan_grouped(A, experts, expert_offsets, out=None, stream=None, out_dtype=np
     if T == 0:
         return Plan([], Ad, out, stream)
     args = (_arrays.flat_view(Ad, np.uint32), experts.packed, experts.absmax, experts.codebook,
-            _arrays.flat_view(out), i32(N), i32(n_kb), offs) + norm_args(None, Ad, stream)
+            _arrays.flat_view(out), i32(N), i32(n_kb), offs)
     knobs = grouped_knobs(experts.k, K, f16_acc, T)
     cols = knobs["cols"] if cols is None else cols
     spec = PairGemvSpec(experts.k, 1, cols, experts.absmax_format, a_src, out.dtype, f16_acc, pdl,
@@ -834,11 +730,11 @@ def gemv(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc
     return plan(A, kc, out, stream, out_dtype, bf16, f16_acc).launch()
 
 
-def prepare(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc=False, pdl=False, add_norm=None):
+def prepare(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc=False, pdl=False):
     """The fast path for repeated calls: a :class:`launch.Prepared` whose ``run()`` is one driver launch.
-    Write the next activations into ``.A`` before ``run()``; results land in ``.out``. ``pdl``, ``add_norm``: see
+    Write the next activations into ``.A`` before ``run()``; results land in ``.out``. ``pdl``: see
     :func:`plan`."""
-    return plan(A, kc, out, stream, out_dtype, bf16, f16_acc, pdl=pdl, add_norm=add_norm).prepare()
+    return plan(A, kc, out, stream, out_dtype, bf16, f16_acc, pdl=pdl).prepare()
 
 
 def ptx_specs():
@@ -859,9 +755,7 @@ def ptx_specs():
     variants += [dict(absmax_format="fp32", M=3), dict(a_type="float32", M=2), dict(a_type="bfloat16", M=1),
                  dict(out_dtype="float32", M=1)]
     whole = [dict(M=1, f16_acc=True, full_batches=True),                  # where plan builds whole batches
-             dict(M=1, f16_acc=True, pdl=True, silu_pairs=True, full_batches=True),
-             dict(M=1, f16_acc=True, pdl=True, silu_pairs=True, add_norm=True, full_batches=True)]   # the step's
-    variants += [dict(M=3, add_norm=True)]                                  # add_norm with float32 sums
+             dict(M=1, f16_acc=True, pdl=True, silu_pairs=True, full_batches=True)]
     return ([PairGemvSpec(k=k, **v) for k in CODES_K for v in variants]
             + [PairGemvSpec(k=k, **v) for k in PAIR_FULL_BATCHES_K for v in whole])
 
@@ -869,8 +763,7 @@ def ptx_specs():
 def argtypes(spec):
     from numba import types as t
     return (t.uint32[::1], t.uint32[::1], t.uint8[::1] if spec.absmax_format == "e4m4" else t.float32[::1],
-            t.float32[::1], NUMBA_TYPES[spec.out_dtype], t.int32, t.int32, t.int32[::1], t.uint32[::1], t.uint32[::1],
-            t.float32)
+            t.float32[::1], NUMBA_TYPES[spec.out_dtype], t.int32, t.int32, t.int32[::1])
 
 
 def kernel_specializations():

@@ -206,16 +206,6 @@ def gemv(A, qw, bf16=False, accumulate=np.float64):
     return (A.astype(accumulate) @ W.astype(accumulate).T).astype(np.float32)
 
 
-def add_norm_gemv(A, Y, qw, eps):
-    """The pair gemv's ``add_norm`` twin: x = float16(A + Y) (float16 inputs, one rounding) and
-    C = (x @ dequantize(qw).T) / sqrt(mean(x^2) + eps) per row, in float64: a decode step's residual add and RMSNorm
-    (its weight folded into qw) before the projection. Returns (C float32, x float16)."""
-    x = (np.asarray(A, np.float64) + np.asarray(Y, np.float64)).astype(np.float16)
-    x2 = np.atleast_2d(x).astype(np.float64)
-    scale = 1.0 / np.sqrt((x2 * x2).mean(axis=1, keepdims=True) + float(eps))
-    return (gemv(x2, qw).astype(np.float64) * scale).astype(np.float32), x
-
-
 def silu_pairs(C):
     """The ``silu_pairs`` epilogue's twin: out[:, j] = silu(C[:, 2j]) * C[:, 2j + 1] (float64), for a gate/up layer
     whose weight rows are interleaved (gate row j at 2j, up row j at 2j + 1): the SwiGLU MLP's activation."""

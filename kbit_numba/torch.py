@@ -31,7 +31,6 @@ from dataclasses import fields
 
 import numpy as np
 import torch
-from numba import cuda
 from torch import nn
 
 from . import bitnet, reference, sbvr, uniform
@@ -143,15 +142,12 @@ class KbitLinear(nn.Module):
         y = torch.ops.kbit_numba.linear(x, self.handle)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
-    def run(self, x, silu_pairs=False, add_norm=None):
+    def run(self, x, silu_pairs=False):
         """The op's body: x [..., K] -> [..., N] through the kernels (``linear`` for kbit, the format's gemv in
         slices of 4 rows otherwise), on torch's current stream. ``silu_pairs`` (kbit, where ``runtime.kernel_for`` the
         call's rows is the pair or the tensor-core gemv; a ValueError elsewhere): a gate/up layer whose rows are
         interleaved (gate row j at 2j, up row j at 2j + 1) returns silu(gate) * up, [..., N / 2], from the gemv's
-        epilogue: no [..., N] output and no SiLU kernel (``reference.silu_pairs`` is its twin). ``add_norm = (y,
-        res_out, eps)`` (kbit, where the call's rows run the pair gemv; float16): a decode step's residual add and
-        RMSNorm in the same launch: the layer multiplies x + y by its weight, scales each row by 1 / rms(x + y), and
-        writes x + y to ``res_out`` (the norm's weight must be folded into this layer's; ``reference.add_norm_gemv``)."""
+        epilogue: no [..., N] output and no SiLU kernel (``reference.silu_pairs`` is its twin)."""
         K, N = self.in_features, self.out_features // 2 if silu_pairs else self.out_features
         if x.shape[-1] != K:
             raise ValueError(f"x has {x.shape[-1]} features, the layer {K}")
@@ -168,23 +164,15 @@ class KbitLinear(nn.Module):
         a = x2.view(torch.int16) if bf16 else x2
         out_dtype, out_np = (torch.float16, np.float16) if x.dtype == torch.float16 else (torch.float32, np.float32)
         if SIMULATOR:                       # CPU tensors: NumPy in, the simulator's device array out
-            norm = None if add_norm is None else (add_norm[0].reshape(-1, K).numpy(),
-                                                  cuda.to_device(add_norm[1].reshape(-1, K).numpy()), add_norm[2])
-            y = torch.from_numpy(self._launch(a.numpy(), None, 0, out_np, bf16, silu_pairs, norm).copy_to_host())
-            if norm is not None:            # (the simulator's copy of res_out back into the CPU tensor)
-                add_norm[1].copy_(torch.from_numpy(norm[1].copy_to_host()).reshape(add_norm[1].shape))
+            y = torch.from_numpy(self._launch(a.numpy(), None, 0, out_np, bf16, silu_pairs).copy_to_host())
         else:
             y = torch.empty((M, N), dtype=out_dtype, device=x.device)
-            norm = None if add_norm is None else (add_norm[0].reshape(-1, K), add_norm[1].reshape(-1, K), add_norm[2])
-            self._launch(a, y, torch.cuda.current_stream(x.device), out_np, bf16, silu_pairs, norm)
+            self._launch(a, y, torch.cuda.current_stream(x.device), out_np, bf16, silu_pairs)
         return y.to(x.dtype).reshape(lead + (N,))
 
-    def _launch(self, a, out, stream, out_dtype, bf16, silu_pairs=False, add_norm=None):
+    def _launch(self, a, out, stream, out_dtype, bf16, silu_pairs=False):
         if self.format == "kbit":
-            return self.runtime(a, out=out, stream=stream, out_dtype=out_dtype, bf16=bf16, silu_pairs=silu_pairs,
-                                add_norm=add_norm)
-        if add_norm is not None:
-            raise ValueError(f"add_norm is the kbit pair gemv's, not the {self.format} format's")
+            return self.runtime(a, out=out, stream=stream, out_dtype=out_dtype, bf16=bf16, silu_pairs=silu_pairs)
         if silu_pairs:
             raise ValueError(f"silu_pairs is the kbit gemvs' epilogue, not the {self.format} format's")
         gemv = _GEMV[self.format]

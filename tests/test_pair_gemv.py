@@ -268,51 +268,6 @@ def test_pair_gemv_whole_batches_of_slices(monkeypatch, silu):
         check_close_f16_acc(got, A, qw, np.float32)
 
 
-@pytest.mark.parametrize("k, M, f16_acc, silu, ctas", [(4, 1, True, True, 1), (4, 1, True, False, 2),
-                                                    (2, 1, True, True, 4), (4, 3, False, False, 2),
-                                                    (2, 2, False, True, 1)])
-def test_pair_gemv_add_norm(monkeypatch, k, M, f16_acc, silu, ctas):
-    """``add_norm = (Y, res_out, eps)``: the kernel multiplies x = A + Y (float16, rounded once) by the weight and
-    scales each output row by 1 / sqrt(mean(x^2) + eps) (reference.add_norm_gemv), and CTA 0 alone writes x to
-    res_out, exactly. The grid (``ctas``) puts CTAs beside CTA 0 that must not write, and at M = 1 with float16 sums
-    runs whole batches (1 and 2 CTAs) and the other loop (4 CTAs). The scaled product is the plain product of
-    x / rms(x), so the bound is the plain one at those activations (plus float32 rounding of the scale). A sum of
-    squares left out of one K-warp, or a scale applied twice, is far outside it."""
-    monkeypatch.setattr(pair_gemv, "persistent_grid", lambda work, *args: min(work, ctas))
-    rng = np.random.default_rng(64 + k + M)
-    N, K, eps = 30, 2048, 1e-6                         # two slices of two K-warps, eight groups of four columns
-    qw = ref.quantize(random_weight(rng, N, K), k=k)
-    A = (_activations(rng, M, K, "float32") * 3.0).astype(np.float16)
-    Y = _activations(rng, M, K, "float16")
-    res_out = cuda.to_device(np.zeros((M, K), np.float16))
-    p = pair_gemv.plan(A, pair_gemv.to_codes(qw), out_dtype=np.float32, cols=2, cta_warps=4, f16_acc=f16_acc,
-                       silu_pairs=silu, add_norm=(cuda.to_device(Y), res_out, eps))
-    assert p.steps[0].grid == ctas and p.steps[0].kernel.py_func is not None
-    got = p.launch().copy_to_host()
-    C, x = ref.add_norm_gemv(A, Y, qw, eps)
-    np.testing.assert_array_equal(res_out.copy_to_host().view(np.uint16), x.view(np.uint16))
-    scaled = x.astype(np.float64) / np.sqrt((x.astype(np.float64) ** 2).mean(axis=1, keepdims=True) + eps)
-    if silu:
-        check_silu_pairs(got, scaled, qw, f16_acc, np.float32)
-    else:
-        assert_within(got, C, 1.0001 * gemv_bound(scaled, qw, f16_acc), np.float32)
-
-
-def test_pair_gemv_add_norm_refuses():
-    rng = np.random.default_rng(65)
-    qw = pair_gemv.to_codes(ref.quantize(random_weight(rng, 8, 64), k=4))
-    A = cuda.to_device(_activations(rng, 1, 64, "float16"))
-    Y = cuda.to_device(_activations(rng, 1, 64, "float16"))
-    with pytest.raises(ValueError, match="another buffer"):
-        pair_gemv.plan(A, qw, add_norm=(Y, A, 1e-6))
-    with pytest.raises(ValueError, match="shape"):
-        pair_gemv.plan(A, qw, add_norm=(cuda.to_device(np.zeros((1, 32), np.float16)), cuda.device_array((1, 64),
-                                                                                                           np.float16), 1e-6))
-    with pytest.raises(TypeError, match="float16"):
-        pair_gemv.plan(_activations(rng, 1, 64, "float32"), qw, add_norm=(Y, cuda.device_array((1, 64), np.float16),
-                                                                          1e-6))
-
-
 @pytest.mark.parametrize("k, cols, slices, M, f16_acc", [(4, 2, 2, 1, True), (2, 8, 2, 2, False), (2, 4, 3, 2, True),
                                                           (4, 2, 4, 3, False)])
 def test_pair_gemv_tuned_knobs(k, cols, slices, M, f16_acc):
