@@ -61,8 +61,7 @@ def increments(rep, first, layers, names):
     return labels, out
 
 
-STEP_NAMES = {6: ["norm1", "qkv", "attention", "o", "gate_up", "down"],      # norm2 inside gate/up (NORM_IN_GATE_UP)
-              7: ["norm1", "qkv", "attention", "o", "norm2", "gate_up", "down"],     # SiLU in gate_up's epilogue
+STEP_NAMES = {7: ["norm1", "qkv", "attention", "o", "norm2", "gate_up", "down"],     # SiLU in gate_up's epilogue
               8: ["norm1", "qkv", "attention", "o", "norm2", "gate_up", "silu", "down"]}
 LINEAR_NAMES = ["qkv", "o", "gate_up", "down"]
 

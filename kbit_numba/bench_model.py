@@ -203,14 +203,6 @@ ATT_MAX_CLUSTER = 16            # the slices of a (row, KV head) merge in their 
                                 # on the simulator, which runs one CTA at a time)
 _KERNELS = {}
 
-# The layer's second add + norm inside its linears: the o gemv adds its product into the residual stream in place
-# (``pair_gemv`` ``accumulate``) and the gate/up gemv scales its product by 1 / rms(res) in the epilogue (``rms_eps``;
-# the norm's weight folded into gate/up's: ones here); no add_rmsnorm launch between them. Where both run the pair gemv
-# with float16 sums (dense models on the GPU: :func:`norm_in_gate_up`). See benchmarks/README.md, "Sixty-fourth
-# session".
-NORM_IN_GATE_UP = True
-NORM_EPS = 1e-6                 # the RMSNorms' epsilon
-
 
 def norm_threads(H):
     """add_rmsnorm's threads for rows of H float16 values: one 16-byte chunk a thread, a whole number of warps, within
@@ -803,14 +795,13 @@ class DecodeStep:
         g = torch.Generator(device=dev).manual_seed(0)
         self.x = torch.randn(B, H, device=dev, dtype=f16, generator=g)
         self.norms = [(torch.ones(H, device=dev, dtype=f16), torch.ones(H, device=dev, dtype=f16))
-                      for _ in linears]     # (ones: NORM_IN_GATE_UP's fold of norm2's weight into gate/up is exact)
+                      for _ in linears]
         kv_shape = (B, cfg["kv_heads"], context, hd)
         self.kv = [(torch.randn(kv_shape, device=dev, dtype=f16, generator=g),
                     torch.randn(kv_shape, device=dev, dtype=f16, generator=g)) for _ in linears]
         # the linear-only graph's inputs: one static tensor per projection input width
         self.static = {K: torch.randn(B, K, device=dev, dtype=f16, generator=g) * 0.1
                        for _, _, K in projections(cfg)}
-        self.spare = torch.zeros(B, H, device=dev, dtype=f16)     # (the o gemv's residual: NORM_IN_GATE_UP)
         if is_moe(cfg):
             self._bind_experts(torch, dev, f16)
         if self.attention == "numba" and torch.device(dev).type == "cuda":   # decode_attention's slices and counts,
@@ -946,12 +937,7 @@ class DecodeStep:
         moe = is_moe(self.cfg)
         for layer, ((qkv, o, gate_up, down), (n1, n2), kv) in enumerate(zip(self.linears, self.norms, self.kv)):
             h = self.add_rmsnorm(res, y, n1, prefetch=kv if self.prefetch_kv else None)    # (layer 0: res += 0)
-            att = self._attention(qkv(h), kv)
-            if not moe and norm_in_gate_up(o, gate_up, res, self.silu_pairs):   # (n2: ones, folded into gate/up)
-                o.run(att, accumulate_into=res)                                 # res += o(att)
-                y = down(gate_up.run(res, silu_pairs=True, rms_eps=NORM_EPS))  # rmsnorm(res) -> gate/up -> SiLU
-                continue
-            h = self.add_rmsnorm(res, o(att), n2)
+            h = self.add_rmsnorm(res, o(self._attention(qkv(h), kv)), n2)
             y = self.moe(h, layer) if moe else down(self.mlp_activation(gate_up, h))
         res.add_(y)
         return res
@@ -965,14 +951,8 @@ class DecodeStep:
                 for run in self.expert_runs[i]:
                     run()
                 continue
-            fused = norm_in_gate_up(layer[1], layer[2], self.static[layer[1].in_features], self.silu_pairs)
             for lin, (name, _, K) in zip(layer, projections(self.cfg)):
-                if fused and name == "o":           # (the builds the step runs: NORM_IN_GATE_UP)
-                    lin.run(self.static[K], accumulate_into=self.spare)
-                elif fused and name == "gate_up":
-                    lin.run(self.static[K], silu_pairs=True, rms_eps=NORM_EPS)
-                else:
-                    run_linear(lin, name, self.static[K], self.silu_pairs)
+                run_linear(lin, name, self.static[K], self.silu_pairs)
 
 
 def run_linear(lin, name, x, silu_pairs):
@@ -981,15 +961,6 @@ def run_linear(lin, name, x, silu_pairs):
     if name == "gate_up" and epilogue_silu(lin, x, silu_pairs):
         return lin.run(x, silu_pairs=True)
     return lin(x)
-
-
-def norm_in_gate_up(o, gate_up, x, silu_pairs):
-    """Whether the step runs the layer's second add + norm inside its o and gate/up pair gemvs (``NORM_IN_GATE_UP``):
-    both kbit layers whose kernel for x's rows is the pair gemv with float16 sums, gate/up through its SiLU epilogue,
-    float16 rows on the GPU."""
-    runtimes = [getattr(lin, "runtime", None) for lin in (o, gate_up)]
-    return bool(NORM_IN_GATE_UP and silu_pairs and x.is_cuda and str(x.dtype) == "torch.float16"
-                and all(r is not None and r.f16_acc and r.kernel_for(x.shape[0]) == "pair_gemv" for r in runtimes))
 
 
 def epilogue_silu(gate_up, h, silu_pairs):

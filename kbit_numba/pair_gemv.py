@@ -68,8 +68,7 @@ from . import _arrays
 from .core import (MAX_M, check_grouped, device_weight, fit_threads, k_warps, persistent_grid, row_share, sm_count,
                    unused_i32)
 from .device import (ABSMAX_CODES, CODEBOOK, PRMT_ROW, TABLE_BYTES, TABLE_FLOATS, WARP, e4m4_decode, i32, inlined,
-                     jit_kernel, make_silu_pair_out, make_table_fill, make_warp_reduce_scatter, make_word_unpacker,
-                     rsqrt_mean, u32)
+                     jit_kernel, make_silu_pair_out, make_table_fill, make_warp_reduce_scatter, make_word_unpacker, u32)
 from .formats import ABSMAX_FORMATS, BLOCK, CODES_K, KbitCodes, KbitFragments, KbitWeight
 from .intrinsics import (SIMULATOR, bar_sync, f16_bits_to_f32, griddep_launch_dependents, griddep_wait, hfma2, ld128,
                          ldg128, ldg64_stream, ldg128_stream, lds64, lds128, lds_u32, prmt, shared_addr, u32_as_f32)
@@ -116,8 +115,6 @@ class PairGemvSpec(Spec):
     grouped: bool = False                   # MoE experts: blockIdx.y is a token row, M = 1 (see the module docstring)
     fragments: bool = False                 # the weight in the fragment layout (KbitFragments), not the code layout
     full_batches: bool = False              # batch = 3: whole batches run a loop with no branch inside (FULL_BATCHES)
-    rms_eps: float = 0.0                    # > 0: out = (A W^T) / sqrt(mean(A^2) + rms_eps) (RMSNorm, w folded in W)
-    accumulate: bool = False                # out += A W^T in place (float16): a decode step's residual add
 
     def normalise(self):
         if self.k not in CODES_K or not 1 <= self.M <= MAX_M:
@@ -126,12 +123,6 @@ class PairGemvSpec(Spec):
             raise ValueError(f"cols must be one of {COL_CHOICES}, got {self.cols!r}")
         if self.grouped and self.M != 1:        # (a row a slot: each row its own expert's weights)
             raise ValueError(f"the grouped pair gemv runs one row a slot (M = 1), got M={self.M}")
-        if (self.rms_eps or self.accumulate) and self.grouped:
-            raise ValueError("rms_eps and accumulate take no grouped launch")
-        if self.accumulate and (self.silu_pairs or type_name(self.out_dtype, "out_dtype", OUT_TYPES) != "float16"):
-            raise ValueError("accumulate adds into a float16 output, without silu_pairs")
-        if not 0 <= float(self.rms_eps) < 1:
-            raise ValueError(f"rms_eps must be in [0, 1), got {self.rms_eps!r}")
         if self.silu_pairs and self.cols % 2:   # (a column pair must stay within one slice's columns)
             raise ValueError(f"silu_pairs needs an even cols, got {self.cols}")
         if self.absmax_format not in ABSMAX_FORMATS:
@@ -149,8 +140,7 @@ class PairGemvSpec(Spec):
                     pdl=bool(self.pdl), batch=int(batch),
                     max_registers=int(self.max_registers) if self.max_registers else None,
                     silu_pairs=bool(self.silu_pairs), grouped=bool(self.grouped), fragments=bool(self.fragments),
-                    full_batches=bool(self.full_batches), rms_eps=float(self.rms_eps),
-                    accumulate=bool(self.accumulate))
+                    full_batches=bool(self.full_batches))
 
 
 
@@ -193,8 +183,7 @@ def make_pair_gemv_kernel(spec):
     # without PDL, keep it after the activation loads, which then overlap it (benchmarks/README.md, "the tables'
     # barrier before the wait").
     EARLY_BARRIER = PDL and k == 4 and not GROUPED
-    SILU_PAIRS, ACCUMULATE = spec.silu_pairs, spec.accumulate
-    RMS, EPS = spec.rms_eps > 0, np.float32(spec.rms_eps)
+    SILU_PAIRS = spec.silu_pairs
     # The activations: with PDL the kernel before may still be writing them when this one starts, so an ordinary load
     # (ptxas moved ld.global.nc ones above griddep_wait: tests/test_pdl_reads.py); else the read-only path.
     load_a = ld128 if PDL else ldg128
@@ -300,28 +289,7 @@ def make_pair_gemv_kernel(spec):
                 acc[c * M + m] = s[m] * scale
 
     @inlined
-    def norm_scale(smem, sl, kw, row, nkb):
-        """``rms_eps``: 1 / rms of row ``row`` of A, from the slice's sum of squares (its warps' atomics,
-        made before the loop, so the slice's first barrier has made them visible: device.rsqrt_mean; adding the KW
-        warps' own words here instead took the SiLU build from 80 to 106 registers); 1 otherwise (a product ptxas
-        drops)."""
-        if not RMS:
-            return np.float32(1.0)
-        slices = u32(u32(cuda.blockDim.x) // u32(kw * u32(WARP)))
-        ss = smem[u32(u32(PART) + u32(2 * BATCH_) * slices * kw * u32(V) + sl * u32(M) + row)]
-        return rsqrt_mean(ss, np.float32(nkb * u32(BLOCK)), EPS)
-
-    @inlined
-    def write_out(out, i, total):
-        """out[i] = the sum in the output type; ``accumulate``: out[i] + the float16 sum, rounded to float16 (a residual
-        add: only this thread reads and writes element i)."""
-        if ACCUMULATE:
-            out[i] = np.float16(np.float32(out[i]) + np.float32(np.float16(total)))
-        else:
-            out[i] = np.float16(total) if f16_out else total
-
-    @inlined
-    def reduce_columns(smem, acc, lane, part, flip, sl, kw, slice_tid, n_first, out, N, nkb):
+    def reduce_columns(smem, acc, lane, part, flip, sl, kw, slice_tid, n_first, out, N):
         """Sum acc over the slice's K-warps: a warp reduce-scatter, one partial per (warp, value) into the
         shared buffer half ``flip`` (double-buffered: one barrier per iteration), then one thread per
         (column, row) of the slice adds its KW partials and writes column n_first + sl * NCOL + c.
@@ -336,9 +304,8 @@ def make_pair_gemv_kernel(spec):
             row = u32(slice_tid - col * u32(M))
             n = u32(n_first + sl * u32(NCOL) + col)
             p = u32(u32(PART) + flip + sl * kw * u32(V) + slice_tid)
-            scale = norm_scale(smem, sl, kw, row, nkb)
             if SILU_PAIRS:
-                silu_pair_out(smem, p, kw, out, row, n, N, scale)
+                silu_pair_out(smem, p, kw, out, row, n, N)
             else:
                 p_end = u32(p + kw * u32(V))
                 total = np.float32(0.0)
@@ -346,10 +313,10 @@ def make_pair_gemv_kernel(spec):
                     total += smem[p]
                     p = u32(p + u32(V))
                 if n < u32(N):
-                    write_out(out, u32(row * u32(N) + n), total * scale)
+                    out[u32(row * u32(N) + n)] = np.float16(total) if f16_out else total
 
     @inlined
-    def finish_batch(smem, flip, fw, slot, r, g, grid, sl, kw, slice_tid, group_cols, out, N, nkb):
+    def finish_batch(smem, flip, fw, slot, r, g, grid, sl, kw, slice_tid, group_cols, out, N):
         """The end of a batch of r + 1 column groups (the last one g) whose partials are in the buffer half ``flip``:
         the slice meets at its barrier and one thread per (group, column, row), a lane of the slice's warp ``fw``,
         sums its KW partials and writes the output; returns the half the next batch writes."""
@@ -362,9 +329,8 @@ def make_pair_gemv_kernel(spec):
             row = u32(v - col * u32(M))
             n = u32(u32(u32(g - u32(u32(r) - rr) * grid) * group_cols) + sl * u32(NCOL) + col)
             p = u32(u32(PART) + flip + rr * slot + sl * kw * u32(V) + v)
-            scale = norm_scale(smem, sl, kw, row, nkb)
             if SILU_PAIRS:
-                silu_pair_out(smem, p, kw, out, row, n, N, scale)
+                silu_pair_out(smem, p, kw, out, row, n, N)
             else:
                 p_end = u32(p + kw * u32(V))
                 total = np.float32(0.0)
@@ -372,13 +338,12 @@ def make_pair_gemv_kernel(spec):
                     total += smem[p]
                     p = u32(p + u32(V))
                 if n < u32(N):
-                    write_out(out, u32(row * u32(N) + n), total * scale)
+                    out[u32(row * u32(N) + n)] = np.float16(total) if f16_out else total
             i = u32(i + kw * u32(WARP))
         return u32(u32(BATCH) * slot - flip)
 
     @inlined
-    def end_group(smem, acc, lane, part, flip, slot, r, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N,
-                  nkb):
+    def end_group(smem, acc, lane, part, flip, slot, r, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N):
         """``batch = 3``: :func:`reduce_columns` with one barrier per three groups. The warp's partials go to
         slot r (of 3) of the buffer half ``flip``; after a batch's last group (or the CTA's) the slice meets at
         its barrier and one thread per (group, column, row) of the batch sums (:func:`finish_batch`); returns the
@@ -389,14 +354,13 @@ def make_pair_gemv_kernel(spec):
         if owner:
             smem[u32(part + flip + u32(r) * slot + u32(v_idx))] = rs
         if r == BATCH - 1 or u32(g + grid) >= n_groups:
-            return finish_batch(smem, flip, u32(0), slot, r, g, grid, sl, kw, slice_tid, group_cols, out, N, nkb)
+            return finish_batch(smem, flip, u32(0), slot, r, g, grid, sl, kw, slice_tid, group_cols, out, N)
         return flip
 
     @inlined
-    def end_each(smem, acc, lane, part, flip, slot, r, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N,
-                 nkb):
+    def end_each(smem, acc, lane, part, flip, slot, r, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N):
         """``batch = 1``: :func:`reduce_columns` after every group (end_group's signature)."""
-        reduce_columns(smem, acc, lane, part, flip, sl, kw, slice_tid, u32(g * group_cols), out, N, nkb)
+        reduce_columns(smem, acc, lane, part, flip, sl, kw, slice_tid, u32(g * group_cols), out, N)
         return u32(slot - flip)
 
     end = end_group if BATCH_ > 1 else end_each        # how a column group ends (chosen here, not in the kernel)
@@ -418,26 +382,6 @@ def make_pair_gemv_kernel(spec):
     FULL_BATCHES = spec.full_batches
     # (a batch's sums fit one warp, so the rotating warp fw finds every item: M = 1, cols <= 8)
     assert not FULL_BATCHES or BATCH * CM <= WARP, "whole batches sum their partials in one warp"
-
-    @inlined
-    def row_squares(a, ah, ss):
-        """``rms_eps``: ss[m] = the float32 sum of row m's squares over this lane's 32 activations (from ah's float16
-        pairs, or a's floats) and then the warp (five shuffles), which the kernel adds into its slice's word after the
-        prologue's barrier and the epilogue reads (norm_scale) after the slice's first barrier: the decode waits for
-        none of it."""
-        for m in range(M):
-            sq = np.float32(0.0)
-            for j in range(PAIRS):
-                if f16_acc:
-                    lo = f16_bits_to_f32(ah[m, j])
-                    hi = f16_bits_to_f32(ah[m, j] >> u32(16))
-                else:
-                    lo = a[m, 2 * j]
-                    hi = a[m, 2 * j + 1]
-                sq += lo * lo + hi * hi
-            for s in range(5):                      # the warp's sum
-                sq += cuda.shfl_xor_sync(0xFFFFFFFF, sq, 16 >> s)
-            ss[m] = sq
 
     @inlined
     def fill_tables(smem, cb, tid):
@@ -505,9 +449,6 @@ def make_pair_gemv_kernel(spec):
         # ---- 2. the group table and the E4M4 table (grouped PDL: filled above) ---------------------
         if not (GROUPED and PDL):
             fill_tables(smem, cb, tid)
-        ss_at = u32(u32(PART) + u32(2 * BATCH_) * slices * kw * u32(V))    # (rms_eps: [slices, M] sums of A^2)
-        if RMS and tid < slices * u32(M):          # (zeroed before the barrier that ends the prologue)
-            smem[u32(ss_at + tid)] = np.float32(0.0)
         table = shared_addr(smem)
 
         if EARLY_BARRIER:           # the tables' barrier before the wait (see EARLY_BARRIER)
@@ -516,7 +457,6 @@ def make_pair_gemv_kernel(spec):
             griddep_wait()
         # ---- 3. this lane's 32 x M activations, element order, 16-byte loads ---------------------
         a = cuda.local.array((M, BLOCK), np.float32)       # (f16_acc: unused)
-        ss = cuda.local.array(M, np.float32)               # (rms_eps: the warp's sums of A^2)
         ah = cuda.local.array((M, PAIRS), np.uint32)       # f16_acc: the f16x2 words as loaded
         for m in literal_unroll(ROWS):              # (once per launch: range(M) stays rolled at M = 4)
             a_base = (m * n_kb * BLOCK + kb * BLOCK) // A_PER_WORD if active else 0
@@ -529,14 +469,9 @@ def make_pair_gemv_kernel(spec):
                     else:
                         for e in range(A_PER_WORD):
                             a[m, (4 * q + h) * A_PER_WORD + e] = word_to_f32(w4[h], e) * a_live
-        if RMS:                     # the norm's sums of squares (see row_squares)
-            row_squares(a, ah, ss)
         lane_off = u32((lane % COPIES) * ENTRY)
         if not EARLY_BARRIER:       # (the activation loads above overlap the barrier)
             cuda.syncthreads()
-        if RMS and lane == u32(0):  # the warp's sums of squares into its slice's word a row (zeroed above)
-            for m in range(M):
-                cuda.atomic.add(smem, u32(ss_at + sl * u32(M) + u32(m)), ss[m])
 
         part = u32(u32(PART) + (sl * kw + w) * u32(V))     # this warp's partial sums (double-buffered: + flip)
         flip = u32(0)
@@ -567,35 +502,35 @@ def make_pair_gemv_kernel(spec):
                     smem[u32(part + flip + u32(v_idx))] = rs0
                     smem[u32(part + flip + FLIP + u32(v_idx))] = rs1
                     smem[u32(part + flip + u32(2) * FLIP + u32(v_idx))] = rs2
-                flip = finish_batch(smem, flip, fw, FLIP, 2, g, grid, sl, kw, slice_tid, group_cols, out, N, nkb)
+                flip = finish_batch(smem, flip, fw, FLIP, 2, g, grid, sl, kw, slice_tid, group_cols, out, N)
                 fw = u32(fw + u32(1)) if fw + u32(1) < kw else u32(0)
                 g = u32(g + grid)
         while g < n_groups:         # (the last, partial batch; every batch when FULL_BATCHES is off)
             load_columns(packed, absmax, u32(g * group_cols + ahead + col0), kb_at, last4, nkb, codes_c, absmax_c)
             decode_columns(smem, table, lane_off, codes_a, absmax_a, a, ah, acc)
-            flip = end(smem, acc, lane, part, flip, FLIP, 0, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N, nkb)
+            flip = end(smem, acc, lane, part, flip, FLIP, 0, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N)
             g = u32(g + grid)
             if g >= n_groups:
                 break
             load_columns(packed, absmax, u32(g * group_cols + ahead + col0), kb_at, last4, nkb, codes_a, absmax_a)
             decode_columns(smem, table, lane_off, codes_b, absmax_b, a, ah, acc)
-            flip = end(smem, acc, lane, part, flip, FLIP, 1, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N, nkb)
+            flip = end(smem, acc, lane, part, flip, FLIP, 1, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N)
             g = u32(g + grid)
             if g >= n_groups:
                 break
             load_columns(packed, absmax, u32(g * group_cols + ahead + col0), kb_at, last4, nkb, codes_b, absmax_b)
             decode_columns(smem, table, lane_off, codes_c, absmax_c, a, ah, acc)
-            flip = end(smem, acc, lane, part, flip, FLIP, 2, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N, nkb)
+            flip = end(smem, acc, lane, part, flip, FLIP, 2, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N)
             g = u32(g + grid)
 
     return jit_kernel(pair_gemv, spec.max_registers)
 
 
-def part_bytes(M, cols, slices, kw, batch=1, rms=False):
-    """Dynamic shared bytes after the group table: the E4M4 table, the codebook, the double-buffered
-    partials [2, batch, slices, kw, V] float32 and (``rms``) the slices' sums of squares [slices, M]."""
+def part_bytes(M, cols, slices, kw, batch=1):
+    """Dynamic shared bytes after the group table: the E4M4 table, the codebook and the double-buffered
+    partials [2, batch, slices, kw, V] float32."""
     V = 1 << (cols * M - 1).bit_length()
-    return 4 * (PART - TABLE_FLOATS) + 2 * batch * slices * kw * V * 4 + (4 * slices * M if rms else 0)
+    return 4 * (PART - TABLE_FLOATS) + 2 * batch * slices * kw * V * 4
 
 
 # ------------------------------------------------------------------------------------------------
@@ -668,7 +603,7 @@ def whole_rounds(slices, most, N, spec, kw, regs):
     for s in range(slices, most + 1):
         groups = -(-N // (s * spec.cols))
         grid = persistent_grid(groups, s * kw * WARP, regs,
-                               TABLE_BYTES + part_bytes(spec.M, spec.cols, s, kw, spec.batch, spec.rms_eps > 0))
+                               TABLE_BYTES + part_bytes(spec.M, spec.cols, s, kw, spec.batch))
         cost = -(-grid // sms) * s * -(-groups // grid)
         if best is None or cost < best[0]:
             best = (cost, s)
@@ -676,7 +611,7 @@ def whole_rounds(slices, most, N, spec, kw, regs):
 
 
 def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc=False, cols=None, cta_warps=None,
-         pdl=False, silu_pairs=False, max_registers=None, rms_eps=None, accumulate=False):
+         pdl=False, silu_pairs=False, max_registers=None):
     """Checked inputs bound into a :class:`launch.Plan` (one launch). ``kc``: KbitCodes or KbitFragments (slower:
     the module docstring; a KbitWeight is re-packed with :func:`to_codes`, a copy per call: keep the KbitCodes for
     repeated use). f16_acc: see :func:`make_pair_gemv_kernel` (float16 A only). pdl: a programmatic dependent launch (sm_90; the
@@ -687,12 +622,7 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc
     qwen3-30b-a3b's k = 2 step, whose dense launches run none, was 10 us slower with it in those and 21 us in its
     grouped ones (benchmarks/README.md, "Sixtieth session"). ``max_registers``: a per-thread register cap, so that more
     warps fit an SM (an experiment's knob for ``sweep_pair_gemv.py``: every cap measured was slower, even without
-    spills, at k = 4 in the fifty-fourth session and at k = 2 in the sixty-first), or None.
-    ``rms_eps``: an RMSNorm of A before the product, in the launch: each output row scaled by
-    1 / sqrt(mean(A_m^2) + rms_eps) in the epilogue (the norm's weight w folded into this weight beforehand: quantize
-    W * w[None, :]); nothing before the decode waits for it (twin ``reference.rms_gemv``). ``accumulate``: out += A W^T
-    in place (a float16 ``out`` given: a decode step's residual add in the launch that produces the delta).
-    """
+    spills, at k = 4 in the fifty-fourth session and at k = 2 in the sixty-first), or None."""
     stream = _arrays.as_stream(stream)
     kc = (device_weight(kc, KbitFragments, stream) if isinstance(kc, KbitFragments)
           else to_codes(kc, stream))                       # checked device arrays (re-packed if a KbitWeight)
@@ -709,8 +639,7 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc
             i32(N), i32(n_kb), unused_i32())
     cols = default_cols(M, N, K) if cols is None else cols
     spec = PairGemvSpec(kc.k, M, cols, kc.absmax_format, a_src, out.dtype, f16_acc, pdl, max_registers=max_registers,
-                        silu_pairs=silu_pairs, fragments=isinstance(kc, KbitFragments), rms_eps=float(rms_eps or 0),
-                        accumulate=accumulate)
+                        silu_pairs=silu_pairs, fragments=isinstance(kc, KbitFragments))
     spec, kern, regs, max_threads = fit_threads(make_pair_gemv_kernel, spec, args, kw * WARP)
     if kw * WARP > max_threads:
         raise ValueError(f"pair gemv with M={M}, cols={spec.cols} fits {max_threads} threads per CTA: K <= "
@@ -720,7 +649,7 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc
     if cta_warps is None:
         slices = whole_rounds(slices, most, N, spec, kw, regs)
     n_groups = -(-N // (slices * spec.cols))
-    shared = TABLE_BYTES + part_bytes(M, spec.cols, slices, kw, spec.batch, spec.rms_eps > 0)
+    shared = TABLE_BYTES + part_bytes(M, spec.cols, slices, kw, spec.batch)
     grid = persistent_grid(n_groups, slices * kw * WARP, regs, shared)
     if spec.batch == BATCH and spec.k in PAIR_FULL_BATCHES_K and n_groups > 2 * grid:     # a CTA runs a whole batch
         spec, kern, regs, _ = fit_threads(make_pair_gemv_kernel, replace(spec, full_batches=True), args,
@@ -826,9 +755,7 @@ def ptx_specs():
     variants += [dict(absmax_format="fp32", M=3), dict(a_type="float32", M=2), dict(a_type="bfloat16", M=1),
                  dict(out_dtype="float32", M=1)]
     whole = [dict(M=1, f16_acc=True, full_batches=True),                  # where plan builds whole batches
-             dict(M=1, f16_acc=True, pdl=True, silu_pairs=True, full_batches=True),
-             dict(M=1, f16_acc=True, pdl=True, silu_pairs=True, rms_eps=1e-6, full_batches=True)]   # the step's
-    variants += [dict(M=3, rms_eps=1e-5), dict(M=1, f16_acc=True, pdl=True, accumulate=True)]    # (norm, residual)
+             dict(M=1, f16_acc=True, pdl=True, silu_pairs=True, full_batches=True)]
     return ([PairGemvSpec(k=k, **v) for k in CODES_K for v in variants]
             + [PairGemvSpec(k=k, **v) for k in PAIR_FULL_BATCHES_K for v in whole])
 

@@ -206,14 +206,6 @@ def gemv(A, qw, bf16=False, accumulate=np.float64):
     return (A.astype(accumulate) @ W.astype(accumulate).T).astype(np.float32)
 
 
-def rms_gemv(A, qw, eps):
-    """The pair gemv's ``rms_eps`` twin: C = (A @ dequantize(qw).T) / sqrt(mean(A^2) + eps) per row, in float64: an
-    RMSNorm (its weight folded into qw) before the projection. Returns float32."""
-    A2 = np.atleast_2d(as_float32(A)).astype(np.float64)
-    scale = 1.0 / np.sqrt((A2 * A2).mean(axis=1, keepdims=True) + float(eps))
-    return (gemv(A2, qw).astype(np.float64) * scale).astype(np.float32)
-
-
 def silu_pairs(C):
     """The ``silu_pairs`` epilogue's twin: out[:, j] = silu(C[:, 2j]) * C[:, 2j + 1] (float64), for a gate/up layer
     whose weight rows are interleaved (gate row j at 2j, up row j at 2j + 1): the SwiGLU MLP's activation."""

@@ -268,62 +268,6 @@ def test_pair_gemv_whole_batches_of_slices(monkeypatch, silu):
         check_close_f16_acc(got, A, qw, np.float32)
 
 
-@pytest.mark.parametrize("k, M, f16_acc, silu, ctas", [(4, 1, True, True, 1), (4, 1, True, False, 2),
-                                                    (2, 1, True, True, 4), (4, 3, False, False, 2),
-                                                    (2, 2, False, True, 1)])
-def test_pair_gemv_rms_eps(monkeypatch, k, M, f16_acc, silu, ctas):
-    """``rms_eps``: an RMSNorm of A before the product (its weight folded into the weight), applied in the epilogue:
-    each output row scaled by 1 / sqrt(mean(A^2) + eps) (reference.rms_gemv; with the SiLU epilogue, before the
-    SiLU). Two slices of two K-warps, eight groups of four columns; the grid (``ctas``) at M = 1 with float16 sums runs
-    whole batches (1 and 2 CTAs) and the other loop (4 CTAs). The scaled product is the plain product of A / rms(A),
-    so the bound is the plain one at those activations (plus the float32 scale's rounding: rsqrt.approx, 1e-6). A sum of
-    squares left out of one K-warp, or the scale applied twice or not at all, is far outside it."""
-    monkeypatch.setattr(pair_gemv, "persistent_grid", lambda work, *args: min(work, ctas))
-    rng = np.random.default_rng(64 + k + M)
-    N, K, eps = 30, 2048, 1e-6
-    qw = ref.quantize(random_weight(rng, N, K), k=k)
-    A = (_activations(rng, M, K, "float32") * 3.0).astype(np.float16)
-    p = pair_gemv.plan(A, pair_gemv.to_codes(qw), out_dtype=np.float32, cols=2, cta_warps=4, f16_acc=f16_acc,
-                       silu_pairs=silu, rms_eps=eps)
-    assert p.steps[0].grid == ctas
-    got = p.launch().copy_to_host()
-    A64 = A.astype(np.float64)
-    scaled = A64 / np.sqrt((A64 ** 2).mean(axis=1, keepdims=True) + eps)
-    if silu:
-        check_silu_pairs(got, scaled, qw, f16_acc, np.float32)
-    else:
-        want = ref.rms_gemv(A, qw, eps)
-        assert_within(got, want, gemv_bound(scaled, qw, f16_acc) + 1e-6 * np.abs(want), np.float32)
-
-
-@pytest.mark.parametrize("k, M, f16_acc, pdl", [(4, 1, True, True), (2, 2, False, False)])
-def test_pair_gemv_accumulate(k, M, f16_acc, pdl):
-    """``accumulate``: out += A W^T in place, each element rounded to float16 once more after the float16 sum (a decode
-    step's residual add in the launch that produces the delta)."""
-    rng = np.random.default_rng(66 + k)
-    N, K = 40, 1024
-    qw = ref.quantize(random_weight(rng, N, K), k=k)
-    A = _activations(rng, M, K, "float16")
-    res = (rng.standard_normal((M, N)) * 4).astype(np.float16)
-    out = cuda.to_device(res)
-    p = pair_gemv.plan(A, pair_gemv.to_codes(qw), out=out, f16_acc=f16_acc, pdl=pdl, accumulate=True)
-    assert p.launch() is out
-    got = out.copy_to_host().astype(np.float64) - res.astype(np.float64)
-    want = ref.gemv(A, qw).astype(np.float64)
-    ulp = np.abs(res.astype(np.float64)) + np.abs(want) + 1e-30   # (two float16 roundings of what is added)
-    assert_within(got, want, gemv_bound(A, qw, f16_acc) + 2.0 ** -10 * ulp, np.float32)
-
-
-def test_pair_gemv_rms_and_accumulate_refuse():
-    rng = np.random.default_rng(65)
-    qw = pair_gemv.to_codes(ref.quantize(random_weight(rng, 8, 64), k=4))
-    A = _activations(rng, 1, 64, "float16")
-    with pytest.raises(ValueError, match="float16 output"):
-        pair_gemv.plan(A, qw, out_dtype=np.float32, accumulate=True)
-    with pytest.raises(ValueError, match="rms_eps"):
-        pair_gemv.plan(A, qw, rms_eps=2.0)
-
-
 @pytest.mark.parametrize("k, cols, slices, M, f16_acc", [(4, 2, 2, 1, True), (2, 8, 2, 2, False), (2, 4, 3, 2, True),
                                                           (4, 2, 4, 3, False)])
 def test_pair_gemv_tuned_knobs(k, cols, slices, M, f16_acc):
