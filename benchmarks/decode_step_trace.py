@@ -61,7 +61,8 @@ def increments(rep, first, layers, names):
     return labels, out
 
 
-STEP_NAMES = {7: ["norm1", "qkv", "attention", "o", "norm2", "gate_up", "down"],     # SiLU in gate_up's epilogue
+STEP_NAMES = {6: ["norm1", "qkv", "attention", "o", "gate_up", "down"],      # norm2 inside gate/up (NORM_IN_GATE_UP)
+              7: ["norm1", "qkv", "attention", "o", "norm2", "gate_up", "down"],     # SiLU in gate_up's epilogue
               8: ["norm1", "qkv", "attention", "o", "norm2", "gate_up", "silu", "down"]}
 LINEAR_NAMES = ["qkv", "o", "gate_up", "down"]
 
@@ -104,9 +105,9 @@ def main():
             continue
         for fn, t, size in zip(graphs, untraced, sizes):
             mine = [r for r in reps if len(r) == size][1:]
-            first = 0
-            if fn == step.step:                         # the step's clone and zeros come before the first norm
-                first = next(i for i, e in enumerate(mine[0]) if "kbit_numba" in e[2])
+            # the step's clone and zeros come before the first norm (and NORM_IN_GATE_UP's zeroed sums of squares
+            # before the linears' first gemv)
+            first = next((i for i, e in enumerate(mine[0]) if "kbit_numba" in e[2]), 0)
             per = (size - first) // cfg["layers"]
             names = STEP_NAMES.get(per, []) if fn == step.step else LINEAR_NAMES
             totals = collections.defaultdict(float)

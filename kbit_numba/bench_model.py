@@ -203,6 +203,15 @@ ATT_MAX_CLUSTER = 16            # the slices of a (row, KV head) merge in their 
                                 # on the simulator, which runs one CTA at a time)
 _KERNELS = {}
 
+# The layer's second add + norm inside its linears: the o gemv adds its product into the residual stream in place
+# and sums the squares of what it writes (``pair_gemv`` ``accumulate`` with ``squares``: a row's float32 word a layer,
+# zeroed once a step), and the gate/up gemv scales its product by 1 / sqrt(squares / H + eps) in the epilogue
+# (``rms_eps``; the norm's weight folded into gate/up's: ones here); no add_rmsnorm launch between them. Where both run
+# the pair gemv with float16 sums (dense models on the GPU: :func:`norm_in_gate_up`). See benchmarks/README.md,
+# "Sixty-fifth session" (and the sixty-fourth's two designs, which summed the squares inside gate/up).
+NORM_IN_GATE_UP = True
+NORM_EPS = 1e-6                 # the RMSNorms' epsilon
+
 
 def norm_threads(H):
     """add_rmsnorm's threads for rows of H float16 values: one 16-byte chunk a thread, a whole number of warps, within
@@ -795,13 +804,15 @@ class DecodeStep:
         g = torch.Generator(device=dev).manual_seed(0)
         self.x = torch.randn(B, H, device=dev, dtype=f16, generator=g)
         self.norms = [(torch.ones(H, device=dev, dtype=f16), torch.ones(H, device=dev, dtype=f16))
-                      for _ in linears]
+                      for _ in linears]     # (ones: NORM_IN_GATE_UP's fold of norm2's weight into gate/up is exact)
         kv_shape = (B, cfg["kv_heads"], context, hd)
         self.kv = [(torch.randn(kv_shape, device=dev, dtype=f16, generator=g),
                     torch.randn(kv_shape, device=dev, dtype=f16, generator=g)) for _ in linears]
         # the linear-only graph's inputs: one static tensor per projection input width
         self.static = {K: torch.randn(B, K, device=dev, dtype=f16, generator=g) * 0.1
                        for _, _, K in projections(cfg)}
+        self.spare = torch.zeros(B, H, device=dev, dtype=f16)     # (the o gemv's residual: NORM_IN_GATE_UP)
+        self.squares = torch.zeros(len(linears), B, device=dev, dtype=torch.float32)   # (its sums of squares a layer)
         if is_moe(cfg):
             self._bind_experts(torch, dev, f16)
         if self.attention == "numba" and torch.device(dev).type == "cuda":   # decode_attention's slices and counts,
@@ -935,9 +946,18 @@ class DecodeStep:
         res = self.x.clone()
         y = self.torch.zeros_like(res)
         moe = is_moe(self.cfg)
+        fused = not moe and norm_in_gate_up(*self.linears[0][1:3], res, self.silu_pairs)
+        if fused:
+            self.squares.zero_()
         for layer, ((qkv, o, gate_up, down), (n1, n2), kv) in enumerate(zip(self.linears, self.norms, self.kv)):
             h = self.add_rmsnorm(res, y, n1, prefetch=kv if self.prefetch_kv else None)    # (layer 0: res += 0)
-            h = self.add_rmsnorm(res, o(self._attention(qkv(h), kv)), n2)
+            att = self._attention(qkv(h), kv)
+            if fused:               # (n2: ones, folded into gate/up)
+                ss = self.squares[layer]
+                o.run(att, accumulate_into=res, squares=ss)                     # res += o(att); ss = sum(res^2)
+                y = down(gate_up.run(res, silu_pairs=True, rms_eps=NORM_EPS, squares=ss))  # rmsnorm -> gate/up -> SiLU
+                continue
+            h = self.add_rmsnorm(res, o(att), n2)
             y = self.moe(h, layer) if moe else down(self.mlp_activation(gate_up, h))
         res.add_(y)
         return res
@@ -951,8 +971,16 @@ class DecodeStep:
                 for run in self.expert_runs[i]:
                     run()
                 continue
+            fused = norm_in_gate_up(layer[1], layer[2], self.static[layer[1].in_features], self.silu_pairs)
+            if fused and i == 0:
+                self.squares.zero_()
             for lin, (name, _, K) in zip(layer, projections(self.cfg)):
-                run_linear(lin, name, self.static[K], self.silu_pairs)
+                if fused and name == "o":           # (the builds the step runs: NORM_IN_GATE_UP)
+                    lin.run(self.static[K], accumulate_into=self.spare, squares=self.squares[i])
+                elif fused and name == "gate_up":
+                    lin.run(self.static[K], silu_pairs=True, rms_eps=NORM_EPS, squares=self.squares[i])
+                else:
+                    run_linear(lin, name, self.static[K], self.silu_pairs)
 
 
 def run_linear(lin, name, x, silu_pairs):
@@ -961,6 +989,15 @@ def run_linear(lin, name, x, silu_pairs):
     if name == "gate_up" and epilogue_silu(lin, x, silu_pairs):
         return lin.run(x, silu_pairs=True)
     return lin(x)
+
+
+def norm_in_gate_up(o, gate_up, x, silu_pairs):
+    """Whether the step runs the layer's second add + norm inside its o and gate/up pair gemvs (``NORM_IN_GATE_UP``):
+    both kbit layers whose kernel for x's rows is the pair gemv with float16 sums, gate/up through its SiLU epilogue,
+    float16 rows on the GPU."""
+    runtimes = [getattr(lin, "runtime", None) for lin in (o, gate_up)]
+    return bool(NORM_IN_GATE_UP and silu_pairs and x.is_cuda and str(x.dtype) == "torch.float16"
+                and all(r is not None and r.f16_acc and r.kernel_for(x.shape[0]) == "pair_gemv" for r in runtimes))
 
 
 def epilogue_silu(gate_up, h, silu_pairs):

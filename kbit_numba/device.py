@@ -12,6 +12,7 @@ from functools import lru_cache
 
 import numpy as np
 from numba import cuda
+from numba.cuda import libdevice
 
 from . import _cache
 from .formats import E4M4_BIAS, TILE_N
@@ -263,17 +264,28 @@ def silu_mul(gate, up):
     return gate / (np.float32(1.0) + math.exp(-gate)) * up
 
 
+@inlined
+def rsqrt_mean(ss, n, eps):
+    """1 / sqrt(ss / n + eps) in float32 (an RMSNorm's scale from its sum of squares ss over n values), by the
+    approximate division and rsqrt.approx (~2 ulp each): the IEEE ones call slow paths, which in the pair gemv's
+    SiLU build cost 16 registers. The simulator computes it in float64, rounded once."""
+    if SIMULATOR:
+        return np.float32(1.0 / math.sqrt(float(ss) / float(n) + float(eps)))
+    return libdevice.rsqrtf(libdevice.fast_fdividef(ss, n) + eps)
+
+
 @lru_cache(maxsize=None)
 def make_silu_pair_out(stride, partner, f16_out):
-    """Device function ``silu_pair_out(smem, p, kw, out, row, n, N)``: the pair gemv's ``silu_pairs`` epilogue. Column
-    n (even) is gate j = n / 2 of a gate/up weight whose rows are interleaved, and n + 1 is up j: write silu(gate) * up
-    to out[row, j] of an [M, N / 2] output (float16 if ``f16_out``) from the float32 partial sums, once an element: no
-    SiLU kernel and no [M, N] round trip through memory. Column n's kw partial sums are smem[p], smem[p + stride], ...;
+    """Device function ``silu_pair_out(smem, p, kw, out, row, n, N, scale)``: the pair gemv's ``silu_pairs`` epilogue.
+    Column n (even) is gate j = n / 2 of a gate/up weight whose rows are interleaved, and n + 1 is up j: write
+    silu(scale * gate) * (scale * up) to out[row, j] of an [M, N / 2] output (float16 if ``f16_out``) from the float32
+    partial sums, once an element: no SiLU kernel and no [M, N] round trip through memory (``scale``: 1, or the row's
+    1 / rms of the pair gemv's ``add_norm``). Column n's kw partial sums are smem[p], smem[p + stride], ...;
     column n + 1's sit ``partner`` floats after each. The odd column's thread writes nothing. (The tensor-core gemv
     sums its fragment-order tiles its own way, with the same ``silu_mul``.) Twin: ``reference.silu_pairs``."""
 
     @inlined
-    def silu_pair_out(smem, p, kw, out, row, n, N):
+    def silu_pair_out(smem, p, kw, out, row, n, N, scale):
         if n % u32(2) == u32(0) and n < u32(N):
             gate, up = np.float32(0.0), np.float32(0.0)
             p_end = u32(p + kw * u32(stride))
@@ -281,7 +293,7 @@ def make_silu_pair_out(stride, partner, f16_out):
                 gate += smem[p]
                 up += smem[u32(p + u32(partner))]
                 p = u32(p + u32(stride))
-            y = silu_mul(gate, up)
+            y = silu_mul(gate * scale, up * scale)
             out[u32(row * u32(u32(N) // u32(2)) + n // u32(2))] = np.float16(y) if f16_out else y
 
     return silu_pair_out

@@ -68,7 +68,8 @@ from . import _arrays
 from .core import (MAX_M, check_grouped, device_weight, fit_threads, k_warps, persistent_grid, row_share, sm_count,
                    unused_i32)
 from .device import (ABSMAX_CODES, CODEBOOK, PRMT_ROW, TABLE_BYTES, TABLE_FLOATS, WARP, e4m4_decode, i32, inlined,
-                     jit_kernel, make_silu_pair_out, make_table_fill, make_warp_reduce_scatter, make_word_unpacker, u32)
+                     jit_kernel, make_silu_pair_out, make_table_fill, make_warp_reduce_scatter, make_word_unpacker,
+                     rsqrt_mean, u32)
 from .formats import ABSMAX_FORMATS, BLOCK, CODES_K, KbitCodes, KbitFragments, KbitWeight
 from .intrinsics import (SIMULATOR, bar_sync, f16_bits_to_f32, griddep_launch_dependents, griddep_wait, hfma2, ld128,
                          ldg128, ldg64_stream, ldg128_stream, lds64, lds128, lds_u32, prmt, shared_addr, u32_as_f32)
@@ -115,6 +116,9 @@ class PairGemvSpec(Spec):
     grouped: bool = False                   # MoE experts: blockIdx.y is a token row, M = 1 (see the module docstring)
     fragments: bool = False                 # the weight in the fragment layout (KbitFragments), not the code layout
     full_batches: bool = False              # batch = 3: whole batches run a loop with no branch inside (FULL_BATCHES)
+    rms_eps: float = 0.0                    # > 0: out = (A W^T) / sqrt(squares / K + rms_eps) (RMSNorm, w folded in W)
+    accumulate: bool = False                # out += A W^T in place (float16): a decode step's residual add
+    sum_squares: bool = False               # accumulate: squares[m] += the sum of the written row's squares
 
     def normalise(self):
         if self.k not in CODES_K or not 1 <= self.M <= MAX_M:
@@ -123,6 +127,16 @@ class PairGemvSpec(Spec):
             raise ValueError(f"cols must be one of {COL_CHOICES}, got {self.cols!r}")
         if self.grouped and self.M != 1:        # (a row a slot: each row its own expert's weights)
             raise ValueError(f"the grouped pair gemv runs one row a slot (M = 1), got M={self.M}")
+        if (self.rms_eps or self.accumulate) and self.grouped:
+            raise ValueError("rms_eps and accumulate take no grouped launch")
+        if self.accumulate and (self.silu_pairs or type_name(self.out_dtype, "out_dtype", OUT_TYPES) != "float16"):
+            raise ValueError("accumulate adds into a float16 output, without silu_pairs")
+        if self.sum_squares and not self.accumulate:
+            raise ValueError("sum_squares sums the squares of what accumulate writes")
+        if self.rms_eps and self.accumulate:
+            raise ValueError("rms_eps reads the sums of squares that an accumulate launch writes: not both in one")
+        if not 0 <= float(self.rms_eps) < 1:
+            raise ValueError(f"rms_eps must be in [0, 1), got {self.rms_eps!r}")
         if self.silu_pairs and self.cols % 2:   # (a column pair must stay within one slice's columns)
             raise ValueError(f"silu_pairs needs an even cols, got {self.cols}")
         if self.absmax_format not in ABSMAX_FORMATS:
@@ -140,7 +154,8 @@ class PairGemvSpec(Spec):
                     pdl=bool(self.pdl), batch=int(batch),
                     max_registers=int(self.max_registers) if self.max_registers else None,
                     silu_pairs=bool(self.silu_pairs), grouped=bool(self.grouped), fragments=bool(self.fragments),
-                    full_batches=bool(self.full_batches))
+                    full_batches=bool(self.full_batches), rms_eps=float(self.rms_eps),
+                    accumulate=bool(self.accumulate), sum_squares=bool(self.sum_squares))
 
 
 
@@ -183,7 +198,14 @@ def make_pair_gemv_kernel(spec):
     # without PDL, keep it after the activation loads, which then overlap it (benchmarks/README.md, "the tables'
     # barrier before the wait").
     EARLY_BARRIER = PDL and k == 4 and not GROUPED
-    SILU_PAIRS = spec.silu_pairs
+    SILU_PAIRS, ACCUMULATE, SQUARES = spec.silu_pairs, spec.accumulate, spec.sum_squares
+    # A decode step's add + RMSNorm split over two launches, with no norm launch between them: the o projection's
+    # ``accumulate`` build writes x = res + o(att) in place and (SQUARES) adds each row's sum of x^2 into ``offsets``
+    # (its float32 [M] sums of squares: a shared sum and one atomic a CTA, at the end); the gate/up projection's
+    # ``rms_eps`` build reads x and offsets[m] with its activations, and scales its products by
+    # 1 / sqrt(offsets[m] / K + eps) in the epilogue (the norm's weight folded into
+    # its own). Neither adds work before the decode but one load (benchmarks/README.md, "Sixty-fifth session").
+    RMS, EPS = spec.rms_eps > 0, np.float32(spec.rms_eps)
     # The activations: with PDL the kernel before may still be writing them when this one starts, so an ordinary load
     # (ptxas moved ld.global.nc ones above griddep_wait: tests/test_pdl_reads.py); else the read-only path.
     load_a = ld128 if PDL else ldg128
@@ -289,12 +311,40 @@ def make_pair_gemv_kernel(spec):
                 acc[c * M + m] = s[m] * scale
 
     @inlined
-    def reduce_columns(smem, acc, lane, part, flip, sl, kw, slice_tid, n_first, out, N):
+    def write_out(out, i, total):
+        """out[i] = the sum in the output type; ``accumulate``: out[i] + the float16 sum, rounded to float16 (a residual
+        add: only this thread reads and writes element i). Returns the square of what it wrote (SQUARES), else 0."""
+        if ACCUMULATE:
+            x = np.float32(np.float16(np.float32(out[i]) + np.float32(np.float16(total))))
+            out[i] = np.float16(x)
+            return x * x if SQUARES else np.float32(0.0)
+        out[i] = np.float16(total) if f16_out else total
+        return np.float32(0.0)
+
+    @inlined
+    def squares_out(sq, lane, tid, ssq, aux):
+        """SQUARES, at the kernel's end: add the threads' sums of squares sq[m] (of the elements of row m each wrote)
+        into aux[m]: a warp's sum (five shuffles) into the CTA's shared word ssq[m] (zeroed in the prologue), then one
+        global atomic a CTA and row. (An atomic a warp and batch, in the loop, took the o build from 80 to 96
+        registers.)"""
+        for m in range(M):
+            s = sq[m]
+            for h in range(5):
+                s += cuda.shfl_xor_sync(0xFFFFFFFF, s, 16 >> h)
+            if lane == u32(0) and s != np.float32(0.0):
+                cuda.atomic.add(ssq, m, s)
+        cuda.syncthreads()
+        if tid < u32(M):
+            cuda.atomic.add(aux, tid, ssq[tid])
+
+    @inlined
+    def reduce_columns(smem, acc, lane, part, flip, sl, kw, slice_tid, n_first, out, N, nsc, sq):
         """Sum acc over the slice's K-warps: a warp reduce-scatter, one partial per (warp, value) into the
         shared buffer half ``flip`` (double-buffered: one barrier per iteration), then one thread per
         (column, row) of the slice adds its KW partials and writes column n_first + sl * NCOL + c.
         The slices share no partials, so each waits on its own named barrier (``bar_sync(sl, ...)``, KW
-        warps) rather than on all the CTA's warps: a slow slice no longer holds the others."""
+        warps) rather than on all the CTA's warps: a slow slice no longer holds the others. ``nsc``: the rows'
+        norm scales (RMS); ``sq``: the thread's sums of the squares it wrote, a row (SQUARES)."""
         r, v_idx, owner = reduce_scatter(acc, lane)
         if owner:
             smem[u32(part + flip + u32(v_idx))] = r
@@ -304,8 +354,9 @@ def make_pair_gemv_kernel(spec):
             row = u32(slice_tid - col * u32(M))
             n = u32(n_first + sl * u32(NCOL) + col)
             p = u32(u32(PART) + flip + sl * kw * u32(V) + slice_tid)
+            scale = nsc[row] if RMS else np.float32(1.0)
             if SILU_PAIRS:
-                silu_pair_out(smem, p, kw, out, row, n, N)
+                silu_pair_out(smem, p, kw, out, row, n, N, scale)
             else:
                 p_end = u32(p + kw * u32(V))
                 total = np.float32(0.0)
@@ -313,10 +364,12 @@ def make_pair_gemv_kernel(spec):
                     total += smem[p]
                     p = u32(p + u32(V))
                 if n < u32(N):
-                    out[u32(row * u32(N) + n)] = np.float16(total) if f16_out else total
+                    x2 = write_out(out, u32(row * u32(N) + n), total * scale)
+                    if SQUARES:
+                        sq[row] += x2
 
     @inlined
-    def finish_batch(smem, flip, fw, slot, r, g, grid, sl, kw, slice_tid, group_cols, out, N):
+    def finish_batch(smem, flip, fw, slot, r, g, grid, sl, kw, slice_tid, group_cols, out, N, nsc, sq):
         """The end of a batch of r + 1 column groups (the last one g) whose partials are in the buffer half ``flip``:
         the slice meets at its barrier and one thread per (group, column, row), a lane of the slice's warp ``fw``,
         sums its KW partials and writes the output; returns the half the next batch writes."""
@@ -329,8 +382,9 @@ def make_pair_gemv_kernel(spec):
             row = u32(v - col * u32(M))
             n = u32(u32(u32(g - u32(u32(r) - rr) * grid) * group_cols) + sl * u32(NCOL) + col)
             p = u32(u32(PART) + flip + rr * slot + sl * kw * u32(V) + v)
+            scale = nsc[row] if RMS else np.float32(1.0)
             if SILU_PAIRS:
-                silu_pair_out(smem, p, kw, out, row, n, N)
+                silu_pair_out(smem, p, kw, out, row, n, N, scale)
             else:
                 p_end = u32(p + kw * u32(V))
                 total = np.float32(0.0)
@@ -338,12 +392,15 @@ def make_pair_gemv_kernel(spec):
                     total += smem[p]
                     p = u32(p + u32(V))
                 if n < u32(N):
-                    out[u32(row * u32(N) + n)] = np.float16(total) if f16_out else total
+                    x2 = write_out(out, u32(row * u32(N) + n), total * scale)
+                    if SQUARES:
+                        sq[row] += x2
             i = u32(i + kw * u32(WARP))
         return u32(u32(BATCH) * slot - flip)
 
     @inlined
-    def end_group(smem, acc, lane, part, flip, slot, r, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N):
+    def end_group(smem, acc, lane, part, flip, slot, r, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N,
+                  nsc, sq):
         """``batch = 3``: :func:`reduce_columns` with one barrier per three groups. The warp's partials go to
         slot r (of 3) of the buffer half ``flip``; after a batch's last group (or the CTA's) the slice meets at
         its barrier and one thread per (group, column, row) of the batch sums (:func:`finish_batch`); returns the
@@ -354,13 +411,14 @@ def make_pair_gemv_kernel(spec):
         if owner:
             smem[u32(part + flip + u32(r) * slot + u32(v_idx))] = rs
         if r == BATCH - 1 or u32(g + grid) >= n_groups:
-            return finish_batch(smem, flip, u32(0), slot, r, g, grid, sl, kw, slice_tid, group_cols, out, N)
+            return finish_batch(smem, flip, u32(0), slot, r, g, grid, sl, kw, slice_tid, group_cols, out, N, nsc, sq)
         return flip
 
     @inlined
-    def end_each(smem, acc, lane, part, flip, slot, r, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N):
+    def end_each(smem, acc, lane, part, flip, slot, r, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N,
+                 nsc, sq):
         """``batch = 1``: :func:`reduce_columns` after every group (end_group's signature)."""
-        reduce_columns(smem, acc, lane, part, flip, sl, kw, slice_tid, u32(g * group_cols), out, N)
+        reduce_columns(smem, acc, lane, part, flip, sl, kw, slice_tid, u32(g * group_cols), out, N, nsc, sq)
         return u32(slot - flip)
 
     end = end_group if BATCH_ > 1 else end_each        # how a column group ends (chosen here, not in the kernel)
@@ -393,6 +451,7 @@ def make_pair_gemv_kernel(spec):
             i = u32(i + u32(cuda.blockDim.x))
 
     def pair_gemv(A, packed, absmax, cb, out, N, n_kb, offsets):
+        # offsets: grouped, the experts' first rows [E + 1]; RMS and SQUARES, the rows' sums of squares [M] (float32)
         smem = cuda.shared.array(0, np.float32)    # [group table][E4M4 table][codebook][partials]
         # Every index below is uint32 (see load_columns): Numba would make them int64.
         tid = u32(cuda.threadIdx.x)
@@ -449,6 +508,10 @@ def make_pair_gemv_kernel(spec):
         # ---- 2. the group table and the E4M4 table (grouped PDL: filled above) ---------------------
         if not (GROUPED and PDL):
             fill_tables(smem, cb, tid)
+        if SQUARES:                 # the CTA's sums of squares a row, zeroed before the prologue's barrier
+            ssq = cuda.shared.array(M, np.float32)
+            if tid < u32(M):
+                ssq[tid] = np.float32(0.0)
         table = shared_addr(smem)
 
         if EARLY_BARRIER:           # the tables' barrier before the wait (see EARLY_BARRIER)
@@ -457,6 +520,10 @@ def make_pair_gemv_kernel(spec):
             griddep_wait()
         # ---- 3. this lane's 32 x M activations, element order, 16-byte loads ---------------------
         a = cuda.local.array((M, BLOCK), np.float32)       # (f16_acc: unused)
+        nsc = cuda.local.array(M, np.float32)              # (RMS: the rows' norm scales)
+        sq = cuda.local.array(M, np.float32)               # (SQUARES: the squares this thread wrote, a row)
+        for m in range(M):
+            sq[m] = np.float32(0.0)
         ah = cuda.local.array((M, PAIRS), np.uint32)       # f16_acc: the f16x2 words as loaded
         for m in literal_unroll(ROWS):              # (once per launch: range(M) stays rolled at M = 4)
             a_base = (m * n_kb * BLOCK + kb * BLOCK) // A_PER_WORD if active else 0
@@ -469,6 +536,9 @@ def make_pair_gemv_kernel(spec):
                     else:
                         for e in range(A_PER_WORD):
                             a[m, (4 * q + h) * A_PER_WORD + e] = word_to_f32(w4[h], e) * a_live
+        if RMS:                     # the rows' 1 / rms from their sums of squares (the kernel before wrote them)
+            for m in range(M):
+                nsc[m] = rsqrt_mean(offsets[m], np.float32(nkb * u32(BLOCK)), EPS)
         lane_off = u32((lane % COPIES) * ENTRY)
         if not EARLY_BARRIER:       # (the activation loads above overlap the barrier)
             cuda.syncthreads()
@@ -502,26 +572,28 @@ def make_pair_gemv_kernel(spec):
                     smem[u32(part + flip + u32(v_idx))] = rs0
                     smem[u32(part + flip + FLIP + u32(v_idx))] = rs1
                     smem[u32(part + flip + u32(2) * FLIP + u32(v_idx))] = rs2
-                flip = finish_batch(smem, flip, fw, FLIP, 2, g, grid, sl, kw, slice_tid, group_cols, out, N)
+                flip = finish_batch(smem, flip, fw, FLIP, 2, g, grid, sl, kw, slice_tid, group_cols, out, N, nsc, sq)
                 fw = u32(fw + u32(1)) if fw + u32(1) < kw else u32(0)
                 g = u32(g + grid)
         while g < n_groups:         # (the last, partial batch; every batch when FULL_BATCHES is off)
             load_columns(packed, absmax, u32(g * group_cols + ahead + col0), kb_at, last4, nkb, codes_c, absmax_c)
             decode_columns(smem, table, lane_off, codes_a, absmax_a, a, ah, acc)
-            flip = end(smem, acc, lane, part, flip, FLIP, 0, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N)
+            flip = end(smem, acc, lane, part, flip, FLIP, 0, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N, nsc, sq)
             g = u32(g + grid)
             if g >= n_groups:
                 break
             load_columns(packed, absmax, u32(g * group_cols + ahead + col0), kb_at, last4, nkb, codes_a, absmax_a)
             decode_columns(smem, table, lane_off, codes_b, absmax_b, a, ah, acc)
-            flip = end(smem, acc, lane, part, flip, FLIP, 1, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N)
+            flip = end(smem, acc, lane, part, flip, FLIP, 1, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N, nsc, sq)
             g = u32(g + grid)
             if g >= n_groups:
                 break
             load_columns(packed, absmax, u32(g * group_cols + ahead + col0), kb_at, last4, nkb, codes_b, absmax_b)
             decode_columns(smem, table, lane_off, codes_c, absmax_c, a, ah, acc)
-            flip = end(smem, acc, lane, part, flip, FLIP, 2, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N)
+            flip = end(smem, acc, lane, part, flip, FLIP, 2, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N, nsc, sq)
             g = u32(g + grid)
+        if SQUARES:                 # (every thread of the CTA: the loops above end for all of them alike)
+            squares_out(sq, lane, tid, ssq, offsets)
 
     return jit_kernel(pair_gemv, spec.max_registers)
 
@@ -611,7 +683,7 @@ def whole_rounds(slices, most, N, spec, kw, regs):
 
 
 def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc=False, cols=None, cta_warps=None,
-         pdl=False, silu_pairs=False, max_registers=None):
+         pdl=False, silu_pairs=False, max_registers=None, rms_eps=None, accumulate=False, squares=None):
     """Checked inputs bound into a :class:`launch.Plan` (one launch). ``kc``: KbitCodes or KbitFragments (slower:
     the module docstring; a KbitWeight is re-packed with :func:`to_codes`, a copy per call: keep the KbitCodes for
     repeated use). f16_acc: see :func:`make_pair_gemv_kernel` (float16 A only). pdl: a programmatic dependent launch (sm_90; the
@@ -622,7 +694,14 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc
     qwen3-30b-a3b's k = 2 step, whose dense launches run none, was 10 us slower with it in those and 21 us in its
     grouped ones (benchmarks/README.md, "Sixtieth session"). ``max_registers``: a per-thread register cap, so that more
     warps fit an SM (an experiment's knob for ``sweep_pair_gemv.py``: every cap measured was slower, even without
-    spills, at k = 4 in the fifty-fourth session and at k = 2 in the sixty-first), or None."""
+    spills, at k = 4 in the fifty-fourth session and at k = 2 in the sixty-first), or None.
+    A decode step's add + RMSNorm inside two launches (no norm launch between them), with ``squares`` a float32
+    device array [M] that the caller zeroes: the first, ``accumulate=True`` (a float16 ``out`` given: the residual
+    stream), writes out += A W^T in place and adds each row's sum of the written values' squares into squares[m]; the
+    second, ``rms_eps`` (A = that out), scales each output row m by 1 / sqrt(squares[m] / K + rms_eps) in the epilogue:
+    an RMSNorm of A before the product whose weight w is folded into this weight beforehand (quantize W * w[None, :]);
+    twin ``reference.rms_gemv``. ``accumulate`` without ``squares``: the residual add alone.
+    """
     stream = _arrays.as_stream(stream)
     kc = (device_weight(kc, KbitFragments, stream) if isinstance(kc, KbitFragments)
           else to_codes(kc, stream))                       # checked device arrays (re-packed if a KbitWeight)
@@ -635,11 +714,19 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc
     if kw > MAX_KW:
         raise ValueError(f"pair gemv handles K <= {MAX_KW * WARP * BLOCK}, got K={K}")
     _arrays.check_aligned(Ad, 16, "A")
+    if rms_eps is not None and squares is None:
+        raise ValueError("rms_eps scales by the rows' sums of squares: pass squares (an accumulate launch's)")
+    if squares is not None:
+        squares = _arrays.device_array(squares, "squares", (np.float32,), 1, stream)
+        if squares.shape[0] != M or not (rms_eps is not None or accumulate):
+            raise ValueError(f"squares: float32 [{M}] for an accumulate or rms_eps launch, got shape "
+                             f"{tuple(squares.shape)}")
     args = (_arrays.flat_view(Ad, np.uint32), kc.packed, kc.absmax, kc.codebook, _arrays.flat_view(out),
-            i32(N), i32(n_kb), unused_i32())
+            i32(N), i32(n_kb), unused_i32() if squares is None else squares)
     cols = default_cols(M, N, K) if cols is None else cols
     spec = PairGemvSpec(kc.k, M, cols, kc.absmax_format, a_src, out.dtype, f16_acc, pdl, max_registers=max_registers,
-                        silu_pairs=silu_pairs, fragments=isinstance(kc, KbitFragments))
+                        silu_pairs=silu_pairs, fragments=isinstance(kc, KbitFragments), rms_eps=float(rms_eps or 0),
+                        accumulate=accumulate, sum_squares=accumulate and squares is not None)
     spec, kern, regs, max_threads = fit_threads(make_pair_gemv_kernel, spec, args, kw * WARP)
     if kw * WARP > max_threads:
         raise ValueError(f"pair gemv with M={M}, cols={spec.cols} fits {max_threads} threads per CTA: K <= "
@@ -755,7 +842,10 @@ def ptx_specs():
     variants += [dict(absmax_format="fp32", M=3), dict(a_type="float32", M=2), dict(a_type="bfloat16", M=1),
                  dict(out_dtype="float32", M=1)]
     whole = [dict(M=1, f16_acc=True, full_batches=True),                  # where plan builds whole batches
-             dict(M=1, f16_acc=True, pdl=True, silu_pairs=True, full_batches=True)]
+             dict(M=1, f16_acc=True, pdl=True, silu_pairs=True, full_batches=True),
+             dict(M=1, f16_acc=True, pdl=True, silu_pairs=True, rms_eps=1e-6, full_batches=True)]   # the step's
+    variants += [dict(M=3, rms_eps=1e-5), dict(M=1, f16_acc=True, pdl=True, accumulate=True, sum_squares=True),
+                 dict(M=2, accumulate=True, sum_squares=True), dict(M=1, f16_acc=True, accumulate=True)]  # norm, residual
     return ([PairGemvSpec(k=k, **v) for k in CODES_K for v in variants]
             + [PairGemvSpec(k=k, **v) for k in PAIR_FULL_BATCHES_K for v in whole])
 
@@ -763,7 +853,8 @@ def ptx_specs():
 def argtypes(spec):
     from numba import types as t
     return (t.uint32[::1], t.uint32[::1], t.uint8[::1] if spec.absmax_format == "e4m4" else t.float32[::1],
-            t.float32[::1], NUMBA_TYPES[spec.out_dtype], t.int32, t.int32, t.int32[::1])
+            t.float32[::1], NUMBA_TYPES[spec.out_dtype], t.int32, t.int32,
+            t.float32[::1] if spec.rms_eps or spec.sum_squares else t.int32[::1])
 
 
 def kernel_specializations():

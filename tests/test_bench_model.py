@@ -69,6 +69,29 @@ def test_quantized_step_follows_the_fp16_step(variant):
     assert err <= bound, err
 
 
+@pytest.mark.skipif(SIM, reason="the norm inside gate/up is a GPU launch's (the CPU step runs the torch twins)")
+def test_norm_inside_gate_up_follows_the_norm_launch(monkeypatch):
+    """``NORM_IN_GATE_UP``: the layer's second add + RMSNorm inside its linears (the o gemv adding into the residual
+    stream, ``accumulate``; the gate/up gemv scaling by 1 / rms, ``rms_eps``) against the step with its
+    ``add_rmsnorm`` launch, same weights, batch 1: the same residual stream to float16 rounding of the sums (the fused
+    scale multiplies float16 block sums of the unnormalised residual), and the fused path ran."""
+    rng = np.random.default_rng(1)
+    base = {name: rng.standard_normal((N, K), dtype=np.float32) * 0.1 for name, N, K in bench_model.projections(TINY)}
+    variant = "kbit k=4 pdl f16_acc"
+    q = bench_model.build_linears(TINY, variant, base, lambda msg: None, DEVICE, silu_pairs=True)
+    x = torch.zeros(1, TINY["hidden"], device=DEVICE, dtype=torch.float16)
+    assert bench_model.norm_in_gate_up(q[0][1], q[0][2], x, True)
+    outs = []
+    for fused in (True, False):
+        monkeypatch.setattr(bench_model, "NORM_IN_GATE_UP", fused)
+        step = bench_model.DecodeStep(TINY, q, 1, context=64, device=DEVICE, pdl=True, silu_pairs=True)
+        with torch.no_grad():
+            outs.append(step.step().float().cpu().numpy())
+            step.linears_only()
+    err = np.abs(outs[0] - outs[1]).max() / np.abs(outs[1]).max()
+    assert np.isfinite(outs[0]).all() and err <= 0.01, err
+
+
 TINY_MOE = (dict(hidden=64, heads=2, kv_heads=1, head_dim=32, layers=2, experts=4, expert_intermediate=32, top_k=2)
             if SIM else dict(hidden=256, heads=2, kv_heads=1, head_dim=128, layers=2, experts=8,
                              expert_intermediate=128, top_k=2))

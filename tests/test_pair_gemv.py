@@ -268,6 +268,85 @@ def test_pair_gemv_whole_batches_of_slices(monkeypatch, silu):
         check_close_f16_acc(got, A, qw, np.float32)
 
 
+@pytest.mark.parametrize("k, M, f16_acc, silu, ctas", [(4, 1, True, True, 1), (4, 1, True, False, 2),
+                                                    (2, 1, True, True, 4), (4, 3, False, False, 2),
+                                                    (2, 2, False, True, 1)])
+def test_pair_gemv_rms_eps(monkeypatch, k, M, f16_acc, silu, ctas):
+    """``rms_eps``: an RMSNorm of A before the product (its weight folded into the weight), applied in the epilogue
+    from the rows' sums of squares that an ``accumulate`` launch wrote (here A's own times a factor a row, so that a
+    scale taken from A itself fails): each output row scaled by 1 / sqrt(squares / K + eps) (reference.rms_gemv; with
+    the SiLU epilogue, before the SiLU). Two slices of two K-warps, eight groups of four columns; the grid (``ctas``)
+    at M = 1 with float16 sums runs whole batches (1 and 2 CTAs) and the other loop (4 CTAs). The scaled product is
+    the plain product of the scaled A, so the bound is the plain one at those activations (plus the float32 scale's
+    rounding: rsqrt.approx, 1e-6)."""
+    monkeypatch.setattr(pair_gemv, "persistent_grid", lambda work, *args: min(work, ctas))
+    rng = np.random.default_rng(64 + k + M)
+    N, K, eps = 30, 2048, 1e-6
+    qw = ref.quantize(random_weight(rng, N, K), k=k)
+    A = (_activations(rng, M, K, "float32") * 3.0).astype(np.float16)
+    A64 = A.astype(np.float64)
+    squares = ((A64 ** 2).sum(axis=1) * rng.uniform(0.5, 2.0, M)).astype(np.float32)
+    p = pair_gemv.plan(A, pair_gemv.to_codes(qw), out_dtype=np.float32, cols=2, cta_warps=4, f16_acc=f16_acc,
+                       silu_pairs=silu, rms_eps=eps, squares=cuda.to_device(squares))
+    assert p.steps[0].grid == ctas
+    got = p.launch().copy_to_host()
+    scaled = A64 / np.sqrt(squares.astype(np.float64)[:, None] / K + eps)
+    if silu:
+        check_silu_pairs(got, scaled, qw, f16_acc, np.float32)
+    else:
+        want = ref.rms_gemv(A, qw, eps, squares)
+        assert_within(got, want, gemv_bound(scaled, qw, f16_acc) + 1e-6 * np.abs(want), np.float32)
+
+
+@pytest.mark.parametrize("k, M, f16_acc, pdl, ctas", [(4, 1, True, True, 1), (4, 1, True, False, 8),
+                                                      (2, 1, True, True, 2), (2, 2, False, False, 2),
+                                                      (4, 3, True, False, 3)])
+def test_pair_gemv_accumulate(monkeypatch, k, M, f16_acc, pdl, ctas):
+    """``accumulate``: out += A W^T in place, each element rounded to float16 once more after the float16 sum (a decode
+    step's residual add in the launch that produces the delta), and with ``squares`` each row's sum of the written
+    values' squares added into squares[m] (from 0.5 here: added, not overwritten). 15 groups of four columns: at M = 1
+    with float16 sums whole batches (1 and 2 CTAs: the summing warp rotates) and batches of three groups (8 CTAs);
+    batches of one group at M = 2 and 3 (rows summed apart). A written element left out of the sums, or counted twice,
+    is far outside the float32 sum's bound."""
+    monkeypatch.setattr(pair_gemv, "persistent_grid", lambda work, *args: min(work, ctas))
+    rng = np.random.default_rng(66 + k + M)
+    N, K = 60, 2048
+    qw = ref.quantize(random_weight(rng, N, K), k=k)
+    A = _activations(rng, M, K, "float16")
+    res = (rng.standard_normal((M, N)) * 4).astype(np.float16)
+    out, squares = cuda.to_device(res), cuda.to_device(np.full(M, 0.5, np.float32))
+    p = pair_gemv.plan(A, pair_gemv.to_codes(qw), out=out, f16_acc=f16_acc, pdl=pdl, accumulate=True, squares=squares,
+                       cols=2, cta_warps=4 if M < 3 else 8)
+    assert p.steps[0].grid == ctas
+    assert p.launch() is out
+    x = out.copy_to_host().astype(np.float64)
+    want = ref.gemv(A, qw).astype(np.float64)
+    ulp = np.abs(res.astype(np.float64)) + np.abs(want) + 1e-30   # (two float16 roundings of what is added)
+    assert_within(x - res.astype(np.float64), want, gemv_bound(A, qw, f16_acc) + 2.0 ** -10 * ulp, np.float32)
+    want_sq = 0.5 + (x ** 2).sum(axis=1)                            # (of the float16 values written)
+    np.testing.assert_allclose(squares.copy_to_host(), want_sq, rtol=1e-5)
+
+
+def test_pair_gemv_rms_and_accumulate_refuse():
+    rng = np.random.default_rng(65)
+    qw = pair_gemv.to_codes(ref.quantize(random_weight(rng, 8, 64), k=4))
+    A = _activations(rng, 1, 64, "float16")
+    sq = cuda.to_device(np.zeros(1, np.float32))
+    with pytest.raises(ValueError, match="float16 output"):
+        pair_gemv.plan(A, qw, out_dtype=np.float32, accumulate=True)
+    with pytest.raises(ValueError, match="rms_eps"):
+        pair_gemv.plan(A, qw, rms_eps=2.0, squares=sq)
+    with pytest.raises(ValueError, match="pass squares"):
+        pair_gemv.plan(A, qw, rms_eps=1e-6)
+    with pytest.raises(ValueError, match="not both"):
+        pair_gemv.plan(A, qw, out=cuda.to_device(np.zeros((1, 8), np.float16)), rms_eps=1e-6, accumulate=True,
+                       squares=sq)
+    with pytest.raises(ValueError, match="squares"):
+        pair_gemv.plan(A, qw, squares=sq)                           # (squares alone: no launch reads or writes it)
+    with pytest.raises(ValueError, match="squares"):
+        pair_gemv.plan(A, qw, rms_eps=1e-6, squares=cuda.to_device(np.zeros(2, np.float32)))
+
+
 @pytest.mark.parametrize("k, cols, slices, M, f16_acc", [(4, 2, 2, 1, True), (2, 8, 2, 2, False), (2, 4, 3, 2, True),
                                                           (4, 2, 4, 3, False)])
 def test_pair_gemv_tuned_knobs(k, cols, slices, M, f16_acc):
