@@ -322,20 +322,42 @@ def make_pair_gemv_kernel(spec):
         return np.float32(0.0)
 
     @inlined
-    def squares_out(sq, lane, tid, ssq, aux):
-        """SQUARES, at the kernel's end: add the threads' sums of squares sq[m] (of the elements of row m each wrote)
-        into aux[m]: a warp's sum (five shuffles) into the CTA's shared word ssq[m] (zeroed in the prologue), then one
-        global atomic a CTA and row. (An atomic a warp and batch, in the loop, took the o build from 80 to 96
-        registers.)"""
+    def row_value(v, row):
+        """v[row] of a row-indexed local array by constant indices (a runtime index would put v in local memory)."""
+        x = v[0]
+        for m in range(1, M):
+            if row == u32(m):
+                x = v[m]
+        return x
+
+    @inlined
+    def add_to_row(v, row, x):
+        """v[row] += x by constant indices (see row_value)."""
+        for m in range(M):
+            if row == u32(m):
+                v[m] += x
+
+    @inlined
+    def squares_out(sq, lane, ssq, done, aux):
+        """SQUARES, at each warp's end: add the threads' sums of squares sq[m] (of the elements of row m each wrote)
+        into aux[m]: a warp's sum (five shuffles) into the CTA's shared word ssq[m], then the CTA's last warp to
+        arrive (a shared count, ``done``; ssq and done zeroed in the prologue) adds the CTA's sums into aux: one global
+        atomic a CTA and row. Not a CTA barrier: the slices' named barriers use ids 0 .. slices - 1, and a slice still
+        in its loop at bar.sync 0 beside warps at __syncthreads faulted (CUDA_ERROR_ILLEGAL_INSTRUCTION on the H200)."""
         for m in range(M):
             s = sq[m]
             for h in range(5):
                 s += cuda.shfl_xor_sync(0xFFFFFFFF, s, 16 >> h)
-            if lane == u32(0) and s != np.float32(0.0):
-                cuda.atomic.add(ssq, m, s)
-        cuda.syncthreads()
-        if tid < u32(M):
-            cuda.atomic.add(aux, tid, ssq[tid])
+            sq[m] = s
+        if lane == u32(0):
+            for m in range(M):
+                if sq[m] != np.float32(0.0):
+                    cuda.atomic.add(ssq, m, sq[m])
+            cuda.threadfence_block()                # (the sums before the count)
+            if u32(cuda.atomic.add(done, 0, 1)) == u32(u32(cuda.blockDim.x) // u32(WARP) - u32(1)):
+                cuda.threadfence_block()
+                for m in range(M):
+                    cuda.atomic.add(aux, m, cuda.atomic.add(ssq, m, np.float32(0.0)))   # (read by an atomic)
 
     @inlined
     def reduce_columns(smem, acc, lane, part, flip, sl, kw, slice_tid, n_first, out, N, nsc, sq):
@@ -354,7 +376,7 @@ def make_pair_gemv_kernel(spec):
             row = u32(slice_tid - col * u32(M))
             n = u32(n_first + sl * u32(NCOL) + col)
             p = u32(u32(PART) + flip + sl * kw * u32(V) + slice_tid)
-            scale = nsc[row] if RMS else np.float32(1.0)
+            scale = row_value(nsc, row) if RMS else np.float32(1.0)
             if SILU_PAIRS:
                 silu_pair_out(smem, p, kw, out, row, n, N, scale)
             else:
@@ -366,7 +388,7 @@ def make_pair_gemv_kernel(spec):
                 if n < u32(N):
                     x2 = write_out(out, u32(row * u32(N) + n), total * scale)
                     if SQUARES:
-                        sq[row] += x2
+                        add_to_row(sq, row, x2)
 
     @inlined
     def finish_batch(smem, flip, fw, slot, r, g, grid, sl, kw, slice_tid, group_cols, out, N, nsc, sq):
@@ -382,7 +404,7 @@ def make_pair_gemv_kernel(spec):
             row = u32(v - col * u32(M))
             n = u32(u32(u32(g - u32(u32(r) - rr) * grid) * group_cols) + sl * u32(NCOL) + col)
             p = u32(u32(PART) + flip + rr * slot + sl * kw * u32(V) + v)
-            scale = nsc[row] if RMS else np.float32(1.0)
+            scale = row_value(nsc, row) if RMS else np.float32(1.0)
             if SILU_PAIRS:
                 silu_pair_out(smem, p, kw, out, row, n, N, scale)
             else:
@@ -394,7 +416,7 @@ def make_pair_gemv_kernel(spec):
                 if n < u32(N):
                     x2 = write_out(out, u32(row * u32(N) + n), total * scale)
                     if SQUARES:
-                        sq[row] += x2
+                        add_to_row(sq, row, x2)
             i = u32(i + kw * u32(WARP))
         return u32(u32(BATCH) * slot - flip)
 
@@ -508,10 +530,13 @@ def make_pair_gemv_kernel(spec):
         # ---- 2. the group table and the E4M4 table (grouped PDL: filled above) ---------------------
         if not (GROUPED and PDL):
             fill_tables(smem, cb, tid)
-        if SQUARES:                 # the CTA's sums of squares a row, zeroed before the prologue's barrier
-            ssq = cuda.shared.array(M, np.float32)
+        if SQUARES:                 # the CTA's sums of squares a row and its count of warps done (squares_out),
+            ssq = cuda.shared.array(M, np.float32)      # zeroed before the prologue's barrier
+            done = cuda.shared.array(1, np.int32)
             if tid < u32(M):
                 ssq[tid] = np.float32(0.0)
+            if tid == u32(0):
+                done[0] = 0
         table = shared_addr(smem)
 
         if EARLY_BARRIER:           # the tables' barrier before the wait (see EARLY_BARRIER)
@@ -592,8 +617,8 @@ def make_pair_gemv_kernel(spec):
             decode_columns(smem, table, lane_off, codes_c, absmax_c, a, ah, acc)
             flip = end(smem, acc, lane, part, flip, FLIP, 2, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N, nsc, sq)
             g = u32(g + grid)
-        if SQUARES:                 # (every thread of the CTA: the loops above end for all of them alike)
-            squares_out(sq, lane, tid, ssq, offsets)
+        if SQUARES:
+            squares_out(sq, lane, ssq, done, offsets)
 
     return jit_kernel(pair_gemv, spec.max_registers)
 
