@@ -201,7 +201,7 @@ def make_pair_gemv_kernel(spec):
     SILU_PAIRS, ACCUMULATE, SQUARES = spec.silu_pairs, spec.accumulate, spec.sum_squares
     # A decode step's add + RMSNorm split over two launches, with no norm launch between them: the o projection's
     # ``accumulate`` build writes x = res + o(att) in place and (SQUARES) adds each row's sum of x^2 into ``offsets``
-    # (its float32 [M] sums of squares: a shared sum and one atomic a CTA, at the end); the gate/up projection's
+    # (its float32 [M] sums of squares: a warp's sum and one atomic after each batch); the gate/up projection's
     # ``rms_eps`` build reads x and offsets[m] with its activations, and scales its products by
     # 1 / sqrt(offsets[m] / K + eps) in the epilogue (the norm's weight folded into
     # its own). Neither adds work before the decode but one load (benchmarks/README.md, "Sixty-fifth session").
@@ -338,35 +338,28 @@ def make_pair_gemv_kernel(spec):
                 v[m] += x
 
     @inlined
-    def squares_out(sq, lane, ssq, done, aux):
-        """SQUARES, at each warp's end: add the threads' sums of squares sq[m] (of the elements of row m each wrote)
-        into aux[m]: a warp's sum (five shuffles) into the CTA's shared word ssq[m], then the CTA's last warp to
-        arrive (a shared count, ``done``; ssq and done zeroed in the prologue) adds the CTA's sums into aux: one global
-        atomic a CTA and row. Not a CTA barrier: the slices' named barriers use ids 0 .. slices - 1, and a slice still
-        in its loop at bar.sync 0 beside warps at __syncthreads faulted (CUDA_ERROR_ILLEGAL_INSTRUCTION on the H200)."""
+    def squares_out(sq, lane, aux):
+        """SQUARES, after a batch's sums: add the warp's sums of squares sq[m] (of the elements of row m its lanes
+        wrote) into aux[m] and zero them: five shuffles and one atomic a row from lane 0 (every lane of a warp that
+        wrote calls it). Spread over the batches, the atomics stay off the kernel's end: summed a CTA at the end (a
+        shared count, the CTA's last warp adding its sums) the o gemv took 0.6-1.0 us a launch more
+        (benchmarks/README.md, "Sixty-fifth session")."""
         for m in range(M):
             s = sq[m]
             for h in range(5):
                 s += cuda.shfl_xor_sync(0xFFFFFFFF, s, 16 >> h)
-            sq[m] = s
-        if lane == u32(0):
-            for m in range(M):
-                if sq[m] != np.float32(0.0):
-                    cuda.atomic.add(ssq, m, sq[m])
-            cuda.threadfence_block()                # (the sums before the count)
-            if u32(cuda.atomic.add(done, 0, 1)) == u32(u32(cuda.blockDim.x) // u32(WARP) - u32(1)):
-                cuda.threadfence_block()
-                for m in range(M):
-                    cuda.atomic.add(aux, m, cuda.atomic.add(ssq, m, np.float32(0.0)))   # (read by an atomic)
+            if lane == u32(0):
+                cuda.atomic.add(aux, m, s)
+            sq[m] = np.float32(0.0)
 
     @inlined
-    def reduce_columns(smem, acc, lane, part, flip, sl, kw, slice_tid, n_first, out, N, nsc, sq):
+    def reduce_columns(smem, acc, lane, part, flip, sl, kw, slice_tid, n_first, out, N, nsc, sq, aux):
         """Sum acc over the slice's K-warps: a warp reduce-scatter, one partial per (warp, value) into the
         shared buffer half ``flip`` (double-buffered: one barrier per iteration), then one thread per
         (column, row) of the slice adds its KW partials and writes column n_first + sl * NCOL + c.
         The slices share no partials, so each waits on its own named barrier (``bar_sync(sl, ...)``, KW
         warps) rather than on all the CTA's warps: a slow slice no longer holds the others. ``nsc``: the rows'
-        norm scales (RMS); ``sq``: the thread's sums of the squares it wrote, a row (SQUARES)."""
+        norm scales (RMS); ``sq``: the thread's sums of the squares it writes, a row, added into ``aux`` (SQUARES)."""
         r, v_idx, owner = reduce_scatter(acc, lane)
         if owner:
             smem[u32(part + flip + u32(v_idx))] = r
@@ -389,9 +382,11 @@ def make_pair_gemv_kernel(spec):
                     x2 = write_out(out, u32(row * u32(N) + n), total * scale)
                     if SQUARES:
                         add_to_row(sq, row, x2)
+        if SQUARES and slice_tid < u32(WARP):          # (CM <= 32: the items are the slice's first warp's)
+            squares_out(sq, lane, aux)
 
     @inlined
-    def finish_batch(smem, flip, fw, slot, r, g, grid, sl, kw, slice_tid, group_cols, out, N, nsc, sq):
+    def finish_batch(smem, flip, fw, slot, r, g, grid, sl, kw, slice_tid, group_cols, out, N, nsc, sq, aux):
         """The end of a batch of r + 1 column groups (the last one g) whose partials are in the buffer half ``flip``:
         the slice meets at its barrier and one thread per (group, column, row), a lane of the slice's warp ``fw``,
         sums its KW partials and writes the output; returns the half the next batch writes."""
@@ -418,11 +413,13 @@ def make_pair_gemv_kernel(spec):
                     if SQUARES:
                         add_to_row(sq, row, x2)
             i = u32(i + kw * u32(WARP))
+        if SQUARES and u32(slice_tid - slice_tid % u32(WARP) - fw * u32(WARP)) < u32(u32(r + 1) * u32(CM)):
+            squares_out(sq, slice_tid % u32(WARP), aux)     # (the warps that wrote items: their first lane's i)
         return u32(u32(BATCH) * slot - flip)
 
     @inlined
     def end_group(smem, acc, lane, part, flip, slot, r, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N,
-                  nsc, sq):
+                  nsc, sq, aux):
         """``batch = 3``: :func:`reduce_columns` with one barrier per three groups. The warp's partials go to
         slot r (of 3) of the buffer half ``flip``; after a batch's last group (or the CTA's) the slice meets at
         its barrier and one thread per (group, column, row) of the batch sums (:func:`finish_batch`); returns the
@@ -433,14 +430,15 @@ def make_pair_gemv_kernel(spec):
         if owner:
             smem[u32(part + flip + u32(r) * slot + u32(v_idx))] = rs
         if r == BATCH - 1 or u32(g + grid) >= n_groups:
-            return finish_batch(smem, flip, u32(0), slot, r, g, grid, sl, kw, slice_tid, group_cols, out, N, nsc, sq)
+            return finish_batch(smem, flip, u32(0), slot, r, g, grid, sl, kw, slice_tid, group_cols, out, N, nsc, sq,
+                                aux)
         return flip
 
     @inlined
     def end_each(smem, acc, lane, part, flip, slot, r, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N,
-                 nsc, sq):
+                 nsc, sq, aux):
         """``batch = 1``: :func:`reduce_columns` after every group (end_group's signature)."""
-        reduce_columns(smem, acc, lane, part, flip, sl, kw, slice_tid, u32(g * group_cols), out, N, nsc, sq)
+        reduce_columns(smem, acc, lane, part, flip, sl, kw, slice_tid, u32(g * group_cols), out, N, nsc, sq, aux)
         return u32(slot - flip)
 
     end = end_group if BATCH_ > 1 else end_each        # how a column group ends (chosen here, not in the kernel)
@@ -530,13 +528,6 @@ def make_pair_gemv_kernel(spec):
         # ---- 2. the group table and the E4M4 table (grouped PDL: filled above) ---------------------
         if not (GROUPED and PDL):
             fill_tables(smem, cb, tid)
-        if SQUARES:                 # the CTA's sums of squares a row and its count of warps done (squares_out),
-            ssq = cuda.shared.array(M, np.float32)      # zeroed before the prologue's barrier
-            done = cuda.shared.array(1, np.int32)
-            if tid < u32(M):
-                ssq[tid] = np.float32(0.0)
-            if tid == u32(0):
-                done[0] = 0
         table = shared_addr(smem)
 
         if EARLY_BARRIER:           # the tables' barrier before the wait (see EARLY_BARRIER)
@@ -597,28 +588,30 @@ def make_pair_gemv_kernel(spec):
                     smem[u32(part + flip + u32(v_idx))] = rs0
                     smem[u32(part + flip + FLIP + u32(v_idx))] = rs1
                     smem[u32(part + flip + u32(2) * FLIP + u32(v_idx))] = rs2
-                flip = finish_batch(smem, flip, fw, FLIP, 2, g, grid, sl, kw, slice_tid, group_cols, out, N, nsc, sq)
+                flip = finish_batch(smem, flip, fw, FLIP, 2, g, grid, sl, kw, slice_tid, group_cols, out, N, nsc, sq,
+                                    offsets)
                 fw = u32(fw + u32(1)) if fw + u32(1) < kw else u32(0)
                 g = u32(g + grid)
         while g < n_groups:         # (the last, partial batch; every batch when FULL_BATCHES is off)
             load_columns(packed, absmax, u32(g * group_cols + ahead + col0), kb_at, last4, nkb, codes_c, absmax_c)
             decode_columns(smem, table, lane_off, codes_a, absmax_a, a, ah, acc)
-            flip = end(smem, acc, lane, part, flip, FLIP, 0, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N, nsc, sq)
+            flip = end(smem, acc, lane, part, flip, FLIP, 0, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N,
+                       nsc, sq, offsets)
             g = u32(g + grid)
             if g >= n_groups:
                 break
             load_columns(packed, absmax, u32(g * group_cols + ahead + col0), kb_at, last4, nkb, codes_a, absmax_a)
             decode_columns(smem, table, lane_off, codes_b, absmax_b, a, ah, acc)
-            flip = end(smem, acc, lane, part, flip, FLIP, 1, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N, nsc, sq)
+            flip = end(smem, acc, lane, part, flip, FLIP, 1, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N,
+                       nsc, sq, offsets)
             g = u32(g + grid)
             if g >= n_groups:
                 break
             load_columns(packed, absmax, u32(g * group_cols + ahead + col0), kb_at, last4, nkb, codes_b, absmax_b)
             decode_columns(smem, table, lane_off, codes_c, absmax_c, a, ah, acc)
-            flip = end(smem, acc, lane, part, flip, FLIP, 2, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N, nsc, sq)
+            flip = end(smem, acc, lane, part, flip, FLIP, 2, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N,
+                       nsc, sq, offsets)
             g = u32(g + grid)
-        if SQUARES:
-            squares_out(sq, lane, ssq, done, offsets)
 
     return jit_kernel(pair_gemv, spec.max_registers)
 
@@ -870,7 +863,7 @@ def ptx_specs():
              dict(M=1, f16_acc=True, pdl=True, silu_pairs=True, full_batches=True),
              dict(M=1, f16_acc=True, pdl=True, silu_pairs=True, rms_eps=1e-6, full_batches=True)]   # the step's
     variants += [dict(M=3, rms_eps=1e-5), dict(M=1, f16_acc=True, pdl=True, accumulate=True, sum_squares=True),
-                 dict(M=2, accumulate=True, sum_squares=True), dict(M=1, f16_acc=True, accumulate=True)]  # norm, residual
+                 dict(M=2, accumulate=True, sum_squares=True), dict(M=1, f16_acc=True, accumulate=True)]  # (the norm)
     return ([PairGemvSpec(k=k, **v) for k in CODES_K for v in variants]
             + [PairGemvSpec(k=k, **v) for k in PAIR_FULL_BATCHES_K for v in whole])
 
