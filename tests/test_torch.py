@@ -141,8 +141,9 @@ def test_quantize_model_fragments_where_whole_tiles_fit(capsys):
 def test_run_silu_pairs_is_the_gated_activation_of_interleaved_rows(f16_acc):
     """``run(x, silu_pairs=True)`` on a gate/up layer with interleaved rows: silu(y[:, 2j]) * y[:, 2j + 1] of its own
     product (reference.silu_pairs), [M, N / 2], from the pair gemv's epilogue (M = 2) and on the GPU the tensor-core
-    gemv's (M = 8); refused where another kernel runs (M = 64: the gemm)."""
-    K, N = (64, 8) if SIM else (2048, 768)
+    gemv's (M = 8); refused where another kernel runs (M = 64: the gemm). (N = 16 on the simulator: BitNet's
+    refusal below needs N % 16 == 0 to reach the silu_pairs check.)"""
+    K, N = (64, 16) if SIM else (2048, 768)
     lin = _linear(K, N, bias=False)
     layer = KbitLinear.from_linear(lin, k=4, layout="codes", f16_acc=f16_acc)
     for M, kernel in ((2, "pair_gemv"),) if SIM else ((2, "pair_gemv"), (8, "mma_gemv")):
@@ -158,6 +159,34 @@ def test_run_silu_pairs_is_the_gated_activation_of_interleaved_rows(f16_acc):
         kernel = layer.runtime.kernel_for(64)
         with pytest.raises(ValueError, match=f"this call runs '{kernel}'"):
             layer.run(torch.randn(64, K, device=DEVICE).half(), silu_pairs=True)
+
+
+def test_run_residual_add_and_norm_across_two_layers():
+    """A decode step's add + RMSNorm inside two layers, as ``bench_model.NORM_IN_GATE_UP`` runs them:
+    ``o.run(att, accumulate_into=res, squares=ss)`` adds o's product into res in place and each row's sum of squares of
+    the result into ss; ``up.run(res, rms_eps=eps, squares=ss)`` is up's product of rmsnorm(res) (reference.rms_gemv);
+    refused by another format and without the sums."""
+    K, N = (64, 16) if SIM else (2048, 768)
+    o = KbitLinear.from_linear(_linear(K, K, bias=False), k=4, layout="codes", f16_acc=True)
+    up_lin = _linear(K, N, bias=False)
+    up = KbitLinear.from_linear(up_lin, k=4, layout="codes", f16_acc=True)
+    M, eps = 2, 1e-6
+    att = torch.randn(M, K, device=DEVICE).half()
+    res = torch.randn(M, K, device=DEVICE).half()
+    res0 = res.double().cpu().numpy()
+    ss = torch.zeros(M, device=DEVICE, dtype=torch.float32)
+    assert o.run(att, accumulate_into=res, squares=ss) is res
+    x = res.double().cpu().numpy()
+    want = _want(o, att, o)
+    assert np.abs(x - res0 - want).max() <= 1e-2 * (np.abs(want).max() + 1)
+    np.testing.assert_allclose(ss.cpu().numpy(), (x ** 2).sum(axis=1), rtol=1e-5)
+    y = up.run(res, rms_eps=eps, squares=ss)
+    want = ref.rms_gemv(res.float().cpu().numpy(), up._host_weight(), eps, ss.cpu().numpy())
+    assert y.shape == (M, N) and np.abs(y.float().cpu().numpy() - want).max() <= 1e-2 * (np.abs(want).max() + 1)
+    with pytest.raises(ValueError, match="pass squares"):
+        up.run(res, rms_eps=eps)
+    with pytest.raises(ValueError, match="not the bitnet format's"):
+        KbitLinear.from_linear(up_lin, "bitnet").run(res.float(), rms_eps=eps, squares=ss)
 
 
 def test_errors_name_what_is_known():
