@@ -210,8 +210,8 @@ def make_pair_gemv_kernel(spec):
     # ``accumulate`` build writes x = res + o(att) in place and (SQUARES) adds each row's sum of x^2 into ``offsets``
     # (its float32 [M] sums of squares: a warp's sum and one atomic after each batch); the gate/up projection's
     # ``rms_eps`` build reads x and offsets[m] with its activations, and scales its products by
-    # 1 / sqrt(offsets[m] / K + eps) in the epilogue (the norm's weight folded into
-    # its own). Neither adds work before the decode but one load (benchmarks/README.md, "Sixty-fifth session").
+    # 1 / sqrt(offsets[m] / K + eps) in the epilogue (the norm's weight folded into its own). Neither adds work before
+    # the decode but one load (benchmarks/README.md, "Sixty-fifth session").
     RMS, EPS = spec.rms_eps > 0, np.float32(spec.rms_eps)
     # The activations: with PDL the kernel before may still be writing them when this one starts, so an ordinary load
     # (ptxas moved ld.global.nc ones above griddep_wait: tests/test_pdl_reads.py); else the read-only path.
@@ -727,6 +727,8 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc
     an RMSNorm of A before the product whose weight w is folded into this weight beforehand (quantize W * w[None, :]);
     twin ``reference.rms_gemv``. ``accumulate`` without ``squares``: the residual add alone.
     """
+    if accumulate and out is None:
+        raise ValueError("accumulate adds into out in place: pass the float16 out (a decode step's residual stream)")
     stream = _arrays.as_stream(stream)
     kc = (device_weight(kc, KbitFragments, stream) if isinstance(kc, KbitFragments)
           else to_codes(kc, stream))                       # checked device arrays (re-packed if a KbitWeight)
@@ -853,8 +855,9 @@ def ptx_specs():
     """Every (k, M) at the default cols (and f16_acc at M = 1, 4; pdl at M = 1; the silu_pairs epilogue at M = 1, 3),
     M = 1 with f16_acc and ``full_batches`` (plain, and PDL with silu_pairs) at the k of ``PAIR_FULL_BATCHES_K``,
     M = 1 at ``small_cols``, grouped (plain, f16_acc + pdl + silu_pairs, and 8 columns + pdl), on the fragment layout
-    (M = 1, M = 2 with f16_acc, grouped with pdl), and each other value of
-    cols, absmax format, A type and output type with every k."""
+    (M = 1, M = 2 with f16_acc, grouped with pdl), the norm's builds (``rms_eps`` at M = 3 and in the step's SiLU build,
+    ``accumulate`` with and without ``sum_squares``), and each other value of cols, absmax format, A type and output
+    type with every k."""
     variants = [dict(M=M) for M in (1, 2, 3, 4)] + [dict(M=M, f16_acc=True) for M in (1, 4)]
     variants += [dict(M=1, pdl=True), dict(M=1, f16_acc=True, pdl=True)]
     variants += [dict(M=1, f16_acc=True, pdl=True, silu_pairs=True), dict(M=3, silu_pairs=True)]   # the epilogue

@@ -333,7 +333,9 @@ def test_pair_gemv_rms_and_accumulate_refuse():
     A = _activations(rng, 1, 64, "float16")
     sq = cuda.to_device(np.zeros(1, np.float32))
     with pytest.raises(ValueError, match="float16 output"):
-        pair_gemv.plan(A, qw, out_dtype=np.float32, accumulate=True)
+        pair_gemv.plan(A, qw, out=cuda.to_device(np.zeros((1, 8), np.float32)), accumulate=True)
+    with pytest.raises(ValueError, match="pass the float16 out"):
+        pair_gemv.plan(A, qw, accumulate=True, squares=sq)
     with pytest.raises(ValueError, match="rms_eps"):
         pair_gemv.plan(A, qw, rms_eps=2.0, squares=sq)
     with pytest.raises(ValueError, match="pass squares"):
