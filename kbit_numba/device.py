@@ -280,7 +280,7 @@ def make_silu_pair_out(stride, partner, f16_out):
     Column n (even) is gate j = n / 2 of a gate/up weight whose rows are interleaved, and n + 1 is up j: write
     silu(scale * gate) * (scale * up) to out[row, j] of an [M, N / 2] output (float16 if ``f16_out``) from the float32
     partial sums, once an element: no SiLU kernel and no [M, N] round trip through memory (``scale``: 1, or the row's
-    1 / rms of the pair gemv's ``add_norm``). Column n's kw partial sums are smem[p], smem[p + stride], ...;
+    1 / rms of the pair gemv's ``rms_eps``). Column n's kw partial sums are smem[p], smem[p + stride], ...;
     column n + 1's sit ``partner`` floats after each. The odd column's thread writes nothing. (The tensor-core gemv
     sums its fragment-order tiles its own way, with the same ``silu_mul``.) Twin: ``reference.silu_pairs``."""
 
