@@ -327,6 +327,38 @@ def test_pair_gemv_accumulate(monkeypatch, k, M, f16_acc, pdl, ctas):
     np.testing.assert_allclose(squares.copy_to_host(), want_sq, rtol=1e-5)
 
 
+@settings(max_examples=max(EXAMPLES // 2, 3))       # (each example compiles two builds; the cases above cover grids)
+@given(seeds, st.sampled_from(CODES_K), st.integers(1, 3), st.sampled_from([2, 4, 8]), st.booleans(),
+       st.integers(1, MAX_N), KBS, st.booleans())
+def test_pair_gemv_residual_and_norm_property(seed, k, M, cols, f16_acc, n, kbn, silu):
+    """The two launches of a decode step's add + norm at any shape: ``accumulate`` with ``squares`` (an o projection
+    [H, 64] adding into a residual [M, H]) and then ``rms_eps`` with those sums (an up projection [N, H], SiLU pairs
+    or not): the residual add within its bound, the sums equal to the written values' (float32 atomics in any order),
+    and the normed product within the plain product's bound at the normed activations."""
+    rng = np.random.default_rng(seed)
+    H, N, eps = 32 * kbn, 2 * n if silu else n, 1e-6
+    o_qw = ref.quantize(random_weight(rng, H, 64), k=k)
+    up_qw = ref.quantize(random_weight(rng, N, H), k=k)
+    att = _activations(rng, M, 64, "float16")
+    res = (rng.standard_normal((M, H)) * 2).astype(np.float16)
+    out, squares = cuda.to_device(res), cuda.to_device(np.zeros(M, np.float32))
+    pair_gemv.plan(att, pair_gemv.to_codes(o_qw), out=out, f16_acc=f16_acc, accumulate=True, squares=squares,
+                   cols=cols).launch()
+    x, ss = out.copy_to_host(), squares.copy_to_host()
+    want = ref.gemv(att, o_qw).astype(np.float64)
+    ulp = np.abs(res.astype(np.float64)) + np.abs(want) + 1e-30
+    assert_within(x.astype(np.float64) - res, want, gemv_bound(att, o_qw, f16_acc) + 2.0 ** -10 * ulp, np.float32)
+    np.testing.assert_allclose(ss, (x.astype(np.float64) ** 2).sum(axis=1), rtol=1e-4)
+    got = pair_gemv.plan(out, pair_gemv.to_codes(up_qw), out_dtype=np.float32, f16_acc=f16_acc, silu_pairs=silu,
+                         rms_eps=eps, squares=squares, cols=cols).launch().copy_to_host()
+    scaled = x.astype(np.float64) / np.sqrt(ss.astype(np.float64)[:, None] / H + eps)
+    if silu:
+        check_silu_pairs(got, scaled, up_qw, f16_acc, np.float32)
+    else:
+        want = ref.rms_gemv(x, up_qw, eps, ss)
+        assert_within(got, want, gemv_bound(scaled, up_qw, f16_acc) + 1e-6 * np.abs(want), np.float32)
+
+
 def test_pair_gemv_rms_and_accumulate_refuse():
     rng = np.random.default_rng(65)
     qw = pair_gemv.to_codes(ref.quantize(random_weight(rng, 8, 64), k=4))
