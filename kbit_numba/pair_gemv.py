@@ -318,15 +318,13 @@ def make_pair_gemv_kernel(spec):
                 acc[c * M + m] = s[m] * scale
 
     @inlined
-    def write_out(out, i, total):
-        """out[i] = the sum in the output type; ``accumulate``: out[i] + the float16 sum, rounded to float16 (a residual
-        add: only this thread reads and writes element i). Returns the square of what it wrote (SQUARES), else 0."""
-        if ACCUMULATE:
-            x = np.float32(np.float16(np.float32(out[i]) + np.float32(np.float16(total))))
-            out[i] = np.float16(x)
-            return x * x if SQUARES else np.float32(0.0)
-        out[i] = np.float16(total) if f16_out else total
-        return np.float32(0.0)
+    def accumulate_out(out, i, total):
+        """ACCUMULATE: out[i] = out[i] + the float16 sum, rounded to float16 (a residual add: only this thread reads and
+        writes element i); returns the square of what it wrote (SQUARES), else 0. (The plain write stays inline at the
+        call sites: routed through one helper, the M = 2 and 4 builds' PTX changed.)"""
+        x = np.float32(np.float16(np.float32(out[i]) + np.float32(np.float16(total))))
+        out[i] = np.float16(x)
+        return x * x if SQUARES else np.float32(0.0)
 
     @inlined
     def row_value(v, row):
@@ -386,9 +384,12 @@ def make_pair_gemv_kernel(spec):
                     total += smem[p]
                     p = u32(p + u32(V))
                 if n < u32(N):
-                    x2 = write_out(out, u32(row * u32(N) + n), total * scale)
-                    if SQUARES:
-                        add_to_row(sq, row, x2)
+                    if ACCUMULATE:
+                        x2 = accumulate_out(out, u32(row * u32(N) + n), total * scale)
+                        if SQUARES:
+                            add_to_row(sq, row, x2)
+                    else:
+                        out[u32(row * u32(N) + n)] = np.float16(total * scale) if f16_out else total * scale
         if SQUARES and slice_tid < u32(WARP):          # (CM <= 32: the items are the slice's first warp's)
             squares_out(sq, lane, aux)
 
@@ -416,9 +417,12 @@ def make_pair_gemv_kernel(spec):
                     total += smem[p]
                     p = u32(p + u32(V))
                 if n < u32(N):
-                    x2 = write_out(out, u32(row * u32(N) + n), total * scale)
-                    if SQUARES:
-                        add_to_row(sq, row, x2)
+                    if ACCUMULATE:
+                        x2 = accumulate_out(out, u32(row * u32(N) + n), total * scale)
+                        if SQUARES:
+                            add_to_row(sq, row, x2)
+                    else:
+                        out[u32(row * u32(N) + n)] = np.float16(total * scale) if f16_out else total * scale
             i = u32(i + kw * u32(WARP))
         if SQUARES and u32(slice_tid - slice_tid % u32(WARP) - fw * u32(WARP)) < u32(u32(r + 1) * u32(CM)):
             squares_out(sq, slice_tid % u32(WARP), aux)     # (the warps that wrote items: their first lane's i)
@@ -545,8 +549,9 @@ def make_pair_gemv_kernel(spec):
         a = cuda.local.array((M, BLOCK), np.float32)       # (f16_acc: unused)
         nsc = cuda.local.array(M, np.float32)              # (RMS: the rows' norm scales)
         sq = cuda.local.array(M, np.float32)               # (SQUARES: the squares this thread wrote, a row)
-        for m in range(M):
-            sq[m] = np.float32(0.0)
+        if SQUARES:                 # (zeroed only here: zeroing it in every build moved the plain builds' PTX)
+            for m in range(M):
+                sq[m] = np.float32(0.0)
         ah = cuda.local.array((M, PAIRS), np.uint32)       # f16_acc: the f16x2 words as loaded
         for m in literal_unroll(ROWS):              # (once per launch: range(M) stays rolled at M = 4)
             a_base = (m * n_kb * BLOCK + kb * BLOCK) // A_PER_WORD if active else 0
