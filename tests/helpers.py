@@ -29,7 +29,7 @@ FUZZ_FAMILIES = {
     "gemv (scalar, pair, tensor-core)": [
         "test_gemv.py::test_gemv_flat", "test_gemv.py::test_gemv_tiled", "test_pair_gemv.py::test_pair_gemv",
         "test_pair_gemv.py::test_pair_gemv_f16_acc", "test_pair_gemv.py::test_pair_gemv_silu_pairs",
-        "test_pair_gemv.py::test_warp_reduce_scatter",
+        "test_pair_gemv.py::test_pair_gemv_residual_and_norm_property", "test_pair_gemv.py::test_warp_reduce_scatter",
         "test_mma_gemv.py::test_mma_gemv", "test_mma_gemv.py::test_mma_gemv_fragments",
         "test_mma_gemv.py::test_mma_gemv_silu_pairs", "test_mma_gemv.py::test_mma_gemv_split_k",
         "test_mma_gemv.py::test_mma_gemv_split_k_silu_pairs"],
