@@ -213,7 +213,6 @@ def make_pair_gemv_kernel(spec):
     # 1 / sqrt(offsets[m] / K + eps) in the epilogue (the norm's weight folded into its own). Neither adds work before
     # the decode but one load (benchmarks/README.md, "Sixty-fifth session").
     RMS, EPS = spec.rms_eps > 0, np.float32(spec.rms_eps)
-    NSC = M + 1                     # RMS: the rows' sums of squares and K, kept for the epilogue (norm_scale)
     # The activations: with PDL the kernel before may still be writing them when this one starts, so an ordinary load
     # (ptxas moved ld.global.nc ones above griddep_wait: tests/test_pdl_reads.py); else the read-only path.
     load_a = ld128 if PDL else ldg128
@@ -337,14 +336,6 @@ def make_pair_gemv_kernel(spec):
         return x
 
     @inlined
-    def norm_scale(nsc, row):
-        """RMS: row's 1 / sqrt(squares / K + eps) from nsc (the rows' sums of squares as the prologue loaded them, then
-        K). Taken here, in the epilogue, rather than once after the load: there its rsqrt.approx waited for the load
-        (an L2 round trip after griddep_wait) ahead of the loop's first weight loads (benchmarks/README.md,
-        "Sixty-sixth session")."""
-        return rsqrt_mean(row_value(nsc, row), nsc[M], EPS)
-
-    @inlined
     def add_to_row(v, row, x):
         """v[row] += x by constant indices (see row_value)."""
         for m in range(M):
@@ -383,7 +374,7 @@ def make_pair_gemv_kernel(spec):
             row = u32(slice_tid - col * u32(M))
             n = u32(n_first + sl * u32(NCOL) + col)
             p = u32(u32(PART) + flip + sl * kw * u32(V) + slice_tid)
-            scale = norm_scale(nsc, row) if RMS else np.float32(1.0)
+            scale = row_value(nsc, row) if RMS else np.float32(1.0)
             if SILU_PAIRS:
                 silu_pair_out(smem, p, kw, out, row, n, N, scale)
             else:
@@ -416,7 +407,7 @@ def make_pair_gemv_kernel(spec):
             row = u32(v - col * u32(M))
             n = u32(u32(u32(g - u32(u32(r) - rr) * grid) * group_cols) + sl * u32(NCOL) + col)
             p = u32(u32(PART) + flip + rr * slot + sl * kw * u32(V) + v)
-            scale = norm_scale(nsc, row) if RMS else np.float32(1.0)
+            scale = row_value(nsc, row) if RMS else np.float32(1.0)
             if SILU_PAIRS:
                 silu_pair_out(smem, p, kw, out, row, n, N, scale)
             else:
@@ -556,7 +547,7 @@ def make_pair_gemv_kernel(spec):
             griddep_wait()
         # ---- 3. this lane's 32 x M activations, element order, 16-byte loads ---------------------
         a = cuda.local.array((M, BLOCK), np.float32)       # (f16_acc: unused)
-        nsc = cuda.local.array(NSC, np.float32)            # (RMS: the rows' sums of squares, then K: norm_scale)
+        nsc = cuda.local.array(M, np.float32)              # (RMS: the rows' norm scales)
         sq = cuda.local.array(M, np.float32)               # (SQUARES: the squares this thread wrote, a row)
         if SQUARES:                 # (zeroed only here: zeroing it in every build moved the plain builds' PTX)
             for m in range(M):
@@ -573,10 +564,9 @@ def make_pair_gemv_kernel(spec):
                     else:
                         for e in range(A_PER_WORD):
                             a[m, (4 * q + h) * A_PER_WORD + e] = word_to_f32(w4[h], e) * a_live
-        if RMS:                     # the rows' sums of squares (the kernel before wrote them), used in the epilogue
+        if RMS:                     # the rows' 1 / rms from their sums of squares (the kernel before wrote them)
             for m in range(M):
-                nsc[m] = offsets[m]
-            nsc[M] = np.float32(nkb * u32(BLOCK))
+                nsc[m] = rsqrt_mean(offsets[m], np.float32(nkb * u32(BLOCK)), EPS)
         lane_off = u32((lane % COPIES) * ENTRY)
         if not EARLY_BARRIER:       # (the activation loads above overlap the barrier)
             cuda.syncthreads()
