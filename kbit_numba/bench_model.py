@@ -210,8 +210,9 @@ _KERNELS = {}
 # the pair gemv with float16 sums (dense models on the GPU: :func:`norm_in_gate_up`), at the k and batches where it was
 # measured: llama3-8b k = 4 B = 1, 16.0 +- 0.9 us a step faster than the library before it (H200, three rounds; the
 # norm launches' 46 us gone, o +19, gate/up +24, the attention -9: benchmarks/README.md, "Sixty-fifth session"; the
-# sixty-fourth session's two designs, which summed the squares inside gate/up, lost or tied). k = 2 and B > 1 not yet
-# measured: they keep the norm launch.
+# sixty-fourth session's two designs, which summed the squares inside gate/up, lost or tied). At k = 2 it made the step
+# 48-49 us slower (gate/up +68; with the scale taken in gate/up's epilogue a tie, and that build cost k = 4 +4.7 us:
+# "Sixty-sixth session"), so k = 2 keeps the norm launch; B > 1 too (not yet measured).
 NORM_IN_GATE_UP = True
 NORM_IN_GATE_UP_K = (4,)
 NORM_IN_GATE_UP_MAX_BATCH = 1
