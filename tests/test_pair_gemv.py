@@ -298,17 +298,21 @@ def test_pair_gemv_rms_eps(monkeypatch, k, M, f16_acc, silu, ctas):
         assert_within(got, want, gemv_bound(scaled, qw, f16_acc) + 1e-6 * np.abs(want), np.float32)
 
 
-@pytest.mark.parametrize("k, M, f16_acc, pdl, ctas", [(4, 1, True, True, 1), (4, 1, True, False, 8),
-                                                      (2, 1, True, True, 2), (2, 2, False, False, 2),
-                                                      (4, 3, True, False, 3)])
-def test_pair_gemv_accumulate(monkeypatch, k, M, f16_acc, pdl, ctas):
+@pytest.mark.parametrize("k, M, f16_acc, pdl, ctas, whole", [(4, 1, True, True, 1, True), (4, 1, True, False, 8, True),
+                                                             (2, 1, True, True, 2, True), (4, 1, True, True, 2, False),
+                                                             (2, 2, False, False, 2, True),
+                                                             (4, 3, True, False, 3, True)])
+def test_pair_gemv_accumulate(monkeypatch, k, M, f16_acc, pdl, ctas, whole):
     """``accumulate``: out += A W^T in place, each element rounded to float16 once more after the float16 sum (a decode
     step's residual add in the launch that produces the delta), and with ``squares`` each row's sum of the written
     values' squares added into squares[m] (from 0.5 here: added, not overwritten). 15 groups of four columns: at M = 1
-    with float16 sums whole batches (1 and 2 CTAs: the summing warp rotates) and batches of three groups (8 CTAs);
-    batches of one group at M = 2 and 3 (rows summed apart). A written element left out of the sums, or counted twice,
-    is far outside the float32 sum's bound."""
+    with float16 sums whole batches (1 and 2 CTAs: the summing warp rotates) and batches of three groups (8 CTAs: one
+    partial batch a CTA; 2 CTAs without the whole-batch loop, ``whole`` False: several batches a CTA, each batch's
+    residual read at its start); batches of one group at M = 2 and 3 (rows summed apart). A written element left out
+    of the sums, or counted twice, or a residual read for the wrong batch, is far outside the float32 sum's bound."""
     monkeypatch.setattr(pair_gemv, "persistent_grid", lambda work, *args: min(work, ctas))
+    if not whole:
+        monkeypatch.setattr(pair_gemv, "PAIR_FULL_BATCHES_K", ())
     rng = np.random.default_rng(66 + k + M)
     N, K = 60, 2048
     qw = ref.quantize(random_weight(rng, N, K), k=k)
