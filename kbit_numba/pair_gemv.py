@@ -318,30 +318,13 @@ def make_pair_gemv_kernel(spec):
                 acc[c * M + m] = s[m] * scale
 
     @inlined
-    def accumulate_out(out, i, total, old):
-        """ACCUMULATE: out[i] = old + the float16 sum, rounded to float16, with old = out[i] as read before (a residual
-        add: only this thread reads and writes element i); returns the square of what it wrote (SQUARES), else 0.
-        (The plain write stays inline at the call sites: routed through one helper, the M = 2 and 4 builds' PTX
-        changed.)"""
-        x = np.float32(np.float16(old + np.float32(np.float16(total))))
+    def accumulate_out(out, i, total):
+        """ACCUMULATE: out[i] = out[i] + the float16 sum, rounded to float16 (a residual add: only this thread reads and
+        writes element i); returns the square of what it wrote (SQUARES), else 0. (The plain write stays inline at the
+        call sites: routed through one helper, the M = 2 and 4 builds' PTX changed.)"""
+        x = np.float32(np.float16(np.float32(out[i]) + np.float32(np.float16(total))))
         out[i] = np.float16(x)
         return x * x if SQUARES else np.float32(0.0)
-
-    @inlined
-    def load_residual(out, g, grid, n_groups, sl, i, group_cols, N):
-        """PREFETCH_RESIDUAL: the value of out that item i of the batch starting at group g adds to (numbered as in
-        finish_batch: group i // CM of the batch, then column, row), read at the batch's start; 0 where i is not
-        an item (i >= BATCH * CM: another warp's lane) or lies past the groups or columns."""
-        rr = u32(i // u32(CM))
-        v = u32(i - rr * u32(CM))
-        col = u32(v // u32(M))
-        row = u32(v - col * u32(M))
-        gg = u32(g + rr * grid)
-        n = u32(gg * group_cols + sl * u32(NCOL) + col)
-        x = np.float32(0.0)
-        if i < u32(BATCH * CM) and gg < n_groups and n < u32(N):
-            x = np.float32(out[u32(row * u32(N) + n)])
-        return x
 
     @inlined
     def row_value(v, row):
@@ -402,8 +385,7 @@ def make_pair_gemv_kernel(spec):
                     p = u32(p + u32(V))
                 if n < u32(N):
                     if ACCUMULATE:
-                        i_out = u32(row * u32(N) + n)
-                        x2 = accumulate_out(out, i_out, total * scale, np.float32(out[i_out]))
+                        x2 = accumulate_out(out, u32(row * u32(N) + n), total * scale)
                         if SQUARES:
                             add_to_row(sq, row, x2)
                     else:
@@ -435,10 +417,8 @@ def make_pair_gemv_kernel(spec):
                     total += smem[p]
                     p = u32(p + u32(V))
                 if n < u32(N):
-                    if ACCUMULATE:      # (PREFETCH_RESIDUAL: the value read at the batch's start, nsc[0])
-                        i_out = u32(row * u32(N) + n)
-                        old = nsc[0] if PREFETCH_RESIDUAL else np.float32(out[i_out])
-                        x2 = accumulate_out(out, i_out, total * scale, old)
+                    if ACCUMULATE:
+                        x2 = accumulate_out(out, u32(row * u32(N) + n), total * scale)
                         if SQUARES:
                             add_to_row(sq, row, x2)
                     else:
@@ -489,11 +469,6 @@ def make_pair_gemv_kernel(spec):
     # (a CTA there runs one batch; with a rotating counter their builds took fewer registers, likely more CTAs an SM,
     # and the k = 2 o gemv ran 46% slower).
     FULL_BATCHES = spec.full_batches
-    # An accumulate build's epilogue reads the residual it adds to: at a batch's end that load put an L2 round trip on
-    # the summing warp, which the slice's next barrier waits for. Where a batch's items fit the summing warp (one a
-    # lane), that warp reads them at the batch's start instead (load_residual into nsc[0], which only RMS builds use
-    # otherwise), so the load overlaps the batch's decodes.
-    PREFETCH_RESIDUAL = ACCUMULATE and BATCH_ > 1 and BATCH * CM <= WARP
     # (a batch's sums fit one warp, so the rotating warp fw finds every item: M = 1, cols <= 8)
     assert not FULL_BATCHES or BATCH * CM <= WARP, "whole batches sum their partials in one warp"
 
@@ -572,7 +547,7 @@ def make_pair_gemv_kernel(spec):
             griddep_wait()
         # ---- 3. this lane's 32 x M activations, element order, 16-byte loads ---------------------
         a = cuda.local.array((M, BLOCK), np.float32)       # (f16_acc: unused)
-        nsc = cuda.local.array(M, np.float32)              # (RMS: the rows' norm scales; PREFETCH_RESIDUAL: nsc[0])
+        nsc = cuda.local.array(M, np.float32)              # (RMS: the rows' norm scales)
         sq = cuda.local.array(M, np.float32)               # (SQUARES: the squares this thread wrote, a row)
         if SQUARES:                 # (zeroed only here: zeroing it in every build moved the plain builds' PTX)
             for m in range(M):
@@ -610,8 +585,6 @@ def make_pair_gemv_kernel(spec):
             full_end = u32(n_groups - u32(2) * grid) if n_groups > u32(2) * grid else u32(0)
             fw = u32(0)     # the slice's warp that sums the next whole batch (see FULL_BATCHES)
             while g < full_end:     # (g, g + grid and g + 2 grid are all < n_groups)
-                if PREFETCH_RESIDUAL:
-                    nsc[0] = load_residual(out, g, grid, n_groups, sl, u32(slice_tid - fw * u32(WARP)), group_cols, N)
                 load_columns(packed, absmax, u32(g * group_cols + ahead + col0), kb_at, last4, nkb, codes_c, absmax_c)
                 decode_columns(smem, table, lane_off, codes_a, absmax_a, a, ah, acc)
                 rs0, v_idx, owner = reduce_scatter(acc, lane)
@@ -632,8 +605,6 @@ def make_pair_gemv_kernel(spec):
                 fw = u32(fw + u32(1)) if fw + u32(1) < kw else u32(0)
                 g = u32(g + grid)
         while g < n_groups:         # (the last, partial batch; every batch when FULL_BATCHES is off)
-            if PREFETCH_RESIDUAL:   # (this batch's sums: warp 0's)
-                nsc[0] = load_residual(out, g, grid, n_groups, sl, slice_tid, group_cols, N)
             load_columns(packed, absmax, u32(g * group_cols + ahead + col0), kb_at, last4, nkb, codes_c, absmax_c)
             decode_columns(smem, table, lane_off, codes_a, absmax_a, a, ah, acc)
             flip = end(smem, acc, lane, part, flip, FLIP, 0, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N,

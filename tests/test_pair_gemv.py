@@ -307,9 +307,9 @@ def test_pair_gemv_accumulate(monkeypatch, k, M, f16_acc, pdl, ctas, whole):
     step's residual add in the launch that produces the delta), and with ``squares`` each row's sum of the written
     values' squares added into squares[m] (from 0.5 here: added, not overwritten). 15 groups of four columns: at M = 1
     with float16 sums whole batches (1 and 2 CTAs: the summing warp rotates) and batches of three groups (8 CTAs: one
-    partial batch a CTA; 2 CTAs without the whole-batch loop, ``whole`` False: several batches a CTA, each batch's
-    residual read at its start); batches of one group at M = 2 and 3 (rows summed apart). A written element left out
-    of the sums, or counted twice, or a residual read for the wrong batch, is far outside the float32 sum's bound."""
+    partial batch a CTA; 2 CTAs without the whole-batch loop, ``whole`` False: several batches a CTA); batches of one
+    group at M = 2 and 3 (rows summed apart). A written element left out of the sums, or counted twice, or a residual
+    read for the wrong column, is far outside the float32 sum's bound."""
     monkeypatch.setattr(pair_gemv, "persistent_grid", lambda work, *args: min(work, ctas))
     if not whole:
         monkeypatch.setattr(pair_gemv, "PAIR_FULL_BATCHES_K", ())
