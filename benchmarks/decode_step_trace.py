@@ -8,7 +8,8 @@ under ``torch.profiler`` (CUPTI records every kernel of a graph with its start a
 the replays after the first, each kernel's **increment**: how far its end moved the step's running end (the max of
 the ends before it). With programmatic dependent launches kernels overlap, so a kernel's duration includes the time it
 waited for the one before; the increments add up to the step. Kernels are named by their place in a decoder layer
-(llama3-8b: norm1, qkv, attention, o, norm2, gate_up with the SiLU epilogue or a silu kernel after it, down). The
+(llama3-8b: norm1, qkv, attention, o, norm2, gate_up with the SiLU epilogue or a silu kernel after it, down; a
+step with a norm inside its gemvs has no norm2, and with both inside, no norm1 either). The
 profiler adds host overhead between replays, not on the GPU: the replays' spans match the untraced times printed
 beside them. ``--keep DIR``: the gzipped Chrome traces.
 """
@@ -61,7 +62,8 @@ def increments(rep, first, layers, names):
     return labels, out
 
 
-STEP_NAMES = {6: ["norm1", "qkv", "attention", "o", "gate_up", "down"],      # norm2 inside gate/up (NORM_IN_GATE_UP)
+STEP_NAMES = {5: ["qkv", "attention", "o", "gate_up", "down"],               # both norms inside the linears
+              6: ["norm1", "qkv", "attention", "o", "gate_up", "down"],      # norm2 inside gate/up (NORM_IN_GATE_UP)
               7: ["norm1", "qkv", "attention", "o", "norm2", "gate_up", "down"],     # SiLU in gate_up's epilogue
               8: ["norm1", "qkv", "attention", "o", "norm2", "gate_up", "silu", "down"]}
 LINEAR_NAMES = ["qkv", "o", "gate_up", "down"]
