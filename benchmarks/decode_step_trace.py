@@ -107,8 +107,7 @@ def main():
             continue
         for fn, t, size in zip(graphs, untraced, sizes):
             mine = [r for r in reps if len(r) == size][1:]
-            # the step's clone and zeros come before the first norm (and NORM_IN_GATE_UP's zeroed sums of squares
-            # before the linears' first gemv)
+            # the step's clone (and zeros) come before the first norm or gemv
             first = next((i for i, e in enumerate(mine[0]) if "kbit_numba" in e[2]), 0)
             per = (size - first) // cfg["layers"]
             names = STEP_NAMES.get(per, []) if fn == step.step else LINEAR_NAMES

@@ -10,8 +10,8 @@ several batches of strips a CTA, on both layouts, as a PDL chain, and split-K, w
 ``grouped_pair``: the grouped pair gemv (a token row a grid slot) at each of its default knob sets;
 ``attention``: ``bench_model``'s ``decode_attention`` (the decode step's attention stand-in);
 ``batches``: only ``pair``'s launches of many column groups a CTA (its batches of three);
-``pair`` also chains the two launches of a decode step's add + norm (``accumulate`` with ``squares``, then
-``rms_eps``);
+``pair`` also chains the two launches of a decode step's add + norm (``accumulate``, then ``rms_eps``, which sums
+the squares in shared memory);
 ``norm``: ``bench_model``'s ``add_rmsnorm`` at each of its thread counts (``norm_threads``: 256..512), and its
 prefetch build (CTAs past the rows asking the L2 for a cache's lines).
 """
@@ -115,18 +115,19 @@ if "pair" in families:
     for M, f16_acc, pdl in ((1, True, True), (3, False, False)):
         pair_gemv.plan(rng.standard_normal((M, 1056)).astype(np.float16), kc, f16_acc=f16_acc, pdl=pdl,
                        silu_pairs=True).launch().copy_to_host()
-    # a decode step's add + norm over two launches: the o-like gemv adding into a residual [M, 4096] and summing its
-    # squares (accumulate + squares: whole batches in one-slice CTAs, batches of three at the default knobs, one group
-    # a barrier at M = 3), then the SiLU gate/up-like gemv scaled by those sums (rms_eps) as a PDL launch
+    # a decode step's add + norm over two launches: the o-like gemv adding into a residual [M, 4096] (accumulate:
+    # whole batches in one-slice CTAs, batches of three at the default knobs, one group a barrier at M = 3), then the
+    # SiLU gate/up-like gemv scaled by 1 / rms of it (rms_eps: each slice's shared sums of squares) as a PDL launch,
+    # at the same CTA shapes, and the plain rms_eps build (a QKV-like launch)
     ko = pair_gemv.to_codes(kb.quantize(rng.standard_normal((4096, 1056)).astype(np.float16), k=4))
     ku = pair_gemv.to_codes(kb.quantize(rng.standard_normal((74, 4096)).astype(np.float16), k=4))
     for M, cta_warps in ((1, 2), (1, None), (3, None)):
         res = cuda.to_device(rng.standard_normal((M, 4096)).astype(np.float16))
-        squares = cuda.to_device(np.zeros(M, np.float32))
         pair_gemv.plan(rng.standard_normal((M, 1056)).astype(np.float16), ko, out=res, cta_warps=cta_warps,
-                       f16_acc=M == 1, accumulate=True, squares=squares).launch()
-        pair_gemv.plan(res, ku, f16_acc=M == 1, pdl=True, silu_pairs=True, rms_eps=1e-6,
-                       squares=squares).launch().copy_to_host()
+                       f16_acc=M == 1, accumulate=True).launch()
+        pair_gemv.plan(res, ku, f16_acc=M == 1, pdl=True, silu_pairs=True, rms_eps=1e-6, cta_warps=cta_warps
+                       ).launch().copy_to_host()
+        pair_gemv.plan(res, ku, f16_acc=M == 1, pdl=True, rms_eps=1e-6, cta_warps=cta_warps).launch().copy_to_host()
 if "mma" in families:      # N = 37 (a partial strip), K = 1088 (5 K-warps, the last one with idle lanes)
 
     from kbit_numba import mma_gemv, pair_gemv

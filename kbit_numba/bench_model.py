@@ -204,18 +204,22 @@ ATT_MAX_CLUSTER = 16            # the slices of a (row, KV head) merge in their 
 _KERNELS = {}
 
 # The layer's second add + norm inside its linears: the o gemv adds its product into the residual stream in place
-# and sums the squares of what it writes (``pair_gemv`` ``accumulate`` with ``squares``: a row's float32 word a layer,
-# zeroed once a step), and the gate/up gemv scales its product by 1 / sqrt(squares / H + eps) in the epilogue
-# (``rms_eps``; the norm's weight folded into gate/up's: ones here); no add_rmsnorm launch between them. Where both run
-# the pair gemv with float16 sums (dense models on the GPU: :func:`norm_in_gate_up`), at the k and batches where it was
-# measured: llama3-8b k = 4 B = 1, 16.0 +- 0.9 us a step faster than the library before it (H200, three rounds; the
-# norm launches' 46 us gone, o +19, gate/up +24, the attention -9: benchmarks/README.md, "Sixty-fifth session"; the
-# sixty-fourth session's two designs, which summed the squares inside gate/up, lost or tied). At k = 2 it made the step
-# 48-49 us slower (gate/up +68; with the scale taken in gate/up's epilogue a tie, and that build cost k = 4 +4.7 us:
-# "Sixty-sixth session"), so k = 2 keeps the norm launch; B > 1 too (not yet measured).
+# (``pair_gemv`` ``accumulate``), and the gate/up gemv scales its product by 1 / rms(res) in the epilogue (``rms_eps``,
+# the squares summed from the activations it loads; the norm's weight folded into gate/up's: ones here); no
+# add_rmsnorm launch between them. Where both run the pair gemv with float16 sums (dense models on the GPU:
+# :func:`norm_in_gate_up`), at the k and batches where it was measured (H200, llama3-8b B = 1, three rounds each):
+# k = 4 16.0 +- 0.9 us a step faster than the norm launch with the squares summed by the o gemv ("Sixty-fifth
+# session"), and 8.3 +- 0.5 faster again with them summed by the gate/up gemv that reads them (o -14, the attention
+# +16: "Sixty-ninth session", benchmarks/README.md); k = 2 13.0 +- 0.9 faster than the norm launch (norm2's 43 us
+# gone, gate/up +33; with the squares in o it had been 48-49 us slower). B > 1 keeps the launch (not yet measured).
+# NORM_IN_QKV: where the second norm runs inside, the first one too, inside the QKV gemv (``rms_eps``), the down gemv
+# adding its product into the residual stream (``accumulate``): no add_rmsnorm launch in the step at all, and no
+# prefetch of the attention's cache, which that launch made (NORM_PREFETCH_CTAS). Measured slower (k = 4: +12.6 us a
+# step against the second norm alone, +9.6 with QKV's rule at cols = 2; k = 2: +9.7), so off.
 NORM_IN_GATE_UP = True
-NORM_IN_GATE_UP_K = (4,)
+NORM_IN_GATE_UP_K = (2, 4)
 NORM_IN_GATE_UP_MAX_BATCH = 1
+NORM_IN_QKV = False
 NORM_EPS = 1e-6                 # the RMSNorms' epsilon
 
 
@@ -817,8 +821,7 @@ class DecodeStep:
         # the linear-only graph's inputs: one static tensor per projection input width
         self.static = {K: torch.randn(B, K, device=dev, dtype=f16, generator=g) * 0.1
                        for _, _, K in projections(cfg)}
-        self.spare = torch.zeros(B, H, device=dev, dtype=f16)     # (the o gemv's residual: NORM_IN_GATE_UP)
-        self.squares = torch.zeros(len(linears), B, device=dev, dtype=torch.float32)   # (its sums of squares a layer)
+        self.spare = torch.zeros(B, H, device=dev, dtype=f16)     # (the o and down gemvs' residual: NORM_IN_GATE_UP)
         if is_moe(cfg):
             self._bind_experts(torch, dev, f16)
         if self.attention == "numba" and torch.device(dev).type == "cuda":   # decode_attention's slices and counts,
@@ -950,18 +953,22 @@ class DecodeStep:
     def step(self):
         """The residual stream after every layer (x is left as it was: each replay computes the same step)."""
         res = self.x.clone()
-        y = self.torch.zeros_like(res)
         moe = is_moe(self.cfg)
         fused = not moe and norm_in_gate_up(*self.linears[0][1:3], res, self.silu_pairs)
-        if fused:
-            self.squares.zero_()
+        both = fused and norm_in_qkv(self.linears[0][0], self.linears[0][3], res)
+        if both:                    # (n1, n2: ones, folded into qkv and gate/up)
+            for (qkv, o, gate_up, down), kv in zip(self.linears, self.kv):
+                att = self._attention(qkv.run(res, rms_eps=NORM_EPS), kv)               # rmsnorm -> qkv
+                o.run(att, accumulate_into=res)                                         # res += o(att)
+                down.run(gate_up.run(res, silu_pairs=True, rms_eps=NORM_EPS), accumulate_into=res)   # res += mlp
+            return res
+        y = self.torch.zeros_like(res)
         for layer, ((qkv, o, gate_up, down), (n1, n2), kv) in enumerate(zip(self.linears, self.norms, self.kv)):
             h = self.add_rmsnorm(res, y, n1, prefetch=kv if self.prefetch_kv else None)    # (layer 0: res += 0)
             att = self._attention(qkv(h), kv)
             if fused:               # (n2: ones, folded into gate/up)
-                ss = self.squares[layer]
-                o.run(att, accumulate_into=res, squares=ss)                     # res += o(att); ss = sum(res^2)
-                y = down(gate_up.run(res, silu_pairs=True, rms_eps=NORM_EPS, squares=ss))  # rmsnorm -> gate/up -> SiLU
+                o.run(att, accumulate_into=res)                                 # res += o(att)
+                y = down(gate_up.run(res, silu_pairs=True, rms_eps=NORM_EPS))   # rmsnorm -> gate/up -> SiLU
                 continue
             h = self.add_rmsnorm(res, o(att), n2)
             y = self.moe(h, layer) if moe else down(self.mlp_activation(gate_up, h))
@@ -978,13 +985,14 @@ class DecodeStep:
                     run()
                 continue
             fused = norm_in_gate_up(layer[1], layer[2], self.static[layer[1].in_features], self.silu_pairs)
-            if fused and i == 0:
-                self.squares.zero_()
-            for lin, (name, _, K) in zip(layer, projections(self.cfg)):
-                if fused and name == "o":           # (the builds the step runs: NORM_IN_GATE_UP)
-                    lin.run(self.static[K], accumulate_into=self.spare, squares=self.squares[i])
+            both = fused and norm_in_qkv(layer[0], layer[3], self.static[layer[0].in_features])
+            for lin, (name, _, K) in zip(layer, projections(self.cfg)):     # (the builds the step runs)
+                if (fused and name == "o") or (both and name == "down"):
+                    lin.run(self.static[K], accumulate_into=self.spare)
                 elif fused and name == "gate_up":
-                    lin.run(self.static[K], silu_pairs=True, rms_eps=NORM_EPS, squares=self.squares[i])
+                    lin.run(self.static[K], silu_pairs=True, rms_eps=NORM_EPS)
+                elif both and name == "qkv":
+                    lin.run(self.static[K], rms_eps=NORM_EPS)
                 else:
                     run_linear(lin, name, self.static[K], self.silu_pairs)
 
@@ -1001,9 +1009,21 @@ def norm_in_gate_up(o, gate_up, x, silu_pairs):
     """Whether the step runs the layer's second add + norm inside its o and gate/up pair gemvs (``NORM_IN_GATE_UP``):
     both kbit layers at a k of ``NORM_IN_GATE_UP_K`` whose kernel for x's rows (at most ``NORM_IN_GATE_UP_MAX_BATCH``)
     is the pair gemv with float16 sums, gate/up through its SiLU epilogue, float16 rows on the GPU."""
-    runtimes = [getattr(lin, "runtime", None) for lin in (o, gate_up)]
-    return bool(NORM_IN_GATE_UP and silu_pairs and x.is_cuda and str(x.dtype) == "torch.float16"
-                and x.shape[0] <= NORM_IN_GATE_UP_MAX_BATCH
+    return bool(NORM_IN_GATE_UP and silu_pairs and _pair_gemvs((o, gate_up), x))
+
+
+def norm_in_qkv(qkv, down, x):
+    """Whether the step, which runs its second add + norm inside its linears (:func:`norm_in_gate_up`), runs the first
+    one inside too (``NORM_IN_QKV``): the QKV and down layers on x's rows as :func:`norm_in_gate_up` asks of o and
+    gate/up."""
+    return bool(NORM_IN_QKV and _pair_gemvs((qkv, down), x))
+
+
+def _pair_gemvs(layers, x):
+    """Whether every one of ``layers`` is a kbit layer at a k of ``NORM_IN_GATE_UP_K`` whose kernel for x's rows (at
+    most ``NORM_IN_GATE_UP_MAX_BATCH``, float16 on the GPU) is the pair gemv with float16 sums."""
+    runtimes = [getattr(lin, "runtime", None) for lin in layers]
+    return bool(x.is_cuda and str(x.dtype) == "torch.float16" and x.shape[0] <= NORM_IN_GATE_UP_MAX_BATCH
                 and all(r is not None and r.f16_acc and r.weight.k in NORM_IN_GATE_UP_K
                         and r.kernel_for(x.shape[0]) == "pair_gemv" for r in runtimes))
 

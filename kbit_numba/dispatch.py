@@ -533,17 +533,16 @@ class KbitLinear:
         return _bf16_runnable(kernel, {}, self.weight.layout, K, bf16)[0]
 
     def __call__(self, A, out=None, stream=None, out_dtype=np.float16, bf16=False, kernel=None, silu_pairs=False,
-                 rms_eps=None, accumulate=False, squares=None):
-        return self.plan(A, out, stream, out_dtype, bf16, kernel, silu_pairs, rms_eps, accumulate, squares).launch()
+                 rms_eps=None, accumulate=False):
+        return self.plan(A, out, stream, out_dtype, bf16, kernel, silu_pairs, rms_eps, accumulate).launch()
 
     def plan(self, A, out=None, stream=None, out_dtype=np.float16, bf16=False, kernel=None, silu_pairs=False,
-             rms_eps=None, accumulate=False, squares=None):
+             rms_eps=None, accumulate=False):
         """``linear``'s :class:`launch.Plan` for this layer's weight and workspace (the table's launch
         parameters included when the kernel is the table's choice). ``silu_pairs``: the pair or tensor-core gemv's
         epilogue (``pair_gemv.plan``, ``mma_gemv.plan``), an [M, N / 2] output; a ValueError where the call runs
-        another kernel. ``rms_eps``, ``accumulate`` and ``squares``: the pair gemv's residual add and RMSNorm scale, a
-        decode step's add + norm inside two launches (``pair_gemv.plan``); a ValueError where the call runs another
-        kernel."""
+        another kernel. ``rms_eps`` and ``accumulate``: the pair gemv's RMSNorm scale and residual add, a decode step's
+        add + norm inside its linears (``pair_gemv.plan``); a ValueError where the call runs another kernel."""
         params, chosen = {}, kernel is None
         if chosen:
             N, K = self.weight.shape
@@ -563,11 +562,11 @@ class KbitLinear:
             if knobs is not None:          # the SiLU build's own knobs replace the plain build's
                 params = {key: v for key, v in params.items() if key not in ("cols", "cta_warps")} | knobs
             params = dict(params, silu_pairs=True)
-        if rms_eps is not None or accumulate or squares is not None:
+        if rms_eps is not None or accumulate:
             if kernel != "pair_gemv":
-                raise ValueError(f"rms_eps, accumulate and squares are the pair gemv's; this call runs {kernel!r} "
+                raise ValueError(f"rms_eps and accumulate are the pair gemv's; this call runs {kernel!r} "
                                  "(kernel_for(M) says which kernel a batch runs)")
-            params = dict(params, rms_eps=rms_eps, accumulate=accumulate, squares=squares)
+            params = dict(params, rms_eps=rms_eps, accumulate=accumulate)
         # f16_acc sums in float16 only float16 activations; float32 and bfloat16 ones keep float32 sums
         # (and only in the pair gemv: the gemm's MMAs have no such option)
         f16_acc = self.f16_acc and kernel == "pair_gemv" and f16_input(A, bf16)

@@ -41,11 +41,13 @@ offline and looks weights up several at a time:
   up j at 2j + 1) the thread that sums column 2j also sums 2j + 1 and writes silu(gate) * up into an [M, N / 2]
   output, once per element: a SwiGLU MLP's SiLU kernel and its [M, N] round trip through memory go away.
 
-* **A residual add and an RMSNorm over two launches** (``accumulate=True`` with ``squares``, then ``rms_eps``): the
-  first writes out += A W^T in place and adds each row's sum of the written values' squares into ``squares``; the
-  second, on that out, scales its products by 1 / sqrt(squares / K + rms_eps) in the epilogue (the norm's weight
-  folded into its own). A decode step's add + norm between its o and gate/up projections then needs no launch of its
-  own (``bench_model.NORM_IN_GATE_UP``; 16 us a llama3-8b k = 4 B = 1 step on the H200).
+* **A residual add and an RMSNorm inside the gemvs** (``accumulate=True``, ``rms_eps``): ``accumulate`` writes
+  out += A W^T in place (a decode step's residual add); ``rms_eps`` scales its products by 1 / rms(A) =
+  1 / sqrt(mean(A^2) + rms_eps) in the epilogue (an RMSNorm of A whose weight is folded into this weight). Each slice
+  already holds all of A's rows, so it sums their squares itself: a lane's 32 squares a row after its activation
+  loads, five shuffles and one shared atomic a warp into the slice's word, which the summing threads read after the
+  slice's first barrier. A decode step's add + norm between two projections then needs no launch of its own
+  (``bench_model.NORM_IN_GATE_UP``).
 
 * **The fragment layout too** (``formats.KbitFragments``, the tensor-core gemv's; ``fragments=True``): the same blocks
   permuted, so only a block's address changes (``col_part`` + ``lane_part``). A warp's load then reads 8 runs of
@@ -84,6 +86,7 @@ from .launch import NUMBA_TYPES, OUT_TYPES, Plan, Spec, Step, launch_step, type_
 
 MAX_KW = 32                       # K-warps per slice: K <= 32 * 32 * 32 = 32768
 MAX_SLICES = 16                   # a slice's named barrier is one of the CTA's 16 (bar.sync 0..15)
+SQUARE_WORDS = MAX_SLICES * MAX_M  # rms_eps: a (slice, row)'s sum of squares of A, in static shared memory
 PART = CODEBOOK + 16              # float offset of the cross-warp partial sums
 BATCH = 3                         # column groups whose partials are summed after one barrier (the loop's unroll)
 COL_CHOICES = (1, 2, 4, 8)        # columns per warp per iteration a kernel can be built for
@@ -123,9 +126,8 @@ class PairGemvSpec(Spec):
     grouped: bool = False                   # MoE experts: blockIdx.y is a token row, M = 1 (see the module docstring)
     fragments: bool = False                 # the weight in the fragment layout (KbitFragments), not the code layout
     full_batches: bool = False              # batch = 3: whole batches run a loop with no branch inside (FULL_BATCHES)
-    rms_eps: float = 0.0                    # > 0: out = (A W^T) / sqrt(squares / K + rms_eps) (RMSNorm, w folded in W)
+    rms_eps: float = 0.0                    # > 0: out = (A W^T) / sqrt(mean(A^2) + rms_eps) (RMSNorm, w folded in W)
     accumulate: bool = False                # out += A W^T in place (float16): a decode step's residual add
-    sum_squares: bool = False               # accumulate: squares[m] += the sum of the written row's squares
 
     def normalise(self):
         if self.k not in CODES_K or not 1 <= self.M <= MAX_M:
@@ -138,10 +140,8 @@ class PairGemvSpec(Spec):
             raise ValueError("rms_eps and accumulate take no grouped launch")
         if self.accumulate and (self.silu_pairs or type_name(self.out_dtype, "out_dtype", OUT_TYPES) != "float16"):
             raise ValueError("accumulate adds into a float16 output, without silu_pairs")
-        if self.sum_squares and not self.accumulate:
-            raise ValueError("sum_squares sums the squares of what accumulate writes")
         if self.rms_eps and self.accumulate:
-            raise ValueError("rms_eps reads the sums of squares that an accumulate launch writes: not both in one")
+            raise ValueError("rms_eps and accumulate: not both in one launch (a step's add, then the next layer's norm)")
         if not 0 <= float(self.rms_eps) < 1:
             raise ValueError(f"rms_eps must be in [0, 1), got {self.rms_eps!r}")
         if self.silu_pairs and self.cols % 2:   # (a column pair must stay within one slice's columns)
@@ -162,7 +162,7 @@ class PairGemvSpec(Spec):
                     max_registers=int(self.max_registers) if self.max_registers else None,
                     silu_pairs=bool(self.silu_pairs), grouped=bool(self.grouped), fragments=bool(self.fragments),
                     full_batches=bool(self.full_batches), rms_eps=float(self.rms_eps),
-                    accumulate=bool(self.accumulate), sum_squares=bool(self.sum_squares))
+                    accumulate=bool(self.accumulate))
 
 
 
@@ -205,13 +205,13 @@ def make_pair_gemv_kernel(spec):
     # without PDL, keep it after the activation loads, which then overlap it (benchmarks/README.md, "the tables'
     # barrier before the wait").
     EARLY_BARRIER = PDL and k == 4 and not GROUPED
-    SILU_PAIRS, ACCUMULATE, SQUARES = spec.silu_pairs, spec.accumulate, spec.sum_squares
-    # A decode step's add + RMSNorm split over two launches, with no norm launch between them: the o projection's
-    # ``accumulate`` build writes x = res + o(att) in place and (SQUARES) adds each row's sum of x^2 into ``offsets``
-    # (its float32 [M] sums of squares: a warp's sum and one atomic after each batch); the gate/up projection's
-    # ``rms_eps`` build reads x and offsets[m] with its activations, and scales its products by
-    # 1 / sqrt(offsets[m] / K + eps) in the epilogue (the norm's weight folded into its own). Neither adds work before
-    # the decode but one load (benchmarks/README.md, "Sixty-fifth session").
+    SILU_PAIRS, ACCUMULATE = spec.silu_pairs, spec.accumulate
+    # A decode step's add + RMSNorm inside its gemvs, with no norm launch between them: the o projection's
+    # ``accumulate`` build writes x = res + o(att) in place, and the gate/up projection's ``rms_eps`` build, on x,
+    # scales its products by 1 / sqrt(mean(x^2) + eps) in the epilogue (the norm's weight folded into its own). The
+    # squares are summed by the launch that reads x, from the activations each slice loads anyway: summed by the launch
+    # that writes x (one atomic a row after each batch), they took that build from 80 to 100 registers, too many for
+    # the next kernel's CTA to start beside it under PDL (benchmarks/README.md, "Sixty-seventh session").
     RMS, EPS = spec.rms_eps > 0, np.float32(spec.rms_eps)
     # The activations: with PDL the kernel before may still be writing them when this one starts, so an ordinary load
     # (ptxas moved ld.global.nc ones above griddep_wait: tests/test_pdl_reads.py); else the read-only path.
@@ -320,51 +320,26 @@ def make_pair_gemv_kernel(spec):
     @inlined
     def accumulate_out(out, i, total):
         """ACCUMULATE: out[i] = out[i] + the float16 sum, rounded to float16 (a residual add: only this thread reads and
-        writes element i); returns the square of what it wrote (SQUARES), else 0. (The plain write stays inline at the
-        call sites: routed through one helper, the M = 2 and 4 builds' PTX changed.)"""
-        x = np.float32(np.float16(np.float32(out[i]) + np.float32(np.float16(total))))
-        out[i] = np.float16(x)
-        return x * x if SQUARES else np.float32(0.0)
+        writes element i). (The plain write stays inline at the call sites: routed through one helper, the M = 2 and 4
+        builds' PTX changed.)"""
+        out[i] = np.float16(np.float32(out[i]) + np.float32(np.float16(total)))
 
     @inlined
-    def row_value(v, row):
-        """v[row] of a row-indexed local array by constant indices (a runtime index would put v in local memory)."""
-        x = v[0]
-        for m in range(1, M):
-            if row == u32(m):
-                x = v[m]
-        return x
+    def row_scale(squares, sl, row, k_len):
+        """RMS: 1 / rms of A's row ``row``, from its sum of squares in the slice's word (summed before the slice's first
+        barrier, so final in every epilogue); else 1."""
+        if not RMS:
+            return np.float32(1.0)
+        return rsqrt_mean(squares[u32(sl * u32(M) + row)], k_len, EPS)
 
     @inlined
-    def add_to_row(v, row, x):
-        """v[row] += x by constant indices (see row_value)."""
-        for m in range(M):
-            if row == u32(m):
-                v[m] += x
-
-    @inlined
-    def squares_out(sq, lane, aux):
-        """SQUARES, after a batch's sums: add the warp's sums of squares sq[m] (of the elements of row m its lanes
-        wrote) into aux[m] and zero them: five shuffles and one atomic a row from lane 0 (every lane of a warp that
-        wrote calls it). Spread over the batches, the atomics stay off the kernel's end: summed a CTA at the end (a
-        shared count, the CTA's last warp adding its sums) the o gemv took 0.6-1.0 us a launch more
-        (benchmarks/README.md, "Sixty-fifth session")."""
-        for m in range(M):
-            s = sq[m]
-            for h in range(5):
-                s += cuda.shfl_xor_sync(0xFFFFFFFF, s, 16 >> h)
-            if lane == u32(0):
-                cuda.atomic.add(aux, m, s)
-            sq[m] = np.float32(0.0)
-
-    @inlined
-    def reduce_columns(smem, acc, lane, part, flip, sl, kw, slice_tid, n_first, out, N, nsc, sq, aux):
+    def reduce_columns(smem, acc, lane, part, flip, sl, kw, slice_tid, n_first, out, N, squares, k_len):
         """Sum acc over the slice's K-warps: a warp reduce-scatter, one partial per (warp, value) into the
         shared buffer half ``flip`` (double-buffered: one barrier per iteration), then one thread per
         (column, row) of the slice adds its KW partials and writes column n_first + sl * NCOL + c.
         The slices share no partials, so each waits on its own named barrier (``bar_sync(sl, ...)``, KW
-        warps) rather than on all the CTA's warps: a slow slice no longer holds the others. ``nsc``: the rows'
-        norm scales (RMS); ``sq``: the thread's sums of the squares it writes, a row, added into ``aux`` (SQUARES)."""
+        warps) rather than on all the CTA's warps: a slow slice no longer holds the others. ``squares``, ``k_len``:
+        the slices' sums of squares of A and K as a float32 (RMS, :func:`row_scale`)."""
         r, v_idx, owner = reduce_scatter(acc, lane)
         if owner:
             smem[u32(part + flip + u32(v_idx))] = r
@@ -374,7 +349,7 @@ def make_pair_gemv_kernel(spec):
             row = u32(slice_tid - col * u32(M))
             n = u32(n_first + sl * u32(NCOL) + col)
             p = u32(u32(PART) + flip + sl * kw * u32(V) + slice_tid)
-            scale = row_value(nsc, row) if RMS else np.float32(1.0)
+            scale = row_scale(squares, sl, row, k_len)
             if SILU_PAIRS:
                 silu_pair_out(smem, p, kw, out, row, n, N, scale)
             else:
@@ -385,16 +360,12 @@ def make_pair_gemv_kernel(spec):
                     p = u32(p + u32(V))
                 if n < u32(N):
                     if ACCUMULATE:
-                        x2 = accumulate_out(out, u32(row * u32(N) + n), total * scale)
-                        if SQUARES:
-                            add_to_row(sq, row, x2)
+                        accumulate_out(out, u32(row * u32(N) + n), total * scale)
                     else:
                         out[u32(row * u32(N) + n)] = np.float16(total * scale) if f16_out else total * scale
-        if SQUARES and slice_tid < u32(WARP):          # (CM <= 32: the items are the slice's first warp's)
-            squares_out(sq, lane, aux)
 
     @inlined
-    def finish_batch(smem, flip, fw, slot, r, g, grid, sl, kw, slice_tid, group_cols, out, N, nsc, sq, aux):
+    def finish_batch(smem, flip, fw, slot, r, g, grid, sl, kw, slice_tid, group_cols, out, N, squares, k_len):
         """The end of a batch of r + 1 column groups (the last one g) whose partials are in the buffer half ``flip``:
         the slice meets at its barrier and one thread per (group, column, row), a lane of the slice's warp ``fw``,
         sums its KW partials and writes the output; returns the half the next batch writes."""
@@ -407,7 +378,7 @@ def make_pair_gemv_kernel(spec):
             row = u32(v - col * u32(M))
             n = u32(u32(u32(g - u32(u32(r) - rr) * grid) * group_cols) + sl * u32(NCOL) + col)
             p = u32(u32(PART) + flip + rr * slot + sl * kw * u32(V) + v)
-            scale = row_value(nsc, row) if RMS else np.float32(1.0)
+            scale = row_scale(squares, sl, row, k_len)
             if SILU_PAIRS:
                 silu_pair_out(smem, p, kw, out, row, n, N, scale)
             else:
@@ -418,19 +389,15 @@ def make_pair_gemv_kernel(spec):
                     p = u32(p + u32(V))
                 if n < u32(N):
                     if ACCUMULATE:
-                        x2 = accumulate_out(out, u32(row * u32(N) + n), total * scale)
-                        if SQUARES:
-                            add_to_row(sq, row, x2)
+                        accumulate_out(out, u32(row * u32(N) + n), total * scale)
                     else:
                         out[u32(row * u32(N) + n)] = np.float16(total * scale) if f16_out else total * scale
             i = u32(i + kw * u32(WARP))
-        if SQUARES and u32(slice_tid - slice_tid % u32(WARP) - fw * u32(WARP)) < u32(u32(r + 1) * u32(CM)):
-            squares_out(sq, slice_tid % u32(WARP), aux)     # (the warps that wrote items: their first lane's i)
         return u32(u32(BATCH) * slot - flip)
 
     @inlined
     def end_group(smem, acc, lane, part, flip, slot, r, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N,
-                  nsc, sq, aux):
+                  squares, k_len):
         """``batch = 3``: :func:`reduce_columns` with one barrier per three groups. The warp's partials go to
         slot r (of 3) of the buffer half ``flip``; after a batch's last group (or the CTA's) the slice meets at
         its barrier and one thread per (group, column, row) of the batch sums (:func:`finish_batch`); returns the
@@ -441,15 +408,15 @@ def make_pair_gemv_kernel(spec):
         if owner:
             smem[u32(part + flip + u32(r) * slot + u32(v_idx))] = rs
         if r == BATCH - 1 or u32(g + grid) >= n_groups:
-            return finish_batch(smem, flip, u32(0), slot, r, g, grid, sl, kw, slice_tid, group_cols, out, N, nsc, sq,
-                                aux)
+            return finish_batch(smem, flip, u32(0), slot, r, g, grid, sl, kw, slice_tid, group_cols, out, N, squares,
+                                k_len)
         return flip
 
     @inlined
     def end_each(smem, acc, lane, part, flip, slot, r, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N,
-                 nsc, sq, aux):
+                 squares, k_len):
         """``batch = 1``: :func:`reduce_columns` after every group (end_group's signature)."""
-        reduce_columns(smem, acc, lane, part, flip, sl, kw, slice_tid, u32(g * group_cols), out, N, nsc, sq, aux)
+        reduce_columns(smem, acc, lane, part, flip, sl, kw, slice_tid, u32(g * group_cols), out, N, squares, k_len)
         return u32(slot - flip)
 
     end = end_group if BATCH_ > 1 else end_each        # how a column group ends (chosen here, not in the kernel)
@@ -473,6 +440,29 @@ def make_pair_gemv_kernel(spec):
     assert not FULL_BATCHES or BATCH * CM <= WARP, "whole batches sum their partials in one warp"
 
     @inlined
+    def sum_squares(squares, ah, a, sl, lane):
+        """RMS, once after the activation loads: add the sum of squares of each row's 32 activations this lane holds
+        (float32, two chains) into the slice's word of that row: five shuffles and one shared atomic a warp and row.
+        An inactive lane's activations are zeros."""
+        for m in range(M):
+            s0 = np.float32(0.0)
+            s1 = np.float32(0.0)
+            for q in range(PAIRS):
+                if f16_acc:
+                    lo = f16_bits_to_f32(ah[m, q])
+                    hi = f16_bits_to_f32(ah[m, q] >> u32(16))
+                else:
+                    lo = a[m, 2 * q]
+                    hi = a[m, 2 * q + 1]
+                s0 += lo * lo
+                s1 += hi * hi
+            s0 += s1
+            for h in range(5):
+                s0 += cuda.shfl_xor_sync(0xFFFFFFFF, s0, 16 >> h)
+            if lane == u32(0):
+                cuda.atomic.add(squares, u32(sl * u32(M) + u32(m)), s0)
+
+    @inlined
     def fill_tables(smem, cb, tid):
         """The group table (make_table_fill) and every E4M4 byte's value (one shared load per block)."""
         fill_table(smem, cb, tid)
@@ -482,8 +472,12 @@ def make_pair_gemv_kernel(spec):
             i = u32(i + u32(cuda.blockDim.x))
 
     def pair_gemv(A, packed, absmax, cb, out, N, n_kb, offsets):
-        # offsets: grouped, the experts' first rows [E + 1]; RMS and SQUARES, the rows' sums of squares [M] (float32)
+        # offsets: grouped, the experts' first rows [E + 1]; else unused
         smem = cuda.shared.array(0, np.float32)    # [group table][E4M4 table][codebook][partials]
+        if RMS:                     # the slices' sums of squares of A, a (slice, row) word (declared in RMS builds only)
+            squares = cuda.shared.array(SQUARE_WORDS, np.float32)
+        else:
+            squares = smem
         # Every index below is uint32 (see load_columns): Numba would make them int64.
         tid = u32(cuda.threadIdx.x)
         lane = tid % u32(WARP)
@@ -539,6 +533,8 @@ def make_pair_gemv_kernel(spec):
         # ---- 2. the group table and the E4M4 table (grouped PDL: filled above) ---------------------
         if not (GROUPED and PDL):
             fill_tables(smem, cb, tid)
+        if RMS and tid < u32(SQUARE_WORDS):     # (zeroed before the CTA's barrier below, which every atomic follows)
+            squares[tid] = np.float32(0.0)
         table = shared_addr(smem)
 
         if EARLY_BARRIER:           # the tables' barrier before the wait (see EARLY_BARRIER)
@@ -547,11 +543,6 @@ def make_pair_gemv_kernel(spec):
             griddep_wait()
         # ---- 3. this lane's 32 x M activations, element order, 16-byte loads ---------------------
         a = cuda.local.array((M, BLOCK), np.float32)       # (f16_acc: unused)
-        nsc = cuda.local.array(M, np.float32)              # (RMS: the rows' norm scales)
-        sq = cuda.local.array(M, np.float32)               # (SQUARES: the squares this thread wrote, a row)
-        if SQUARES:                 # (zeroed only here: zeroing it in every build moved the plain builds' PTX)
-            for m in range(M):
-                sq[m] = np.float32(0.0)
         ah = cuda.local.array((M, PAIRS), np.uint32)       # f16_acc: the f16x2 words as loaded
         for m in literal_unroll(ROWS):              # (once per launch: range(M) stays rolled at M = 4)
             a_base = (m * n_kb * BLOCK + kb * BLOCK) // A_PER_WORD if active else 0
@@ -564,12 +555,12 @@ def make_pair_gemv_kernel(spec):
                     else:
                         for e in range(A_PER_WORD):
                             a[m, (4 * q + h) * A_PER_WORD + e] = word_to_f32(w4[h], e) * a_live
-        if RMS:                     # the rows' 1 / rms from their sums of squares (the kernel before wrote them)
-            for m in range(M):
-                nsc[m] = rsqrt_mean(offsets[m], np.float32(nkb * u32(BLOCK)), EPS)
+        k_len = np.float32(nkb * u32(BLOCK))               # (RMS: K, the mean's count)
         lane_off = u32((lane % COPIES) * ENTRY)
         if not EARLY_BARRIER:       # (the activation loads above overlap the barrier)
             cuda.syncthreads()
+        if RMS:                     # the slice's sums of squares of its rows: its lanes hold all of A
+            sum_squares(squares, ah, a, sl, lane)
 
         part = u32(u32(PART) + (sl * kw + w) * u32(V))     # this warp's partial sums (double-buffered: + flip)
         flip = u32(0)
@@ -600,29 +591,29 @@ def make_pair_gemv_kernel(spec):
                     smem[u32(part + flip + u32(v_idx))] = rs0
                     smem[u32(part + flip + FLIP + u32(v_idx))] = rs1
                     smem[u32(part + flip + u32(2) * FLIP + u32(v_idx))] = rs2
-                flip = finish_batch(smem, flip, fw, FLIP, 2, g, grid, sl, kw, slice_tid, group_cols, out, N, nsc, sq,
-                                    offsets)
+                flip = finish_batch(smem, flip, fw, FLIP, 2, g, grid, sl, kw, slice_tid, group_cols, out, N, squares,
+                                    k_len)
                 fw = u32(fw + u32(1)) if fw + u32(1) < kw else u32(0)
                 g = u32(g + grid)
         while g < n_groups:         # (the last, partial batch; every batch when FULL_BATCHES is off)
             load_columns(packed, absmax, u32(g * group_cols + ahead + col0), kb_at, last4, nkb, codes_c, absmax_c)
             decode_columns(smem, table, lane_off, codes_a, absmax_a, a, ah, acc)
             flip = end(smem, acc, lane, part, flip, FLIP, 0, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N,
-                       nsc, sq, offsets)
+                       squares, k_len)
             g = u32(g + grid)
             if g >= n_groups:
                 break
             load_columns(packed, absmax, u32(g * group_cols + ahead + col0), kb_at, last4, nkb, codes_a, absmax_a)
             decode_columns(smem, table, lane_off, codes_b, absmax_b, a, ah, acc)
             flip = end(smem, acc, lane, part, flip, FLIP, 1, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N,
-                       nsc, sq, offsets)
+                       squares, k_len)
             g = u32(g + grid)
             if g >= n_groups:
                 break
             load_columns(packed, absmax, u32(g * group_cols + ahead + col0), kb_at, last4, nkb, codes_b, absmax_b)
             decode_columns(smem, table, lane_off, codes_c, absmax_c, a, ah, acc)
             flip = end(smem, acc, lane, part, flip, FLIP, 2, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N,
-                       nsc, sq, offsets)
+                       squares, k_len)
             g = u32(g + grid)
 
     return jit_kernel(pair_gemv, spec.max_registers)
@@ -633,6 +624,13 @@ def part_bytes(M, cols, slices, kw, batch=1):
     partials [2, batch, slices, kw, V] float32."""
     V = 1 << (cols * M - 1).bit_length()
     return 4 * (PART - TABLE_FLOATS) + 2 * batch * slices * kw * V * 4
+
+
+def resident_bytes(spec, slices, kw):
+    """Shared bytes a CTA of ``slices`` slices holds, for its residency: the dynamic ones (``TABLE_BYTES +
+    part_bytes``) and, in an ``rms_eps`` build, the static sums of squares."""
+    return (TABLE_BYTES + part_bytes(spec.M, spec.cols, slices, kw, spec.batch)
+            + (4 * SQUARE_WORDS if spec.rms_eps else 0))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -704,8 +702,7 @@ def whole_rounds(slices, most, N, spec, kw, regs):
     best, sms = None, sm_count()
     for s in range(slices, most + 1):
         groups = -(-N // (s * spec.cols))
-        grid = persistent_grid(groups, s * kw * WARP, regs,
-                               TABLE_BYTES + part_bytes(spec.M, spec.cols, s, kw, spec.batch))
+        grid = persistent_grid(groups, s * kw * WARP, regs, resident_bytes(spec, s, kw))
         cost = -(-grid // sms) * s * -(-groups // grid)
         if best is None or cost < best[0]:
             best = (cost, s)
@@ -713,7 +710,7 @@ def whole_rounds(slices, most, N, spec, kw, regs):
 
 
 def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc=False, cols=None, cta_warps=None,
-         pdl=False, silu_pairs=False, max_registers=None, rms_eps=None, accumulate=False, squares=None):
+         pdl=False, silu_pairs=False, max_registers=None, rms_eps=None, accumulate=False):
     """Checked inputs bound into a :class:`launch.Plan` (one launch). ``kc``: KbitCodes or KbitFragments (slower:
     the module docstring; a KbitWeight is re-packed with :func:`to_codes`, a copy per call: keep the KbitCodes for
     repeated use). f16_acc: see :func:`make_pair_gemv_kernel` (float16 A only). pdl: a programmatic dependent launch (sm_90; the
@@ -725,12 +722,11 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc
     grouped ones (benchmarks/README.md, "Sixtieth session"). ``max_registers``: a per-thread register cap, so that more
     warps fit an SM (an experiment's knob for ``sweep_pair_gemv.py``: every cap measured was slower, even without
     spills, at k = 4 in the fifty-fourth session and at k = 2 in the sixty-first), or None.
-    A decode step's add + RMSNorm inside two launches (no norm launch between them), with ``squares`` a float32
-    device array [M] that the caller zeroes: the first, ``accumulate=True`` (a float16 ``out`` given: the residual
-    stream), writes out += A W^T in place and adds each row's sum of the written values' squares into squares[m]; the
-    second, ``rms_eps`` (A = that out), scales each output row m by 1 / sqrt(squares[m] / K + rms_eps) in the epilogue:
+    A decode step's add + RMSNorm inside its gemvs (no norm launch between them): ``accumulate=True`` (a float16
+    ``out`` given: the residual stream) writes out += A W^T in place; ``rms_eps`` scales each output row m by
+    1 / sqrt(mean(A[m]^2) + rms_eps) in the epilogue, the squares summed by the kernel from the activations it loads:
     an RMSNorm of A before the product whose weight w is folded into this weight beforehand (quantize W * w[None, :]);
-    twin ``reference.rms_gemv``. ``accumulate`` without ``squares``: the residual add alone.
+    twin ``reference.rms_gemv``.
     """
     if accumulate and out is None:
         raise ValueError("accumulate adds into out in place: pass the float16 out (a decode step's residual stream)")
@@ -746,19 +742,12 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc
     if kw > MAX_KW:
         raise ValueError(f"pair gemv handles K <= {MAX_KW * WARP * BLOCK}, got K={K}")
     _arrays.check_aligned(Ad, 16, "A")
-    if rms_eps is not None and squares is None:
-        raise ValueError("rms_eps scales by the rows' sums of squares: pass squares (an accumulate launch's)")
-    if squares is not None:
-        squares = _arrays.device_array(squares, "squares", (np.float32,), 1, stream)
-        if squares.shape[0] != M or not (rms_eps is not None or accumulate):
-            raise ValueError(f"squares: float32 [{M}] for an accumulate or rms_eps launch, got shape "
-                             f"{tuple(squares.shape)}")
     args = (_arrays.flat_view(Ad, np.uint32), kc.packed, kc.absmax, kc.codebook, _arrays.flat_view(out),
-            i32(N), i32(n_kb), unused_i32() if squares is None else squares)
+            i32(N), i32(n_kb), unused_i32())
     cols = default_cols(M, N, K) if cols is None else cols
     spec = PairGemvSpec(kc.k, M, cols, kc.absmax_format, a_src, out.dtype, f16_acc, pdl, max_registers=max_registers,
                         silu_pairs=silu_pairs, fragments=isinstance(kc, KbitFragments), rms_eps=float(rms_eps or 0),
-                        accumulate=accumulate, sum_squares=accumulate and squares is not None)
+                        accumulate=accumulate)
     spec, kern, regs, max_threads = fit_threads(make_pair_gemv_kernel, spec, args, kw * WARP)
     if kw * WARP > max_threads:
         raise ValueError(f"pair gemv with M={M}, cols={spec.cols} fits {max_threads} threads per CTA: K <= "
@@ -769,11 +758,11 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc
         slices = whole_rounds(slices, most, N, spec, kw, regs)
     n_groups = -(-N // (slices * spec.cols))
     shared = TABLE_BYTES + part_bytes(M, spec.cols, slices, kw, spec.batch)
-    grid = persistent_grid(n_groups, slices * kw * WARP, regs, shared)
+    grid = persistent_grid(n_groups, slices * kw * WARP, regs, resident_bytes(spec, slices, kw))
     if spec.batch == BATCH and spec.k in PAIR_FULL_BATCHES_K and n_groups > 2 * grid:     # a CTA runs a whole batch
         spec, kern, regs, _ = fit_threads(make_pair_gemv_kernel, replace(spec, full_batches=True), args,
                                           slices * kw * WARP)
-        grid = persistent_grid(n_groups, slices * kw * WARP, regs, shared)
+        grid = persistent_grid(n_groups, slices * kw * WARP, regs, resident_bytes(spec, slices, kw))
     return Plan([Step(kern, grid, slices * kw * WARP, args, shared, pdl)], Ad, out, stream)
 
 
@@ -860,9 +849,9 @@ def ptx_specs():
     """Every (k, M) at the default cols (and f16_acc at M = 1, 4; pdl at M = 1; the silu_pairs epilogue at M = 1, 3),
     M = 1 with f16_acc and ``full_batches`` (plain, and PDL with silu_pairs) at the k of ``PAIR_FULL_BATCHES_K``,
     M = 1 at ``small_cols``, grouped (plain, f16_acc + pdl + silu_pairs, and 8 columns + pdl), on the fragment layout
-    (M = 1, M = 2 with f16_acc, grouped with pdl), the norm's builds (``rms_eps`` at M = 3 and in the step's SiLU build,
-    ``accumulate`` with and without ``sum_squares``), and each other value of cols, absmax format, A type and output
-    type with every k."""
+    (M = 1, M = 2 with f16_acc, grouped with pdl), the norm's builds (``rms_eps`` at M = 3, at M = 1 with PDL and in
+    the step's SiLU build; ``accumulate`` at M = 1 with and without PDL and at M = 2), and each other value of cols,
+    absmax format, A type and output type with every k."""
     variants = [dict(M=M) for M in (1, 2, 3, 4)] + [dict(M=M, f16_acc=True) for M in (1, 4)]
     variants += [dict(M=1, pdl=True), dict(M=1, f16_acc=True, pdl=True)]
     variants += [dict(M=1, f16_acc=True, pdl=True, silu_pairs=True), dict(M=3, silu_pairs=True)]   # the epilogue
@@ -877,8 +866,9 @@ def ptx_specs():
     whole = [dict(M=1, f16_acc=True, full_batches=True),                  # where plan builds whole batches
              dict(M=1, f16_acc=True, pdl=True, silu_pairs=True, full_batches=True),
              dict(M=1, f16_acc=True, pdl=True, silu_pairs=True, rms_eps=1e-6, full_batches=True)]   # the step's
-    variants += [dict(M=3, rms_eps=1e-5), dict(M=1, f16_acc=True, pdl=True, accumulate=True, sum_squares=True),
-                 dict(M=2, accumulate=True, sum_squares=True), dict(M=1, f16_acc=True, accumulate=True)]  # (the norm)
+    variants += [dict(M=3, rms_eps=1e-5), dict(M=1, f16_acc=True, pdl=True, rms_eps=1e-6),
+                 dict(M=1, f16_acc=True, pdl=True, accumulate=True), dict(M=2, accumulate=True),
+                 dict(M=1, f16_acc=True, accumulate=True)]  # (the norm)
     return ([PairGemvSpec(k=k, **v) for k in CODES_K for v in variants]
             + [PairGemvSpec(k=k, **v) for k in PAIR_FULL_BATCHES_K for v in whole])
 
@@ -887,7 +877,7 @@ def argtypes(spec):
     from numba import types as t
     return (t.uint32[::1], t.uint32[::1], t.uint8[::1] if spec.absmax_format == "e4m4" else t.float32[::1],
             t.float32[::1], NUMBA_TYPES[spec.out_dtype], t.int32, t.int32,
-            t.float32[::1] if spec.rms_eps or spec.sum_squares else t.int32[::1])
+            t.int32[::1])
 
 
 def kernel_specializations():

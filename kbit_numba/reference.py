@@ -206,12 +206,11 @@ def gemv(A, qw, bf16=False, accumulate=np.float64):
     return (A.astype(accumulate) @ W.astype(accumulate).T).astype(np.float32)
 
 
-def rms_gemv(A, qw, eps, squares=None):
-    """The pair gemv's ``rms_eps`` twin: C = (A @ dequantize(qw).T) / sqrt(squares / K + eps) per row, in float64,
-    with ``squares`` the rows' sums of squares (default: A's own): an RMSNorm (its weight folded into qw) before the
-    projection. Returns float32."""
+def rms_gemv(A, qw, eps):
+    """The pair gemv's ``rms_eps`` twin: C = (A @ dequantize(qw).T) / sqrt(mean(A^2) + eps) per row, in float64: an
+    RMSNorm of A (its weight folded into qw) before the projection. Returns float32."""
     A2 = np.atleast_2d(as_float32(A)).astype(np.float64)
-    ss = (A2 * A2).sum(axis=1) if squares is None else np.asarray(squares, np.float64).reshape(-1)
+    ss = (A2 * A2).sum(axis=1)
     scale = 1.0 / np.sqrt(ss[:, None] / A2.shape[1] + float(eps))
     return (gemv(A2, qw).astype(np.float64) * scale).astype(np.float32)
 

@@ -143,18 +143,17 @@ class KbitLinear(nn.Module):
         y = torch.ops.kbit_numba.linear(x, self.handle)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
-    def run(self, x, silu_pairs=False, rms_eps=None, accumulate_into=None, squares=None):
+    def run(self, x, silu_pairs=False, rms_eps=None, accumulate_into=None):
         """The op's body: x [..., K] -> [..., N] through the kernels (``linear`` for kbit, the format's gemv in
         slices of 4 rows otherwise), on torch's current stream. ``silu_pairs`` (kbit, where ``runtime.kernel_for`` the
         call's rows is the pair or the tensor-core gemv; a ValueError elsewhere): a gate/up layer whose rows are
         interleaved (gate row j at 2j, up row j at 2j + 1) returns silu(gate) * up, [..., N / 2], from the gemv's
         epilogue: no [..., N] output and no SiLU kernel (``reference.silu_pairs`` is its twin). Two more of the pair
         gemv's (kbit, where the call's rows run it; a ValueError elsewhere), a decode step's residual add and norm
-        inside two linears, with ``squares`` a zeroed float32 tensor of the rows' count: ``accumulate_into`` (a float16
-        tensor of the output's shape, the residual stream) adds the product into that tensor in place, returns it and
-        adds each row's sum of squares into ``squares``; the next layer, called on that tensor with ``rms_eps`` and the
-        same ``squares``, scales each output row by 1 / sqrt(squares / K + rms_eps): an RMSNorm of x whose weight is
-        folded into that layer's (``reference.rms_gemv``)."""
+        inside its linears: ``accumulate_into`` (a float16 tensor of the output's shape, the residual stream) adds the
+        product into that tensor in place and returns it; ``rms_eps`` scales each output row by
+        1 / sqrt(mean(x^2) + rms_eps): an RMSNorm of x whose weight is folded into this layer's
+        (``reference.rms_gemv``)."""
         K, N = self.in_features, self.out_features // 2 if silu_pairs else self.out_features
         if x.shape[-1] != K:
             raise ValueError(f"x has {x.shape[-1]} features, the layer {K}")
@@ -175,18 +174,10 @@ class KbitLinear(nn.Module):
                                 or acc.device != x.device):
             raise ValueError(f"accumulate_into must be a contiguous float16 tensor of shape {lead + (N,)} on x's "
                              f"device, got {acc.dtype} {tuple(acc.shape)}")
-        if squares is not None and (squares.dtype != torch.float32 or tuple(squares.shape) != (M,)
-                                    or squares.device != x.device):
-            raise ValueError(f"squares must be a float32 tensor of shape ({M},) on x's device, got {squares.dtype} "
-                             f"{tuple(squares.shape)}")
-        fused = dict(rms_eps=rms_eps, accumulate=acc is not None, squares=squares)
+        fused = dict(rms_eps=rms_eps, accumulate=acc is not None)
         if SIMULATOR:                       # CPU tensors: NumPy in, the simulator's device array out
             out = None if acc is None else cuda.to_device(acc.reshape(M, N).numpy())
-            if squares is not None:
-                fused["squares"] = cuda.to_device(squares.numpy())
             y = torch.from_numpy(self._launch(a.numpy(), out, 0, out_np, bf16, silu_pairs, **fused).copy_to_host())
-            if squares is not None:         # (the simulator's sums back into the CPU tensors)
-                squares.copy_(torch.from_numpy(fused["squares"].copy_to_host()))
             if acc is not None:
                 return acc.copy_(y.reshape(acc.shape))
         else:
@@ -196,12 +187,11 @@ class KbitLinear(nn.Module):
                 return acc
         return y.to(x.dtype).reshape(lead + (N,))
 
-    def _launch(self, a, out, stream, out_dtype, bf16, silu_pairs=False, rms_eps=None, accumulate=False,
-                squares=None):
+    def _launch(self, a, out, stream, out_dtype, bf16, silu_pairs=False, rms_eps=None, accumulate=False):
         if self.format == "kbit":
             return self.runtime(a, out=out, stream=stream, out_dtype=out_dtype, bf16=bf16, silu_pairs=silu_pairs,
-                                rms_eps=rms_eps, accumulate=accumulate, squares=squares)
-        if rms_eps is not None or accumulate or squares is not None:
+                                rms_eps=rms_eps, accumulate=accumulate)
+        if rms_eps is not None or accumulate:
             raise ValueError(f"rms_eps and accumulate_into are the kbit pair gemv's, not the {self.format} format's")
         if silu_pairs:
             raise ValueError(f"silu_pairs is the kbit gemvs' epilogue, not the {self.format} format's")

@@ -70,18 +70,23 @@ def test_quantized_step_follows_the_fp16_step(variant):
 
 
 @pytest.mark.skipif(SIM, reason="the norm inside gate/up is a GPU launch's (the CPU step runs the torch twins)")
-def test_norm_inside_gate_up_follows_the_norm_launch(monkeypatch):
+@pytest.mark.parametrize("in_qkv", [False, True])
+@pytest.mark.parametrize("k", bench_model.NORM_IN_GATE_UP_K)
+def test_norm_inside_gate_up_follows_the_norm_launch(monkeypatch, in_qkv, k):
     """``NORM_IN_GATE_UP``: the layer's second add + RMSNorm inside its linears (the o gemv adding into the residual
-    stream and summing the squares it writes, ``accumulate`` with ``squares``; the gate/up gemv scaling by 1 / rms
-    from those sums, ``rms_eps``) against the step with its ``add_rmsnorm`` launch, same weights, batch 1: the same
-    residual stream to float16 rounding of the sums (the fused scale multiplies float16 block sums of the unnormalised
-    residual), and the fused path ran (batch 1 only: ``NORM_IN_GATE_UP_MAX_BATCH``)."""
+    stream, ``accumulate``; the gate/up gemv scaling by 1 / rms of it, ``rms_eps``), and with ``NORM_IN_QKV`` the first
+    one too (the down gemv adding, the QKV gemv scaling), against the step with its ``add_rmsnorm`` launches, same
+    weights, batch 1, at every k of ``NORM_IN_GATE_UP_K``: the same residual stream to float16 rounding of the sums (the
+    fused scale multiplies float16 block sums of the unnormalised residual), and the fused path ran (batch 1 only:
+    ``NORM_IN_GATE_UP_MAX_BATCH``)."""
+    monkeypatch.setattr(bench_model, "NORM_IN_QKV", in_qkv)
     rng = np.random.default_rng(1)
     base = {name: rng.standard_normal((N, K), dtype=np.float32) * 0.1 for name, N, K in bench_model.projections(TINY)}
-    variant = "kbit k=4 pdl f16_acc"
+    variant = f"kbit k={k} pdl f16_acc"
     q = bench_model.build_linears(TINY, variant, base, lambda msg: None, DEVICE, silu_pairs=True)
     x = torch.zeros(1, TINY["hidden"], device=DEVICE, dtype=torch.float16)
     assert bench_model.norm_in_gate_up(q[0][1], q[0][2], x, True)
+    assert bench_model.norm_in_qkv(q[0][0], q[0][3], x) == in_qkv
     assert not bench_model.norm_in_gate_up(q[0][1], q[0][2], torch.zeros(2, TINY["hidden"], device=DEVICE,
                                                                        dtype=torch.float16), True)
     outs = []

@@ -144,13 +144,16 @@ def test_pair_gemv_silu_pairs(seed, v, half_n, kbn):
     check_silu_pairs(out.copy_to_host(), A, qw, f16_acc, out_dtype)
 
 
-def check_silu_pairs(got, A, qw, f16_acc, out_dtype):
-    """``got`` against reference.silu_pairs of the product, within the bound of test_pair_gemv_silu_pairs."""
+def check_silu_pairs(got, A, qw, f16_acc, out_dtype, rtol=0.0):
+    """``got`` against reference.silu_pairs of the product, within the bound of test_pair_gemv_silu_pairs; ``rtol``:
+    a relative error of both products (a norm's scale, ``rms_eps``), through silu(gate) * up to first order."""
     C = ref.gemv(A, qw).astype(np.float64)
     e = gemv_bound(A, qw, f16_acc)
     gate, up, e_gate, e_up = C[:, 0::2], C[:, 1::2], e[:, 0::2], e[:, 1::2]
     want = ref.silu_pairs(C)
-    tol = 1.1 * e_gate * (np.abs(up) + e_up) + np.abs(gate / (1 + np.exp(-gate))) * e_up + 1e-6 * np.abs(want) + 1e-30
+    sig = 1 / (1 + np.exp(-gate))
+    tol = 1.1 * e_gate * (np.abs(up) + e_up) + np.abs(gate * sig) * e_up + 1e-6 * np.abs(want) + 1e-30
+    tol += 1.1 * rtol * (np.abs(sig * (1 + gate * (1 - sig)) * gate * up) + np.abs(want))   # (d silu / d gate = ...)
     assert_within(got, want, tol, out_dtype)
 
 
@@ -268,34 +271,43 @@ def test_pair_gemv_whole_batches_of_slices(monkeypatch, silu):
         check_close_f16_acc(got, A, qw, np.float32)
 
 
+def rms_scaled(A, eps):
+    """A's rows scaled by 1 / sqrt(mean(A^2) + eps), in float64: what ``rms_eps`` multiplies by W^T."""
+    A64 = np.atleast_2d(A).astype(np.float64)
+    return A64 / np.sqrt((A64 ** 2).mean(axis=1, keepdims=True) + eps)
+
+
+# the scale's relative error: the float32 sum of K squares (at most K float32 roundings, 2^-24 each, of a sum of
+# positive terms: ~1e-4 at K = 2048, half of it through the square root), rsqrt.approx and the fast division
+RMS_SCALE_RTOL = 1e-4
+
+
 @pytest.mark.parametrize("k, M, f16_acc, silu, ctas", [(4, 1, True, True, 1), (4, 1, True, False, 2),
                                                     (2, 1, True, True, 4), (4, 3, False, False, 2),
                                                     (2, 2, False, True, 1)])
 def test_pair_gemv_rms_eps(monkeypatch, k, M, f16_acc, silu, ctas):
-    """``rms_eps``: an RMSNorm of A before the product (its weight folded into the weight), applied in the epilogue
-    from the rows' sums of squares that an ``accumulate`` launch wrote (here A's own times a factor a row, so that a
-    scale taken from A itself fails): each output row scaled by 1 / sqrt(squares / K + eps) (reference.rms_gemv; with
-    the SiLU epilogue, before the SiLU). Two slices of two K-warps, eight groups of four columns; the grid (``ctas``)
-    at M = 1 with float16 sums runs whole batches (1 and 2 CTAs) and the other loop (4 CTAs). The scaled product is
-    the plain product of the scaled A, so the bound is the plain one at those activations (plus the float32 scale's
-    rounding: rsqrt.approx, 1e-6)."""
+    """``rms_eps``: an RMSNorm of A before the product (its weight folded into the weight), applied in the epilogue:
+    each output row scaled by 1 / sqrt(mean(A^2) + eps) (reference.rms_gemv; with the SiLU epilogue, before the SiLU),
+    the squares summed by the kernel from the activations each slice loads. Two slices of two K-warps, eight groups of
+    four columns; the grid (``ctas``) at M = 1 with float16 sums runs whole batches (1 and 2 CTAs) and the other loop
+    (4 CTAs). Rows of different sizes (a row's squares in another row's word, or a K-warp's left out, is a scale off
+    by far more than the bound). The scaled product is the plain product of the scaled A, so the bound is the plain
+    one at those activations plus the scale's rounding (``RMS_SCALE_RTOL``)."""
     monkeypatch.setattr(pair_gemv, "persistent_grid", lambda work, *args: min(work, ctas))
     rng = np.random.default_rng(64 + k + M)
     N, K, eps = 30, 2048, 1e-6
     qw = ref.quantize(random_weight(rng, N, K), k=k)
-    A = (_activations(rng, M, K, "float32") * 3.0).astype(np.float16)
-    A64 = A.astype(np.float64)
-    squares = ((A64 ** 2).sum(axis=1) * rng.uniform(0.5, 2.0, M)).astype(np.float32)
+    A = (_activations(rng, M, K, "float32") * 3.0 * np.arange(1, M + 1)[:, None]).astype(np.float16)
     p = pair_gemv.plan(A, pair_gemv.to_codes(qw), out_dtype=np.float32, cols=2, cta_warps=4, f16_acc=f16_acc,
-                       silu_pairs=silu, rms_eps=eps, squares=cuda.to_device(squares))
+                       silu_pairs=silu, rms_eps=eps)
     assert p.steps[0].grid == ctas
     got = p.launch().copy_to_host()
-    scaled = A64 / np.sqrt(squares.astype(np.float64)[:, None] / K + eps)
+    scaled = rms_scaled(A, eps)
     if silu:
-        check_silu_pairs(got, scaled, qw, f16_acc, np.float32)
+        check_silu_pairs(got, scaled, qw, f16_acc, np.float32, rtol=RMS_SCALE_RTOL)
     else:
-        want = ref.rms_gemv(A, qw, eps, squares)
-        assert_within(got, want, gemv_bound(scaled, qw, f16_acc) + 1e-6 * np.abs(want), np.float32)
+        want = ref.rms_gemv(A, qw, eps)
+        assert_within(got, want, gemv_bound(scaled, qw, f16_acc) + RMS_SCALE_RTOL * np.abs(want), np.float32)
 
 
 @pytest.mark.parametrize("k, M, f16_acc, pdl, ctas, whole", [(4, 1, True, True, 1, True), (4, 1, True, False, 8, True),
@@ -304,12 +316,11 @@ def test_pair_gemv_rms_eps(monkeypatch, k, M, f16_acc, silu, ctas):
                                                              (4, 3, True, False, 3, True)])
 def test_pair_gemv_accumulate(monkeypatch, k, M, f16_acc, pdl, ctas, whole):
     """``accumulate``: out += A W^T in place, each element rounded to float16 once more after the float16 sum (a decode
-    step's residual add in the launch that produces the delta), and with ``squares`` each row's sum of the written
-    values' squares added into squares[m] (from 0.5 here: added, not overwritten). 15 groups of four columns: at M = 1
-    with float16 sums whole batches (1 and 2 CTAs: the summing warp rotates) and batches of three groups (8 CTAs: one
-    partial batch a CTA; 2 CTAs without the whole-batch loop, ``whole`` False: several batches a CTA); batches of one
-    group at M = 2 and 3 (rows summed apart). A written element left out of the sums, or counted twice, or a residual
-    read for the wrong column, is far outside the float32 sum's bound."""
+    step's residual add in the launch that produces the delta). 15 groups of four columns: at M = 1 with float16 sums
+    whole batches (1 and 2 CTAs: the summing warp rotates) and batches of three groups (8 CTAs: one partial batch a
+    CTA; 2 CTAs without the whole-batch loop, ``whole`` False: several batches a CTA); batches of one group at M = 2
+    and 3 (rows summed apart). A residual read for the wrong column, or an element written twice, is far outside the
+    float32 sum's bound."""
     monkeypatch.setattr(pair_gemv, "persistent_grid", lambda work, *args: min(work, ctas))
     if not whole:
         monkeypatch.setattr(pair_gemv, "PAIR_FULL_BATCHES_K", ())
@@ -318,8 +329,8 @@ def test_pair_gemv_accumulate(monkeypatch, k, M, f16_acc, pdl, ctas, whole):
     qw = ref.quantize(random_weight(rng, N, K), k=k)
     A = _activations(rng, M, K, "float16")
     res = (rng.standard_normal((M, N)) * 4).astype(np.float16)
-    out, squares = cuda.to_device(res), cuda.to_device(np.full(M, 0.5, np.float32))
-    p = pair_gemv.plan(A, pair_gemv.to_codes(qw), out=out, f16_acc=f16_acc, pdl=pdl, accumulate=True, squares=squares,
+    out = cuda.to_device(res)
+    p = pair_gemv.plan(A, pair_gemv.to_codes(qw), out=out, f16_acc=f16_acc, pdl=pdl, accumulate=True,
                        cols=2, cta_warps=4 if M < 3 else 8)
     assert p.steps[0].grid == ctas
     assert p.launch() is out
@@ -327,62 +338,52 @@ def test_pair_gemv_accumulate(monkeypatch, k, M, f16_acc, pdl, ctas, whole):
     want = ref.gemv(A, qw).astype(np.float64)
     ulp = np.abs(res.astype(np.float64)) + np.abs(want) + 1e-30   # (two float16 roundings of what is added)
     assert_within(x - res.astype(np.float64), want, gemv_bound(A, qw, f16_acc) + 2.0 ** -10 * ulp, np.float32)
-    want_sq = 0.5 + (x ** 2).sum(axis=1)                            # (of the float16 values written)
-    np.testing.assert_allclose(squares.copy_to_host(), want_sq, rtol=1e-5)
 
 
 @settings(max_examples=max(EXAMPLES // 2, 3))       # (each example compiles two builds; the cases above cover grids)
 @given(seeds, st.sampled_from(CODES_K), st.integers(1, 3), st.sampled_from([2, 4, 8]), st.booleans(),
        st.integers(1, MAX_N), KBS, st.booleans())
 def test_pair_gemv_residual_and_norm_property(seed, k, M, cols, f16_acc, n, kbn, silu):
-    """The two launches of a decode step's add + norm at any shape: ``accumulate`` with ``squares`` (an o projection
-    [H, 64] adding into a residual [M, H]) and then ``rms_eps`` with those sums (an up projection [N, H], SiLU pairs
-    or not): the residual add within its bound, the sums equal to the written values' (float32 atomics in any order),
-    and the normed product within the plain product's bound at the normed activations."""
+    """The two launches of a decode step's add + norm at any shape: ``accumulate`` (an o projection [H, 64] adding
+    into a residual [M, H]) and then ``rms_eps`` on that residual (an up projection [N, H], SiLU pairs or not; H any
+    multiple of 32, so the last K-warp may have idle lanes): the residual add within its bound, and the normed product
+    within the plain product's bound at the normed activations."""
     rng = np.random.default_rng(seed)
     H, N, eps = 32 * kbn, 2 * n if silu else n, 1e-6
     o_qw = ref.quantize(random_weight(rng, H, 64), k=k)
     up_qw = ref.quantize(random_weight(rng, N, H), k=k)
     att = _activations(rng, M, 64, "float16")
     res = (rng.standard_normal((M, H)) * 2).astype(np.float16)
-    out, squares = cuda.to_device(res), cuda.to_device(np.zeros(M, np.float32))
-    pair_gemv.plan(att, pair_gemv.to_codes(o_qw), out=out, f16_acc=f16_acc, accumulate=True, squares=squares,
-                   cols=cols).launch()
-    x, ss = out.copy_to_host(), squares.copy_to_host()
+    out = cuda.to_device(res)
+    pair_gemv.plan(att, pair_gemv.to_codes(o_qw), out=out, f16_acc=f16_acc, accumulate=True, cols=cols).launch()
+    x = out.copy_to_host()
     want = ref.gemv(att, o_qw).astype(np.float64)
     ulp = np.abs(res.astype(np.float64)) + np.abs(want) + 1e-30
     assert_within(x.astype(np.float64) - res, want, gemv_bound(att, o_qw, f16_acc) + 2.0 ** -10 * ulp, np.float32)
-    np.testing.assert_allclose(ss, (x.astype(np.float64) ** 2).sum(axis=1), rtol=1e-4)
     got = pair_gemv.plan(out, pair_gemv.to_codes(up_qw), out_dtype=np.float32, f16_acc=f16_acc, silu_pairs=silu,
-                         rms_eps=eps, squares=squares, cols=cols).launch().copy_to_host()
-    scaled = x.astype(np.float64) / np.sqrt(ss.astype(np.float64)[:, None] / H + eps)
+                         rms_eps=eps, cols=cols).launch().copy_to_host()
+    scaled = rms_scaled(x, eps)
     if silu:
-        check_silu_pairs(got, scaled, up_qw, f16_acc, np.float32)
+        check_silu_pairs(got, scaled, up_qw, f16_acc, np.float32, rtol=RMS_SCALE_RTOL)
     else:
-        want = ref.rms_gemv(x, up_qw, eps, ss)
-        assert_within(got, want, gemv_bound(scaled, up_qw, f16_acc) + 1e-6 * np.abs(want), np.float32)
+        want = ref.rms_gemv(x, up_qw, eps)
+        assert_within(got, want, gemv_bound(scaled, up_qw, f16_acc) + RMS_SCALE_RTOL * np.abs(want), np.float32)
 
 
 def test_pair_gemv_rms_and_accumulate_refuse():
     rng = np.random.default_rng(65)
     qw = pair_gemv.to_codes(ref.quantize(random_weight(rng, 8, 64), k=4))
     A = _activations(rng, 1, 64, "float16")
-    sq = cuda.to_device(np.zeros(1, np.float32))
     with pytest.raises(ValueError, match="float16 output"):
         pair_gemv.plan(A, qw, out=cuda.to_device(np.zeros((1, 8), np.float32)), accumulate=True)
     with pytest.raises(ValueError, match="pass the float16 out"):
-        pair_gemv.plan(A, qw, accumulate=True, squares=sq)
+        pair_gemv.plan(A, qw, accumulate=True)
     with pytest.raises(ValueError, match="rms_eps"):
-        pair_gemv.plan(A, qw, rms_eps=2.0, squares=sq)
-    with pytest.raises(ValueError, match="pass squares"):
-        pair_gemv.plan(A, qw, rms_eps=1e-6)
+        pair_gemv.plan(A, qw, rms_eps=2.0)
     with pytest.raises(ValueError, match="not both"):
-        pair_gemv.plan(A, qw, out=cuda.to_device(np.zeros((1, 8), np.float16)), rms_eps=1e-6, accumulate=True,
-                       squares=sq)
-    with pytest.raises(ValueError, match="squares"):
-        pair_gemv.plan(A, qw, squares=sq)                           # (squares alone: no launch reads or writes it)
-    with pytest.raises(ValueError, match="squares"):
-        pair_gemv.plan(A, qw, rms_eps=1e-6, squares=cuda.to_device(np.zeros(2, np.float32)))
+        pair_gemv.plan(A, qw, out=cuda.to_device(np.zeros((1, 8), np.float16)), rms_eps=1e-6, accumulate=True)
+    with pytest.raises(ValueError, match="grouped"):
+        pair_gemv.PairGemvSpec(4, 1, grouped=True, rms_eps=1e-6).normalise()
 
 
 @pytest.mark.parametrize("k, cols, slices, M, f16_acc", [(4, 2, 2, 1, True), (2, 8, 2, 2, False), (2, 4, 3, 2, True),

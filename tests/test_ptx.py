@@ -62,6 +62,9 @@ def _requirements(name):
         else:
             must += {4: ["ld.shared.v2.u32"], 2: ["ld.shared.v4.u32"]}[k]
         never += ["ld.shared.f64", "cvt.rn.f32.f64"]
+        never += ["atom.global"]                             # (rms_eps sums A's squares in shared memory)
+        if "rms_eps=0.0" not in name:                        # a warp's sum of squares into its slice's word
+            must += ["atom.shared.add.f32"]
         if "pdl=True" in name:                               # programmatic dependent launch
             must += ["griddepcontrol.launch_dependents", "griddepcontrol.wait"]
         else:

@@ -163,9 +163,8 @@ def test_run_silu_pairs_is_the_gated_activation_of_interleaved_rows(f16_acc):
 
 def test_run_residual_add_and_norm_across_two_layers():
     """A decode step's add + RMSNorm inside two layers, as ``bench_model.NORM_IN_GATE_UP`` runs them:
-    ``o.run(att, accumulate_into=res, squares=ss)`` adds o's product into res in place and each row's sum of squares of
-    the result into ss; ``up.run(res, rms_eps=eps, squares=ss)`` is up's product of rmsnorm(res) (reference.rms_gemv);
-    refused by another format and without the sums."""
+    ``o.run(att, accumulate_into=res)`` adds o's product into res in place; ``up.run(res, rms_eps=eps)`` is up's
+    product of rmsnorm(res) (reference.rms_gemv); refused by another format."""
     K, N = (64, 16) if SIM else (2048, 768)
     o = KbitLinear.from_linear(_linear(K, K, bias=False), k=4, layout="codes", f16_acc=True)
     up_lin = _linear(K, N, bias=False)
@@ -174,19 +173,15 @@ def test_run_residual_add_and_norm_across_two_layers():
     att = torch.randn(M, K, device=DEVICE).half()
     res = torch.randn(M, K, device=DEVICE).half()
     res0 = res.double().cpu().numpy()
-    ss = torch.zeros(M, device=DEVICE, dtype=torch.float32)
-    assert o.run(att, accumulate_into=res, squares=ss) is res
+    assert o.run(att, accumulate_into=res) is res
     x = res.double().cpu().numpy()
     want = _want(o, att, o)
     assert np.abs(x - res0 - want).max() <= 1e-2 * (np.abs(want).max() + 1)
-    np.testing.assert_allclose(ss.cpu().numpy(), (x ** 2).sum(axis=1), rtol=1e-5)
-    y = up.run(res, rms_eps=eps, squares=ss)
-    want = ref.rms_gemv(res.float().cpu().numpy(), up._host_weight(), eps, ss.cpu().numpy())
+    y = up.run(res, rms_eps=eps)
+    want = ref.rms_gemv(res.float().cpu().numpy(), up._host_weight(), eps)
     assert y.shape == (M, N) and np.abs(y.float().cpu().numpy() - want).max() <= 1e-2 * (np.abs(want).max() + 1)
-    with pytest.raises(ValueError, match="pass squares"):
-        up.run(res, rms_eps=eps)
     with pytest.raises(ValueError, match="not the bitnet format's"):
-        KbitLinear.from_linear(up_lin, "bitnet").run(res.float(), rms_eps=eps, squares=ss)
+        KbitLinear.from_linear(up_lin, "bitnet").run(res.float(), rms_eps=eps)
 
 
 def test_errors_name_what_is_known():
