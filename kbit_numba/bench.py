@@ -505,14 +505,16 @@ CODES_TUNE_VARIANTS = tuple(CODES_TUNE_VARIANT_NAMES.values())
 
 
 def codes_tune_rows(shapes, ks, ceilings, progress, table=None, reps=CODES_TUNE_REPS, variants=CODES_TUNE_VARIANTS,
-                    knob_sets=None, ms=None, silu=False):
+                    knob_sets=None, ms=None, silu=False, accumulate=False):
     """``--tune-codes``: the pair gemv on the code layout at every shape x k (2, 4) x variant (``CODES_TUNE_VARIANTS``)
     x M of ``CODES_TUNE_MS`` where ``table``'s general rules run it (or every M of ``ms``), with its default plan
     (params None) and each knob set (default: ``CODES_TUNE_COLS`` x ``CODES_TUNE_CTA_WARPS``), timed in turns
     ``reps`` times: the best counts, every turn's time is under ``turns_us``. A knob set whose launch equals an
     earlier one's (same kernel, CTA and grid) is timed once: its row repeats that time and names the twin under
     ``same_as``. ``silu``: the SiLU epilogue's build (``silu_pairs=True``, an [M, N / 2] output; rows marked ``silu``,
-    which ``tune_codes_table`` does not read: their rules are ``dispatch.silu_knobs``', written by hand)."""
+    which ``tune_codes_table`` does not read: their rules are ``dispatch.silu_knobs``', written by hand).
+    ``accumulate``: the residual-add build (``accumulate=True``: out += A W^T in place, the step's o and down; rows
+    marked ``accumulate``, which ``tune_codes_table`` does not read either)."""
     from numba import cuda
 
     from . import dispatch, pair_gemv
@@ -539,7 +541,7 @@ def codes_tune_rows(shapes, ks, ceilings, progress, table=None, reps=CODES_TUNE_
                     for j, knobs in enumerate(knob_sets):
                         try:
                             plans = [pair_gemv.plan(A, kc, out, 0, f16_acc=f16, pdl=pdl, silu_pairs=silu,
-                                                    **(knobs or {})) for kc in kcs]
+                                                    accumulate=accumulate, **(knobs or {})) for kc in kcs]
                         except ValueError:             # (e.g. cols = 8 at a long K: the CTA does not fit)
                             continue
                         step = plans[0].steps[0]
@@ -559,12 +561,15 @@ def codes_tune_rows(shapes, ks, ceilings, progress, table=None, reps=CODES_TUNE_
                     for j in sorted(set(turns) | set(twin)):
                         knobs = knob_sets[j]
                         tags = ([f"{a}={b}" for a, b in (knobs or {}).items()] + (["f16"] if f16 else [])
-                                + (["pdl"] if pdl else []) + (["silu"] if silu else []))
+                                + (["pdl"] if pdl else []) + (["silu"] if silu else [])
+                                + (["acc"] if accumulate else []))
                         row = _mm_row("pair_gemv" + (f"[{','.join(tags)}]" if tags else ""), K, N, k, M,
                                       min(turns[twin.get(j, j)]), nbytes, ceilings, knobs)
                         row["f16_acc"], row["pdl"], row["turns_us"] = f16, pdl, turns[twin.get(j, j)]
                         if silu:
                             row["silu"] = True
+                        if accumulate:
+                            row["accumulate"] = True
                         if j in twin:
                             row["same_as"] = knob_sets[twin[j]] or "default"
                         rows.append(row)
@@ -590,7 +595,8 @@ def tune_codes_table(rows, table, margin=CODES_TUNE_MARGIN):
     tail = table.get("codes_rules", dispatch.CODES_RULES)
     times = {}                 # variant -> M -> shape -> {knobs as JSON: us}
     for r in rows:
-        if r["kernel"].startswith("pair_gemv") and "f16_acc" in r and not r.get("silu"):
+        if (r["kernel"].startswith("pair_gemv") and "f16_acc" in r and not r.get("silu")
+                and not r.get("accumulate")):
             variant = dispatch.codes_variant(r["k"], r["f16_acc"], r.get("pdl", False))
             point = times.setdefault(variant, {}).setdefault(r["M"], {})
             point.setdefault(r["shape"], {})[json.dumps(r.get("params") or {}, sort_keys=True)] = r["us"]
