@@ -318,27 +318,11 @@ def make_pair_gemv_kernel(spec):
                 acc[c * M + m] = s[m] * scale
 
     @inlined
-    def accumulate_out(out, i, total, old):
-        """ACCUMULATE: out[i] = old + the float16 sum, rounded to float16, with old = out[i] as read before (a residual
-        add: only this thread reads and writes element i). (The plain write stays inline at the call sites: routed
-        through one helper, the M = 2 and 4 builds' PTX changed.)"""
-        out[i] = np.float16(old + np.float32(np.float16(total)))
-
-    @inlined
-    def load_residual(out, g, grid, n_groups, sl, i, group_cols, N):
-        """PREFETCH_RESIDUAL: the value of out that item i of the batch whose first group is g adds to (items numbered
-        as in finish_batch: group i // CM of the batch, then column, row), read at the batch's start; 0 where i is
-        not an item (i >= BATCH * CM: another warp's lane) or lies past the groups or columns."""
-        rr = u32(i // u32(CM))
-        v = u32(i - rr * u32(CM))
-        col = u32(v // u32(M))
-        row = u32(v - col * u32(M))
-        gg = u32(g + rr * grid)
-        n = u32(gg * group_cols + sl * u32(NCOL) + col)
-        x = np.float32(0.0)
-        if i < u32(BATCH * CM) and gg < n_groups and n < u32(N):
-            x = np.float32(out[u32(row * u32(N) + n)])
-        return x
+    def accumulate_out(out, i, total):
+        """ACCUMULATE: out[i] = out[i] + the float16 sum, rounded to float16 (a residual add: only this thread reads and
+        writes element i). (The plain write stays inline at the call sites: routed through one helper, the M = 2 and 4
+        builds' PTX changed.)"""
+        out[i] = np.float16(np.float32(out[i]) + np.float32(np.float16(total)))
 
     @inlined
     def row_scale(squares, sl, row, k_len):
@@ -376,17 +360,15 @@ def make_pair_gemv_kernel(spec):
                     p = u32(p + u32(V))
                 if n < u32(N):
                     if ACCUMULATE:
-                        i_out = u32(row * u32(N) + n)
-                        accumulate_out(out, i_out, total * scale, np.float32(out[i_out]))
+                        accumulate_out(out, u32(row * u32(N) + n), total * scale)
                     else:
                         out[u32(row * u32(N) + n)] = np.float16(total * scale) if f16_out else total * scale
 
     @inlined
-    def finish_batch(smem, flip, fw, slot, r, g, grid, sl, kw, slice_tid, group_cols, out, N, squares, k_len, old):
+    def finish_batch(smem, flip, fw, slot, r, g, grid, sl, kw, slice_tid, group_cols, out, N, squares, k_len):
         """The end of a batch of r + 1 column groups (the last one g) whose partials are in the buffer half ``flip``:
         the slice meets at its barrier and one thread per (group, column, row), a lane of the slice's warp ``fw``,
-        sums its KW partials and writes the output; returns the half the next batch writes. ``old``
-        (PREFETCH_RESIDUAL): old[0], the residual this lane's item adds to, read at the batch's start."""
+        sums its KW partials and writes the output; returns the half the next batch writes."""
         bar_sync(sl, u32(kw * u32(WARP)))
         i = u32(slice_tid - fw * u32(WARP))          # (wraps past every item in the warps below fw)
         while i < u32(u32(r + 1) * u32(CM)):       # thread i: group i // CM of the batch, (column, row)
@@ -407,9 +389,7 @@ def make_pair_gemv_kernel(spec):
                     p = u32(p + u32(V))
                 if n < u32(N):
                     if ACCUMULATE:
-                        i_out = u32(row * u32(N) + n)
-                        was = old[0] if PREFETCH_RESIDUAL else np.float32(out[i_out])
-                        accumulate_out(out, i_out, total * scale, was)
+                        accumulate_out(out, u32(row * u32(N) + n), total * scale)
                     else:
                         out[u32(row * u32(N) + n)] = np.float16(total * scale) if f16_out else total * scale
             i = u32(i + kw * u32(WARP))
@@ -417,7 +397,7 @@ def make_pair_gemv_kernel(spec):
 
     @inlined
     def end_group(smem, acc, lane, part, flip, slot, r, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N,
-                  squares, k_len, old):
+                  squares, k_len):
         """``batch = 3``: :func:`reduce_columns` with one barrier per three groups. The warp's partials go to
         slot r (of 3) of the buffer half ``flip``; after a batch's last group (or the CTA's) the slice meets at
         its barrier and one thread per (group, column, row) of the batch sums (:func:`finish_batch`); returns the
@@ -429,12 +409,12 @@ def make_pair_gemv_kernel(spec):
             smem[u32(part + flip + u32(r) * slot + u32(v_idx))] = rs
         if r == BATCH - 1 or u32(g + grid) >= n_groups:
             return finish_batch(smem, flip, u32(0), slot, r, g, grid, sl, kw, slice_tid, group_cols, out, N, squares,
-                                k_len, old)
+                                k_len)
         return flip
 
     @inlined
     def end_each(smem, acc, lane, part, flip, slot, r, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N,
-                 squares, k_len, old):
+                 squares, k_len):
         """``batch = 1``: :func:`reduce_columns` after every group (end_group's signature)."""
         reduce_columns(smem, acc, lane, part, flip, sl, kw, slice_tid, u32(g * group_cols), out, N, squares, k_len)
         return u32(slot - flip)
@@ -456,14 +436,6 @@ def make_pair_gemv_kernel(spec):
     # (a CTA there runs one batch; with a rotating counter their builds took fewer registers, likely more CTAs an SM,
     # and the k = 2 o gemv ran 46% slower).
     FULL_BATCHES = spec.full_batches
-    # An accumulate build's epilogue reads the residual it adds to. At a batch's end that load waits behind the CTA's
-    # weight loads in the memory queue, and the summing warp, late, holds the slice's next barrier: the k = 2 down gemv
-    # (14336x4096, several batches a CTA) ran 1.07 us a launch slower than its plain build, the o gemv (one batch a
-    # CTA, at the kernel's end) 0.08 (H200 PDL chains, "Sixty-ninth session"). Where a CTA runs whole batches (whose
-    # items fit the summing warp, one a lane), that warp reads them at the batch's start instead (load_residual), so
-    # the load overlaps the batch's decodes. (At the o gemv, one batch a CTA, the same read at the batch's start gained
-    # nothing in the step: "Sixty-sixth session".)
-    PREFETCH_RESIDUAL = ACCUMULATE and FULL_BATCHES
     # (a batch's sums fit one warp, so the rotating warp fw finds every item: M = 1, cols <= 8)
     assert not FULL_BATCHES or BATCH * CM <= WARP, "whole batches sum their partials in one warp"
 
@@ -594,7 +566,6 @@ def make_pair_gemv_kernel(spec):
         flip = u32(0)
         FLIP = u32(slices * kw * u32(V))                    # (batch = 3: a group's partials; a half holds three)
         acc = cuda.local.array(V, np.float32)
-        old = cuda.local.array(1, np.float32)               # (PREFETCH_RESIDUAL: the residual this lane adds to)
         # ---- 4. the persistent loop, unrolled three times: a buffer is decoded while the loads of the
         #         group two iterations ahead go into the buffer decoded last. ptxas issues those loads
         #         late, after the decode (a load one iteration ahead would meet its use right after
@@ -605,8 +576,6 @@ def make_pair_gemv_kernel(spec):
             full_end = u32(n_groups - u32(2) * grid) if n_groups > u32(2) * grid else u32(0)
             fw = u32(0)     # the slice's warp that sums the next whole batch (see FULL_BATCHES)
             while g < full_end:     # (g, g + grid and g + 2 grid are all < n_groups)
-                if PREFETCH_RESIDUAL:
-                    old[0] = load_residual(out, g, grid, n_groups, sl, u32(slice_tid - fw * u32(WARP)), group_cols, N)
                 load_columns(packed, absmax, u32(g * group_cols + ahead + col0), kb_at, last4, nkb, codes_c, absmax_c)
                 decode_columns(smem, table, lane_off, codes_a, absmax_a, a, ah, acc)
                 rs0, v_idx, owner = reduce_scatter(acc, lane)
@@ -623,30 +592,28 @@ def make_pair_gemv_kernel(spec):
                     smem[u32(part + flip + FLIP + u32(v_idx))] = rs1
                     smem[u32(part + flip + u32(2) * FLIP + u32(v_idx))] = rs2
                 flip = finish_batch(smem, flip, fw, FLIP, 2, g, grid, sl, kw, slice_tid, group_cols, out, N, squares,
-                                    k_len, old)
+                                    k_len)
                 fw = u32(fw + u32(1)) if fw + u32(1) < kw else u32(0)
                 g = u32(g + grid)
         while g < n_groups:         # (the last, partial batch; every batch when FULL_BATCHES is off)
-            if PREFETCH_RESIDUAL:   # (this batch's sums: warp 0's)
-                old[0] = load_residual(out, g, grid, n_groups, sl, slice_tid, group_cols, N)
             load_columns(packed, absmax, u32(g * group_cols + ahead + col0), kb_at, last4, nkb, codes_c, absmax_c)
             decode_columns(smem, table, lane_off, codes_a, absmax_a, a, ah, acc)
             flip = end(smem, acc, lane, part, flip, FLIP, 0, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N,
-                       squares, k_len, old)
+                       squares, k_len)
             g = u32(g + grid)
             if g >= n_groups:
                 break
             load_columns(packed, absmax, u32(g * group_cols + ahead + col0), kb_at, last4, nkb, codes_a, absmax_a)
             decode_columns(smem, table, lane_off, codes_b, absmax_b, a, ah, acc)
             flip = end(smem, acc, lane, part, flip, FLIP, 1, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N,
-                       squares, k_len, old)
+                       squares, k_len)
             g = u32(g + grid)
             if g >= n_groups:
                 break
             load_columns(packed, absmax, u32(g * group_cols + ahead + col0), kb_at, last4, nkb, codes_b, absmax_b)
             decode_columns(smem, table, lane_off, codes_c, absmax_c, a, ah, acc)
             flip = end(smem, acc, lane, part, flip, FLIP, 2, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N,
-                       squares, k_len, old)
+                       squares, k_len)
             g = u32(g + grid)
 
     return jit_kernel(pair_gemv, spec.max_registers)
@@ -880,8 +847,7 @@ def prepare(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_
 
 def ptx_specs():
     """Every (k, M) at the default cols (and f16_acc at M = 1, 4; pdl at M = 1; the silu_pairs epilogue at M = 1, 3),
-    M = 1 with f16_acc and ``full_batches`` (plain, PDL with silu_pairs, with rms_eps too, and PDL with accumulate) at
-    the k of ``PAIR_FULL_BATCHES_K``,
+    M = 1 with f16_acc and ``full_batches`` (plain, and PDL with silu_pairs) at the k of ``PAIR_FULL_BATCHES_K``,
     M = 1 at ``small_cols``, grouped (plain, f16_acc + pdl + silu_pairs, and 8 columns + pdl), on the fragment layout
     (M = 1, M = 2 with f16_acc, grouped with pdl), the norm's builds (``rms_eps`` at M = 3, at M = 1 with PDL and in
     the step's SiLU build; ``accumulate`` at M = 1 with and without PDL and at M = 2), and each other value of cols,
@@ -899,8 +865,7 @@ def ptx_specs():
                  dict(out_dtype="float32", M=1)]
     whole = [dict(M=1, f16_acc=True, full_batches=True),                  # where plan builds whole batches
              dict(M=1, f16_acc=True, pdl=True, silu_pairs=True, full_batches=True),
-             dict(M=1, f16_acc=True, pdl=True, silu_pairs=True, rms_eps=1e-6, full_batches=True),   # the step's
-             dict(M=1, f16_acc=True, pdl=True, accumulate=True, full_batches=True)]       # (PREFETCH_RESIDUAL)
+             dict(M=1, f16_acc=True, pdl=True, silu_pairs=True, rms_eps=1e-6, full_batches=True)]   # the step's
     variants += [dict(M=3, rms_eps=1e-5), dict(M=1, f16_acc=True, pdl=True, rms_eps=1e-6),
                  dict(M=1, f16_acc=True, pdl=True, accumulate=True), dict(M=2, accumulate=True),
                  dict(M=1, f16_acc=True, accumulate=True)]  # (the norm)
