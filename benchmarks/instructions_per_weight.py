@@ -21,8 +21,11 @@ import numpy as np
 
 KERNELS = ("gemv", "pair_gemv", "pair_gemv_f16", "mma_gemv")   # pair_gemv_f16: f16_acc=True
 # also: mma_gemv_f, the tensor-core gemv on the fragment layout (mma_gemv.to_fragments); mma_gemv_silu, the
-# tensor-core gemv's SiLU epilogue (silu_pairs=True, code layout: the decode step's gate/up; N = the gate/up width)
+# tensor-core gemv's SiLU epilogue (silu_pairs=True, code layout: the decode step's gate/up; N = the gate/up width);
+# pair_gemv_silu and pair_gemv_silu_rms, the pair gemv's SiLU build as the llama3-8b B = 1 step runs its gate/up
+# (float16 sums, PDL, the H200 rules' knobs), without and with the norm's scale (rms_eps)
 INST = "smsp__inst_executed.sum"
+STEP_SILU_KNOBS = {4: dict(cols=2, cta_warps=8), 2: dict(cols=4, cta_warps=16)}   # (tuning/nvidia_h200.json, M = 1)
 
 
 def _points(argv):
@@ -63,6 +66,9 @@ def launch(points):
             mma_gemv.prepare(A, mma_gemv.to_fragments(pair_gemv.to_codes(qw))).run()
         elif kern == "mma_gemv_silu":
             mma_gemv.plan(A, pair_gemv.to_codes(qw), silu_pairs=True).launch()
+        elif kern in ("pair_gemv_silu", "pair_gemv_silu_rms"):
+            pair_gemv.plan(A, pair_gemv.to_codes(qw), f16_acc=True, pdl=True, silu_pairs=True, **STEP_SILU_KNOBS[k],
+                           rms_eps=1e-6 if kern.endswith("_rms") else None).launch()
         else:
             pair_gemv.prepare(A, pair_gemv.to_codes(qw), f16_acc=kern == "pair_gemv_f16").run()
         cuda.synchronize()

@@ -163,6 +163,12 @@ def check_names(model, variants):
 # silu_mul, gather_rows, moe_combine: one thread per output element, 256 a CTA, a grid over (columns, rows).
 NORM_THREADS = 256
 NORM_MAX_THREADS = 512
+# A register cap for add_rmsnorm's builds (None: none), an A/B knob: since the sixty-third session the k = 4 down gemv
+# runs one 28-warp CTA an SM (57,344 registers), beside which only a CTA of <= 8,192 registers fits; the norm's 512
+# threads at 32 registers do not, so the layer's first norm, and the QKV gemv's CTAs after it, start only as down's
+# CTAs leave (benchmarks/README.md, "Seventieth session": the step's CTAs in time). 256 threads at 32 registers would
+# fit; the prefetch build takes 40 there (local ptxas), 32 with this cap and no spills.
+NORM_MAX_REGISTERS = None
 HALVES_PER_CHUNK = 8            # float16 values in one 16-byte load
 # The attention's cache prefetched by the norm before the QKV gemv: that many more CTAs in the layer's first
 # add_rmsnorm, which wait for the kernel before (so the lines arrive during the QKV gemv and are not evicted by the
@@ -314,12 +320,10 @@ def _kernel(name, width=0, pdl=False, cluster=False, prefetch=False):
                         stg128(h, b * WORDS + 4 * c, o[0], o[1], o[2], o[3])
 
             if not prefetch:
-                @jit_kernel
                 def kernel(res, y, w, h, eps):
                     """norm_row of row blockIdx.x."""
                     norm_row(res, y, w, h, eps, cuda.threadIdx.x, cuda.blockIdx.x)
             else:
-                @jit_kernel
                 def kernel(res, y, w, h, eps, kc, vc):
                     """norm_row of row blockIdx.x; the CTAs past the rows (the grid's rest) ask the L2 for every
                     128-byte line of kc and vc (the attention's cache, read two kernels later), after the wait,
@@ -336,6 +340,7 @@ def _kernel(name, width=0, pdl=False, cluster=False, prefetch=False):
                             prefetch_l2(kc, i * LINE_WORDS)                         # all of them: an SM issues
                         else:                                                       # its prefetches at its own
                             prefetch_l2(vc, (i - lines) * LINE_WORDS)               # rate, as loads)
+            kernel = jit_kernel(kernel, NORM_MAX_REGISTERS)
 
         elif name == "decode_attention":
             G, NKV, HD, S, WARPS = width        # query heads per KV head, KV heads, head_dim, cache tokens, warps
