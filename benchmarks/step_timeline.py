@@ -8,13 +8,15 @@ they wait, how ragged a launch's end is) is not in it. This script copies the pa
 stamps inserted (text edits, as ``timeline.py`` does for one gemv): thread 0 of every CTA of the pair gemv (the plain,
 not the grouped builds) and of ``decode_attention``'s cluster build takes a record from a counter and writes the
 launch's grid and block, its CTA index, its SM and ``%globaltimer`` (ns) at entry, after the ``griddep_wait`` and at
-its end (after a barrier of the whole CTA, so the stamp is the CTA's end, within a barrier's time). The records go to
+its end (after a barrier of the whole CTA, so the stamp is the CTA's end, within a barrier's time); in the pair gemv
+also once its own part of the tables is filled (``tables``; since the first run, not yet run on a GPU). The records go to
 one int32 buffer, passed where those kernels take an array they do not use in the step (the pair gemv's ``offsets``
 outside grouped launches, the attention's ``count`` in its cluster build). The norm launches are not stamped.
 The step's graph is captured once, replayed, the counter reset and one more replay read back.
 
 Printed per projection (averaged over layers 2..L; us; "before" = the last CTA end of the stamped launch before it):
-``first in``: the first CTA's entry; ``waited``: the median CTA's pass of its wait; ``first out`` / ``median out`` /
+``first in``: the first CTA's entry; ``tables``: the median CTA's end of its table fill (pair gemv); ``waited``: the
+median CTA's pass of its wait; ``first out`` / ``median out`` /
 ``last out``: CTA ends; ``early``: CTAs that entered before the launch before had ended. A stamped step is slower than
 the real one by its stamps (an atomic, three stores and a barrier a CTA); its untraced time is printed beside.
 """
@@ -29,8 +31,8 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-REC = 8                          # int32 words a CTA: tag, grid, block, CTA, SM, entry, after the wait, end
-TAG, GRID, BLOCK, CTA, SM, ENTRY, WAITED, END = range(REC)
+REC = 9                          # int32 words a CTA: tag, grid, block, CTA, SM, entry, after the wait, end, tables
+TAG, GRID, BLOCK, CTA, SM, ENTRY, WAITED, END, FILLED = range(REC)
 MAX_RECORDS = 1 << 17            # a llama3-8b B = 1 step stamps ~32,000 CTAs
 PAIR, ATTENTION = 1, 2
 EXIT_BARRIER = 15                # the pair gemv's slices use named barriers 0 .. slices - 1
@@ -104,6 +106,8 @@ EDITS = [
      f"        if not GROUPED:\n            bar_sync(u32({EXIT_BARRIER}), u32(cuda.blockDim.x))\n"
      f"            _stamps.at(offsets, st_sh, {END}, tid)\n\n", "before"),
     ("pair_gemv.py", "from . import _arrays\n", "from . import _arrays, _stamps\n", "replace"),
+    ("pair_gemv.py", "        table = shared_addr(smem)\n",
+     f"        if not GROUPED:\n            _stamps.at(offsets, st_sh, {FILLED}, tid)\n", "after"),
     ("bench_model.py", "                t = cuda.threadIdx.x\n                # the cluster build's receive buffers",
      f"                t = cuda.threadIdx.x\n                st_sh = cuda.shared.array(1, int32)\n"
      f"                if CLUSTER:\n                    _stamps.start(count, st_sh, t, {ATTENTION})\n"
@@ -180,6 +184,8 @@ def summarise(groups, names, layers):
             "first out": (g[:, END].min() - before) / 1e3,
             "median out": (np.median(g[:, END]) - before) / 1e3,
             "last out": (g[:, END].max() - before) / 1e3,
+            "tables": ((np.median(g[:, FILLED]) - before) / 1e3) if g[0, TAG] == PAIR and g.shape[1] > FILLED
+            else float("nan"),                      # (the first run's records had no fill stamp)
             "early": float((g[:, ENTRY] < before).sum()),
             "CTAs": float(len(g)),
         })
@@ -228,7 +234,7 @@ def main():
     n = int(buf[0].item())
     recs = buf[1:1 + min(n, MAX_RECORDS) * REC].view(-1, REC).cpu().numpy().astype(np.int64)
     t0 = recs[:, ENTRY].min()
-    for w in (ENTRY, WAITED, END):                  # (globaltimer's low 32 bits: unwrap from the first entry)
+    for w in (ENTRY, WAITED, END, FILLED):          # (globaltimer's low 32 bits: unwrap from the first entry)
         recs[:, w] = (recs[:, w] - t0) % (1 << 32)
     groups = launches(recs)
     names = ["qkv", "attention", "o", "gate_up", "down"]

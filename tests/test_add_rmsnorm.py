@@ -41,9 +41,17 @@ def test_add_rmsnorm_equals_its_twin(H, B, pdl):
 
 
 @pytest.mark.parametrize("pdl", [False] if SIM else [False, True])
-def test_prefetch_build_equals_its_twin(pdl):
+@pytest.mark.parametrize("threads, cap", [(None, None), (256, 32)])
+def test_prefetch_build_equals_its_twin(monkeypatch, pdl, threads, cap):
     """The layer's first norm with NORM_PREFETCH_CTAS-style CTAs past the rows, which only ask the L2 for the
-    attention cache's lines: the rows as the plain build's, the cache untouched."""
+    attention cache's lines: the rows as the plain build's, the cache untouched. Also with ``NORM_MAX_THREADS = 256``
+    and ``NORM_MAX_REGISTERS = 32``, the A/B knobs that let it fit beside the k = 4 down gemv's 28-warp CTA (two chunks
+    a thread: a chunk left out would fail it)."""
+    if threads:
+        monkeypatch.setattr(bench_model, "NORM_MAX_THREADS", threads)
+        monkeypatch.setattr(bench_model, "NORM_MAX_REGISTERS", cap)
+        monkeypatch.setattr(bench_model, "_KERNELS", {})       # (the builds are cached by name and width only)
+        assert bench_model.norm_threads(4096) == threads
     H, B, extra = 4096, 1 if SIM else 2, 2 if SIM else 32
     rng = np.random.default_rng(7)
     res, y = (rng.standard_normal((B, H)).astype(np.float16) for _ in range(2))
@@ -61,26 +69,3 @@ def test_prefetch_build_equals_its_twin(pdl):
     for c, d in zip(cache, kv):
         assert np.array_equal(d.copy_to_host(), c)
 
-
-@pytest.mark.parametrize("pdl", [False] if SIM else [False, True])
-def test_capped_256_thread_norm_equals_its_twin(monkeypatch, pdl):
-    """``NORM_MAX_THREADS = 256`` with ``NORM_MAX_REGISTERS = 32``: the A/B knobs that let the layer's first norm (its
-    prefetch build, two chunks a thread) fit beside the k = 4 down gemv's 28-warp CTA. The same rows as the twin's;
-    a cap that spilled wrongly or a chunk left out at two a thread would not be."""
-    monkeypatch.setattr(bench_model, "NORM_MAX_THREADS", 256)
-    monkeypatch.setattr(bench_model, "NORM_MAX_REGISTERS", 32)
-    monkeypatch.setattr(bench_model, "_KERNELS", {})       # (the builds are cached by name and width only)
-    H, B, extra = 4096, 1, 2 if SIM else 32
-    assert bench_model.norm_threads(H) == 256
-    rng = np.random.default_rng(8)
-    res, y = (rng.standard_normal((B, H)).astype(np.float16) for _ in range(2))
-    w = (rng.random(H) + 0.5).astype(np.float16)
-    want_res, want_h = add_rmsnorm_numpy(res, y, w, 1e-6)
-    words = [cuda.to_device(np.ascontiguousarray(a).reshape(-1).view(np.uint32))
-             for a in (res, y, w, np.zeros_like(res))]
-    kv = [cuda.to_device(rng.integers(0, 2**32, 2 * 4096, dtype=np.uint32)) for _ in "kv"]
-    kernel = bench_model._kernel("add_rmsnorm", H, pdl, prefetch=True)
-    PreparedLaunch(kernel, B + extra, bench_model.norm_threads(H), (*words, 1e-6, *kv), pdl=pdl)()
-    got_res, got_h = (d.copy_to_host().view(np.float16).reshape(B, H) for d in (words[0], words[3]))
-    assert np.array_equal(got_res, want_res)
-    np.testing.assert_allclose(got_h.astype(np.float32), want_h.astype(np.float32), rtol=2e-3, atol=2e-3)
