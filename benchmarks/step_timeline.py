@@ -1,6 +1,7 @@
 """When each CTA of the decode step's gemvs and attention starts, passes its griddep_wait and ends (GPU, torch):
 
     python benchmarks/step_timeline.py [--model llama3-8b] [--batch 1] [--variant "kbit k=4 pdl f16_acc"] [--npz F]
+                                       [--package benchmarks/_pk/NAME/kbit_numba]
 
 ``decode_step_trace.py`` gives each kernel's start and end; with programmatic dependent launches the kernels overlap,
 and what happens inside a boundary (which CTAs of the next kernel start beside the last ones of this one, how long
@@ -128,9 +129,8 @@ EDITS = [
 ]
 
 
-def stamped_copy(dest):
-    """A copy of the package under ``dest`` with the stamps inserted; its root (for sys.path)."""
-    src_pkg = os.path.join(ROOT, "kbit_numba")
+def stamped_copy(dest, src_pkg):
+    """A copy of the package ``src_pkg`` under ``dest`` with the stamps inserted; its root (for sys.path)."""
     pkg = os.path.join(dest, "kbit_numba")
     shutil.copytree(src_pkg, pkg, ignore=shutil.ignore_patterns("__pycache__"))
     with open(os.path.join(pkg, "_stamps.py"), "w") as f:
@@ -198,8 +198,10 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--variant", default="kbit k=4 pdl f16_acc")
     ap.add_argument("--npz", help="write the records (and the launches' labels) here")
+    ap.add_argument("--package", default=os.path.join(ROOT, "kbit_numba"),
+                    help="the kbit_numba tree to stamp (default this checkout's; e.g. a step_rules_ab.py copy)")
     args = ap.parse_args()
-    sys.path.insert(0, stamped_copy(tempfile.mkdtemp(prefix="step_timeline_")))
+    sys.path.insert(0, stamped_copy(tempfile.mkdtemp(prefix="step_timeline_"), args.package))
     import torch
     from numba import cuda
     from kbit_numba import _stamps, bench_model as bm
