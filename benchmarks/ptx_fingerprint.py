@@ -69,7 +69,7 @@ def compare(a, b):
     one_side = set().union(*map(fields, a)) ^ set().union(*map(fields, b))
 
     def by_key(fps):
-        keyed, twins = {}, []
+        keyed = {}
         for name in fps:
             key = " ".join(t for t in name.split() if t.split("=")[0] not in one_side)
             keyed.setdefault(key, []).append(name)
