@@ -10,17 +10,17 @@ stamps inserted (text edits, as ``timeline.py`` does for one gemv): thread 0 of 
 not the grouped builds) and of ``decode_attention``'s cluster build takes a record from a counter and writes the
 launch's grid and block, its CTA index, its SM and ``%globaltimer`` (ns) at entry, after the ``griddep_wait`` and at
 its end (after a barrier of the whole CTA, so the stamp is the CTA's end, within a barrier's time); in the pair gemv
-also once its own part of the tables is filled (``tables``; first run 2026-12-04, seventy-first session). The records go to
-one int32 buffer, passed where those kernels take an array they do not use in the step (the pair gemv's ``offsets``
-outside grouped launches, the attention's ``count`` in its cluster build). The norm launches are not stamped.
-The step's graph is captured once, replayed, the counter reset and one more replay read back.
+also once its own part of the tables is filled (``tables``; first run 2026-12-04, seventy-first session). The records
+go to one int32 buffer, passed where those kernels take an array they do not use in the step (the pair gemv's
+``offsets`` outside grouped launches, the attention's ``count`` in its cluster build). The norm launches are not
+stamped. The step's graph is captured once, replayed, the counter reset and one more replay read back.
 
 Printed per projection (averaged over layers 2..L; us; "before" = the last CTA end of the stamped launch before it):
 ``first in``: the first CTA's entry; ``tables``: the median CTA's end of its table fill (pair gemv); ``waited``: the
-median CTA's pass of its wait; ``first out`` / ``median out`` /
-``last out``: CTA ends; ``fill``: the median of a CTA's own entry -> table fill (pair gemv); ``run``: the median of a
-CTA's own wait -> end (its groups); ``early``: CTAs that entered before the launch before had ended. A stamped step is slower than
-the real one by its stamps (an atomic, three stores and a barrier a CTA); its untraced time is printed beside.
+median CTA's pass of its wait; ``first out`` / ``median out`` / ``last out``: CTA ends; ``fill``: the median of a
+CTA's own entry -> table fill (pair gemv); ``run``: the median of a CTA's own wait -> end (its groups); ``early``:
+CTAs that entered before the launch before had ended. A stamped step is slower than the real one by its stamps (an
+atomic, three stores and a barrier a CTA); its untraced time is printed beside.
 """
 import argparse
 import os
@@ -179,16 +179,15 @@ def summarise(groups, names, layers):
         if i < per:                                 # (layer 1: no stamped launch before its first)
             continue
         before = groups[i - 1][:, END].max()
+        filled = g[0, TAG] == PAIR and g.shape[1] > FILLED     # (the first run's records had no fill stamp)
         rows[names[i % per]].append({
             "first in": (g[:, ENTRY].min() - before) / 1e3,
             "waited": (np.median(g[:, WAITED]) - before) / 1e3,
             "first out": (g[:, END].min() - before) / 1e3,
             "median out": (np.median(g[:, END]) - before) / 1e3,
             "last out": (g[:, END].max() - before) / 1e3,
-            "tables": ((np.median(g[:, FILLED]) - before) / 1e3) if g[0, TAG] == PAIR and g.shape[1] > FILLED
-            else float("nan"),                      # (the first run's records had no fill stamp)
-            "fill": (np.median(g[:, FILLED] - g[:, ENTRY]) / 1e3) if g[0, TAG] == PAIR and g.shape[1] > FILLED
-            else float("nan"),
+            "tables": (np.median(g[:, FILLED]) - before) / 1e3 if filled else float("nan"),
+            "fill": np.median(g[:, FILLED] - g[:, ENTRY]) / 1e3 if filled else float("nan"),
             "run": np.median(g[:, END] - g[:, WAITED]) / 1e3,
             "early": float((g[:, ENTRY] < before).sum()),
             "CTAs": float(len(g)),
