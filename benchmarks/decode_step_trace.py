@@ -20,7 +20,6 @@ import json
 import os
 import tempfile
 
-import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -79,12 +78,9 @@ def main():
     cfg = bm.MODELS[args.model]
     if bm.is_moe(cfg):
         raise SystemExit("decode_step_trace.py names a dense model's kernels (llama3-8b); a MoE layer has more")
-    rng = np.random.default_rng(0)
-    base = {name: (rng.standard_normal((N, K), dtype=np.float32) * 0.02) for name, N, K in bm.projections(cfg)}
+    base = bm.random_weights(cfg)
     for variant in args.variants.split(","):
-        fused = bm.fuses_silu(cfg, variant)
-        linears = bm.build_linears(cfg, variant, base, lambda *a: None, silu_pairs=fused)
-        step = bm.DecodeStep(cfg, linears, args.batch, bm.CONTEXT, pdl=bm.uses_pdl(variant), silu_pairs=fused)
+        step = bm.decode_step(args.model, variant, args.batch, base=base)
         graphs = (step.step, step.linears_only)
         with torch.no_grad():
             untraced = [bm.graph_us(torch, fn) for fn in graphs]
@@ -120,7 +116,7 @@ def main():
             print(f"  {fn.__name__}: {size} kernels a replay, span {min(spans):.0f}-{max(spans):.0f} us "
                   f"(untraced {t:.0f} us); total of increments {sum(totals.values()):.0f} us")
             print("    " + "  ".join(f"{k} {totals[k]:.1f}" for k in labels + ["other"]))
-        del linears, step
+        del step
 
 
 if __name__ == "__main__":

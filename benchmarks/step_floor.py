@@ -349,10 +349,8 @@ def build_real(model, variant):
     whether the gate/up rows are interleaved for the SiLU epilogue."""
     import torch
     cfg = bench_model.MODELS[model]
-    rng = np.random.default_rng(0)
-    base = {name: rng.standard_normal((N, K), dtype=np.float32) * 0.02 for name, N, K in bench_model.projections(cfg)}
     fused = bench_model.fuses_silu(cfg, variant)
-    linears = bench_model.build_linears(cfg, variant, base, lambda m: None, silu_pairs=fused)
+    linears = bench_model.build_linears(cfg, variant, bench_model.random_weights(cfg), lambda m: None, silu_pairs=fused)
     static = {K: torch.randn(1, K, device="cuda", dtype=torch.float16) * 0.1
               for _, _, K in bench_model.projections(cfg)}
     return linears, static, fused

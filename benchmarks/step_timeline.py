@@ -24,7 +24,6 @@ atomic, three stores and a barrier a CTA); its untraced time is printed beside.
 """
 import argparse
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -206,7 +205,6 @@ def main():
     args = ap.parse_args()
     sys.path.insert(0, stamped_copy(tempfile.mkdtemp(prefix="step_timeline_"), args.package))
     import torch
-    from numba import cuda
     from kbit_numba import _stamps, bench_model as bm
     assert "step_timeline_" in bm.__file__, bm.__file__
     buf = torch.zeros(1 + MAX_RECORDS * REC, device="cuda", dtype=torch.int32)
@@ -214,22 +212,10 @@ def main():
     cfg = bm.MODELS[args.model]
     if bm.is_moe(cfg):
         raise SystemExit("step_timeline.py labels a dense model's launches (qkv, attention, o, gate/up, down)")
-    rng = np.random.default_rng(0)
-    base = {name: (rng.standard_normal((N, K), dtype=np.float32) * 0.02) for name, N, K in bm.projections(cfg)}
-    fused = bm.fuses_silu(cfg, args.variant)
-    linears = bm.build_linears(cfg, args.variant, base, lambda *a: None, silu_pairs=fused)
-    step = bm.DecodeStep(cfg, linears, args.batch, bm.CONTEXT, pdl=bm.uses_pdl(args.variant), silu_pairs=fused)
+    step = bm.decode_step(args.model, args.variant, args.batch)
     with torch.no_grad():
         untraced = bm.graph_us(torch, step.step)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step.step()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with cuda.defer_cleanup(), torch.cuda.graph(g):
-            step.step()
+        g = bm.capture_graph(torch, step.step, warm_calls=1)
         for _ in range(3):
             g.replay()
         torch.cuda.synchronize()

@@ -234,6 +234,26 @@ def pair_gemv_rows(shapes, ks, ms, ceilings, progress, cols=(None,), f16_acc=Fal
                            lambda ws: [pair_gemv.to_codes(w) for w in ws], variants, ceilings, progress)
 
 
+def mma_gemv_rows(shapes, ks, ms, ceilings, progress, pdl=False, fragments=False):
+    """Tensor-core gemv rows on their own (k = 2, 4, M <= 32): on the code layout (``mma_gemv+codes``, as
+    :func:`matmul_rows` times it) or, with ``fragments``, on the fragment layout (``mma_gemv+frags``:
+    ``mma_gemv.to_fragments``, N a multiple of 16, K of 256); ``pdl``: as a chain of programmatic dependent
+    launches, labelled [pdl], as :func:`pair_gemv_rows` times the pair gemv's chains."""
+    from . import mma_gemv, pair_gemv
+
+    layout = "frags" if fragments else "codes"
+    label = f"mma_gemv+{layout}" + ("[pdl]" if pdl else "")
+
+    def prepare(ws):
+        codes = [pair_gemv.to_codes(w) for w in ws]
+        return [mma_gemv.to_fragments(c) for c in codes] if fragments else codes
+
+    variants = [(label, lambda A, w, out: _prepared(mma_gemv.plan(A, w, out, 0, pdl=pdl)), None)]
+    shapes = [(K, N) for K, N in shapes if mma_gemv.reads(1, K) and not (fragments and (N % 16 or K % 256))]
+    return _gemv_grid_rows(shapes, [k for k in ks if k in CODES_K], ms, mma_gemv.MAX_TOKENS, prepare, variants,
+                           ceilings, progress)
+
+
 def _tiled_copies(ws):
     from . import codec
     return [codec.repack_tiled(w) for w in ws]
@@ -995,8 +1015,12 @@ def main(argv=None):
     p.add_argument("--pair-f16", action="store_true",
                    help="also time pair_gemv with float16 accumulation inside a block (f16_acc)")
     p.add_argument("--pdl", action="store_true",
-                   help="also time pair_gemv as programmatic dependent launches (sm_90): the graph's launches "
-                        "overlap as a chain of layers would (with --pair-f16: the f16_acc variant too)")
+                   help="also time pair_gemv (and with mma_gemv in --kernels the tensor-core gemv) as "
+                        "programmatic dependent launches (sm_90): the graph's launches overlap as a chain of layers "
+                        "would (with --pair-f16: the pair gemv's f16_acc variant too)")
+    p.add_argument("--fragments", action="store_true",
+                   help="with mma_gemv in --kernels: also time the tensor-core gemv on the fragment layout "
+                        "(mma_gemv.to_fragments; with --pdl as a chain too)")
     p.add_argument("--overhead", action="store_true", help="also measure host time per call")
     p.add_argument("--moe", action="store_true", help="also time the MoE case (512 experts, batch 32, top-8)")
     p.add_argument("--tune", nargs="?", const="", metavar="FILE",
@@ -1094,6 +1118,10 @@ def main(argv=None):
     if args.pdl:
         for f16_acc in (False, True) if args.pair_f16 else (False,):
             rows += pair_gemv_rows(shapes, ks, ms, ceilings, progress, f16_acc=f16_acc, pdl=True)
+    if "mma_gemv" in kernels:       # (the code layout's plain launches: matmul_rows above)
+        layouts = (False, True) if args.fragments else (False,)
+        rows += [r for frags in layouts for pdl in ((False, True) if args.pdl else (False,)) if frags or pdl
+                 for r in mma_gemv_rows(shapes, ks, ms, ceilings, progress, pdl=pdl, fragments=frags)]
     overhead = host_overhead_rows(progress) if args.overhead else []
     moe = (moe_rows(progress) + moe_rows(progress, batch=512)) if args.moe else []
     cublas = {}

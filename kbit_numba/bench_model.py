@@ -1040,23 +1040,54 @@ def epilogue_silu(gate_up, h, silu_pairs):
     return bool(silu_pairs and h.is_cuda and runtime is not None and runtime.kernel_for(h.shape[0]) in EPILOGUE_GEMVS)
 
 
-def graph_us(torch, fn, replays=20, warmup=3, spaced=False):
-    """Median microseconds of one replay of a CUDA graph that captured ``fn()`` once (``spaced``: the replays one at a
-    time, for a profiler trace: ``_timing.replay_us``)."""
-    from ._timing import replay_us
+def capture_graph(torch, fn, warm_calls=2):
+    """A ``torch.cuda.CUDAGraph`` that captured ``fn()`` once, after ``warm_calls`` calls on a side stream (they compile
+    the kernels, create handles and settle the allocator, none of which may happen inside a capture)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(2):                  # compile the kernels, create handles, settle the allocator
+        for _ in range(warm_calls):
             fn()
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with cuda.defer_cleanup(), torch.cuda.graph(g):   # (no Numba cuMemFree inside the capture)
         fn()
+    return g
+
+
+def graph_us(torch, fn, replays=20, warmup=3, spaced=False):
+    """Median microseconds of one replay of a CUDA graph that captured ``fn()`` once (:func:`capture_graph`;
+    ``spaced``: the replays one at a time, for a profiler trace: ``_timing.replay_us``)."""
+    from ._timing import replay_us
+    g = capture_graph(torch, fn)
     t = replay_us(g, replays, warmup, spaced)
     del g
     return t
+
+
+def random_weights(cfg, seed=0):
+    """The float32 weights :func:`run` quantizes: {projection: [N, K]} (N(0, 0.02)), a MoE model's expert sets as
+    ``DISTINCT_EXPERTS`` such arrays each (:func:`build_experts` repeats them over the experts)."""
+    rng = np.random.default_rng(seed)
+    base = {name: (rng.standard_normal((N, K), dtype=np.float32) * 0.02) for name, N, K in projections(cfg)}
+    if is_moe(cfg):
+        for name, N, K in projections(cfg)[2:]:
+            base[name] = [rng.standard_normal((N, K), dtype=np.float32) * 0.02 for _ in range(DISTINCT_EXPERTS)]
+    return base
+
+
+def decode_step(model, variant, batch=1, context=CONTEXT, attention="auto", base=None, progress=None):
+    """The :class:`DecodeStep` that :func:`run` times for one variant and batch (its weights from ``base``, by default
+    :func:`random_weights`; the gate/up rows interleaved where :func:`fuses_silu` says, PDL where :func:`uses_pdl`
+    does), for the benchmarks scripts that trace or stamp that step (``benchmarks/step_timeline.py``,
+    ``decode_step_trace.py``)."""
+    check_names(model, [variant])
+    cfg = MODELS[model]
+    fused = fuses_silu(cfg, variant)
+    linears = build_linears(cfg, variant, random_weights(cfg) if base is None else base, progress or (lambda *a: None),
+                            silu_pairs=fused)
+    return DecodeStep(cfg, linears, batch, context, pdl=uses_pdl(variant), attention=attention, silu_pairs=fused)
 
 
 def build_experts(cfg, variant, name, N, K, base, progress, device="cuda", silu_pairs=False):
@@ -1147,11 +1178,7 @@ def run(model="llama3-8b", variants=None, batches=BATCHES, context=CONTEXT, prog
     check_names(model, variants)
     cfg = MODELS[model]
     params = cfg["layers"] * layer_params(cfg)
-    rng = np.random.default_rng(0)
-    base = {name: (rng.standard_normal((N, K), dtype=np.float32) * 0.02) for name, N, K in projections(cfg)}
-    if is_moe(cfg):
-        for name, N, K in projections(cfg)[2:]:
-            base[name] = [rng.standard_normal((N, K), dtype=np.float32) * 0.02 for _ in range(DISTINCT_EXPERTS)]
+    base = random_weights(cfg)
     rows = []
     for variant in variants:
         t0 = time.perf_counter()
