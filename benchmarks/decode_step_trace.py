@@ -47,25 +47,42 @@ def replays(evs):
     return out + [cur]
 
 
-def increments(rep, first, layers, names):
+def layer_labels(layer, names):
+    """Labels of one decoder layer's kernels [(start, end, name)]: a split-K launch's finishing kernel (``FINISH`` in
+    its name: ``core.finish_step``) as "<the kernel before> finish", the others by ``names[n]``, n the count of
+    those others (else k0, k1, ...)."""
+    main = [e for e in layer if FINISH not in e[2]]
+    own = names.get(len(main), [f"k{i}" for i in range(len(main))])
+    labels, i = [], 0
+    for e in layer:
+        if FINISH in e[2]:
+            labels.append(f"{labels[-1] if labels else 'k'} finish")
+        else:
+            labels.append(own[i])
+            i += 1
+    return labels
+
+
+def increments(rep, first, layers, labels):
     """{label: us} of one replay whose kernels first .. are ``layers`` decoder layers of equally many kernels each,
-    labelled by ``names`` when it has as many (else k0, k1, ...); the kernels before and after: "other"."""
+    labelled by ``labels`` (:func:`layer_labels`); the kernels before and after: "other"."""
     per = (len(rep) - first) // layers
-    labels = names if len(names) == per else [f"k{i}" for i in range(per)]
     out = collections.defaultdict(float)
     end = rep[0][0]
     for i, (_, stop, _) in enumerate(rep):
         j = i - first
         out[labels[j % per] if 0 <= j < layers * per else "other"] += max(0.0, stop - end)
         end = max(end, stop)
-    return labels, out
+    return out
 
 
 STEP_NAMES = {5: ["qkv", "attention", "o", "gate_up", "down"],               # both norms inside the linears
               6: ["norm1", "qkv", "attention", "o", "gate_up", "down"],      # norm2 inside gate/up (NORM_IN_GATE_UP)
               7: ["norm1", "qkv", "attention", "o", "norm2", "gate_up", "down"],     # SiLU in gate_up's epilogue
               8: ["norm1", "qkv", "attention", "o", "norm2", "gate_up", "silu", "down"]}
-LINEAR_NAMES = ["qkv", "o", "gate_up", "down"]
+LINEAR_NAMES = {4: ["qkv", "o", "gate_up", "down"]}
+FINISH = "finish_kernel"        # core.make_finish_kernel's kernel: the second launch of a split-K gemv (e.g. the
+                                # tensor-core gemv's down projection, K = 14336, on the fragment layout at B = 4)
 
 
 def main():
@@ -106,10 +123,10 @@ def main():
             # the step's clone (and zeros) come before the first norm or gemv
             first = next((i for i, e in enumerate(mine[0]) if "kbit_numba" in e[2]), 0)
             per = (size - first) // cfg["layers"]
-            names = STEP_NAMES.get(per, []) if fn == step.step else LINEAR_NAMES
+            labels = layer_labels(mine[0][first:first + per], STEP_NAMES if fn == step.step else LINEAR_NAMES)
             totals = collections.defaultdict(float)
             for r in mine:
-                labels, inc = increments(r, first, cfg["layers"], names)
+                inc = increments(r, first, cfg["layers"], labels)
                 for k, v in inc.items():
                     totals[k] += v / len(mine)
             spans = [max(e[1] for e in r) - r[0][0] for r in mine]    # (with PDL the last to start may not end last)
