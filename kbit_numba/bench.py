@@ -1118,10 +1118,11 @@ def main(argv=None):
     if args.pdl:
         for f16_acc in (False, True) if args.pair_f16 else (False,):
             rows += pair_gemv_rows(shapes, ks, ms, ceilings, progress, f16_acc=f16_acc, pdl=True)
-    if "mma_gemv" in kernels:       # (the code layout's plain launches: matmul_rows above)
-        layouts = (False, True) if args.fragments else (False,)
-        rows += [r for frags in layouts for pdl in ((False, True) if args.pdl else (False,)) if frags or pdl
-                 for r in mma_gemv_rows(shapes, ks, ms, ceilings, progress, pdl=pdl, fragments=frags)]
+    if "mma_gemv" in kernels and args.pdl:      # (the code layout's plain launches: matmul_rows above)
+        rows += mma_gemv_rows(shapes, ks, ms, ceilings, progress, pdl=True)
+    if "mma_gemv" in kernels and args.fragments:
+        for pdl in (False, True) if args.pdl else (False,):
+            rows += mma_gemv_rows(shapes, ks, ms, ceilings, progress, pdl=pdl, fragments=True)
     overhead = host_overhead_rows(progress) if args.overhead else []
     moe = (moe_rows(progress) + moe_rows(progress, batch=512)) if args.moe else []
     cublas = {}
