@@ -56,7 +56,7 @@ def layer_labels(layer, names):
     labels, i = [], 0
     for e in layer:
         if FINISH in e[2]:
-            labels.append(f"{labels[-1] if labels else 'k'} finish")
+            labels.append(labels[-1] + " finish")      # (a layer starts with a norm or a gemv, never a finish)
         else:
             labels.append(own[i])
             i += 1
