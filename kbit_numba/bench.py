@@ -216,22 +216,28 @@ def gemv_rows(shapes, ks, ms, ceilings, progress, tunings=(None,)):
     return _gemv_grid_rows(shapes, ks, ms, MAX_M, list, variants, ceilings, progress)
 
 
-def pair_gemv_rows(shapes, ks, ms, ceilings, progress, cols=(None,), f16_acc=False, pdl=False):
+def pair_gemv_rows(shapes, ks, ms, ceilings, progress, cols=(None,), f16_acc=False, pdl=False, fragments=False):
     """Pair-table GEMV rows (k = 2, 4; the code layout made once per weight): shape x k x M (M <= 4),
     each columns-per-iteration choice (None = the default); ``f16_acc``: the float16-accumulating variant,
     labelled [f16]; ``pdl``: programmatic dependent launches, labelled [pdl] (the graph's launches then
-    overlap as in a chain of layers: a launch's prologue runs during the previous one's tail)."""
-    from . import pair_gemv
+    overlap as in a chain of layers: a launch's prologue runs during the previous one's tail); ``fragments``: on
+    the tensor-core gemv's fragment layout instead (``pair_gemv+frags``; N a multiple of 16, K of 256), which
+    ``KbitLinear(layout="fragments")`` would keep for every M."""
+    from . import mma_gemv, pair_gemv
 
     def label(c):
         tags = ([] if c is None else [f"cols={c}"]) + (["f16"] if f16_acc else []) + (["pdl"] if pdl else [])
-        return "pair_gemv" + (f"[{','.join(tags)}]" if tags else "")
+        return "pair_gemv" + ("+frags" if fragments else "") + (f"[{','.join(tags)}]" if tags else "")
+
+    def prepare(ws):
+        codes = [pair_gemv.to_codes(w) for w in ws]
+        return [mma_gemv.to_fragments(c) for c in codes] if fragments else codes
 
     variants = [(label(c), lambda A, kc, out, c=c: _prepared(pair_gemv.plan(A, kc, out, 0, f16_acc=f16_acc, cols=c,
                                                                           pdl=pdl)),
                  None if c is None else {"cols": c}) for c in cols]
-    return _gemv_grid_rows(shapes, [k for k in ks if k in CODES_K], ms, MAX_M,
-                           lambda ws: [pair_gemv.to_codes(w) for w in ws], variants, ceilings, progress)
+    shapes = [(K, N) for K, N in shapes if not (fragments and (N % 16 or K % 256))]
+    return _gemv_grid_rows(shapes, [k for k in ks if k in CODES_K], ms, MAX_M, prepare, variants, ceilings, progress)
 
 
 def mma_gemv_rows(shapes, ks, ms, ceilings, progress, pdl=False, fragments=False):
@@ -1019,8 +1025,9 @@ def main(argv=None):
                         "programmatic dependent launches (sm_90): the graph's launches overlap as a chain of layers "
                         "would (with --pair-f16: the pair gemv's f16_acc variant too)")
     p.add_argument("--fragments", action="store_true",
-                   help="with mma_gemv in --kernels: also time the tensor-core gemv on the fragment layout "
-                        "(mma_gemv.to_fragments; with --pdl as a chain too)")
+                   help="with mma_gemv (pair_gemv) in --kernels: also time the tensor-core gemv (the pair gemv, "
+                        "with float16 sums under --pair-f16) on the fragment layout (mma_gemv.to_fragments; with "
+                        "--pdl as a chain too)")
     p.add_argument("--overhead", action="store_true", help="also measure host time per call")
     p.add_argument("--moe", action="store_true", help="also time the MoE case (512 experts, batch 32, top-8)")
     p.add_argument("--tune", nargs="?", const="", metavar="FILE",
@@ -1123,6 +1130,9 @@ def main(argv=None):
     if "mma_gemv" in kernels and args.fragments:
         for pdl in (False, True) if args.pdl else (False,):
             rows += mma_gemv_rows(shapes, ks, ms, ceilings, progress, pdl=pdl, fragments=True)
+    if "pair_gemv" in kernels and args.fragments:     # (the layout that could serve every M, if the pair gemv kept up)
+        for pdl in (False, True) if args.pdl else (False,):
+            rows += pair_gemv_rows(shapes, ks, ms, ceilings, progress, f16_acc=args.pair_f16, pdl=pdl, fragments=True)
     overhead = host_overhead_rows(progress) if args.overhead else []
     moe = (moe_rows(progress) + moe_rows(progress, batch=512)) if args.moe else []
     cublas = {}
