@@ -5,7 +5,8 @@ fp16 in the same run); the timing is ``kbit_numba.bench.codes_tune_rows``, the o
 
 Knobs: cols (columns per warp per iteration), cta_warps (warps per CTA aimed at) and max_registers (a per-thread
 register cap; e.g. ``"cols=4,cta_warps=8,max_registers=80"``). Prints one row per point and
-knob set; the default plan is the first of each shape/M. ``f16``: block sums in float16 (``f16_acc=True``); ``+pdl``:
+knob set; the default plan is the first of each shape/M, and from M = 2 (not with ``+silu`` / ``+acc``) the
+tensor-core gemv's default plan the last, timed in the same turns. ``f16``: block sums in float16 (``f16_acc=True``); ``+pdl``:
 timed as a chain of programmatic dependent launches; ``+silu``: the SiLU epilogue's build (give N as the interleaved
 gate/up width, e.g. 4096x28672); ``+acc``: the residual-add build (``accumulate``, out += A W^T in place: the
 step's o and down). Knob sets (default: ``KNOBS``): e.g.

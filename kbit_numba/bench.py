@@ -528,6 +528,11 @@ CODES_TUNE_MARGIN = 0.03          # a knob set replaces the default plan only wh
 CODES_TUNE_VARIANT_NAMES = {"fp32": (False, False), "f16": (True, False), "fp32+pdl": (False, True),
                             "f16+pdl": (True, True)}          # --tune-variants: name -> (f16_acc, pdl)
 CODES_TUNE_VARIANTS = tuple(CODES_TUNE_VARIANT_NAMES.values())
+# From this M on, the tune also times the tensor-core gemv (its default plan; a PDL chain in the pdl variants) beside
+# the pair gemv's knob sets, and its rules name it where it is the fastest: which of the two wins at M = 2, 3 depends
+# on the shape (H200 PDL chains, benchmarks/README.md, "Seventy-second session")
+CODES_TUNE_MMA_FROM_M = 2
+MMA = "mma_gemv"                  # tune_codes_table's key of the tensor-core gemv among the pair gemv's knob sets
 
 
 def codes_tune_rows(shapes, ks, ceilings, progress, table=None, reps=CODES_TUNE_REPS, variants=CODES_TUNE_VARIANTS,
@@ -540,10 +545,12 @@ def codes_tune_rows(shapes, ks, ceilings, progress, table=None, reps=CODES_TUNE_
     ``same_as``. ``silu``: the SiLU epilogue's build (``silu_pairs=True``, an [M, N / 2] output; rows marked ``silu``,
     which ``tune_codes_table`` does not read: their rules are ``dispatch.silu_knobs``', written by hand).
     ``accumulate``: the residual-add build (``accumulate=True``: out += A W^T in place, the step's o and down; rows
-    marked ``accumulate``, which ``tune_codes_table`` does not read either)."""
+    marked ``accumulate``, which ``tune_codes_table`` does not read either). From ``CODES_TUNE_MMA_FROM_M`` on (not
+    with ``silu`` or ``accumulate``) the tensor-core gemv's default plan is timed in the same turns, a PDL chain in
+    the pdl variants: a ``mma_gemv`` row carrying the variant's ``f16_acc`` and ``pdl``."""
     from numba import cuda
 
-    from . import dispatch, pair_gemv
+    from . import dispatch, mma_gemv, pair_gemv
     from ._timing import graph_time_us, rotation_count
 
     general = {k: v for k, v in (table or dispatch.load_table()).items() if k not in ("codes_shapes", "codes_variants")}
@@ -577,14 +584,17 @@ def codes_tune_rows(shapes, ks, ceilings, progress, table=None, reps=CODES_TUNE_
                         else:
                             seen[key] = j
                             cands.append((j, [p.prepare().run for p in plans]))
+                    mma = len(knob_sets)         # (the tensor-core gemv's index among the candidates)
+                    if M >= CODES_TUNE_MMA_FROM_M and not (silu or accumulate) and mma_gemv.reads(M, K):
+                        cands.append((mma, [mma_gemv.plan(A, kc, out, 0, pdl=pdl).prepare().run for kc in kcs]))
                     turns = {}
                     for rep in range(reps):
                         for j, runs in cands:
-                            progress(f"pair_gemv {knob_sets[j] or 'default'}{' f16' if f16 else ''}"
-                                     f"{' pdl' if pdl else ''} {K}x{N} k={k} M={M}")
+                            name = MMA if j == mma else f"pair_gemv {knob_sets[j] or 'default'}{' f16' if f16 else ''}"
+                            progress(f"{name}{' pdl' if pdl else ''} {K}x{N} k={k} M={M}")
                             turns.setdefault(j, []).append(
                                 graph_time_us(lambda i, s, runs=runs: runs[i % n](s), n * max(1, 64 // n)))
-                    for j in sorted(set(turns) | set(twin)):
+                    for j in sorted((set(turns) | set(twin)) - {mma}):
                         knobs = knob_sets[j]
                         tags = ([f"{a}={b}" for a, b in (knobs or {}).items()] + (["f16"] if f16 else [])
                                 + (["pdl"] if pdl else []) + (["silu"] if silu else [])
@@ -599,12 +609,17 @@ def codes_tune_rows(shapes, ks, ceilings, progress, table=None, reps=CODES_TUNE_
                         if j in twin:
                             row["same_as"] = knob_sets[twin[j]] or "default"
                         rows.append(row)
+                    if mma in turns:             # (after the pair gemv's rows, whose first is its default plan)
+                        row = _mm_row(MMA + ("[pdl]" if pdl else ""), K, N, k, M, min(turns[mma]), nbytes, ceilings)
+                        row["f16_acc"], row["pdl"], row["turns_us"] = f16, pdl, turns[mma]
+                        rows.append(row)
     return rows
 
 
 def tune_codes_table(rows, table, margin=CODES_TUNE_MARGIN):
     """``table`` with its ``codes_variants`` and ``codes_shapes`` rewritten from ``codes_tune_rows`` rows, per
-    variant (``dispatch.codes_variant``: k, the block sums' type, PDL or not) and tuned M:
+    variant (``dispatch.codes_variant``: k, the block sums' type, PDL or not) and tuned M. The candidates are the
+    pair gemv's knob sets and, where it was timed, the tensor-core gemv (a ``mma_gemv`` rule at that M):
 
     - the general knob set (``codes_variants``, for shapes not measured): the one with the least geometric mean of
       its time over the fastest one's across the measured shapes, if that mean is ``margin`` below the default
@@ -621,19 +636,21 @@ def tune_codes_table(rows, table, margin=CODES_TUNE_MARGIN):
     tail = table.get("codes_rules", dispatch.CODES_RULES)
     times = {}                 # variant -> M -> shape -> {knobs as JSON: us}
     for r in rows:
-        if (r["kernel"].startswith("pair_gemv") and "f16_acc" in r and not r.get("silu")
+        if (r["kernel"].startswith(("pair_gemv", MMA)) and "f16_acc" in r and not r.get("silu")
                 and not r.get("accumulate")):
             variant = dispatch.codes_variant(r["k"], r["f16_acc"], r.get("pdl", False))
             point = times.setdefault(variant, {}).setdefault(r["M"], {})
-            point.setdefault(r["shape"], {})[json.dumps(r.get("params") or {}, sort_keys=True)] = r["us"]
+            cand = MMA if r["kernel"].startswith(MMA) else json.dumps(r.get("params") or {}, sort_keys=True)
+            point.setdefault(r["shape"], {})[cand] = r["us"]
 
-    def as_rules(chosen):      # {M: knobs JSON} for Ms 1, 2, .. (stops at a gap) -> rules
+    def as_rules(chosen):      # {M: knobs JSON or MMA} for Ms 1, 2, .. (stops at a gap) -> rules
         rules = []
         for M in sorted(chosen):
             if rules and M != rules[-1][0] + 1:
                 break
-            knobs = json.loads(chosen[M])
-            rules.append([M, "pair_gemv", knobs] if knobs else [M, "pair_gemv"])
+            knobs = {} if chosen[M] == MMA else json.loads(chosen[M])
+            kernel = MMA if chosen[M] == MMA else "pair_gemv"
+            rules.append([M, kernel, knobs] if knobs else [M, kernel])
         return rules + [r for r in tail if r[0] is None or r[0] > rules[-1][0]]
 
     variants = dict(table.get("codes_variants", {}))
@@ -985,7 +1002,8 @@ def _tune_codes_main(args, name, progress, shapes, ks, variants):
     rows = add_floor_and_cublas(codes_tune_rows(shapes, ks, dict(read_GBps=read_bw, copy_GBps=copy_bw), progress,
                                                 table, variants=variants))
     print(f"device: {name}; read ceiling {read_bw:.0f} GB/s; the pair gemv's launch knobs (best of "
-          f"{CODES_TUNE_REPS} turns; the first row of each point is the default plan)")
+          f"{CODES_TUNE_REPS} turns; the first row of each point is the default plan, the last from M = "
+          f"{CODES_TUNE_MMA_FROM_M} on the tensor-core gemv)")
     print(format_table([r for r in rows if "same_as" not in r], width=44))
     table = tune_codes_table(rows, table)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

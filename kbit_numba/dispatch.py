@@ -12,7 +12,8 @@ by ``pair_gemv``, by ``mma_gemv`` (M <= 32 as far as ``mma_gemv_max_m`` allows; 
 64; K split past 8192, or past 4096 where a CTA of all its K-warps would spill: ``mma_gemv.k_splits``) and by ``gemm``
 (K a multiple of 64); the table's ``codes_rules`` (default ``CODES_RULES``) choose between them, and its
 ``codes_variants`` and ``codes_shapes`` (``python -m kbit_numba.bench --tune-codes``) hold rules with the pair gemv's
-launch knobs measured best on that GPU, for any shape and per shape (``codes_rules()``). Where those rules give the
+launch knobs measured best on that GPU, or the tensor-core gemv where it was faster, for any shape and per shape
+(``codes_rules()``). Where those rules give the
 gemm or dequantize + cuBLAS, ``codes_mm_rules`` / ``codes_mm_shapes`` (``--tune``) pick between the two.
 
 For MoE experts (``KbitExperts``), ``grouped_linear`` and ``KbitExpertsLinear`` pick one of the grouped kernels per
@@ -65,6 +66,10 @@ PAIR_GEMV_MAX_ROW_WARPS = 32       # M * ceil(K / 1024): M = 4 at K = 14336 (56)
 PAIR_GEMV_MAX_ROW_WARPS_F16 = 56
 # With f16_acc at k = 4 the pair gemv also beats the tensor-core gemv at M = 3 (7-15% on five llama/qwen shapes; the
 # llama3-8b B = 3 step 8% faster), not at M = 4; at k = 2 it does not (that step 3% slower). H100, benchmarks/README.md.
+# This holds where a table has no tuned rules for the variant: ``bench --tune-codes`` times the tensor-core gemv beside
+# the pair gemv's knob sets at each M it tunes from 2 on, so tuned rules say which is faster themselves (as PDL chains
+# on the H200 the tensor-core gemv won by 8-15% at M = 2, 3 on three of eight points; benchmarks/README.md,
+# "Seventy-second session").
 PAIR_GEMV_F16_MAX_M = {4: 3}       # k -> the largest M the pair gemv with float16 block sums takes from it
 # The tensor-core gemv's two token tiles (M = 9..16) take 10-20% less time than the tiled gemm and 25-28% less than
 # the code layout's at k = 4 (M = 12, 16 on 4096x14336, 2048x5120, 4096x6144), but up to 1.8x more at k = 2. H100,
@@ -149,14 +154,19 @@ def codes_variant(k, f16_acc=False, pdl=False):
     return f"k={k}" + (" f16_acc" if f16_acc else "") + (" pdl" if pdl else "")
 
 
-def codes_rules(table, N, K, k=None, f16_acc=False, pdl=False):
-    """The code layout's rules for an N x K weight of ``k`` bits, from the table that ``bench --tune-codes``
-    wrote on this GPU: its per-shape rules for that variant (``codes_shapes["KxN"][codes_variant(k, f16_acc, pdl)]``:
-    the pair gemv's launch knobs measured best on that shape), else the variant's rules for any shape
-    (``codes_variants``), else its ``codes_rules``, else ``CODES_RULES``."""
+def tuned_codes_rules(table, N, K, k=None, f16_acc=False, pdl=False):
+    """The rules that ``bench --tune-codes`` wrote on this GPU for an N x K weight of ``k`` bits and that variant:
+    the per-shape ones (``codes_shapes["KxN"][codes_variant(k, f16_acc, pdl)]``: the pair gemv's launch knobs, or
+    the tensor-core gemv, measured best on that shape at each tuned M), else the variant's rules for any shape
+    (``codes_variants``), else None."""
     variant = codes_variant(k, f16_acc, pdl)
-    return (table.get("codes_shapes", {}).get(f"{K}x{N}", {}).get(variant)
-            or table.get("codes_variants", {}).get(variant) or table.get("codes_rules", CODES_RULES))
+    return table.get("codes_shapes", {}).get(f"{K}x{N}", {}).get(variant) or table.get("codes_variants", {}).get(variant)
+
+
+def codes_rules(table, N, K, k=None, f16_acc=False, pdl=False):
+    """The code layout's rules for an N x K weight of ``k`` bits: the tuned ones (:func:`tuned_codes_rules`), else
+    the table's ``codes_rules``, else ``CODES_RULES``."""
+    return tuned_codes_rules(table, N, K, k, f16_acc, pdl) or table.get("codes_rules", CODES_RULES)
 
 
 SILU = " silu"       # a codes_shapes variant key's suffix: the pair gemv's knobs for its SiLU epilogue's build
@@ -192,7 +202,8 @@ def choose_rule(M, N, K, layout, table=None, backend=None, half=True, f16_acc=Fa
     ``half``: the activations are float16 or bfloat16 (what the tensor-core gemv takes). ``f16_acc``: a pair
     gemv would sum its blocks in float16 (float16 activations, ``f16_acc`` asked for): it then stays the choice to
     a longer K at M = 3, 4 (``PAIR_GEMV_MAX_ROW_WARPS_F16``) and, for the weight's bits ``k``, takes M = 3 from the
-    tensor-core gemv at k = 4 (``PAIR_GEMV_F16_MAX_M``). The tensor-core gemv takes M up to
+    tensor-core gemv at k = 4 (``PAIR_GEMV_F16_MAX_M``) unless the table's tuned rules for the variant say which of
+    the two is faster (:func:`tuned_codes_rules`). The tensor-core gemv takes M up to
     :func:`mma_gemv_max_m` (the table's cap for the shape and ``k``, or for ``k``, else ``MMA_GEMV_MAX_M``, else 8),
     the gemm beyond. ``pdl``: the gemv would run as a programmatic dependent launch (``KbitLinear(pdl=True)``; the
     table's rules for that variant apply: :func:`codes_rules`). The fragment layout follows ``FRAGMENT_RULES`` (no table)."""
@@ -200,6 +211,7 @@ def choose_rule(M, N, K, layout, table=None, backend=None, half=True, f16_acc=Fa
     if layout == "fragments":
         return _fragment_rule(M, K, half, backend)
     codes = layout == "codes"      # (pair gemv, tensor-core gemv and gemm where K allows, dequantize + cuBLAS)
+    tuned = codes and tuned_codes_rules(table, N, K, k, f16_acc, pdl)
     rules = (codes_rules(table, N, K, k, f16_acc, pdl) if codes
              else table.get("shapes", {}).get(f"{K}x{N}", table["rules"]))
     want, params = _first_rule(rules, M)
@@ -211,7 +223,7 @@ def choose_rule(M, N, K, layout, table=None, backend=None, half=True, f16_acc=Fa
             want, params = _first_rule(mm, M)
     gemm_ok = gemm_reads(layout, K)
     mma_ok = codes and mma_reads(M, K, half)
-    f16_pair = f16_acc and M <= PAIR_GEMV_F16_MAX_M.get(k, 0)
+    f16_pair = f16_acc and not tuned and M <= PAIR_GEMV_F16_MAX_M.get(k, 0)
     if codes and want == "mma_gemv" and (not mma_ok or f16_pair) and M <= MAX_M:
         want, params = "pair_gemv", {}
     most_row_warps = PAIR_GEMV_MAX_ROW_WARPS_F16 if f16_acc else PAIR_GEMV_MAX_ROW_WARPS

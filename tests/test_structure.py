@@ -378,6 +378,61 @@ def test_tune_codes_table_writes_per_shape_knobs():
     check_close(layer(A, out_dtype=np.float32).copy_to_host(), A, qw)
 
 
+def test_tune_codes_table_names_the_tensor_core_gemv_where_it_wins():
+    """bench --tune-codes times the tensor-core gemv beside the pair gemv's knob sets from M = 2 on: where it is the
+    fastest by the margin its rule names it, for one shape or for any; and a tuned variant's rules then decide M = 3
+    with float16 sums at k = 4 too, which without tuned rules goes to the pair gemv (PAIR_GEMV_F16_MAX_M)."""
+    from kbit_numba.bench import MMA, tune_codes_table
+
+    def row(M, us, params=None, shape="64x128", f16=True, pdl=True, kernel="pair_gemv"):
+        return dict(kernel=kernel, shape=shape, k=4, M=M, us=us, params=params, f16_acc=f16, pdl=pdl)
+    c2 = {"cols": 2}
+    mma, half_margin = MMA + "[pdl]", bench.CODES_TUNE_MARGIN / 2
+    rows = [row(1, 10.0), row(1, 9.0, c2), row(2, 12.0), row(2, 11.8, c2), row(2, 15.0, kernel=mma),
+            row(3, 15.0), row(3, 16.0, c2), row(3, 14.4, kernel=mma),                    # 64x128: 4% faster at 3
+            row(1, 10.0, shape="64x256"), row(1, 9.0, c2, shape="64x256"), row(2, 12.0, shape="64x256"),
+            row(2, 12.5, c2, shape="64x256"), row(2, 11.0, kernel=mma, shape="64x256"),  # 64x256: 8% faster at 2
+            row(3, 15.0, shape="64x256"), row(3, 16.0, c2, shape="64x256"),
+            row(3, 15.0 * (1 - half_margin), kernel=mma, shape="64x256")]                # ... and a near-tie at 3
+    tail = [[16, "mma_gemv"], [None, "gemm"]]
+    table = tune_codes_table(rows, {"rules": [[None, "gemm"]], "codes_rules": [[2, "pair_gemv"]] + tail})
+    variant = "k=4 f16_acc pdl"
+    assert table["codes_variants"] == {variant: [[1, "pair_gemv", c2], [2, "pair_gemv"], [3, "pair_gemv"]] + tail}
+    assert table["codes_shapes"] == {
+        "64x128": {variant: [[1, "pair_gemv", c2], [2, "pair_gemv"], [3, MMA]] + tail},
+        "64x256": {variant: [[1, "pair_gemv", c2], [2, MMA], [3, "pair_gemv"]] + tail}}
+    choose = lambda M, N, **kw: dispatch.choose_rule(M, N, 64, "codes", table, backend=False, k=4, **kw)  # noqa
+    assert choose(3, 128, f16_acc=True, pdl=True) == (MMA, {})          # the tuned rule, not PAIR_GEMV_F16_MAX_M
+    assert choose(2, 256, f16_acc=True, pdl=True) == (MMA, {}) and choose(3, 256, f16_acc=True, pdl=True)[0] == "pair_gemv"
+    assert choose(3, 512, f16_acc=True, pdl=True)[0] == "pair_gemv"     # any shape: the variant's rules
+    assert choose(3, 128, f16_acc=True)[0] == "pair_gemv"               # no tuned rules (not PDL): the override
+    assert choose(3, 128)[0] == MMA                                     # (float32 sums: codes_rules)
+
+
+def test_tune_codes_rows_time_the_tensor_core_gemv_from_m2(monkeypatch):
+    """codes_tune_rows on the simulator (the timer stubbed: each candidate launched once, then given its turn's
+    number): the pair gemv's rows first at each point, then from M = 2 the tensor-core gemv's, in the variant's PDL
+    form, carrying the variant; none at M = 1 or beside the SiLU build."""
+    from kbit_numba import _timing
+    launched = []
+
+    def timer(launch, n):
+        launch(0, 0)
+        launched.append(n)
+        return float(len(launched))
+    monkeypatch.setattr(_timing, "graph_time_us", timer)
+    monkeypatch.setattr(_timing, "rotation_count", lambda nbytes: 1)
+    rows = bench.codes_tune_rows([(256, 32)], [4], {"read_GBps": 1.0}, lambda msg: None, reps=1,
+                                 variants=[(True, True)], knob_sets=[{"cols": 2}], ms=[1, 2])
+    assert [(r["kernel"], r["M"]) for r in rows] == [
+        ("pair_gemv[f16,pdl]", 1), ("pair_gemv[cols=2,f16,pdl]", 1),
+        ("pair_gemv[f16,pdl]", 2), ("pair_gemv[cols=2,f16,pdl]", 2), ("mma_gemv[pdl]", 2)]
+    assert rows[-1]["f16_acc"] and rows[-1]["pdl"] and rows[-1]["turns_us"] == [float(len(launched))]   # (last)
+    silu = bench.codes_tune_rows([(256, 32)], [4], {"read_GBps": 1.0}, lambda msg: None, reps=1,
+                                 variants=[(True, True)], knob_sets=[], ms=[2], silu=True)
+    assert [r["kernel"] for r in silu] == ["pair_gemv[f16,pdl,silu]"]
+
+
 def test_tune_codes_main_writes_the_table(monkeypatch, tmp_path, capsys):
     """The --tune-codes path after the timings (which need a GPU): rows printed with their floor and cuBLAS, the
     winners written into the table file, the rows as JSON."""
