@@ -2,7 +2,7 @@
 chosen pair gemv builds as the two local compilers give them (no GPU):
 
     python benchmarks/kernel_regs.py [--model llama3-8b] [--variants "kbit k=4 pdl f16_acc,..."] [--batch 1]
-    python benchmarks/kernel_regs.py --local ['name=dict(k=4, M=1, cols=4, f16_acc=True, pdl=True)' ...]
+    python benchmarks/kernel_regs.py [--local] --specs ['name=dict(k=4, M=1, cols=4, f16_acc=True, pdl=True)' ...]
 
 Why: numba-cuda builds a kernel's PTX into machine code through cuda.core's ``Linker``, which uses nvJitLink where
 cuda-bindings has it and the driver otherwise. The local estimates the benchmarks log has used (``ptxas_regs.py``,
@@ -13,10 +13,11 @@ the local ptxas's 80 registers and not nvJitLink 13.5's 96, so the H200 likely c
 script's GPU mode says so directly (benchmarks/README.md, "Seventy-third session").
 
 On the GPU the script builds the step (``bench_model.decode_step``), runs it once, and prints every pair gemv and
-tensor-core gemv build its plans compiled, with the registers and the most threads a CTA the driver reports for it
-(``core.kernel_limits``: the numbers the plans' grids come from), after the linker numba-cuda uses and nvJitLink's
-version. ``--local`` prints, for each pair gemv spec given (default: ``LOCAL_SPECS``), the local ptxas's and the
-local nvJitLink's counts for the same PTX.
+tensor-core gemv build its plans compiled, with the registers, the local (spill) bytes a thread and the most threads
+a CTA the driver reports for it (what ``core.kernel_limits`` gives the plans' grids), after the linker numba-cuda
+uses and nvJitLink's version. ``--specs`` compiles the pair gemv specs given instead (``name=dict(PairGemvSpec
+fields)``, e.g. ``max_registers=80`` for a capped build; none: ``LOCAL_SPECS``), on the GPU or with ``--local``
+through the local ptxas and the local nvJitLink, so that the two machines' counts of one build can be set side by side.
 """
 import argparse
 import re
@@ -26,11 +27,14 @@ import tempfile
 
 # The llama3-8b B = 1 step's pair gemv builds at k = 4 as the H200 table's rules make them (QKV 4/12, o by default with
 # the residual add, gate/up's SiLU build 2/8 with the norm inside, down 2/28 with the residual add); whether a launch
-# gets the whole-batch loop depends on its grid, which depends on these very counts, so both forms are listed.
+# gets the whole-batch loop depends on its grid, which depends on these very counts, so both forms are listed; and
+# QKV's norm-inside build capped at 80 registers, which ran 2.4 us a launch slower on the H200 where the local ptxas
+# found no spill (benchmarks/README.md, "Seventieth session").
 STEP_K4 = dict(k=4, M=1, f16_acc=True, pdl=True)
 LOCAL_SPECS = {
     "qkv": dict(STEP_K4, cols=4), "qkv_whole": dict(STEP_K4, cols=4, full_batches=True),
     "qkv_rms": dict(STEP_K4, cols=4, rms_eps=1e-6), "o_acc": dict(STEP_K4, cols=4, accumulate=True),
+    "qkv_rms80": dict(STEP_K4, cols=4, rms_eps=1e-6, max_registers=80),     # (the seventieth session's q1pc: +2.4 us)
     "gate_up": dict(STEP_K4, cols=2, silu_pairs=True, rms_eps=1e-6, full_batches=True),
     "down": dict(STEP_K4, cols=2, accumulate=True), "down_whole": dict(STEP_K4, cols=2, accumulate=True,
                                                                        full_batches=True),
@@ -50,6 +54,24 @@ def linker():
     return "nvJitLink " + ".".join(map(str, nvjitlink.version()))
 
 
+def attributes(kern, types):
+    """(registers, local bytes a thread, most threads a CTA) of ``kern`` compiled for argument ``types``."""
+    attrs = kern.compile(tuple(types))._codelibrary.get_cufunc().attrs
+    return attrs.regs, attrs.local, attrs.maxthreads
+
+
+def on_gpu_specs(specs):
+    from importlib.metadata import version
+
+    from kbit_numba import pair_gemv
+    print(f"numba-cuda {version('numba-cuda')}; kernels built by {linker()}")
+    print(f"{'build':<12} {'regs':>5} {'local B':>8}   spec")
+    for name, fields in specs.items():
+        spec = pair_gemv.PairGemvSpec(**fields)
+        regs, local_bytes, _ = attributes(pair_gemv.make_pair_gemv_kernel(spec), pair_gemv.argtypes(spec))
+        print(f"{name:<12} {regs:>5} {local_bytes:>8}   {spec.name}", flush=True)
+
+
 def on_gpu(args):
     from importlib.metadata import version
 
@@ -65,13 +87,13 @@ def on_gpu(args):
         return made
 
     def recording(kern, kargs):       # core.fit_threads asks every build's limits through this
-        regs, most = limits(kern, kargs)
-        seen[names.get(id(kern), getattr(kern, "__name__", "?"))] = (regs, most)
+        regs, local_bytes, most = attributes(kern, [kern.typeof_pyval(x) for x in kargs])
+        seen[names.get(id(kern), getattr(kern, "__name__", "?"))] = (regs, local_bytes, most)
         return regs, most
 
     pair_gemv.make_pair_gemv_kernel = naming(pair_gemv.make_pair_gemv_kernel)
     mma_gemv.make_mma_gemv_kernel = naming(mma_gemv.make_mma_gemv_kernel)
-    limits, core.kernel_limits = core.kernel_limits, recording
+    core.kernel_limits = recording
     print(f"numba-cuda {version('numba-cuda')}; kernels built by {linker()}")
     import torch
     for variant in args.variants.split(","):
@@ -80,8 +102,8 @@ def on_gpu(args):
         step.step()
         torch.cuda.synchronize()
         print(f"{args.model} B={args.batch} {variant}: {len(seen)} gemv builds")
-        for name, (regs, most) in sorted(seen.items()):
-            print(f"  {regs:>4} registers, {most:>5} threads a CTA at most   {name}")
+        for name, (regs, local_bytes, most) in sorted(seen.items()):
+            print(f"  {regs:>4} registers, {local_bytes:>4} local bytes, {most:>5} threads a CTA at most   {name}")
 
 
 def local(specs):
@@ -101,8 +123,8 @@ def local(specs):
         spill = re.search(r"(\d+) bytes spill stores", log)
         return (regs.group(1) if regs else "?") + (f"+{spill.group(1)}" if spill and spill.group(1) != "0" else "")
 
-    def by_nvjitlink(ptx):
-        opts = ["-arch=sm_90", "-verbose"]
+    def by_nvjitlink(ptx, cap):       # (a register cap is the linker's option, as numba-cuda passes max_registers)
+        opts = ["-arch=sm_90", "-verbose"] + ([f"-maxrregcount={cap}"] if cap else [])
         handle = nvjitlink.create(len(opts), opts)
         data = ptx.encode()
         nvjitlink.add_data(handle, nvjitlink.InputType.PTX, data, len(data), "kernel.ptx")
@@ -112,22 +134,24 @@ def local(specs):
         nvjitlink.destroy(handle)
         return count(log.decode(errors="replace"))
 
-    def by_ptxas(ptx):
+    def by_ptxas(ptx, cap):
         ptx = re.sub(r"^\.version \d+\.\d+", f".version {ptxas_version()}", ptx, count=1, flags=re.M)
         with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
             f.write(ptx)
             f.flush()
-            return count(subprocess.run(["ptxas", "-arch=sm_90", "-v", f.name, "-o", "/dev/null"],
-                                        capture_output=True, text=True).stderr)
+            return count(subprocess.run(["ptxas", "-arch=sm_90", "-v", f.name, "-o", "/dev/null"]
+                                        + ([f"--maxrregcount={cap}"] if cap else []), capture_output=True,
+                                        text=True).stderr)
 
     ptxas = next(line for line in subprocess.run(["ptxas", "--version"], capture_output=True, text=True).stdout
                  .splitlines() if "release" in line)
     print(f"sm_90; local ptxas: {ptxas}; local nvJitLink {'.'.join(map(str, nvjitlink.version()))}")
-    print(f"{'build':<12} {'ptxas':>5} {'nvJitLink':>10}   spec")
+    print(f"{'build':<12} {'ptxas':>6} {'nvJitLink':>10}   spec   (registers, +spill store bytes)")
     for name, fields in specs.items():
         spec = pair_gemv.PairGemvSpec(**fields)
         ptx, _ = cuda.compile_ptx(pair_gemv.make_pair_gemv_kernel(spec).py_func, pair_gemv.argtypes(spec), cc=(9, 0))
-        print(f"{name:<12} {by_ptxas(ptx):>5} {by_nvjitlink(ptx):>10}   {spec.name}", flush=True)
+        cap = spec.max_registers
+        print(f"{name:<12} {by_ptxas(ptx, cap):>6} {by_nvjitlink(ptx, cap):>10}   {spec.name}", flush=True)
 
 
 def main(argv=None):
@@ -135,11 +159,12 @@ def main(argv=None):
     ap.add_argument("--model", default="llama3-8b")
     ap.add_argument("--variants", default="kbit k=4 pdl f16_acc")
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--local", action="store_true", help="no GPU: the local ptxas's and nvJitLink's counts")
-    ap.add_argument("specs", nargs="*", help="with --local: name=dict(PairGemvSpec fields) (default: LOCAL_SPECS)")
+    ap.add_argument("--local", action="store_true", help="no GPU: the local ptxas's and nvJitLink's counts (of --specs)")
+    ap.add_argument("--specs", nargs="*", help="pair gemv builds, name=dict(PairGemvSpec fields) (none: LOCAL_SPECS)")
     args = ap.parse_args(argv)
-    if args.local:
-        return local({n: eval(d, {"dict": dict}) for n, d in (s.split("=", 1) for s in args.specs)} or LOCAL_SPECS)
+    if args.local or args.specs is not None:
+        specs = {n: eval(d, {"dict": dict}) for n, d in (s.split("=", 1) for s in args.specs or [])} or LOCAL_SPECS
+        return local(specs) if args.local else on_gpu_specs(specs)
     return on_gpu(args)
 
 
