@@ -54,22 +54,17 @@ def linker():
     return "nvJitLink " + ".".join(map(str, nvjitlink.version()))
 
 
-def attributes(kern, types):
-    """(registers, local bytes a thread, most threads a CTA) of ``kern`` compiled for argument ``types``."""
-    attrs = kern.compile(tuple(types))._codelibrary.get_cufunc().attrs
-    return attrs.regs, attrs.local, attrs.maxthreads
-
-
 def on_gpu_specs(specs):
     from importlib.metadata import version
 
     from kbit_numba import pair_gemv
+    from kbit_numba.core import kernel_attributes
     print(f"numba-cuda {version('numba-cuda')}; kernels built by {linker()}")
     print(f"{'build':<12} {'regs':>5} {'local B':>8}   spec")
     for name, fields in specs.items():
         spec = pair_gemv.PairGemvSpec(**fields)
-        regs, local_bytes, _ = attributes(pair_gemv.make_pair_gemv_kernel(spec), pair_gemv.argtypes(spec))
-        print(f"{name:<12} {regs:>5} {local_bytes:>8}   {spec.name}", flush=True)
+        attrs = kernel_attributes(pair_gemv.make_pair_gemv_kernel(spec), pair_gemv.argtypes(spec))
+        print(f"{name:<12} {attrs.regs:>5} {attrs.local:>8}   {spec.name}", flush=True)
 
 
 def on_gpu(args):
@@ -87,9 +82,9 @@ def on_gpu(args):
         return made
 
     def recording(kern, kargs):       # core.fit_threads asks every build's limits through this
-        regs, local_bytes, most = attributes(kern, [kern.typeof_pyval(x) for x in kargs])
-        seen[names.get(id(kern), getattr(kern, "__name__", "?"))] = (regs, local_bytes, most)
-        return regs, most
+        attrs = core.kernel_attributes(kern, [kern.typeof_pyval(x) for x in kargs])
+        seen[names.get(id(kern), getattr(kern, "__name__", "?"))] = (attrs.regs, attrs.local, attrs.maxthreads)
+        return attrs.regs, attrs.maxthreads
 
     pair_gemv.make_pair_gemv_kernel = naming(pair_gemv.make_pair_gemv_kernel)
     mma_gemv.make_mma_gemv_kernel = naming(mma_gemv.make_mma_gemv_kernel)
@@ -159,7 +154,7 @@ def main(argv=None):
     ap.add_argument("--model", default="llama3-8b")
     ap.add_argument("--variants", default="kbit k=4 pdl f16_acc")
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--local", action="store_true", help="no GPU: the local ptxas's and nvJitLink's counts (of --specs)")
+    ap.add_argument("--local", action="store_true", help="no GPU: the local ptxas's and nvJitLink's counts")
     ap.add_argument("--specs", nargs="*", help="pair gemv builds, name=dict(PairGemvSpec fields) (none: LOCAL_SPECS)")
     args = ap.parse_args(argv)
     if args.local or args.specs is not None:

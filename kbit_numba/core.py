@@ -46,13 +46,18 @@ MAX_REGISTERS = 255               # the most registers a thread can have
 SHARED_PER_SM = 228 * 1024        # sm_90: shared memory per SM (1 KB of it reserved per CTA)
 
 
+def kernel_attributes(kern, types):
+    """The driver's attributes of the kernel compiled for argument ``types`` (GPU only): ``regs``, ``local`` (spill)
+    bytes a thread, ``shared``, ``const`` and ``maxthreads`` (most threads a CTA)."""
+    return kern.compile(tuple(types))._codelibrary.get_cufunc().attrs
+
+
 def kernel_limits(kern, args):
     """(registers per thread, most threads per CTA) of the kernel compiled for ``args``, as the driver
     reports them (registers decide how large a CTA can be); (0, 1024) under the simulator."""
     if SIMULATOR:
         return 0, 1024
-    sig = tuple(kern.typeof_pyval(x) for x in args)
-    attrs = kern.compile(sig)._codelibrary.get_cufunc().attrs
+    attrs = kernel_attributes(kern, [kern.typeof_pyval(x) for x in args])
     return attrs.regs, attrs.maxthreads
 
 

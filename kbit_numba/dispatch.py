@@ -160,7 +160,8 @@ def tuned_codes_rules(table, N, K, k=None, f16_acc=False, pdl=False):
     the tensor-core gemv, measured best on that shape at each tuned M), else the variant's rules for any shape
     (``codes_variants``), else None."""
     variant = codes_variant(k, f16_acc, pdl)
-    return table.get("codes_shapes", {}).get(f"{K}x{N}", {}).get(variant) or table.get("codes_variants", {}).get(variant)
+    return (table.get("codes_shapes", {}).get(f"{K}x{N}", {}).get(variant)
+            or table.get("codes_variants", {}).get(variant))
 
 
 def codes_rules(table, N, K, k=None, f16_acc=False, pdl=False):
@@ -211,7 +212,6 @@ def choose_rule(M, N, K, layout, table=None, backend=None, half=True, f16_acc=Fa
     if layout == "fragments":
         return _fragment_rule(M, K, half, backend)
     codes = layout == "codes"      # (pair gemv, tensor-core gemv and gemm where K allows, dequantize + cuBLAS)
-    tuned = codes and tuned_codes_rules(table, N, K, k, f16_acc, pdl)
     rules = (codes_rules(table, N, K, k, f16_acc, pdl) if codes
              else table.get("shapes", {}).get(f"{K}x{N}", table["rules"]))
     want, params = _first_rule(rules, M)
@@ -223,7 +223,8 @@ def choose_rule(M, N, K, layout, table=None, backend=None, half=True, f16_acc=Fa
             want, params = _first_rule(mm, M)
     gemm_ok = gemm_reads(layout, K)
     mma_ok = codes and mma_reads(M, K, half)
-    f16_pair = f16_acc and not tuned and M <= PAIR_GEMV_F16_MAX_M.get(k, 0)
+    f16_pair = (f16_acc and M <= PAIR_GEMV_F16_MAX_M.get(k, 0)       # (the H100's rule, where nothing tuned says)
+                and not tuned_codes_rules(table, N, K, k, f16_acc, pdl))
     if codes and want == "mma_gemv" and (not mma_ok or f16_pair) and M <= MAX_M:
         want, params = "pair_gemv", {}
     most_row_warps = PAIR_GEMV_MAX_ROW_WARPS_F16 if f16_acc else PAIR_GEMV_MAX_ROW_WARPS

@@ -403,7 +403,8 @@ def test_tune_codes_table_names_the_tensor_core_gemv_where_it_wins():
         "64x256": {variant: [[1, "pair_gemv", c2], [2, MMA], [3, "pair_gemv"]] + tail}}
     choose = lambda M, N, **kw: dispatch.choose_rule(M, N, 64, "codes", table, backend=False, k=4, **kw)  # noqa
     assert choose(3, 128, f16_acc=True, pdl=True) == (MMA, {})          # the tuned rule, not PAIR_GEMV_F16_MAX_M
-    assert choose(2, 256, f16_acc=True, pdl=True) == (MMA, {}) and choose(3, 256, f16_acc=True, pdl=True)[0] == "pair_gemv"
+    assert choose(2, 256, f16_acc=True, pdl=True) == (MMA, {})
+    assert choose(3, 256, f16_acc=True, pdl=True)[0] == "pair_gemv"
     assert choose(3, 512, f16_acc=True, pdl=True)[0] == "pair_gemv"     # any shape: the variant's rules
     assert choose(3, 128, f16_acc=True)[0] == "pair_gemv"               # no tuned rules (not PDL): the override
     assert choose(3, 128)[0] == MMA                                     # (float32 sums: codes_rules)
