@@ -32,12 +32,14 @@ import tempfile
 # found no spill (benchmarks/README.md, "Seventieth session").
 STEP_K4 = dict(k=4, M=1, f16_acc=True, pdl=True)
 LOCAL_SPECS = {
-    "qkv": dict(STEP_K4, cols=4), "qkv_whole": dict(STEP_K4, cols=4, full_batches=True),
-    "qkv_rms": dict(STEP_K4, cols=4, rms_eps=1e-6), "o_acc": dict(STEP_K4, cols=4, accumulate=True),
+    "qkv": dict(STEP_K4, cols=4),
+    "qkv_whole": dict(STEP_K4, cols=4, full_batches=True),
+    "qkv_rms": dict(STEP_K4, cols=4, rms_eps=1e-6),
+    "o_acc": dict(STEP_K4, cols=4, accumulate=True),
     "qkv_rms80": dict(STEP_K4, cols=4, rms_eps=1e-6, max_registers=80),     # (the seventieth session's q1pc: +2.4 us)
     "gate_up": dict(STEP_K4, cols=2, silu_pairs=True, rms_eps=1e-6, full_batches=True),
-    "down": dict(STEP_K4, cols=2, accumulate=True), "down_whole": dict(STEP_K4, cols=2, accumulate=True,
-                                                                       full_batches=True),
+    "down": dict(STEP_K4, cols=2, accumulate=True),
+    "down_whole": dict(STEP_K4, cols=2, accumulate=True, full_batches=True),
 }
 
 
@@ -54,12 +56,16 @@ def linker():
     return "nvJitLink " + ".".join(map(str, nvjitlink.version()))
 
 
-def on_gpu_specs(specs):
+def print_compiler():
+    """The line a GPU run starts with: numba-cuda's version and what it builds kernels with."""
     from importlib.metadata import version
+    print(f"numba-cuda {version('numba-cuda')}; kernels built by {linker()}")
 
+
+def on_gpu_specs(specs):
     from kbit_numba import pair_gemv
     from kbit_numba.core import kernel_attributes
-    print(f"numba-cuda {version('numba-cuda')}; kernels built by {linker()}")
+    print_compiler()
     print(f"{'build':<12} {'regs':>5} {'local B':>8}   spec")
     for name, fields in specs.items():
         spec = pair_gemv.PairGemvSpec(**fields)
@@ -68,8 +74,6 @@ def on_gpu_specs(specs):
 
 
 def on_gpu(args):
-    from importlib.metadata import version
-
     from kbit_numba import bench_model, core, mma_gemv, pair_gemv
 
     names, seen = {}, {}
@@ -89,7 +93,7 @@ def on_gpu(args):
     pair_gemv.make_pair_gemv_kernel = naming(pair_gemv.make_pair_gemv_kernel)
     mma_gemv.make_mma_gemv_kernel = naming(mma_gemv.make_mma_gemv_kernel)
     core.kernel_limits = recording
-    print(f"numba-cuda {version('numba-cuda')}; kernels built by {linker()}")
+    print_compiler()
     import torch
     for variant in args.variants.split(","):
         seen.clear()
