@@ -348,11 +348,9 @@ def build_real(model, variant):
     """The step's linears of ``variant`` as ``bench --model`` builds them, B = 1 static inputs (one per K), and
     whether the gate/up rows are interleaved for the SiLU epilogue."""
     import torch
-    cfg = bench_model.MODELS[model]
-    fused = bench_model.fuses_silu(cfg, variant)
-    linears = bench_model.build_linears(cfg, variant, bench_model.random_weights(cfg), lambda m: None, silu_pairs=fused)
+    linears, fused = bench_model.build_step_linears(model, variant)
     static = {K: torch.randn(1, K, device="cuda", dtype=torch.float16) * 0.1
-              for _, _, K in bench_model.projections(cfg)}
+              for _, _, K in bench_model.projections(bench_model.MODELS[model])}
     return linears, static, fused
 
 

@@ -1082,12 +1082,21 @@ def decode_step(model, variant, batch=1, context=CONTEXT, attention="auto", base
     :func:`random_weights`; the gate/up rows interleaved where :func:`fuses_silu` says, PDL where :func:`uses_pdl`
     does), for the benchmarks scripts that trace or stamp that step (``benchmarks/step_timeline.py``,
     ``decode_step_trace.py``)."""
+    cfg = MODELS[model]
+    linears, fused = build_step_linears(model, variant, base, progress)
+    return DecodeStep(cfg, linears, batch, context, pdl=uses_pdl(variant), attention=attention, silu_pairs=fused)
+
+
+def build_step_linears(model, variant, base=None, progress=None):
+    """(every layer's linears, whether gate/up's rows are interleaved for the SiLU epilogue) of ``variant`` as
+    :func:`decode_step` builds them, without a :class:`DecodeStep` (``benchmarks/step_floor.py`` times the linears
+    alone)."""
     check_names(model, [variant])
     cfg = MODELS[model]
     fused = fuses_silu(cfg, variant)
     linears = build_linears(cfg, variant, random_weights(cfg) if base is None else base, progress or (lambda *a: None),
                             silu_pairs=fused)
-    return DecodeStep(cfg, linears, batch, context, pdl=uses_pdl(variant), attention=attention, silu_pairs=fused)
+    return linears, fused
 
 
 def build_experts(cfg, variant, name, N, K, base, progress, device="cuda", silu_pairs=False):
@@ -1182,9 +1191,8 @@ def run(model="llama3-8b", variants=None, batches=BATCHES, context=CONTEXT, prog
     rows = []
     for variant in variants:
         t0 = time.perf_counter()
-        fused = fuses_silu(cfg, variant)
         try:
-            linears = build_linears(cfg, variant, base, progress, silu_pairs=fused)
+            linears, fused = build_step_linears(model, variant, base, progress)
         except ValueError as e:             # a format this model's layers have no kernel for: reported
             rows += [dict(model=model, variant=variant, batch=B, context=context, error=str(e)[:300])
                      for B in batches]
