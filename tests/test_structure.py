@@ -413,8 +413,10 @@ def test_tune_codes_table_names_the_tensor_core_gemv_where_it_wins():
 def test_tune_codes_rows_time_the_tensor_core_gemv_from_m2(monkeypatch):
     """codes_tune_rows on the simulator (the timer stubbed: each candidate launched once, then given its turn's
     number): the pair gemv's rows first at each point, then from M = 2 the tensor-core gemv's, in the variant's PDL
-    form, carrying the variant; none at M = 1 or beside the SiLU build."""
-    from kbit_numba import _timing
+    form, carrying the variant; none at M = 1 or beside the SiLU build. The weights come from the NumPy quantizer
+    (the same bytes, test_codec.py), which saves the simulated quantize kernel's ~26 s."""
+    from kbit_numba import _timing, codec
+    monkeypatch.setattr(codec, "quantize", lambda W, k: ref.quantize(W, k=k))
     launched = []
 
     def timer(launch, n):
