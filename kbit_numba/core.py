@@ -26,7 +26,7 @@ from numba import cuda
 from . import _arrays
 from .device import WARP, jit_kernel, silu_mul
 from .formats import BLOCK, KbitCodes, KbitExperts, KbitFragments, KbitWeight
-from .intrinsics import SIMULATOR
+from .intrinsics import SIMULATOR, griddep_launch_dependents, griddep_wait
 from .launch import OUT_TYPES, Spec, Step, type_name
 
 MAX_M = 4                        # rows of A a GEMV kernel holds in registers (M = 1..4)
@@ -155,14 +155,23 @@ def split_sums(ws, n, stream):
 
 
 @lru_cache(maxsize=None)
-def make_finish_kernel(out_dtype, silu_pairs=False):
+def make_finish_kernel(out_dtype, silu_pairs=False, pdl=False):
     """Kernel(ws, out, n, N): out[i] = ws[i] (converted), ws[i] = 0 -- the split-K epilogue. With ``silu_pairs`` the
     gemvs' SiLU epilogue of an [M, N] workspace whose columns 2j, 2j + 1 are gate j and up j (n = M * N / 2 outputs):
-    out[r, j] = silu(ws[r, 2j]) * ws[r, 2j + 1], both sums zeroed (twin: ``reference.silu_pairs``)."""
+    out[r, j] = silu(ws[r, 2j]) * ws[r, 2j + 1], both sums zeroed (twin: ``reference.silu_pairs``).
+    ``pdl``: built for a programmatic dependent launch after a PDL split launch: it lets the next kernel start at once
+    and waits in ``griddep_wait`` for the split launch's sums before it reads one (as a plain launch it was a point
+    where a PDL chain serialised: the next kernel's prologue could not overlap it). H200, the llama3-8b step on the
+    fragment layout (`kbit k=4 pdl frag`): B = 4 24.0 +- 1.3 us faster, B = 16 47.3 +- 2.0 (benchmarks/README.md,
+    "Seventy-fourth session")."""
     f16_out = np.dtype(out_dtype) == np.float16
     SILU = bool(silu_pairs)
+    PDL = bool(pdl)
 
     def finish_kernel(ws, out, n, N):
+        if PDL:                     # (ws is also written here: its loads are ordinary ones, kept after the wait)
+            griddep_launch_dependents()
+            griddep_wait()
         i = cuda.grid(1)
         if i < n:
             if SILU:
@@ -180,11 +189,12 @@ def make_finish_kernel(out_dtype, silu_pairs=False):
     return jit_kernel(finish_kernel)
 
 
-def finish_step(ws, out, n, silu_row=0):
+def finish_step(ws, out, n, silu_row=0, pdl=False):
     """The split-K epilogue's launch: the first n sums of ``ws`` into ``out`` (any shape, n values), ws zeroed; with
-    ``silu_row`` (N, the workspace's row length) the SiLU epilogue of n = M * N / 2 gate/up pairs instead."""
-    return Step(make_finish_kernel(out.dtype.name, bool(silu_row)), -(-n // FINISH_THREADS), FINISH_THREADS,
-                (ws, _arrays.flat_view(out), np.int32(n), np.int32(silu_row)))
+    ``silu_row`` (N, the workspace's row length) the SiLU epilogue of n = M * N / 2 gate/up pairs instead. ``pdl``: a
+    programmatic dependent launch (after a split launch that is one too)."""
+    return Step(make_finish_kernel(out.dtype.name, bool(silu_row), bool(pdl)), -(-n // FINISH_THREADS), FINISH_THREADS,
+                (ws, _arrays.flat_view(out), np.int32(n), np.int32(silu_row)), pdl=bool(pdl))
 
 
 def k_warps(K):

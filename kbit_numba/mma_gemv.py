@@ -34,7 +34,8 @@ and waits on its own dependency chains. This kernel streams the weights the pair
   where a CTA of all K-warps gets 64 registers and spills; or ``plan(split=)``): a CTA
   holds only its share of the K-warps (grid.y = the splits, ~``SPLIT_KW`` warps each: a CTA of all 56 would need
   1792 threads), its sums go into a float32 workspace by atomic adds, and the gemm's finish launch
-  (``core.finish_step``) writes the output and zeroes the workspace again. Grouped launches split the same way
+  (``core.finish_step``, a PDL launch where the split launch is one) writes the output and zeroes the workspace
+  again. Grouped launches split the same way
   (grid z the shares, y the slots; by default as a plain launch of M = 8).
 * ``pdl=True``: built for a programmatic dependent launch, as the pair gemv, but its first two strips' weight loads
   really go out before the tables and the wait: ordinary loads, which ptxas keeps there, after the codebook's
@@ -60,7 +61,8 @@ from numba import cuda
 
 from . import _arrays
 from .core import (SHARED_PER_SM, check_grouped, device_weight, expected_active, finish_step, fit_threads,
-                   max_tokens_per_expert, persistent_grid, row_share, slot_share, split_sums, unused_i32)
+                   make_finish_kernel, max_tokens_per_expert, persistent_grid, row_share, slot_share, split_sums,
+                   unused_i32)
 from .device import (CODEBOOK, FULL_MASK, PRMT_ROW, TABLE_BYTES, TABLE_FLOATS, WARP, e4m4_decode, f32_to_bf16_bits, i32,
                      jit_kernel, make_table_fill, silu_mul, slot_expert, stage_codebook, u32)
 from .formats import (ABSMAX_FORMATS, BLOCK, CODES_K, KbitCodes, KbitFragments, check_fragment_shape,
@@ -687,7 +689,8 @@ def _split_steps(spec, args, N, K, cta_warps, splits, ws, out, rows, slots=None,
     finishing launch writes ``out``'s rows x N values (or rows x N / 2: the SiLU epilogue of ``spec.silu_pairs``)."""
     main = _step(replace(spec, out_dtype="float32", split_k=True, silu_pairs=False), args, N, K, cta_warps,
                  slots=slots, splits=splits, active=active)
-    return [main, finish_step(ws, out, rows * N // 2, N) if spec.silu_pairs else finish_step(ws, out, rows * N)]
+    return [main, finish_step(ws, out, rows * N // 2, N, pdl=spec.pdl) if spec.silu_pairs
+            else finish_step(ws, out, rows * N, pdl=spec.pdl)]
 
 
 def _check_inputs(a_src, K):
@@ -791,9 +794,9 @@ def gemv(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False):
     return plan(A, kc, out, stream, out_dtype, bf16).launch()
 
 
-def prepare(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, pdl=False):
+def prepare(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, pdl=False, split=None):
     """A :class:`launch.Prepared` (one driver launch per ``run()``); see ``pair_gemv.prepare``."""
-    return plan(A, kc, out, stream, out_dtype, bf16, pdl=pdl).prepare()
+    return plan(A, kc, out, stream, out_dtype, bf16, pdl=pdl, split=split).prepare()
 
 
 def ptx_specs():
@@ -826,4 +829,7 @@ def kernel_specializations():
     from numba import types as t
     return [(spec.name, make_mma_gemv_kernel(spec), argtypes(spec)) for spec in ptx_specs()] + [
         (f"to_fragments k={k}", make_to_fragments_kernel(k),
-         (t.uint32[::1], t.uint8[::1], t.uint32[::1], t.uint8[::1], t.int32, t.int32)) for k in CODES_K]
+         (t.uint32[::1], t.uint8[::1], t.uint32[::1], t.uint8[::1], t.int32, t.int32)) for k in CODES_K] + [
+        (f"finish_step out={out} silu={silu} pdl={pdl}", make_finish_kernel(out, silu, pdl),
+         (t.float32[::1], NUMBA_TYPES[out], t.int32, t.int32))
+        for out in ("float16", "float32") for silu in (False, True) for pdl in (False, True)]

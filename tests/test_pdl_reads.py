@@ -68,14 +68,17 @@ def test_pair_gemv_pdl_reads_activations_after_the_wait(k, M, f16_acc):
         check_close(got, A_new, qw, out_dtype=np.float16)
 
 
-@pytest.mark.parametrize("k, M", [(4, 4), (2, 8), (4, 12)])
-def test_mma_gemv_pdl_reads_activations_after_the_wait(k, M):
+@pytest.mark.parametrize("k, M, split", [(4, 4, None), (2, 8, None), (4, 12, None), (4, 4, 2)])
+def test_mma_gemv_pdl_reads_activations_after_the_wait(k, M, split):
+    """(split = 2: K in two CTAs' shares, whose sums the finishing launch, a PDL launch too, must read only after the
+    wait: core.finish_step)"""
     rng = np.random.default_rng(12)
     K, N = 1024, 600
     qw = ref.quantize(random_weight(rng, N, K), k=k)
     A_new = _activations(rng, M, K, "float16")
     A = cuda.to_device(np.zeros_like(A_new))
-    step = mma_gemv.prepare(A, pair_gemv.to_codes(qw), pdl=True)
+    step = mma_gemv.prepare(A, pair_gemv.to_codes(qw), pdl=True, split=split)
+    assert [s.pdl for s in step.plan.steps] == [True] * (1 if split is None else 2)
     got = run_after_late_writer(step, A, A_new)
     check_gemm(got, A_new, qw, False, np.float16)
 

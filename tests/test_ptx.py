@@ -51,6 +51,12 @@ def _requirements(name):
         must += ["mul.rn.bf16x2"] if "bfloat16" in name else ["mul.rn.f16x2"]
         if "pdl=True" in name:
             must += ["griddepcontrol.wait", "griddepcontrol.launch_dependents"]
+    if name.startswith("finish_step"):                       # the split-K epilogue (core.finish_step)
+        never += ["ld.global.nc"]                            # ws is the launch before's: ordinary loads
+        if "pdl=True" in name:                               # ... kept after the wait
+            must += ["griddepcontrol.launch_dependents", "griddepcontrol.wait"]
+        else:
+            never += ["griddepcontrol"]
     if name.startswith("pair_gemv"):
         k = int(name.split("k=")[1].split()[0])
         must += ["shfl.sync.bfly.b32", "prmt.b32", "cvta.to.shared", "bar.sync"]
