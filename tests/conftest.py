@@ -31,8 +31,8 @@ elif "NUMBA_ENABLE_CUDASIM" not in os.environ and not _gpu_present():
     os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
 
 # The simulated threads wait at their barriers (kbit_numba._sim: no manager polls), so a thread should run until it
-# blocks: a 0.1 ms interval (set here until 2026-12-04, from when the stock block manager polled) made the suite 1.45x
-# slower on 2 cores (1,666 s against 1,151 s; tests/README.md).
+# blocks: a 0.1 ms interval (set here until 2026-12-04, from when the stock block manager polled) made the suite about
+# 1.4x slower on 2 cores (1,666 s against 1,151 s, which also had one test 32 s shorter; tests/README.md).
 if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
     sys.setswitchinterval(5e-3)
 
