@@ -8,10 +8,11 @@ Why: the tune (``bench --tune-codes``) times each gemv in a chain of itself, but
 moves the kernels around it (the k = 2 QKV rule of the fifty-fourth session, the k = 4 down rule of the fifty-fifth:
 benchmarks/README.md). ``prepare`` (no GPU needed) makes ``benchmarks/_pk/base`` and ``benchmarks/_pk/NAME`` from
 ``git archive HEAD kbit_numba``; in NAME's ``kbit_numba/tuning/TABLE.json`` the rule of ``codes_shapes[SHAPE][VARIANT]``
-for M rows becomes the pair gemv with KNOBS (``cols=2,cta_warps=8``; empty: the plan's defaults; a SiLU build's
-variant, ``... silu``, gets the rule added where it has none). The fifty-fifth session's kept rule, for example:
-``prepare d2="14336x4096/k=4 f16_acc pdl/1/cols=2"``. An argument ``NAME=const:MODULE.CONST=VALUE`` makes a copy whose
-``kbit_numba/MODULE.py`` sets CONST to VALUE instead (``n512=const:bench_model.NORM_THREADS=512``). Carry
+for M rows becomes the pair gemv with KNOBS (``cols=2,cta_warps=8``; empty: the plan's defaults; ``mma_gemv``: the
+tensor-core gemv instead; a SiLU build's variant, ``... silu``, gets the rule added where it has none), and a NAME
+given twice gets both rules. The fifty-fifth session's kept rule, for example: ``prepare d2="14336x4096/k=4 f16_acc
+pdl/1/cols=2"``. An argument ``NAME=const:MODULE.CONST=VALUE`` makes a copy whose ``kbit_numba/MODULE.py`` sets CONST
+to VALUE instead (``n512=const:bench_model.NORM_THREADS=512``). Carry
 ``benchmarks/_pk`` to the device; ``run`` then traces base and every copy (default: all but base) once a round, each
 in its own process with the copy first on PYTHONPATH, prints each process's step lines, and per variant a table of the
 untraced step us by copy and round with each copy's mean difference from base's. Delete ``benchmarks/_pk`` before
@@ -29,6 +30,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 PACKAGES = os.path.join(HERE, "_pk")
 STEP_LINE = re.compile(r"^(\S+) B=(\d+) (.+) \(increments in us")
+MMA = "mma_gemv"                # KNOBS naming the tensor-core gemv: its default plan takes the rule's M instead
 CONST = "const:"                # a prepare argument NAME=const:MODULE.CONST=VALUE edits a constant, not a rule
 UNTRACED = re.compile(r"^\s+step: .*untraced (\d+(?:\.\d+)?) us")
 
@@ -42,6 +44,8 @@ def parse_rule(text):
     if not name or len(parts) != 4:
         raise SystemExit(f"a rule is NAME=SHAPE/VARIANT/M/KNOBS, got {text!r}")
     shape, variant, m, knobs = parts
+    if knobs == MMA:
+        return name, shape, variant, int(m), MMA
     return name, shape, variant, int(m), {k: int(v) for k, v in (kv.split("=") for kv in knobs.split(",") if kv)}
 
 
@@ -50,7 +54,7 @@ def set_rule(table, shape, variant, m, knobs):
     variant (``... silu``: dispatch.silu_knobs) that the table lacks, or lacks M in, gets the rule added (without one
     the SiLU build runs the plain rule's knobs); any other variant must have a rule for M."""
     variants = table["codes_shapes"][shape]
-    rule = [m, "pair_gemv", knobs] if knobs else [m, "pair_gemv"]
+    rule = [m, MMA] if knobs == MMA else [m, "pair_gemv", knobs] if knobs else [m, "pair_gemv"]
     if variant.endswith(" silu") and not any(r[0] == m for r in variants.get(variant, [])):
         variants[variant] = sorted(variants.get(variant, []) + [rule], key=lambda r: r[0])
         return table
@@ -97,6 +101,7 @@ def copy_package(name):
 
 def prepare(rules, table_name):
     copy_package("base")
+    made = set()                # (a NAME given twice gets both rules in one copy)
     for text in rules:
         if text.partition("=")[2].startswith(CONST):
             name, module, const, value = parse_constant(text)
@@ -104,13 +109,16 @@ def prepare(rules, table_name):
             print(f"{name}: {module}.{const} = {value}")
             continue
         name, shape, variant, m, knobs = parse_rule(text)
-        path = os.path.join(copy_package(name), "kbit_numba", "tuning", f"{table_name}.json")
+        root = os.path.join(PACKAGES, name) if name in made else copy_package(name)
+        made.add(name)
+        path = os.path.join(root, "kbit_numba", "tuning", f"{table_name}.json")
         with open(path) as f:
             raw = f.read()
         table = set_rule(json.loads(raw), shape, variant, m, knobs)
         with open(path, "w") as f:
             f.write(json.dumps(table, indent=1) + ("\n" if raw.endswith("\n") else ""))
-        print(f"{name}: {shape} {variant!r} M = {m} -> pair_gemv {knobs or '(the plan defaults)'}")
+        print(f"{name}: {shape} {variant!r} M = {m} -> "
+              f"{MMA if knobs == MMA else 'pair_gemv ' + str(knobs or '(the plan defaults)')}")
 
 
 def parse_trace(text):

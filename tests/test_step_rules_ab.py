@@ -39,6 +39,10 @@ def test_rules_edit_one_entry_of_the_shipped_table():
     assert table == before                                  # (nothing else changed)
     with pytest.raises(SystemExit, match="no rule for M = 99"):
         S.set_rule(table, "4096x4096", "k=4 f16_acc pdl", 99, {})
+    # KNOBS "mma_gemv": the tensor-core gemv's default plan takes the M instead
+    assert S.parse_rule("m3=4096x6144/k=4 f16_acc pdl/3/mma_gemv")[4] == "mma_gemv"
+    rules = S.set_rule(table, "4096x6144", "k=4 f16_acc pdl", 3, "mma_gemv")["codes_shapes"]["4096x6144"]
+    assert [3, "mma_gemv"] in rules["k=4 f16_acc pdl"]
 
 
 def test_trace_output_gives_each_variants_untraced_step():
