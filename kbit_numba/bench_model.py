@@ -87,8 +87,6 @@ VARIANTS = {
     # the fragment layout (KbitLinear(layout="fragments")): the tensor-core gemv at every B <= 16
     "kbit k=2 pdl frag": ("kbit", dict(k=2, pdl=True, layout="fragments")),
     "kbit k=4 pdl frag": ("kbit", dict(k=4, pdl=True, layout="fragments")),
-    # ... with float16 block sums: the pair gemv takes the down projection at B = 1, 2 (dispatch.FRAGMENT_PAIR_F16)
-    "kbit k=4 pdl f16_acc frag": ("kbit", dict(k=4, pdl=True, f16_acc=True, layout="fragments")),
     "uniform 4-bit g128": ("uniform", dict(bits=4, group_size=128)),
     "bitnet": ("bitnet", dict(parts=1)),
 }

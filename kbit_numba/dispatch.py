@@ -99,12 +99,10 @@ MMA_GEMV_MAX_M = {4: 16}           # k -> the largest M the tensor-core gemv tak
 # the code layout), and dequantize + cuBLAS the rest (with no cuBLAS route: the pair gemv, 4 rows a launch). No
 # per-GPU table. Measured as a whole (H200, llama3-8b step, 2026-11-29; benchmarks/README.md, "Forty-first session"):
 # B = 4..16 8-11% faster than the code layout, B = 1 24-25% slower than its pair gemv with float16 sums.
+# (The pair gemv with float16 sums took the down projection, K = 14336, at M = 1, 2 for one session: 14.1 us against
+# the split tensor-core gemv's 16.9 as a chain of itself, but the B = 1 step ran 56 us slower, its QKV launches the
+# most: benchmarks/README.md, "Seventy-fifth session".)
 FRAGMENT_RULES = [[32, "mma_gemv"], [MAX_M, "pair_gemv"], [None, "dequant_matmul"]]
-# ... except where K is long and the pair gemv sums its blocks in float16 (``f16_acc``): there it takes M = 1, 2 from the
-# tensor-core gemv, which splits such a K in two launches (k -> (largest M, K above which)). H200 PDL chains on the
-# fragment layout, k = 4, 14336x4096: 14.13 us against 16.90 at M = 1, 16.16 against 17.09 at M = 2; at K = 4096 the
-# pair gemv was 10-15% slower (benchmarks/README.md, "Seventy-fourth session"). Not measured at k = 2.
-FRAGMENT_PAIR_F16 = {4: (2, 8192)}
 
 
 def mma_gemv_max_m(table, k, N=None, K=None):
@@ -215,7 +213,7 @@ def choose_rule(M, N, K, layout, table=None, backend=None, half=True, f16_acc=Fa
     table's rules for that variant apply: :func:`codes_rules`). The fragment layout follows ``FRAGMENT_RULES`` (no table)."""
     table = table or load_table()
     if layout == "fragments":
-        return _fragment_rule(M, K, half, backend, f16_acc, k)
+        return _fragment_rule(M, K, half, backend)
     codes = layout == "codes"      # (pair gemv, tensor-core gemv and gemm where K allows, dequantize + cuBLAS)
     rules = (codes_rules(table, N, K, k, f16_acc, pdl) if codes
              else table.get("shapes", {}).get(f"{K}x{N}", table["rules"]))
@@ -245,16 +243,12 @@ def choose_rule(M, N, K, layout, table=None, backend=None, half=True, f16_acc=Fa
     return "gemv", {}              # any M, in slices of 4 rows
 
 
-def _fragment_rule(M, K, half, backend, f16_acc=False, k=None):
+def _fragment_rule(M, K, half, backend):
     """``FRAGMENT_RULES``' first rule whose kernel applies: the tensor-core gemv takes ``half`` activations only, the
     pair gemv M rows of all K's warps where they fit its registers, dequantize + cuBLAS needs a cuBLAS route; with none
-    of them the pair gemv (any M, 4 rows a launch). With float16 block sums (``f16_acc``) the pair gemv first takes the
-    Ms and Ks of ``FRAGMENT_PAIR_F16`` for ``k``."""
+    of them the pair gemv (any M, 4 rows a launch)."""
     usable = {"mma_gemv": mma_reads(M, K, half), "pair_gemv": M * k_warps(K) <= PAIR_GEMV_MAX_ROW_WARPS,
               "dequant_matmul": bool(backend if backend is not None else matmul_backend())}
-    max_m, above_k = FRAGMENT_PAIR_F16.get(k, (0, 0)) if f16_acc else (0, 0)
-    if M <= max_m and K > above_k and usable["pair_gemv"]:
-        return "pair_gemv", {}
     kernel = next((kern for max_m, kern in FRAGMENT_RULES if (max_m is None or M <= max_m) and usable[kern]),
                   "pair_gemv")
     return kernel, {}
@@ -476,9 +470,8 @@ class KbitLinear:
     ``layout="fragments"`` (k = 2, 4, N a multiple of 16 and K of 256; an option for batched decode) keeps the
     fragment layout (``KbitFragments``, the same bytes in the tensor-core gemv's load order): the tensor-core gemv
     runs M = 1..32 on it, 12-19% faster than on the code layout at M = 4..8 (9-13% at 16, 0-7% at 24, 32; H200), but
-    M = 1, 2 run slower than the code layout's pair gemv with float16 sums (with ``f16_acc=True`` the pair gemv reads
-    the fragment layout at M = 1, 2 where K > 8192 at k = 4: ``FRAGMENT_PAIR_F16``), and no gemm reads it: dequantize
-    + cuBLAS takes M > 32 (``FRAGMENT_RULES``). The llama3-8b decode step (H200) with it: B = 4..16 8-11% faster, B = 1 24-25%
+    M = 1, 2 run slower than the code layout's pair gemv with float16 sums, and no gemm reads it: dequantize + cuBLAS
+    takes M > 32 (``FRAGMENT_RULES``). The llama3-8b decode step (H200) with it: B = 4..16 8-11% faster, B = 1 24-25%
     slower than the code layout with ``f16_acc``.
 
     ``layer(A)`` is ``linear(A, weight, workspace=...)``; ``layer.prepare(A, out)`` binds buffers once and
