@@ -185,7 +185,7 @@ def silu_knobs(table, N, K, M, k=None, f16_acc=False, pdl=False):
     ``cols = 2`` with 8-warp CTAs 5.5% faster than the plain build's knobs; with float32 sums no knob set was 3%
     faster (benchmarks/README.md, "Fifty-second session")."""
     rules = table.get("codes_shapes", {}).get(f"{K}x{N}", {}).get(codes_variant(k, f16_acc, pdl) + SILU)
-    if not rules:
+    if not rules or not any(r[0] is None or M <= r[0] for r in rules):      # (no rule for M: the plain build's knobs)
         return None
     kernel, params = _first_rule(rules, M)
     return params if kernel == "pair_gemv" else None

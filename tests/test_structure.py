@@ -113,6 +113,12 @@ def test_silu_knobs_reach_only_the_silu_build():
     assert p.steps[0].kernel is kernel(2, True) and p.steps[0].block == 2 * 32      # two 1-warp slices (K = 64)
     want = ref.silu_pairs(ref.gemv(A, qw).astype(np.float64))
     np.testing.assert_allclose(p.launch().copy_to_host(), want, rtol=2e-2, atol=2e-3 * np.abs(want).max())
+    # past the silu rules' last M the SiLU build takes the plain rules' knobs (the H200 table's gate/up silu rules
+    # cover M = 1 only: the B = 2, 3 steps raised StopIteration here until 2026-12-05)
+    assert dispatch.silu_knobs(table, N, K, 2, k=4) is None
+    A2 = rng.standard_normal((2, K)).astype(np.float16)
+    spec2 = pair_gemv.PairGemvSpec(4, 2, 4, silu_pairs=True)
+    assert layer.plan(A2, silu_pairs=True).steps[0].kernel is pair_gemv.make_pair_gemv_kernel(spec2)
     named = layer.plan(A, kernel="pair_gemv", silu_pairs=True).steps[0]        # the caller's kernel: no table knobs
     direct = pair_gemv.plan(A, layer.weight, silu_pairs=True).steps[0]
     assert (named.kernel, named.grid, named.block) == (direct.kernel, direct.grid, direct.block)
