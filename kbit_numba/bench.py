@@ -628,8 +628,10 @@ def tune_codes_table(rows, table, margin=CODES_TUNE_MARGIN):
       one, else the general one. Every measured shape gets its entry, even one equal to the general rules, so that a
       later tune over other shapes (which rewrites the general rules from its own shapes) leaves it as it was.
 
-    Rules carry the knobs as parameters (none for the default plan) at the tuned Ms, followed by the table's
-    general code-layout rules (``codes_rules``) for larger M."""
+    Rules carry the knobs as parameters (none for the default plan) at the tuned Ms, followed for larger M by the
+    entry's rules before this tune (the shape's for the variant, else the variant's general ones, else the table's
+    ``codes_rules``): a tune of M = 1..3 leaves a shape's tensor-core gemv cap at 32 as it was (it had put
+    ``codes_rules``' 16 there: 2026-12-05)."""
     from . import dispatch
 
     table = dict(table)
@@ -643,15 +645,15 @@ def tune_codes_table(rows, table, margin=CODES_TUNE_MARGIN):
             cand = MMA if r["kernel"].startswith(MMA) else json.dumps(r.get("params") or {}, sort_keys=True)
             point.setdefault(r["shape"], {})[cand] = r["us"]
 
-    def as_rules(chosen):      # {M: knobs JSON or MMA} for Ms 1, 2, .. (stops at a gap) -> rules
-        rules = []
+    def as_rules(chosen, before):   # {M: knobs JSON or MMA} for Ms 1, 2, .. (stops at a gap) -> rules, then
+        rules = []                  # ``before``'s (the entry's rules before this tune) past the last tuned M
         for M in sorted(chosen):
             if rules and M != rules[-1][0] + 1:
                 break
             knobs = {} if chosen[M] == MMA else json.loads(chosen[M])
             kernel = MMA if chosen[M] == MMA else "pair_gemv"
             rules.append([M, kernel, knobs] if knobs else [M, kernel])
-        return rules + [r for r in tail if r[0] is None or r[0] > rules[-1][0]]
+        return rules + [r for r in before if r[0] is None or r[0] > rules[-1][0]]
 
     variants = dict(table.get("codes_variants", {}))
     shapes = {s: dict(v) for s, v in table.get("codes_shapes", {}).items()}
@@ -668,12 +670,12 @@ def tune_codes_table(rows, table, margin=CODES_TUNE_MARGIN):
                 fastest = min(sorted(t), key=t.get)
                 mine = general.get(M, "{}")
                 per_shape.setdefault(shape, {})[M] = fastest if t[fastest] < (1 - margin) * t[mine] else mine
-        variants.pop(variant, None)
+        old_general = variants.pop(variant, None) or tail
         if any(c != "{}" for c in general.values()):
-            variants[variant] = as_rules(general)
+            variants[variant] = as_rules(general, old_general)
         for shape, chosen in per_shape.items():
             entry = shapes.setdefault(shape, {})
-            entry[variant] = as_rules(chosen)
+            entry[variant] = as_rules(chosen, entry.get(variant) or old_general)
     table["codes_variants"], table["codes_shapes"] = variants, shapes
     return table
 

@@ -359,12 +359,13 @@ def test_tune_codes_table_writes_per_shape_knobs():
     general = table["codes_variants"]["k=4"]
     assert table["codes_shapes"] == {
         "9x9": {"k=4": []},
-        "64x128": {"k=2": [[1, "pair_gemv"]] + old["codes_rules"],    # (its old k = 2 entry gave way to the default)
+        "64x128": {"k=2": [[1, "pair_gemv"], [None, "gemm"]],    # (M = 1: the default now; past it its old rules)
                    "k=4": general, "k=4 pdl": table["codes_variants"]["k=4 pdl"]},
         "64x256": {"k=4": [[1, "pair_gemv", c8], [2, "pair_gemv"], [3, "pair_gemv", {"cols": 2}]] + tail}}
-    # a later tune over another shape rewrites the general rules; the shapes measured before keep theirs
+    # a later tune over another shape rewrites the general rules at the Ms it measured (past them the rules stay);
+    # the shapes measured before keep theirs
     later = tune_codes_table([row(1, 10.0, shape="64x512"), row(1, 6.0, {"cols": 4}, shape="64x512")], table)
-    assert later["codes_variants"]["k=4"] == [[1, "pair_gemv", {"cols": 4}]] + old["codes_rules"]
+    assert later["codes_variants"]["k=4"] == [[1, "pair_gemv", {"cols": 4}], [2, "pair_gemv"]] + tail
     assert later["codes_shapes"]["64x128"]["k=4"] == general and "64x512" in later["codes_shapes"]
     assert dispatch.choose_rule(1, 128, 64, "codes", later, backend=False, k=4) == ("pair_gemv", win)
     choose = lambda M, N, **kw: dispatch.choose_rule(M, N, 64, "codes", table, backend=False, **kw)   # noqa: E731
@@ -414,6 +415,11 @@ def test_tune_codes_table_names_the_tensor_core_gemv_where_it_wins():
     assert choose(3, 512, f16_acc=True, pdl=True)[0] == "pair_gemv"     # any shape: the variant's rules
     assert choose(3, 128, f16_acc=True)[0] == "pair_gemv"               # no tuned rules (not PDL): the override
     assert choose(3, 128)[0] == MMA                                     # (float32 sums: codes_rules)
+    # a shape's entry keeps its own rules past the Ms a tune measured (a cap of 32, not codes_rules' 16)
+    table["codes_shapes"]["64x128"][variant] = [[3, "pair_gemv"], [32, MMA], [None, "gemm"]]
+    again = tune_codes_table([r for r in rows if r["shape"] == "64x128"], table)
+    assert again["codes_shapes"]["64x128"][variant] == [[1, "pair_gemv", c2], [2, "pair_gemv"], [3, MMA], [32, MMA],
+                                                        [None, "gemm"]]
 
 
 def test_tune_codes_rows_time_the_tensor_core_gemv_from_m2(monkeypatch):
