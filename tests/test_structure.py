@@ -161,6 +161,29 @@ def test_shipped_silu_rules_are_knobs_the_silu_build_takes():
     assert seen >= 2          # (the H200's gate/up rules, float16 sums with and without PDL)
 
 
+def test_shipped_rule_lists_cover_every_m():
+    """Every rule list of the per-GPU tables but the SiLU builds' (which may stop at any M: silu_knobs then gives the
+    plain build's knobs) ends with an any-M rule, in increasing M, so that a lookup finds a rule for every batch."""
+    import glob
+    import os
+    lists = 0
+    for path in sorted(glob.glob(os.path.join(dispatch.TUNING_DIR, "*.json"))):
+        table = json.load(open(path))
+        found = [(key, table[key]) for key in ("rules", "codes_rules", "codes_mm_rules") if key in table]
+        found += [(f"{key} {shape}", rs) for key in ("shapes", "codes_mm_shapes", "codes_variants")
+                  for shape, rs in table.get(key, {}).items()]
+        found += [(f"codes_shapes {shape} {variant}", rs) for shape, by_variant in table.get("codes_shapes", {}).items()
+                  for variant, rs in by_variant.items() if not variant.endswith(dispatch.SILU)]
+        for where, rs in found:
+            ms = [r[0] for r in rs]
+            assert ms and ms[-1] is None and None not in ms[:-1], (path, where, rs)
+            assert ms[:-1] == sorted(ms[:-1]), (path, where, rs)
+            for M in (1, 2, 3, 4, 16, 64, 600):
+                assert dispatch._first_rule(rs, M)[0] in dispatch.KERNELS, (path, where, M)
+            lists += 1
+    assert lists > 50
+
+
 def test_shipped_pair_gemv_rules_are_knobs_the_plan_takes():
     """Every per-GPU table's pair gemv rules, per variant and per shape (the tune writes them, people edit them: the
     H200's 4096x6144 k = 2 rule is hand-set): knobs pair_gemv.plan takes, cols from COL_CHOICES, cta_warps a positive
