@@ -185,14 +185,16 @@ def silu_knobs(table, N, K, M, k=None, f16_acc=False, pdl=False):
     ``cols = 2`` with 8-warp CTAs 5.5% faster than the plain build's knobs; with float32 sums no knob set was 3%
     faster (benchmarks/README.md, "Fifty-second session")."""
     rules = table.get("codes_shapes", {}).get(f"{K}x{N}", {}).get(codes_variant(k, f16_acc, pdl) + SILU)
-    if not rules or not any(r[0] is None or M <= r[0] for r in rules):      # (no rule for M: the plain build's knobs)
+    try:
+        kernel, params = _first_rule(rules or [], M)
+    except StopIteration:          # (no rule for M: the plain build's knobs)
         return None
-    kernel, params = _first_rule(rules, M)
     return params if kernel == "pair_gemv" else None
 
 
 def _first_rule(rules, M):
-    """(kernel, launch parameters) of the first rule ``[max_m, kernel(, params)]`` with M <= max_m (None: any M)."""
+    """(kernel, launch parameters) of the first rule ``[max_m, kernel(, params)]`` with M <= max_m (None: any M);
+    StopIteration where none has (a table's plain rules end with an any-M rule; SiLU rules may stop short)."""
     return next((r[1], dict(r[2]) if len(r) > 2 else {}) for r in rules if r[0] is None or M <= r[0])
 
 

@@ -128,13 +128,19 @@ def test_silu_knobs_reach_only_the_silu_build():
     assert kb.KbitLinear(qw, table=table).plan(A, silu_pairs=True).steps[0].kernel is kernel(4, True)
 
 
-def shipped_rules():
-    """(table path, where, variant, rule) of every rule of the per-GPU tables' code-layout sections: ``codes_variants``
-    and each shape of ``codes_shapes``."""
+def shipped_tables():
+    """(path, table) of every per-GPU table in kbit_numba/tuning."""
     import glob
     import os
     for path in sorted(glob.glob(os.path.join(dispatch.TUNING_DIR, "*.json"))):
-        table = json.load(open(path))
+        with open(path) as f:
+            yield path, json.load(f)
+
+
+def shipped_rules():
+    """(table path, where, variant, rule) of every rule of the per-GPU tables' code-layout sections: ``codes_variants``
+    and each shape of ``codes_shapes``."""
+    for path, table in shipped_tables():
         groups = [("codes_variants", table.get("codes_variants", {}))]
         groups += [(f"codes_shapes {shape}", rules) for shape, rules in table.get("codes_shapes", {}).items()]
         for where, by_variant in groups:
@@ -164,11 +170,8 @@ def test_shipped_silu_rules_are_knobs_the_silu_build_takes():
 def test_shipped_rule_lists_cover_every_m():
     """Every rule list of the per-GPU tables but the SiLU builds' (which may stop at any M: silu_knobs then gives the
     plain build's knobs) ends with an any-M rule, in increasing M, so that a lookup finds a rule for every batch."""
-    import glob
-    import os
     lists = 0
-    for path in sorted(glob.glob(os.path.join(dispatch.TUNING_DIR, "*.json"))):
-        table = json.load(open(path))
+    for path, table in shipped_tables():
         found = [(key, table[key]) for key in ("rules", "codes_rules", "codes_mm_rules") if key in table]
         found += [(f"{key} {shape}", rs) for key in ("shapes", "codes_mm_shapes", "codes_variants")
                   for shape, rs in table.get(key, {}).items()]
