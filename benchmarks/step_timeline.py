@@ -6,19 +6,20 @@
 ``decode_step_trace.py`` gives each kernel's start and end; with programmatic dependent launches the kernels overlap,
 and what happens inside a boundary (which CTAs of the next kernel start beside the last ones of this one, how long
 they wait, how ragged a launch's end is) is not in it. This script copies the package to a temporary directory with
-stamps inserted (text edits, as ``timeline.py`` does for one gemv): thread 0 of every CTA of the pair gemv (the plain,
-not the grouped builds) and of ``decode_attention``'s cluster build takes a record from a counter and writes the
-launch's grid and block, its CTA index, its SM and ``%globaltimer`` (ns) at entry, after the ``griddep_wait`` and at
-its end (after a barrier of the whole CTA, so the stamp is the CTA's end, within a barrier's time); in the pair gemv
-also once its own part of the tables is filled (``tables``; first run 2026-12-04, seventy-first session). The records
-go to one int32 buffer, passed where those kernels take an array they do not use in the step (the pair gemv's
-``offsets`` outside grouped launches, the attention's ``count`` in its cluster build). The norm launches are not
-stamped. The step's graph is captured once, replayed, the counter reset and one more replay read back.
+stamps inserted (text edits, as ``timeline.py`` does for one gemv): thread 0 of every CTA of the pair gemv and the
+tensor-core gemv (the plain, not the grouped builds) and of ``decode_attention``'s cluster build takes a record from a
+counter and writes the launch's CTAs (all of its grid) and block, its CTA index, its SM and ``%globaltimer`` (ns) at
+entry, after the ``griddep_wait`` and at its end (after a barrier of the whole CTA, so the stamp is the CTA's end,
+within a barrier's time); in the gemvs also once its tables are filled (``tables``: the pair gemv's own part of them,
+first run 2026-12-04, seventy-first session; the tensor-core gemv's before their barrier). The records go to one
+int32 buffer, passed where those kernels take an array they do not use in the step (the gemvs' ``offsets`` outside
+grouped launches, the attention's ``count`` in its cluster build). The norm launches and a split launch's finishing
+launch are not stamped. The step's graph is captured once, replayed, the counter reset and one more replay read back.
 
 Printed per projection (averaged over layers 2..L; us; "before" = the last CTA end of the stamped launch before it):
-``first in``: the first CTA's entry; ``tables``: the median CTA's end of its table fill (pair gemv); ``waited``: the
+``first in``: the first CTA's entry; ``tables``: the median CTA's end of its table fill (gemvs); ``waited``: the
 median CTA's pass of its wait; ``first out`` / ``median out`` / ``last out``: CTA ends; ``fill``: the median of a
-CTA's own entry -> table fill (pair gemv); ``run``: the median of a CTA's own wait -> end (its groups); ``early``:
+CTA's own entry -> table fill (gemvs); ``run``: the median of a CTA's own wait -> end (its groups); ``early``:
 CTAs that entered before the launch before had ended. A stamped step is slower than the real one by its stamps (an
 atomic, three stores and a barrier a CTA); its untraced time is printed beside.
 """
@@ -35,7 +36,7 @@ ROOT = os.path.dirname(HERE)
 REC = 9                          # int32 words a CTA: tag, grid, block, CTA, SM, entry, after the wait, end, tables
 TAG, GRID, BLOCK, CTA, SM, ENTRY, WAITED, END, FILLED = range(REC)
 MAX_RECORDS = 1 << 17            # a llama3-8b B = 1 step stamps ~32,000 CTAs
-PAIR, ATTENTION = 1, 2
+PAIR, ATTENTION, MMA = 1, 2, 3   # the record's tag: the pair gemv, the attention, the tensor-core gemv
 EXIT_BARRIER = 15                # the pair gemv's slices use named barriers 0 .. slices - 1
 
 STAMPS_MODULE = f'''"""Stamps for benchmarks/step_timeline.py (inserted into a copy of the package)."""
@@ -63,17 +64,17 @@ gtimer, smid = _special("globaltimer_lo"), _special("smid")
 
 @cuda.jit(device=True, inline="always")
 def start(buf, sh, tid, tag):
-    """Thread 0: a record for this CTA with the tag, grid, block, CTA index, SM and the entry time; its index into
-    the CTA's shared word ``sh[0]`` (0: none), so that no register holds it through the kernel."""
+    """Thread 0: a record for this CTA with the tag, the grid's CTAs, block, CTA index, SM and the entry time; its
+    index into the CTA's shared word ``sh[0]`` (0: none), so that no register holds it through the kernel."""
     if tid == 0:
         rec = np.int32(0)
         slot = cuda.atomic.add(buf, 0, np.int32(1))
         if slot < np.int32(MAX_RECORDS):
             rec = np.int32(1 + slot * np.int32(REC))
             buf[rec] = np.int32(tag)
-            buf[rec + 1] = np.int32(cuda.gridDim.x)
+            buf[rec + 1] = np.int32(cuda.gridDim.x * cuda.gridDim.y * cuda.gridDim.z)   # (a split launch: y > 1)
             buf[rec + 2] = np.int32(cuda.blockDim.x)
-            buf[rec + 3] = np.int32(cuda.blockIdx.x)
+            buf[rec + 3] = np.int32(cuda.blockIdx.x + cuda.gridDim.x * (cuda.blockIdx.y + cuda.gridDim.y * cuda.blockIdx.z))
             buf[rec + 4] = np.int32(smid())
             buf[rec + 5] = np.int32(gtimer())
         sh[0] = rec
@@ -109,6 +110,20 @@ EDITS = [
     ("pair_gemv.py", "from . import _arrays\n", "from . import _arrays, _stamps\n", "replace"),
     ("pair_gemv.py", "        table = shared_addr(smem)\n",
      f"        if not GROUPED:\n            _stamps.at(offsets, st_sh, {FILLED}, tid)\n", "after"),
+    ("mma_gemv.py", "from . import _arrays\n", "from . import _arrays, _stamps\n", "replace"),
+    ("mma_gemv.py", "        smem = cuda.shared.array(0, np.float32)    # [group table][E4M4 table][codebook][partial C tiles]\n"
+                    "        tid = u32(cuda.threadIdx.x)\n",
+     f"        st_sh = cuda.shared.array(1, np.int32)\n        if not GROUPED:\n"
+     f"            _stamps.start(offsets, st_sh, tid, {MMA})\n", "after"),
+    ("mma_gemv.py", "        table = shared_addr(smem)\n        if EARLY_BARRIER:",
+     f"        if not GROUPED:\n            _stamps.at(offsets, st_sh, {FILLED}, tid)\n"
+     "        table = shared_addr(smem)\n        if EARLY_BARRIER:", "replace"),
+    ("mma_gemv.py", "        if PDL and not GROUPED:     # the activations (and out) may be the previous kernel's: wait for it\n"
+                    "            griddep_wait()\n",
+     f"        if not GROUPED:\n            _stamps.at(offsets, st_sh, {WAITED}, tid)\n", "after"),
+    ("mma_gemv.py", "    return jit_kernel(mma_gemv, spec.max_registers)\n",
+     f"        if not GROUPED:\n            cuda.syncthreads()\n"
+     f"            _stamps.at(offsets, st_sh, {END}, tid)\n\n", "before"),
     ("bench_model.py", "                t = cuda.threadIdx.x\n                # the cluster build's receive buffers",
      f"                t = cuda.threadIdx.x\n                st_sh = cuda.shared.array(1, int32)\n"
      f"                if CLUSTER:\n                    _stamps.start(count, st_sh, t, {ATTENTION})\n"
@@ -178,7 +193,7 @@ def summarise(groups, names, layers):
         if i < per:                                 # (layer 1: no stamped launch before its first)
             continue
         before = groups[i - 1][:, END].max()
-        filled = g[0, TAG] == PAIR and g.shape[1] > FILLED     # (the first run's records had no fill stamp)
+        filled = g[0, TAG] in (PAIR, MMA) and g.shape[1] > FILLED   # (the first run's records had no fill stamp)
         rows[names[i % per]].append({
             "first in": (g[:, ENTRY].min() - before) / 1e3,
             "waited": (np.median(g[:, WAITED]) - before) / 1e3,
