@@ -2,7 +2,8 @@
 traced by decode_step_trace.py in alternating processes against the unchanged table (GPU, torch):
 
     python benchmarks/step_rules_ab.py prepare [--table nvidia_h200] NAME=SHAPE/VARIANT/M/KNOBS ...
-    python benchmarks/step_rules_ab.py run [--rounds 2] [--variants "kbit k=4 pdl f16_acc"] [--batch 1] [NAME ...]
+    python benchmarks/step_rules_ab.py run [--rounds 2] [--variants "kbit k=4 pdl f16_acc"] [--batch 1]
+                                           [--model llama3-8b] [NAME ...]
 
 Why: the tune (``bench --tune-codes``) times each gemv in a chain of itself, but inside the step a launch's grid also
 moves the kernels around it (the k = 2 QKV rule of the fifty-fourth session, the k = 4 down rule of the fifty-fifth:
@@ -15,8 +16,9 @@ pdl/1/cols=2"``. An argument ``NAME=const:MODULE.CONST=VALUE`` makes a copy whos
 to VALUE instead (``n512=const:bench_model.NORM_THREADS=512``). Carry
 ``benchmarks/_pk`` to the device; ``run`` then traces base and every copy (default: all but base) once a round, each
 in its own process with the copy first on PYTHONPATH, prints each process's step lines, and per variant a table of the
-untraced step us by copy and round with each copy's mean difference from base's. Delete ``benchmarks/_pk`` before
-committing.
+untraced step us by copy and round with each copy's mean difference from base's. A MoE model (``--model
+qwen3-30b-a3b``), whose kernels decode_step_trace.py does not label, is timed by ``python -m kbit_numba.bench --model``
+instead (its step's us, untraced; no increments). Delete ``benchmarks/_pk`` before committing.
 """
 import argparse
 import json
@@ -33,6 +35,7 @@ STEP_LINE = re.compile(r"^(\S+) B=(\d+) (.+) \(increments in us")
 MMA = "mma_gemv"                # KNOBS naming the tensor-core gemv: its default plan takes the rule's M instead
 CONST = "const:"                # a prepare argument NAME=const:MODULE.CONST=VALUE edits a constant, not a rule
 UNTRACED = re.compile(r"^\s+step: .*untraced (\d+(?:\.\d+)?) us")
+BENCH_STEP = re.compile(r"^\s+\.\. (.+) B=\d+: step (\d+(?:\.\d+)?) us")    # bench --model's progress line
 
 
 def parse_rule(text):
@@ -134,25 +137,49 @@ def parse_trace(text):
     return out
 
 
-def run(names, rounds, variants, batch):
+def parse_bench(text):
+    """{variant: step us} from ``python -m kbit_numba.bench --model``'s progress lines."""
+    out = {}
+    for line in text.splitlines():
+        m = BENCH_STEP.match(line)
+        if m and m.group(1) not in out:
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def step_command(model, batch, variants):
+    """(the child's command, its parser): decode_step_trace.py for a dense model, the bench for a MoE one."""
+    sys.path.insert(0, os.path.dirname(HERE))
+    from kbit_numba import bench_model
+    if bench_model.is_moe(bench_model.MODELS[model]):
+        return ([sys.executable, "-m", "kbit_numba.bench", "--model", model, "--batch", str(batch), "--variants",
+                 variants], parse_bench)
+    return ([sys.executable, os.path.join(HERE, "decode_step_trace.py"), "--model", model, "--batch", str(batch),
+             "--variants", variants], parse_trace)
+
+
+def run(names, rounds, variants, batch, model="llama3-8b"):
     names = names or sorted(n for n in os.listdir(PACKAGES) if n != "base" and os.path.isdir(os.path.join(PACKAGES, n)))
     times = {}                                      # (variant, name) -> [untraced us per round]
+    command, parse = step_command(model, batch, variants)
     for rnd in range(rounds):
         for name in ["base"] + names:
             path = os.path.join(PACKAGES, name)             # (the copy before whatever PYTHONPATH holds)
             if os.environ.get("PYTHONPATH"):
                 path += os.pathsep + os.environ["PYTHONPATH"]
             env = dict(os.environ, PYTHONPATH=path)
-            res = subprocess.run([sys.executable, os.path.join(HERE, "decode_step_trace.py"), "--batch", str(batch),
-                                  "--variants", variants], env=env, capture_output=True, text=True)
+            res = subprocess.run(command, env=env, capture_output=True, text=True,     # (in the copy: ``-m`` puts
+                                 cwd=os.path.join(PACKAGES, name))            # the working directory first)
+            text = res.stdout + (res.stderr if parse is parse_bench else "")     # (the bench's lines: stderr)
             print(f"== round {rnd + 1}, {name}")
-            print("\n".join(line for line in res.stdout.splitlines() if line.strip()), flush=True)
+            print("\n".join(line for line in text.splitlines() if line.strip() and
+                            (parse is parse_trace or BENCH_STEP.match(line))), flush=True)
             if res.returncode:
                 print(res.stderr[-2000:], flush=True)
-            for variant, us in parse_trace(res.stdout).items():
+            for variant, us in parse(text).items():
                 times.setdefault((variant, name), []).append(us)
     for variant in variants.split(","):
-        print(f"\n{variant}, B = {batch}: the untraced step (us) by copy and round")
+        print(f"\n{model} {variant}, B = {batch}: the untraced step (us) by copy and round")
         for name in ["base"] + names:
             print(summary_line(name, times.get((variant, name), []), times.get((variant, "base"), [])))
 
@@ -179,11 +206,12 @@ def main(argv=None):
     r.add_argument("--rounds", type=int, default=2)
     r.add_argument("--variants", default="kbit k=4 pdl f16_acc")
     r.add_argument("--batch", type=int, default=1)
+    r.add_argument("--model", default="llama3-8b")
     args = ap.parse_args(argv)
     if args.cmd == "prepare":
         prepare(args.rules, args.table)
     else:
-        run(args.names, args.rounds, args.variants, args.batch)
+        run(args.names, args.rounds, args.variants, args.batch, args.model)
 
 
 if __name__ == "__main__":
