@@ -1,5 +1,5 @@
 """benchmarks/step_rules_ab.py's pieces that need no GPU: a rule's text, its edit of a table, and the parsing of
-decode_step_trace.py's output (the run itself is a device visit's: benchmarks/README.md)."""
+decode_step_trace.py's output and of the bench's step lines (the run itself is a device visit's: benchmarks/README.md)."""
 import importlib.util
 import json
 import os
@@ -47,6 +47,24 @@ def test_rules_edit_one_entry_of_the_shipped_table():
 
 def test_trace_output_gives_each_variants_untraced_step():
     assert S.parse_trace(TRACE) == {"kbit k=4 pdl f16_acc": 1556.0, "kbit k=2 pdl f16_acc": 1351.5}
+
+
+BENCH = """  .. kbit k=4 pdl f16_acc: quantizing 128 experts of down 2048x768
+  .. kbit k=4 pdl f16_acc: 14.79 GiB of weights, built in 7 s
+  .. kbit k=4 pdl f16_acc B=3: step 1425 us, linear layers alone 1022 us
+  .. kbit k=2 pdl f16_acc B=3: step 1210.5 us, linear layers alone 900 us
+  .. kbit k=2 pdl f16_acc B=3: FAILED RuntimeError('x')
+"""
+
+
+def test_a_moe_model_is_timed_by_the_bench():
+    assert S.parse_bench(BENCH) == {"kbit k=4 pdl f16_acc": 1425.0, "kbit k=2 pdl f16_acc": 1210.5}
+    command, parse = S.step_command("qwen3-30b-a3b", 3, "kbit k=4 pdl f16_acc")
+    assert parse is S.parse_bench and command[1:] == ["-m", "kbit_numba.bench", "--model", "qwen3-30b-a3b", "--batch",
+                                                      "3", "--variants", "kbit k=4 pdl f16_acc"]
+    command, parse = S.step_command("llama3-8b", 1, "kbit k=4 pdl f16_acc")
+    assert parse is S.parse_trace and command[1].endswith("decode_step_trace.py") and command[2:4] == ["--model",
+                                                                                                        "llama3-8b"]
 
 
 def test_a_silu_variant_the_table_lacks_gets_its_rule_added():
