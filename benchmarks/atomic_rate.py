@@ -160,7 +160,8 @@ def main():
     for cluster in (2, 4, 8):
         n = active_clusters(args.threads, args.shared, cluster)
         idle = sms - n * cluster if isinstance(n, int) else "?"
-        print(f"clusters of {cluster} ({args.threads} threads, {args.shared} shared bytes): {n} at once, SMs idle: {idle}")
+        print(f"clusters of {cluster} ({args.threads} threads, {args.shared} shared bytes): {n} at once, "
+              f"SMs idle: {idle}")
 
 
 if __name__ == "__main__":

@@ -74,7 +74,8 @@ def start(buf, sh, tid, tag):
             buf[rec] = np.int32(tag)
             buf[rec + 1] = np.int32(cuda.gridDim.x * cuda.gridDim.y * cuda.gridDim.z)   # (a split launch: y > 1)
             buf[rec + 2] = np.int32(cuda.blockDim.x)
-            buf[rec + 3] = np.int32(cuda.blockIdx.x + cuda.gridDim.x * (cuda.blockIdx.y + cuda.gridDim.y * cuda.blockIdx.z))
+            buf[rec + 3] = np.int32(cuda.blockIdx.x + cuda.gridDim.x * (cuda.blockIdx.y
+                                                                    + cuda.gridDim.y * cuda.blockIdx.z))
             buf[rec + 4] = np.int32(smid())
             buf[rec + 5] = np.int32(gtimer())
         sh[0] = rec
@@ -111,14 +112,15 @@ EDITS = [
     ("pair_gemv.py", "        table = shared_addr(smem)\n",
      f"        if not GROUPED:\n            _stamps.at(offsets, st_sh, {FILLED}, tid)\n", "after"),
     ("mma_gemv.py", "from . import _arrays\n", "from . import _arrays, _stamps\n", "replace"),
-    ("mma_gemv.py", "        smem = cuda.shared.array(0, np.float32)    # [group table][E4M4 table][codebook][partial C tiles]\n"
-                    "        tid = u32(cuda.threadIdx.x)\n",
+    ("mma_gemv.py", "        smem = cuda.shared.array(0, np.float32)    "
+                    "# [group table][E4M4 table][codebook][partial C tiles]\n        tid = u32(cuda.threadIdx.x)\n",
      f"        st_sh = cuda.shared.array(1, np.int32)\n        if not GROUPED:\n"
      f"            _stamps.start(offsets, st_sh, tid, {MMA})\n", "after"),
     ("mma_gemv.py", "        table = shared_addr(smem)\n        if EARLY_BARRIER:",
      f"        if not GROUPED:\n            _stamps.at(offsets, st_sh, {FILLED}, tid)\n"
      "        table = shared_addr(smem)\n        if EARLY_BARRIER:", "replace"),
-    ("mma_gemv.py", "        if PDL and not GROUPED:     # the activations (and out) may be the previous kernel's: wait for it\n"
+    ("mma_gemv.py", "        if PDL and not GROUPED:     "
+                    "# the activations (and out) may be the previous kernel's: wait for it\n"
                     "            griddep_wait()\n",
      f"        if not GROUPED:\n            _stamps.at(offsets, st_sh, {WAITED}, tid)\n", "after"),
     ("mma_gemv.py", "    return jit_kernel(mma_gemv, spec.max_registers)\n",

@@ -1,5 +1,6 @@
 """benchmarks/step_rules_ab.py's pieces that need no GPU: a rule's text, its edit of a table, and the parsing of
-decode_step_trace.py's output and of the bench's step lines (the run itself is a device visit's: benchmarks/README.md)."""
+decode_step_trace.py's output and of the bench's step lines (the run itself is a device visit's:
+benchmarks/README.md)."""
 import importlib.util
 import json
 import os
