@@ -30,14 +30,10 @@ from numba.core.extending import intrinsic
 
 from kbit_numba._timing import graph_time_us
 from kbit_numba.core import sm_count
+from kbit_numba.intrinsics import _element_ptr
 from kbit_numba.launch import PreparedLaunch
 
 LAUNCHES = 20                   # launches a graph
-
-
-def _ptr(context, builder, arrty, arr, index, indexty):
-    data = context.make_array(arrty)(context, builder, value=arr).data
-    return builder.gep(data, [context.cast(builder, index, indexty, types.intp)])
 
 
 @intrinsic
@@ -46,7 +42,7 @@ def red_f32(typingctx, arr, index, v):
     sig = types.void(arr, index, v)
 
     def codegen(context, builder, sig, args):
-        ptr = _ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        ptr = _element_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
         val = context.cast(builder, args[2], sig.args[2], types.float32)
         fty = ir.FunctionType(ir.VoidType(), [ptr.type, ir.FloatType()])
         builder.call(ir.InlineAsm(fty, "red.global.add.f32 [$0], $1;", "l,f,~{memory}", side_effect=True),
@@ -62,7 +58,7 @@ def red_v4_f32(typingctx, arr, index, a, b, c, d):
     sig = types.void(arr, index, a, b, c, d)
 
     def codegen(context, builder, sig, args):
-        ptr = _ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        ptr = _element_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
         vals = [context.cast(builder, x, t, types.float32) for x, t in zip(args[2:], sig.args[2:])]
         fty = ir.FunctionType(ir.VoidType(), [ptr.type] + [ir.FloatType()] * 4)
         builder.call(ir.InlineAsm(fty, "red.global.add.v4.f32 [$0], {$1, $2, $3, $4};", "l,f,f,f,f,~{memory}",
