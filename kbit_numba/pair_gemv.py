@@ -60,9 +60,14 @@ offline and looks weights up several at a time:
   to that expert and row, and runs the plain kernel. At a decode step's B = 1 the 8 rows are 8 experts, one
   launch over their columns; ``mma_gemv.grouped_gemv`` instead takes up to 8 rows of one expert together.
 
+* **The fused MLP's down phase** (``down`` > 0, :func:`make_down_phase`; plan and layout in ``fused_mlp``): after the
+  SiLU build's loop the CTA meets at one barrier and multiplies its own SiLU outputs by their columns of down (the
+  K-major layout), adding its partial of down's outputs into a float32 array in the L2: gate/up, SiLU and down in one
+  launch.
+
 Reference twin: ``reference.gemv`` (which reads ``KbitCodes`` too; ``reference.silu_pairs`` for the epilogue,
-``reference.rms_gemv`` for ``rms_eps``).
-Tests: ``tests/test_pair_gemv.py``.
+``reference.rms_gemv`` for ``rms_eps``, ``reference.fused_mlp`` for ``down``).
+Tests: ``tests/test_pair_gemv.py`` (``down``: ``tests/test_fused_mlp.py``).
 """
 from __future__ import annotations
 
@@ -76,16 +81,25 @@ from numba.cuda.misc.special import literal_unroll
 from . import _arrays
 from .core import (MAX_M, check_grouped, device_weight, fit_threads, k_warps, persistent_grid, row_share, sm_count,
                    unused_i32)
-from .device import (ABSMAX_CODES, CODEBOOK, PRMT_ROW, TABLE_BYTES, TABLE_FLOATS, WARP, e4m4_decode, i32, inlined,
-                     jit_kernel, make_silu_pair_out, make_table_fill, make_warp_reduce_scatter, make_word_unpacker,
-                     rsqrt_mean, u32)
-from .formats import ABSMAX_FORMATS, BLOCK, CODES_K, KbitCodes, KbitFragments, KbitWeight
+from .device import (ABSMAX_CODES, CODEBOOK, PRMT_ROW, SECOND_TABLE, TABLE_BYTES, TABLE_FLOATS, WARP, e4m4_decode,
+                     i32, inlined, jit_kernel, make_silu_pair_out, make_table_fill, make_warp_reduce_scatter,
+                     make_word_unpacker, rsqrt_mean, u32)
+from .formats import ABSMAX_FORMATS, BLOCK, CODES_K, KMAJOR_ROWS, KbitCodes, KbitFragments, KbitWeight
 from .intrinsics import (SIMULATOR, bar_sync, f16_bits_to_f32, griddep_launch_dependents, griddep_wait, hfma2, ld128,
-                         ldg128, ldg64_stream, ldg128_stream, lds64, lds128, lds_u32, prmt, shared_addr, u32_as_f32)
+                         ldg128, ldg64_stream, ldg128_stream, lds64, lds128, lds_u32, prmt, red_v4_f32, shared_addr,
+                         u32_as_f32)
 from .launch import NUMBA_TYPES, OUT_TYPES, Plan, Spec, Step, launch_step, type_name
 
 MAX_KW = 32                       # K-warps per slice: K <= 32 * 32 * 32 = 32768
 MAX_SLICES = 16                   # a slice's named barrier is one of the CTA's 16 (bar.sync 0..15)
+MAX_DOWN_PASSES = 4               # the fused down phase: passes over its rows (fused_mlp), at most
+DOWN_BARRIER = 15                 # ... and the named barrier of the whole CTA before it (slices use 0 .. slices-1)
+# ... and its words in flight: a lane loads word i + depth - 1 (16 bytes a pass) before it decodes word i. At k = 4 three
+# words ahead at two passes is 96 bytes a lane, 48 KB an SM of 512 threads: about what an SM must have in flight to
+# stream at the DRAM's rate (~4.8 TB/s x ~1 us / 132 SMs = 36 KB; issue 15's "32 KB"). At k = 2 (8 gate/up columns a
+# warp) three or four words took the step's build from 108 to 136-138 registers (local ptxas), past 512 threads an SM,
+# so one word ahead there. Neither is tuned on a GPU yet.
+DOWN_DEPTH = {4: 4, 2: 2}
 SQUARE_WORDS = MAX_SLICES * MAX_M  # rms_eps: a (slice, row)'s sum of squares of A, in static shared memory
 PART = CODEBOOK + 16              # float offset of the cross-warp partial sums
 BATCH = 3                         # column groups whose partials are summed after one barrier (the loop's unroll)
@@ -128,6 +142,8 @@ class PairGemvSpec(Spec):
     full_batches: bool = False              # batch = 3: whole batches run a loop with no branch inside (FULL_BATCHES)
     rms_eps: float = 0.0                    # > 0: out = (A W^T) / sqrt(mean(A^2) + rms_eps) (RMSNorm, w folded in W)
     accumulate: bool = False                # out += A W^T in place (float16): a decode step's residual add
+    down: int = 0                           # > 0: the fused MLP's down phase after the SiLU epilogue, in this many
+                                            # passes over its rows (fused_mlp.make_down_phase); 0: none
 
     def normalise(self):
         if self.k not in CODES_K or not 1 <= self.M <= MAX_M:
@@ -142,6 +158,13 @@ class PairGemvSpec(Spec):
             raise ValueError("accumulate adds into a float16 output, without silu_pairs")
         if self.rms_eps and self.accumulate:
             raise ValueError("rms_eps and accumulate: not both in one launch (a step's add, then the next layer's norm)")
+        if self.down and not (self.silu_pairs and self.f16_acc and self.M == 1 and self.absmax_format == "e4m4"
+                              and not (self.grouped or self.fragments or self.accumulate)
+                              and type_name(self.out_dtype, "out_dtype", OUT_TYPES) == "float16"):
+            raise ValueError("the fused down phase follows the SiLU epilogue of a plain M = 1 launch with float16 "
+                             "sums, E4M4 absmax and a float16 output (silu_pairs, f16_acc, code layout)")
+        if not 0 <= int(self.down) <= MAX_DOWN_PASSES:
+            raise ValueError(f"down takes 0..{MAX_DOWN_PASSES} passes, got {self.down!r}")
         if not 0 <= float(self.rms_eps) < 1:
             raise ValueError(f"rms_eps must be in [0, 1), got {self.rms_eps!r}")
         if self.silu_pairs and self.cols % 2:   # (a column pair must stay within one slice's columns)
@@ -162,7 +185,7 @@ class PairGemvSpec(Spec):
                     max_registers=int(self.max_registers) if self.max_registers else None,
                     silu_pairs=bool(self.silu_pairs), grouped=bool(self.grouped), fragments=bool(self.fragments),
                     full_batches=bool(self.full_batches), rms_eps=float(self.rms_eps),
-                    accumulate=bool(self.accumulate))
+                    accumulate=bool(self.accumulate), down=int(self.down))
 
 
 
@@ -206,6 +229,11 @@ def make_pair_gemv_kernel(spec):
     # barrier before the wait").
     EARLY_BARRIER = PDL and k == 4 and not GROUPED
     SILU_PAIRS, ACCUMULATE = spec.silu_pairs, spec.accumulate
+    DOWN = spec.down > 0            # the fused MLP: down's partials of this CTA's SiLU outputs after the loop
+    if DOWN:
+        fill_down, down_phase = make_down_phase(k, spec.down)
+    else:
+        fill_down = down_phase = None       # (the DOWN branches are pruned before typing)
     # A decode step's add + RMSNorm inside its gemvs, with no norm launch between them: the o projection's
     # ``accumulate`` build writes x = res + o(att) in place, and the gate/up projection's ``rms_eps`` build, on x,
     # scales its products by 1 / sqrt(mean(x^2) + eps) in the epilogue (the norm's weight folded into its own). The
@@ -471,8 +499,10 @@ def make_pair_gemv_kernel(spec):
             smem[u32(u32(TABLE_FLOATS) + i)] = e4m4_decode(np.uint8(i))
             i = u32(i + u32(cuda.blockDim.x))
 
-    def pair_gemv(A, packed, absmax, cb, out, N, n_kb, offsets):
-        # offsets: grouped, the experts' first rows [E + 1]; else unused
+    @inlined
+    def body(A, packed, absmax, cb, out, N, n_kb, offsets, d_packed, d_absmax, d_cb, h_words, acc_out, n_out):
+        # offsets: grouped, the experts' first rows [E + 1]; else unused. d_*, h_words, acc_out, n_out: DOWN's (the
+        # down weight in the K-major layout, its absmax bytes as words; out as words; the float32 sums; down's N)
         smem = cuda.shared.array(0, np.float32)    # [group table][E4M4 table][codebook][partials]
         if RMS:                     # the slices' sums of squares of A, a (slice, row) word (declared in RMS builds only)
             squares = cuda.shared.array(SQUARE_WORDS, np.float32)
@@ -533,6 +563,8 @@ def make_pair_gemv_kernel(spec):
         # ---- 2. the group table and the E4M4 table (grouped PDL: filled above) ---------------------
         if not (GROUPED and PDL):
             fill_tables(smem, cb, tid)
+        if DOWN:                    # down's table, in the rows' other halves
+            fill_down(smem, d_cb, tid)
         if RMS and tid < u32(SQUARE_WORDS):     # (zeroed before the CTA's barrier below, which every atomic follows)
             squares[tid] = np.float32(0.0)
         table = shared_addr(smem)
@@ -615,6 +647,18 @@ def make_pair_gemv_kernel(spec):
             flip = end(smem, acc, lane, part, flip, FLIP, 2, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N,
                        squares, k_len)
             g = u32(g + grid)
+        if DOWN:                    # ---- 5. the fused MLP: down's partials of this CTA's SiLU outputs -------------
+            down_phase(smem, table, lane, tid, d_packed, d_absmax, h_words, acc_out, n_out, u32(cuda.blockIdx.x), grid,
+                       n_groups, group_cols)
+
+    if DOWN:
+        def pair_gemv_down(A, packed, absmax, cb, out, N, n_kb, offsets, d_packed, d_absmax, d_cb, h_words, acc_out,
+                           n_out):
+            body(A, packed, absmax, cb, out, N, n_kb, offsets, d_packed, d_absmax, d_cb, h_words, acc_out, n_out)
+        return jit_kernel(pair_gemv_down, spec.max_registers)
+
+    def pair_gemv(A, packed, absmax, cb, out, N, n_kb, offsets):
+        body(A, packed, absmax, cb, out, N, n_kb, offsets, packed, packed, cb, packed, cb, N)   # (no down phase)
 
     return jit_kernel(pair_gemv, spec.max_registers)
 
@@ -631,6 +675,104 @@ def resident_bytes(spec, slices, kw):
     part_bytes``) and, in an ``rms_eps`` build, the static sums of squares."""
     return (TABLE_BYTES + part_bytes(spec.M, spec.cols, slices, kw, spec.batch)
             + (4 * SQUARE_WORDS if spec.rms_eps else 0))
+
+
+# ------------------------------------------------------------------------------------------------
+# The fused MLP's down phase (the ``down`` build; fused_mlp.py has its plan, layout and the why)
+# ------------------------------------------------------------------------------------------------
+def make_down_phase(k, passes):
+    """(fill_down, down_phase) for the ``down`` build, the fused MLP's phase 2 (``fused_mlp``):
+    ``fill_down(smem, cb, tid)`` builds down's float16 table in the table rows' second halves; ``down_phase(smem,
+    table, lane, tid, d_packed, d_absmax, h_words, acc, n_out, cta, grid, n_groups, group_cols)`` adds this CTA's
+    partial of down (rows 4 tid + 4 threads p .., p < ``passes``) into ``acc``."""
+    fill_down, ENTRY, COPIES = make_table_fill(k, "float16", second=True)
+    D = DOWN_DEPTH[k]               # words whose loads are in flight
+    H_WORDS = BLOCK // k // 2       # f16x2 words of h that one code word meets: 4 at k = 4, 8 at k = 2
+    ROWS = KMAJOR_ROWS              # rows (one word each) of a lane's 16-byte load
+    P = passes
+    SUMS = P * ROWS                 # the lane's row sums
+
+    @inlined
+    def load_word(d_packed, d_absmax, w, rows0, step, n_out, codes, am, b):
+        """Word w of the lane's rows (pass p: rows0 + p * step ..) into buffer b: one 16-byte load (4 rows) and the 4
+        rows' absmax bytes as one word, a pass. Rows past n_out read the last 4 rows instead (never added)."""
+        last = u32(n_out - ROWS)
+        base = u32(w * n_out)
+        blk = u32(u32(w // u32(k)) * u32(n_out // ROWS))     # block w // k's absmax words
+        for p in range(P):
+            r = min(u32(rows0 + u32(p) * step), last)
+            codes[b, p, 0], codes[b, p, 1], codes[b, p, 2], codes[b, p, 3] = ldg128_stream(d_packed, u32(base + r))
+            am[b, p] = d_absmax[u32(blk + u32(r >> u32(2)))]
+
+    @inlined
+    def decode_word(smem, table, lane_off, codes, am, b, hp, acc):
+        """acc[4p + r] += row r's word (pass p) dotted with its h values: per code byte one prmt and one shared load
+        of down's table, one (k = 4) or two (k = 2) fma.rn.f16x2 with the h pairs; the word's float16 pair sum
+        times its block's absmax into float32."""
+        for p in range(P):
+            for r in range(ROWS):
+                hs = u32(0)
+                for t in range(4):
+                    addr = table + prmt(codes[b, p, r], lane_off, u32(PRMT_ROW | (t << 4)))
+                    if k == 4:
+                        hs = hfma2(lds_u32(smem, addr), hp[t], hs)
+                    else:
+                        x0, x1 = lds64(smem, addr)
+                        hs = hfma2(x0, hp[2 * t], hs)
+                        hs = hfma2(x1, hp[2 * t + 1], hs)
+                scale = smem[u32(u32(TABLE_FLOATS) + u32((am[b, p] >> u32(8 * r)) & u32(0xFF)))]
+                acc[p * ROWS + r] += (f16_bits_to_f32(hs) + f16_bits_to_f32(hs >> u32(16))) * scale
+
+    @inlined
+    def load_h(h_words, w, hp):
+        """Word w's h values as f16x2 words: ordinary loads (this CTA wrote them before the barrier)."""
+        for q in range(H_WORDS // 4):
+            hp[4 * q], hp[4 * q + 1], hp[4 * q + 2], hp[4 * q + 3] = ld128(h_words, u32(w * u32(H_WORDS) + 4 * q))
+
+    @inlined
+    def word_of(i, wpg, cta, grid):
+        """The CTA's i-th down word: word i % wpg of its group i // wpg (groups cta, cta + grid, ...)."""
+        grp = u32(i // wpg)
+        return u32(u32(cta + grp * grid) * wpg + u32(i - grp * wpg))
+
+    @inlined
+    def down_phase(smem, table, lane, tid, d_packed, d_absmax, h_words, acc_out, n_out, cta, grid, n_groups,
+                   group_cols):
+        threads = u32(cuda.blockDim.x)
+        step = u32(threads * u32(ROWS))
+        rows0 = u32(tid * u32(ROWS))
+        n = u32(n_out)
+        wpg = u32(group_cols // u32(2 * (BLOCK // k)))          # down words a group (the plan keeps it whole)
+        mine = u32((n_groups - cta + grid - u32(1)) // grid) if cta < n_groups else u32(0)
+        n_words = u32(mine * wpg)
+        w_last = u32(n_groups * wpg - u32(1))
+        lane_off = u32(u32((lane % u32(COPIES)) * u32(ENTRY)) + u32(SECOND_TABLE))
+        codes = cuda.local.array((D, P, ROWS), np.uint32)     # D words' buffers, used in turn
+        am = cuda.local.array((D, P), np.uint32)
+        hp = cuda.local.array(H_WORDS, np.uint32)
+        acc = cuda.local.array(SUMS, np.float32)
+        for j in range(SUMS):
+            acc[j] = np.float32(0.0)
+        # the first words' loads go out before the barrier: they do not depend on h
+        for b in range(D - 1):
+            load_word(d_packed, d_absmax, min(word_of(u32(b), wpg, cta, grid), w_last), rows0, step, n, codes, am, b)
+        bar_sync(DOWN_BARRIER, threads)                 # every slice's h values are written
+        i = u32(0)
+        while i < n_words:          # unrolled D times, so that every buffer index is a constant (registers)
+            for b in range(D):      # buffer b holds word i; word i + D - 1's loads go into the buffer before it,
+                if i < n_words:     # which the last decode emptied
+                    load_word(d_packed, d_absmax, min(word_of(u32(i + u32(D - 1)), wpg, cta, grid), w_last), rows0,
+                              step, n, codes, am, (b + D - 1) % D)
+                    load_h(h_words, word_of(i, wpg, cta, grid), hp)
+                    decode_word(smem, table, lane_off, codes, am, b, hp, acc)
+                    i = u32(i + 1)
+        if n_words > u32(0):
+            for p in range(P):      # four rows' partials, one reduction in the L2
+                r = u32(rows0 + u32(p) * step)
+                if r < n:
+                    red_v4_f32(acc_out, r, acc[p * ROWS], acc[p * ROWS + 1], acc[p * ROWS + 2], acc[p * ROWS + 3])
+
+    return fill_down, down_phase
 
 
 # ------------------------------------------------------------------------------------------------
