@@ -112,6 +112,27 @@ def test_fused_mlp_property(seed, k, kbh, units, rows4):
     assert_within(got, ref.gemv(h.astype(np.float32), dn), down_bound(h, dn, k), np.float32)
 
 
+def test_fused_mlp_prepare_accumulates_each_run():
+    """``prepare``: one bound launch whose every ``run()`` adds down(h) into the same ``acc`` (a decode loop zeroes it
+    between steps; here two runs give twice the sums), with x rewritten in place between runs; ``mlp`` allocates a
+    zeroed acc."""
+    rng = np.random.default_rng(13)
+    gu = ref.to_codes(ref.quantize(random_weight(rng, 64, 32), k=4))
+    dn = ref.to_kmajor(ref.quantize(random_weight(rng, 8, 32), k=4, codebook=other_codebook(4)))
+    x = cuda.to_device(_activations(rng, 1, 32, "float16"))
+    h = cuda.device_array((1, 32), np.float16)
+    step = fused_mlp.prepare(x, gu, dn, h=h)
+    once = step.run().copy_to_host()
+    twice = step.run().copy_to_host()
+    want = ref.gemv(h.copy_to_host().astype(np.float32), dn)
+    assert_within(once, want, down_bound(h.copy_to_host(), dn, 4), np.float32)
+    assert np.allclose(twice, 2 * once, rtol=1e-5, atol=1e-6)
+    x.copy_to_device(np.zeros((1, 32), np.float16))        # silu(0) * 0 = 0: the sums stay
+    assert np.allclose(step.run().copy_to_host(), twice, rtol=0, atol=0)
+    alone = fused_mlp.mlp(x.copy_to_host()[0], gu, dn).copy_to_host()
+    assert alone.shape == (8,) and not alone.any()
+
+
 def test_fused_mlp_refusals():
     rng = np.random.default_rng(5)
     gu4 = ref.to_codes(ref.quantize(random_weight(rng, 64, 64), k=4))
