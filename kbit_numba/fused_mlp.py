@@ -8,9 +8,9 @@ two products (``benchmarks/README.md``, "Designed, not built: gate/up, SiLU and 
 * **Phase 1** is the pair gemv's M = 1 SiLU build unchanged (its ``down`` field adds phase 2): CTA c owns the
   column groups c, c + grid, ... of the interleaved gate/up weight and writes their h values (float16, as the two
   launches do) into ``h``.
-* **Phase 2** (``pair_gemv.make_down_phase``): the CTA meets at one barrier (named barrier ``DOWN_BARRIER``: the slices use
-  0 .. slices - 1) and multiplies down's columns of its own h values with every row of down, a partial of all of
-  down's outputs. Down is in the K-major layout (``formats.KbitKMajor``): word w (32 / k intermediate indices) of
+* **Phase 2** (``pair_gemv.make_down_phase``): the CTA meets at one barrier (named barrier ``DOWN_BARRIER``: the
+  slices use 0 .. slices - 1) and multiplies down's columns of its own h values with every row of down, a partial of
+  all of down's outputs. Down is in the K-major layout (``formats.KbitKMajor``): word w (32 / k intermediate indices) of
   every row is contiguous, so a lane's 16-byte load holds one word of 4 rows and the CTA streams its ~220 KB (k = 4,
   llama3-8b) as a few contiguous runs. Per code byte one prmt and one shared load of down's table (in the unused
   halves of the pair gemv's table rows: ``device.make_table_fill(second=True)``), one ``fma.rn.f16x2`` per pair with
@@ -20,10 +20,11 @@ two products (``benchmarks/README.md``, "Designed, not built: gate/up, SiLU and 
   fast enough, and whether a cluster's shared-memory sum first would pay, ``benchmarks/atomic_rate.py`` measures.
 
 Geometry: a group of gate/up columns is ``slices * cols`` columns, so ``slices * cols / 2`` h values; the plan keeps
-that a whole number of down's words (16 at k = 4 with 4 columns and 4 slices) so no word is split between CTAs.
-Lane t of phase 2 owns rows 4t .. 4t + 3 (+ 4 x threads per further pass, ``passes``); its word loads run one word
-ahead, the first issued before the barrier. Float32 sums from many CTAs arrive in any order: the result varies in its
-last bits from run to run (tests compare against the reference with a bound).
+that a whole number of down's words (16 columns at k = 4: 4 columns and 4 slices) so that no word is split between
+CTAs. Lane t of phase 2 owns rows 4t .. 4t + 3 (+ 4 x threads per further pass, ``passes``) and takes its (pass, word)
+items in order, a pass's sums reduced as soon as its last word is decoded; its loads run ``pair_gemv.DOWN_DEPTH`` - 1
+items ahead, the first ones issued before the barrier. Float32 sums from many CTAs arrive in any order: the result
+varies in its last bits from run to run (tests compare against the reference with a bound).
 
 Reference twin: ``reference.fused_mlp``. Tests: ``tests/test_fused_mlp.py``. Not yet measured on a GPU.
 """

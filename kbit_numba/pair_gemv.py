@@ -94,12 +94,12 @@ MAX_KW = 32                       # K-warps per slice: K <= 32 * 32 * 32 = 32768
 MAX_SLICES = 16                   # a slice's named barrier is one of the CTA's 16 (bar.sync 0..15)
 MAX_DOWN_PASSES = 4               # the fused down phase: passes over its rows (fused_mlp), at most
 DOWN_BARRIER = 15                 # ... and the named barrier of the whole CTA before it (slices use 0 .. slices-1)
-# ... and its words in flight: a lane loads word i + depth - 1 (16 bytes a pass) before it decodes word i. At k = 4 three
-# words ahead at two passes is 96 bytes a lane, 48 KB an SM of 512 threads: about what an SM must have in flight to
-# stream at the DRAM's rate (~4.8 TB/s x ~1 us / 132 SMs = 36 KB; issue 15's "32 KB"). At k = 2 (8 gate/up columns a
-# warp) three or four words took the step's build from 108 to 136-138 registers (local ptxas), past 512 threads an SM,
-# so one word ahead there. Neither is tuned on a GPU yet.
-DOWN_DEPTH = {4: 4, 2: 2}
+# ... and its loads in flight: a lane loads item j + depth - 1 (a word of 4 rows, 16 bytes) before it decodes item j.
+# Seven ahead at k = 4 is 112 bytes a lane, 56 KB an SM of 512 threads (the gate/up loop before it keeps 128 bytes a
+# lane in flight); an SM must have ~36 KB in flight to stream at the DRAM's rate (~4.8 TB/s x ~1 us / 132 SMs; issue
+# 15's "32 KB"). Two at k = 2, whose 16-element words take twice the decode a byte: three or more took the step's
+# build from 108 to 136 registers (local ptxas), past 512 threads an SM. Neither is tuned on a GPU yet.
+DOWN_DEPTH = {4: 8, 2: 3}
 SQUARE_WORDS = MAX_SLICES * MAX_M  # rms_eps: a (slice, row)'s sum of squares of A, in static shared memory
 PART = CODEBOOK + 16              # float offset of the cross-warp partial sums
 BATCH = 3                         # column groups whose partials are summed after one barrier (the loop's unroll)
@@ -684,44 +684,39 @@ def make_down_phase(k, passes):
     """(fill_down, down_phase) for the ``down`` build, the fused MLP's phase 2 (``fused_mlp``):
     ``fill_down(smem, cb, tid)`` builds down's float16 table in the table rows' second halves; ``down_phase(smem,
     table, lane, tid, d_packed, d_absmax, h_words, acc, n_out, cta, grid, n_groups, group_cols)`` adds this CTA's
-    partial of down (rows 4 tid + 4 threads p .., p < ``passes``) into ``acc``."""
+    partial of down into ``acc``: lane t's rows 4t .. 4t + 3 + 4 x threads x p for each pass p < ``passes``, a pass at
+    a time (its sums go out as soon as its last word is decoded, while the next pass streams)."""
     fill_down, ENTRY, COPIES = make_table_fill(k, "float16", second=True)
-    D = DOWN_DEPTH[k]               # words whose loads are in flight
+    D = DOWN_DEPTH[k]               # (pass, word) items whose loads are in flight
     H_WORDS = BLOCK // k // 2       # f16x2 words of h that one code word meets: 4 at k = 4, 8 at k = 2
     ROWS = KMAJOR_ROWS              # rows (one word each) of a lane's 16-byte load
     P = passes
-    SUMS = P * ROWS                 # the lane's row sums
 
     @inlined
-    def load_word(d_packed, d_absmax, w, rows0, step, n_out, codes, am, b):
-        """Word w of the lane's rows (pass p: rows0 + p * step ..) into buffer b: one 16-byte load (4 rows) and the 4
-        rows' absmax bytes as one word, a pass. Rows past n_out read the last 4 rows instead (never added)."""
-        last = u32(n_out - ROWS)
-        base = u32(w * n_out)
-        blk = u32(u32(w // u32(k)) * u32(n_out // ROWS))     # block w // k's absmax words
-        for p in range(P):
-            r = min(u32(rows0 + u32(p) * step), last)
-            codes[b, p, 0], codes[b, p, 1], codes[b, p, 2], codes[b, p, 3] = ldg128_stream(d_packed, u32(base + r))
-            am[b, p] = d_absmax[u32(blk + u32(r >> u32(2)))]
+    def load_item(d_packed, d_absmax, w, r, n_out, codes, am, b):
+        """Word w of the 4 rows from r into buffer b: one 16-byte load and the rows' absmax bytes as one word. Rows
+        past n_out (and items past the last) read valid rows and words instead, whose sums are never added."""
+        r = min(r, u32(n_out - ROWS))
+        codes[b, 0], codes[b, 1], codes[b, 2], codes[b, 3] = ldg128_stream(d_packed, u32(u32(w * n_out) + r))
+        am[b] = d_absmax[u32(u32(u32(w // u32(k)) * u32(n_out // ROWS)) + u32(r >> u32(2)))]
 
     @inlined
-    def decode_word(smem, table, lane_off, codes, am, b, hp, acc):
-        """acc[4p + r] += row r's word (pass p) dotted with its h values: per code byte one prmt and one shared load
-        of down's table, one (k = 4) or two (k = 2) fma.rn.f16x2 with the h pairs; the word's float16 pair sum
-        times its block's absmax into float32."""
-        for p in range(P):
-            for r in range(ROWS):
-                hs = u32(0)
-                for t in range(4):
-                    addr = table + prmt(codes[b, p, r], lane_off, u32(PRMT_ROW | (t << 4)))
-                    if k == 4:
-                        hs = hfma2(lds_u32(smem, addr), hp[t], hs)
-                    else:
-                        x0, x1 = lds64(smem, addr)
-                        hs = hfma2(x0, hp[2 * t], hs)
-                        hs = hfma2(x1, hp[2 * t + 1], hs)
-                scale = smem[u32(u32(TABLE_FLOATS) + u32((am[b, p] >> u32(8 * r)) & u32(0xFF)))]
-                acc[p * ROWS + r] += (f16_bits_to_f32(hs) + f16_bits_to_f32(hs >> u32(16))) * scale
+    def decode_item(smem, table, lane_off, codes, am, b, hp, acc):
+        """acc[r] += row r's word (buffer b) dotted with its h values: per code byte one prmt and one shared load of
+        down's table, one (k = 4) or two (k = 2) fma.rn.f16x2 with the h pairs; the word's float16 pair sum times its
+        block's absmax into float32."""
+        for r in range(ROWS):
+            hs = u32(0)
+            for t in range(4):
+                addr = table + prmt(codes[b, r], lane_off, u32(PRMT_ROW | (t << 4)))
+                if k == 4:
+                    hs = hfma2(lds_u32(smem, addr), hp[t], hs)
+                else:
+                    x0, x1 = lds64(smem, addr)
+                    hs = hfma2(x0, hp[2 * t], hs)
+                    hs = hfma2(x1, hp[2 * t + 1], hs)
+            scale = smem[u32(u32(TABLE_FLOATS) + u32((am[b] >> u32(8 * r)) & u32(0xFF)))]
+            acc[r] += (f16_bits_to_f32(hs) + f16_bits_to_f32(hs >> u32(16))) * scale
 
     @inlined
     def load_h(h_words, w, hp):
@@ -730,47 +725,63 @@ def make_down_phase(k, passes):
             hp[4 * q], hp[4 * q + 1], hp[4 * q + 2], hp[4 * q + 3] = ld128(h_words, u32(w * u32(H_WORDS) + 4 * q))
 
     @inlined
-    def word_of(i, wpg, cta, grid):
-        """The CTA's i-th down word: word i % wpg of its group i // wpg (groups cta, cta + grid, ...)."""
+    def word_of(i, wpg, cta, grid, w_last):
+        """The CTA's i-th down word: word i % wpg of its group i // wpg (groups cta, cta + grid, ...), at most the
+        weight's last."""
         grp = u32(i // wpg)
-        return u32(u32(cta + grp * grid) * wpg + u32(i - grp * wpg))
+        return min(u32(u32(cta + grp * grid) * wpg + u32(i - grp * wpg)), w_last)
 
     @inlined
     def down_phase(smem, table, lane, tid, d_packed, d_absmax, h_words, acc_out, n_out, cta, grid, n_groups,
                    group_cols):
-        threads = u32(cuda.blockDim.x)
-        step = u32(threads * u32(ROWS))
-        rows0 = u32(tid * u32(ROWS))
+        step = u32(u32(cuda.blockDim.x) * u32(ROWS))      # rows a pass
         n = u32(n_out)
         wpg = u32(group_cols // u32(2 * (BLOCK // k)))          # down words a group (the plan keeps it whole)
         mine = u32((n_groups - cta + grid - u32(1)) // grid) if cta < n_groups else u32(0)
         n_words = u32(mine * wpg)
         w_last = u32(n_groups * wpg - u32(1))
         lane_off = u32(u32((lane % u32(COPIES)) * u32(ENTRY)) + u32(SECOND_TABLE))
-        codes = cuda.local.array((D, P, ROWS), np.uint32)     # D words' buffers, used in turn
-        am = cuda.local.array((D, P), np.uint32)
+        codes = cuda.local.array((D, ROWS), np.uint32)     # D items' buffers, used in turn
+        am = cuda.local.array(D, np.uint32)
         hp = cuda.local.array(H_WORDS, np.uint32)
-        acc = cuda.local.array(SUMS, np.float32)
-        for j in range(SUMS):
-            acc[j] = np.float32(0.0)
-        # the first words' loads go out before the barrier: they do not depend on h
-        for b in range(D - 1):
-            load_word(d_packed, d_absmax, min(word_of(u32(b), wpg, cta, grid), w_last), rows0, step, n, codes, am, b)
-        bar_sync(DOWN_BARRIER, threads)                 # every slice's h values are written
-        i = u32(0)
-        while i < n_words:          # unrolled D times, so that every buffer index is a constant (registers)
-            for b in range(D):      # buffer b holds word i; word i + D - 1's loads go into the buffer before it,
-                if i < n_words:     # which the last decode emptied
-                    load_word(d_packed, d_absmax, min(word_of(u32(i + u32(D - 1)), wpg, cta, grid), w_last), rows0,
-                              step, n, codes, am, (b + D - 1) % D)
-                    load_h(h_words, word_of(i, wpg, cta, grid), hp)
-                    decode_word(smem, table, lane_off, codes, am, b, hp, acc)
-                    i = u32(i + 1)
-        if n_words > u32(0):
-            for p in range(P):      # four rows' partials, one reduction in the L2
-                r = u32(rows0 + u32(p) * step)
-                if r < n:
-                    red_v4_f32(acc_out, r, acc[p * ROWS], acc[p * ROWS + 1], acc[p * ROWS + 2], acc[p * ROWS + 3])
+        acc = cuda.local.array(ROWS, np.float32)
+        for r in range(ROWS):
+            acc[r] = np.float32(0.0)
+        # items (pass, word) in order: the loads of item j + D - 1 go out before item j's decode; (li, lr) is the
+        # next item to load (its word index and first row), (di, dr) the next to decode
+        li = u32(0)
+        lr = u32(tid * u32(ROWS))
+        for b in range(D - 1):      # the first items' loads go out before the barrier: they do not depend on h
+            load_item(d_packed, d_absmax, word_of(li, wpg, cta, grid, w_last), lr, n, codes, am, b)
+            li = u32(li + u32(1))
+            if li == n_words:
+                li = u32(0)
+                lr = u32(lr + step)
+        bar_sync(DOWN_BARRIER, u32(cuda.blockDim.x))    # every slice's h values are written
+        di = u32(0)
+        dr = u32(tid * u32(ROWS))
+        j = u32(0)
+        total = u32(n_words * u32(P))
+        while j < total:            # unrolled D times, so that every buffer index is a constant (registers)
+            for b in range(D):      # buffer b holds item j; item j + D - 1's loads go into the buffer before it,
+                if j < total:       # which the last decode emptied
+                    load_item(d_packed, d_absmax, word_of(li, wpg, cta, grid, w_last), lr, n, codes, am,
+                              (b + D - 1) % D)
+                    li = u32(li + u32(1))
+                    if li == n_words:
+                        li = u32(0)
+                        lr = u32(lr + step)
+                    load_h(h_words, word_of(di, wpg, cta, grid, w_last), hp)
+                    decode_item(smem, table, lane_off, codes, am, b, hp, acc)
+                    di = u32(di + u32(1))
+                    if di == n_words:       # the pass's last word: its four rows' sums, one reduction in the L2
+                        if dr < n:
+                            red_v4_f32(acc_out, dr, acc[0], acc[1], acc[2], acc[3])
+                        for r in range(ROWS):
+                            acc[r] = np.float32(0.0)
+                        di = u32(0)
+                        dr = u32(dr + step)
+                    j = u32(j + u32(1))
 
     return fill_down, down_phase
 

@@ -64,10 +64,11 @@ def run_fused(monkeypatch, rng, k, H, inter, n_out, ctas, cta_warps, eps=0.0, ac
 
 
 # (k, H, intermediate, down's rows, CTAs, warps a CTA): one and two words a group (k = 4 with 4 and 8 slices), k = 2's
-# 8 columns; several groups a CTA, and more words a CTA than its loads run ahead (8 at k = 4, 5 at k = 2:
-# pair_gemv.DOWN_DEPTH); two passes over down's rows with the last one partly past N (516 > 4 x 128)
+# 8 columns; several groups a CTA, and more (pass, word) items a CTA than its loads run ahead (10 at k = 4, 5 at k = 2,
+# against pair_gemv.DOWN_DEPTH's 8 and 3); two passes over down's rows with the last one partly past N (516 > 4 x 128),
+# in one round of the loads and across rounds (20 items)
 CASES = [(4, 64, 32, 64, 1, 4), (4, 64, 64, 64, 3, 8), (2, 64, 64, 32, 2, 4), (4, 32, 32, 516, 2, 4),
-         (4, 32, 128, 64, 2, 4), (2, 32, 160, 32, 2, 4)]
+         (4, 32, 160, 64, 2, 4), (2, 32, 160, 32, 2, 4), (4, 32, 160, 516, 2, 4)]
 
 
 @pytest.mark.parametrize("k, H, inter, n_out, ctas, warps", CASES)
