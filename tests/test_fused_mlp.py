@@ -180,3 +180,16 @@ def test_red_v4_f32():
     for t in range(256):
         want[4 * (t % 2):4 * (t % 2) + 4] += vals[t]
     assert np.array_equal(acc.copy_to_host(), want.astype(np.float32))
+
+
+def test_the_per_layer_ab_script_checks_its_paths():
+    """``benchmarks/fused_mlp_ab.py --check``: the script's two paths (the step's two launches through ``linear``'s
+    runtime, and the fused launch) at a small shape agree with down of the fused launch's own h, so that its timings
+    compare the same product."""
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "fused_mlp_ab.py")
+    spec = importlib.util.spec_from_file_location("fused_mlp_ab", path)
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    ab.check(4)
