@@ -10,6 +10,8 @@ the weights (rotated past the L2, ``_timing.rotation_count``), timed per layer:
 * ``two launches``: gate/up through the pair gemv's SiLU epilogue (``rms_eps``) with the knobs ``linear``'s table gives
   that build (``dispatch.KbitLinear``), then down on the code layout, float16 out: what the step runs today;
 * ``fused``: ``fused_mlp.plan``, one launch (down K-major, the sums into a float32 accumulator by L2 reductions);
+  ``fused 1 load``: the same with one 16-byte load a lane an item in its down phase (``down_loads=1``: more passes,
+  the first passes' sums sent while the rest stream; where the default is not already one);
 * ``gate/up alone`` and ``down alone``: each half of the two launches as its own chain;
 * ``floor``: a pure-read kernel over the layer's bytes (``bench.floor_us``).
 
@@ -41,7 +43,8 @@ def build(H, inter, k, copies, seed=0):
 
 
 def plans(layers, x, H, inter, pdl=True):
-    """Per copy, the prepared launches of each mode: (gate/up, down) of the two launches, and the fused one."""
+    """Per copy, the prepared launches of each mode: (gate/up, down) of the two launches, the fused one, and the fused
+    one with one load an item (None where that is the default)."""
     h = cuda.device_array((1, inter), np.float16)
     y = cuda.device_array((1, H), np.float16)
     acc = cuda.to_device(np.zeros((1, H), np.float32))
@@ -50,7 +53,9 @@ def plans(layers, x, H, inter, pdl=True):
         two = (KbitLinear(gu, f16_acc=True, pdl=pdl).plan(x, out=h, silu_pairs=True, rms_eps=EPS).prepare(),
                KbitLinear(dn, f16_acc=True, pdl=pdl).plan(h, out=y).prepare())
         one = fused_mlp.prepare(x, gu, km, acc=acc, h=h, rms_eps=EPS, pdl=pdl)
-        out.append((two, one))
+        one_load = (None if fused_mlp.DOWN_LOADS[gu.k] == 1 else
+                    fused_mlp.prepare(x, gu, km, acc=acc, h=h, rms_eps=EPS, pdl=pdl, down_loads=1))
+        out.append((two, one, one_load))
     return out, h, y, acc
 
 
@@ -60,7 +65,7 @@ def check(k=4, H=64, inter=64):
     x = cuda.to_device(np.random.default_rng(1).standard_normal((1, H)).astype(np.float16))
     layers = build(H, inter, k, 1)
     prepared, h, y, acc = plans(layers, x, H, inter, pdl=False)
-    two, one = prepared[0]
+    two, one, _ = prepared[0]
     one.run()
     got, h1 = acc.copy_to_host()[0], h.copy_to_host()
     want = ref.gemv(h1.astype(np.float32), ref.from_kmajor(layers[0][2].to_numpy()))[0]
@@ -103,6 +108,8 @@ def main():
             "gate/up alone": lambda i, s: ps[i % copies][0][0].run(s),
             "down alone": lambda i, s: ps[i % copies][0][1].run(s),
         }
+        if ps[0][2] is not None:
+            modes["fused 1 load"] = lambda i, s: ps[i % copies][2].run(s)
         times = {name: graph_time_us(fn, n) for name, fn in modes.items()}
         times["floor"] = floor_us(layer_bytes)
         for name, t in times.items():

@@ -21,9 +21,9 @@ two products (``benchmarks/README.md``, "Designed, not built: gate/up, SiLU and 
 
 Geometry: a group of gate/up columns is ``slices * cols`` columns, so ``slices * cols / 2`` h values; the plan keeps
 that a whole number of down's words (16 columns at k = 4: 4 columns and 4 slices) so that no word is split between
-CTAs. Lane t of phase 2 owns rows 4t .. 4t + 3 (+ 4 x threads per further pass, ``passes``) and takes its (pass, word)
-items in order, a pass's sums reduced as soon as its last word is decoded; its loads run ``pair_gemv.DOWN_DEPTH`` - 1
-items ahead, the first ones issued before the barrier. Float32 sums from many CTAs arrive in any order: the result
+CTAs. Phase 2 takes *items*, a word over ``DOWN_LOADS[k]`` x 4 of the lane's rows (lane t: rows 4t .. 4t + 3 and every
+4 x threads on), pass by pass over the rows, a pass's sums reduced as soon as its last word is decoded; its loads run
+``pair_gemv.DOWN_DEPTH`` 16-byte loads ahead, the first ones issued before the barrier. Float32 sums from many CTAs arrive in any order: the result
 varies in its last bits from run to run (tests compare against the reference with a bound).
 
 Reference twin: ``reference.fused_mlp``. Tests: ``tests/test_fused_mlp.py``. Not yet measured on a GPU.
@@ -45,6 +45,12 @@ from .launch import NUMBA_TYPES, Plan, Step
 MAX_SLICES = pg.DOWN_BARRIER         # the CTA's barrier between the phases is the last named one: at most 15 slices
 DOWN_COLS = {4: 4, 2: 8}          # gate/up columns a warp an iteration: with 4 slices a group is one or two words
 CTA_WARPS = 2 if SIMULATOR else 16   # warps a CTA, as the pair gemv's default
+# 16-byte loads a lane an item of phase 2 (pair_gemv.make_down_phase): two cover llama3-8b's 4096 rows in one pass at
+# 512 threads, the loop's own work (cursors, addresses, ~60 instructions an item) spread over 64 weights; one load an
+# item made 139 SASS instructions an item of 32 weights (local ptxas and nvdisasm), 4.3 a weight, about 7.6 us of issue
+# a layer against 6.3 us of DRAM time, but sends half the sums before the end. k = 2 keeps one: two took its step build
+# to 138 registers (local ptxas), past 512 threads an SM. Not measured on a GPU.
+DOWN_LOADS = {4: 2, 2: 1}
 
 
 def words_per_group(k, group_cols):
@@ -68,12 +74,14 @@ def to_kmajor(w, stream=None):
     return device_weight(w, KbitKMajor, stream)
 
 
-def passes_for(n_out, threads):
-    """Phase 2's passes over down's n_out rows with ``threads`` threads of 4 rows each."""
-    return -(-n_out // (KMAJOR_ROWS * threads))
+def loads_for(n_out, threads, most):
+    """Phase 2's 16-byte loads a lane an item: as many as down's n_out rows need in one pass of ``threads`` threads,
+    at most ``most``."""
+    return max(1, min(most, -(-n_out // (KMAJOR_ROWS * threads)), pg.MAX_DOWN_LOADS))
 
 
-def plan(x, gate_up, down, acc=None, h=None, stream=None, rms_eps=None, pdl=False, cols=None, cta_warps=None):
+def plan(x, gate_up, down, acc=None, h=None, stream=None, rms_eps=None, pdl=False, cols=None, cta_warps=None,
+         down_loads=None):
     """Checked inputs bound into a :class:`launch.Plan` (one launch) of acc += down(silu(gate(x)) * up(x)).
 
     x: float16 [1, H] or [H] (device or host); gate_up: KbitCodes [2I, H] with gate row j at 2j and up row j at 2j + 1
@@ -82,7 +90,8 @@ def plan(x, gate_up, down, acc=None, h=None, stream=None, rms_eps=None, pdl=Fals
     the partials are added into (None: zeros); h: float16 [1, I] for the SiLU outputs (None: allocated). ``rms_eps``:
     x is RMS-normalised first (the pair gemv's ``rms_eps``; the norm's weight folded into gate/up). ``pdl``: a
     programmatic dependent launch (sm_90). ``cols``, ``cta_warps``: gate/up's columns a warp and warps a CTA aimed at
-    (default ``DOWN_COLS``, ``CTA_WARPS``)."""
+    (default ``DOWN_COLS``, ``CTA_WARPS``); ``down_loads``: phase 2's loads a lane an item, at most (default
+    ``DOWN_LOADS[k]``)."""
     stream = _arrays.as_stream(stream)
     gu = pg.to_codes(gate_up, stream)
     dn = to_kmajor(down, stream)
@@ -121,12 +130,10 @@ def plan(x, gate_up, down, acc=None, h=None, stream=None, rms_eps=None, pdl=Fals
                          f"(slices x cols, at most {most} slices) must cover whole down words of {group} columns "
                          "and divide N")
     threads = slices * kw * WARP
-    passes = passes_for(n_out, threads)
-    if passes > pg.MAX_DOWN_PASSES:
-        raise ValueError(f"the fused MLP covers N <= {pg.MAX_DOWN_PASSES * KMAJOR_ROWS * threads} rows of down with "
-                         f"{threads} threads, got {n_out}")
+    if n_out * inter >= 2**32 // 2 or N2 * H >= 2**32 // 2:
+        raise ValueError("the fused MLP uses 32-bit indices: down's and gate/up's N x K must stay < 2**31")
     n_groups = N2 // (slices * spec.cols)
-    spec = replace(spec, down=passes)
+    spec = replace(spec, down=loads_for(n_out, threads, DOWN_LOADS[gu.k] if down_loads is None else down_loads))
     spec, kern, regs, _ = fit_threads(pg.make_pair_gemv_kernel, spec, args, threads)
     grid = persistent_grid(n_groups, threads, regs, pg.resident_bytes(spec, slices, kw))
     if spec.batch == pg.BATCH and spec.k in pg.PAIR_FULL_BATCHES_K and n_groups > 2 * grid:   # as pair_gemv.plan
@@ -143,18 +150,18 @@ def mlp(x, gate_up, down, acc=None, stream=None, rms_eps=None, pdl=False):
     return plan(x, gate_up, down, acc, None, stream, rms_eps, pdl).launch()
 
 
-def prepare(x, gate_up, down, acc=None, h=None, stream=None, rms_eps=None, pdl=False):
+def prepare(x, gate_up, down, acc=None, h=None, stream=None, rms_eps=None, pdl=False, down_loads=None):
     """The fast path for repeated calls (a decode loop, a CUDA graph): a :class:`launch.Prepared` whose ``run()`` is
     one driver launch; write the next x into ``.A``; the sums land in ``.out`` (acc), which the caller zeroes."""
-    return plan(x, gate_up, down, acc, h, stream, rms_eps, pdl).prepare()
+    return plan(x, gate_up, down, acc, h, stream, rms_eps, pdl, down_loads=down_loads).prepare()
 
 
 def ptx_specs():
     """The builds a decode step runs at k = 2, 4 (PDL, the norm inside, whole batches) and a plain one."""
     PairGemvSpec = pg.PairGemvSpec
-    step = dict(M=1, f16_acc=True, pdl=True, silu_pairs=True, rms_eps=1e-6, down=2)
-    return ([PairGemvSpec(k=k, cols=DOWN_COLS[k], **step) for k in CODES_K]
-            + [PairGemvSpec(k=k, cols=DOWN_COLS[k], full_batches=True, **step) for k in CODES_K]
+    step = dict(M=1, f16_acc=True, pdl=True, silu_pairs=True, rms_eps=1e-6)
+    return ([PairGemvSpec(k=k, cols=DOWN_COLS[k], down=DOWN_LOADS[k], **step) for k in CODES_K]
+            + [PairGemvSpec(k=k, cols=DOWN_COLS[k], full_batches=True, down=DOWN_LOADS[k], **step) for k in CODES_K]
             + [PairGemvSpec(k=4, cols=4, M=1, f16_acc=True, silu_pairs=True, down=1)])
 
 

@@ -92,14 +92,14 @@ from .launch import NUMBA_TYPES, OUT_TYPES, Plan, Spec, Step, launch_step, type_
 
 MAX_KW = 32                       # K-warps per slice: K <= 32 * 32 * 32 = 32768
 MAX_SLICES = 16                   # a slice's named barrier is one of the CTA's 16 (bar.sync 0..15)
-MAX_DOWN_PASSES = 4               # the fused down phase: passes over its rows (fused_mlp), at most
+MAX_DOWN_LOADS = 4                # the fused down phase: 16-byte loads a lane an item (fused_mlp), at most
 DOWN_BARRIER = 15                 # ... and the named barrier of the whole CTA before it (slices use 0 .. slices-1)
-# ... and its loads in flight: a lane loads item j + depth - 1 (a word of 4 rows, 16 bytes) before it decodes item j.
-# Seven ahead at k = 4 is 112 bytes a lane, 56 KB an SM of 512 threads (the gate/up loop before it keeps 128 bytes a
-# lane in flight); an SM must have ~36 KB in flight to stream at the DRAM's rate (~4.8 TB/s x ~1 us / 132 SMs; issue
-# 15's "32 KB"). Two at k = 2, whose 16-element words take twice the decode a byte: three or more took the step's
-# build from 108 to 136 registers (local ptxas), past 512 threads an SM. Neither is tuned on a GPU yet.
-DOWN_DEPTH = {4: 8, 2: 3}
+# ... and its loads in flight: DOWN_DEPTH[k] 16-byte loads a lane, in whole items (``make_down_phase``; at least two).
+# Eight at k = 4 is 128 bytes a lane, 64 KB an SM of 512 threads, as the gate/up loop before it keeps; an SM must have
+# ~36 KB in flight to stream at the DRAM's rate (~4.8 TB/s x ~1 us / 132 SMs; issue 15's "32 KB"). Fewer at k = 2,
+# whose 16-element words take twice the decode a byte: more took the step's build from 108 to 136 registers (local
+# ptxas), past 512 threads an SM. Neither is tuned on a GPU yet.
+DOWN_DEPTH = {4: 8, 2: 2}
 SQUARE_WORDS = MAX_SLICES * MAX_M  # rms_eps: a (slice, row)'s sum of squares of A, in static shared memory
 PART = CODEBOOK + 16              # float offset of the cross-warp partial sums
 BATCH = 3                         # column groups whose partials are summed after one barrier (the loop's unroll)
@@ -142,8 +142,8 @@ class PairGemvSpec(Spec):
     full_batches: bool = False              # batch = 3: whole batches run a loop with no branch inside (FULL_BATCHES)
     rms_eps: float = 0.0                    # > 0: out = (A W^T) / sqrt(mean(A^2) + rms_eps) (RMSNorm, w folded in W)
     accumulate: bool = False                # out += A W^T in place (float16): a decode step's residual add
-    down: int = 0                           # > 0: the fused MLP's down phase after the SiLU epilogue, in this many
-                                            # passes over its rows (fused_mlp.make_down_phase); 0: none
+    down: int = 0                           # > 0: the fused MLP's down phase after the SiLU epilogue, its items this
+                                            # many 16-byte loads a lane (make_down_phase); 0: none
 
     def normalise(self):
         if self.k not in CODES_K or not 1 <= self.M <= MAX_M:
@@ -163,8 +163,8 @@ class PairGemvSpec(Spec):
                               and type_name(self.out_dtype, "out_dtype", OUT_TYPES) == "float16"):
             raise ValueError("the fused down phase follows the SiLU epilogue of a plain M = 1 launch with float16 "
                              "sums, E4M4 absmax and a float16 output (silu_pairs, f16_acc, code layout)")
-        if not 0 <= int(self.down) <= MAX_DOWN_PASSES:
-            raise ValueError(f"down takes 0..{MAX_DOWN_PASSES} passes, got {self.down!r}")
+        if not 0 <= int(self.down) <= MAX_DOWN_LOADS:
+            raise ValueError(f"down takes 0..{MAX_DOWN_LOADS} loads an item, got {self.down!r}")
         if not 0 <= float(self.rms_eps) < 1:
             raise ValueError(f"rms_eps must be in [0, 1), got {self.rms_eps!r}")
         if self.silu_pairs and self.cols % 2:   # (a column pair must stay within one slice's columns)
@@ -680,43 +680,52 @@ def resident_bytes(spec, slices, kw):
 # ------------------------------------------------------------------------------------------------
 # The fused MLP's down phase (the ``down`` build; fused_mlp.py has its plan, layout and the why)
 # ------------------------------------------------------------------------------------------------
-def make_down_phase(k, passes):
+def make_down_phase(k, loads):
     """(fill_down, down_phase) for the ``down`` build, the fused MLP's phase 2 (``fused_mlp``):
     ``fill_down(smem, cb, tid)`` builds down's float16 table in the table rows' second halves; ``down_phase(smem,
     table, lane, tid, d_packed, d_absmax, h_words, acc, n_out, cta, grid, n_groups, group_cols)`` adds this CTA's
-    partial of down into ``acc``: lane t's rows 4t .. 4t + 3 + 4 x threads x p for each pass p < ``passes``, a pass at
-    a time (its sums go out as soon as its last word is decoded, while the next pass streams)."""
+    partial of down into ``acc``. An *item* is one of the CTA's down words over ``loads`` x 4 of the lane's rows (lane
+    t: rows 4t + 4 x threads x q, q < ``loads``, one 16-byte load each); a *pass* takes every word once over those rows
+    and sends their sums to the L2 when its last word is decoded, while the next pass streams. More loads an item
+    spread the loop's own instructions over more weights; fewer make more passes, whose sums go out earlier."""
     fill_down, ENTRY, COPIES = make_table_fill(k, "float16", second=True)
-    D = DOWN_DEPTH[k]               # (pass, word) items whose loads are in flight
+    L = loads
+    D = max(2, DOWN_DEPTH[k] // L)  # items whose loads are in flight
     H_WORDS = BLOCK // k // 2       # f16x2 words of h that one code word meets: 4 at k = 4, 8 at k = 2
     ROWS = KMAJOR_ROWS              # rows (one word each) of a lane's 16-byte load
-    P = passes
+    SUMS = L * ROWS                 # the lane's row sums in a pass
 
     @inlined
-    def load_item(d_packed, d_absmax, w, r, n_out, codes, am, b):
-        """Word w of the 4 rows from r into buffer b: one 16-byte load and the rows' absmax bytes as one word. Rows
-        past n_out (and items past the last) read valid rows and words instead, whose sums are never added."""
-        r = min(r, u32(n_out - ROWS))
-        codes[b, 0], codes[b, 1], codes[b, 2], codes[b, 3] = ldg128_stream(d_packed, u32(u32(w * n_out) + r))
-        am[b] = d_absmax[u32(u32(u32(w // u32(k)) * u32(n_out // ROWS)) + u32(r >> u32(2)))]
+    def load_item(d_packed, d_absmax, w, r, n_out, step, codes, am, b):
+        """Word w of the lane's rows r + step q (q < L) into buffer b: a 16-byte load (4 rows) and the 4 rows' absmax
+        bytes as one word each. Rows past n_out (and items past the last) read valid rows and words instead, whose
+        sums are never added."""
+        base = u32(w * n_out)
+        blk = u32(u32(w // u32(k)) * u32(n_out // ROWS))     # block w // k's absmax words
+        last = u32(n_out - ROWS)
+        for q in range(L):
+            rq = min(u32(r + u32(q) * step), last)
+            codes[b, q, 0], codes[b, q, 1], codes[b, q, 2], codes[b, q, 3] = ldg128_stream(d_packed, u32(base + rq))
+            am[b, q] = d_absmax[u32(blk + u32(rq >> u32(2)))]
 
     @inlined
     def decode_item(smem, table, lane_off, codes, am, b, hp, acc):
-        """acc[r] += row r's word (buffer b) dotted with its h values: per code byte one prmt and one shared load of
-        down's table, one (k = 4) or two (k = 2) fma.rn.f16x2 with the h pairs; the word's float16 pair sum times its
-        block's absmax into float32."""
-        for r in range(ROWS):
-            hs = u32(0)
-            for t in range(4):
-                addr = table + prmt(codes[b, r], lane_off, u32(PRMT_ROW | (t << 4)))
-                if k == 4:
-                    hs = hfma2(lds_u32(smem, addr), hp[t], hs)
-                else:
-                    x0, x1 = lds64(smem, addr)
-                    hs = hfma2(x0, hp[2 * t], hs)
-                    hs = hfma2(x1, hp[2 * t + 1], hs)
-            scale = smem[u32(u32(TABLE_FLOATS) + u32((am[b] >> u32(8 * r)) & u32(0xFF)))]
-            acc[r] += (f16_bits_to_f32(hs) + f16_bits_to_f32(hs >> u32(16))) * scale
+        """acc[4q + r] += row r's word (buffer b, load q) dotted with its h values: per code byte one prmt and one
+        shared load of down's table, one (k = 4) or two (k = 2) fma.rn.f16x2 with the h pairs; the word's float16 pair
+        sum times its block's absmax into float32."""
+        for q in range(L):
+            for r in range(ROWS):
+                hs = u32(0)
+                for t in range(4):
+                    addr = table + prmt(codes[b, q, r], lane_off, u32(PRMT_ROW | (t << 4)))
+                    if k == 4:
+                        hs = hfma2(lds_u32(smem, addr), hp[t], hs)
+                    else:
+                        x0, x1 = lds64(smem, addr)
+                        hs = hfma2(x0, hp[2 * t], hs)
+                        hs = hfma2(x1, hp[2 * t + 1], hs)
+                scale = smem[u32(u32(TABLE_FLOATS) + u32((am[b, q] >> u32(8 * r)) & u32(0xFF)))]
+                acc[q * ROWS + r] += (f16_bits_to_f32(hs) + f16_bits_to_f32(hs >> u32(16))) * scale
 
     @inlined
     def load_h(h_words, w, hp):
@@ -725,62 +734,68 @@ def make_down_phase(k, passes):
             hp[4 * q], hp[4 * q + 1], hp[4 * q + 2], hp[4 * q + 3] = ld128(h_words, u32(w * u32(H_WORDS) + 4 * q))
 
     @inlined
-    def word_of(i, wpg, cta, grid, w_last):
-        """The CTA's i-th down word: word i % wpg of its group i // wpg (groups cta, cta + grid, ...), at most the
-        weight's last."""
-        grp = u32(i // wpg)
-        return min(u32(u32(cta + grp * grid) * wpg + u32(i - grp * wpg)), w_last)
+    def next_word(w, pos, wpg, jump):
+        """The CTA's word after word w, the pos-th of its group (groups cta, cta + grid, ...: ``jump`` = (grid - 1) wpg
+        + 1 words on at a group's end): no division in the loop."""
+        pos = u32(pos + u32(1))
+        wrap = pos == wpg
+        return u32(w + (jump if wrap else u32(1))), (u32(0) if wrap else pos)
 
     @inlined
     def down_phase(smem, table, lane, tid, d_packed, d_absmax, h_words, acc_out, n_out, cta, grid, n_groups,
                    group_cols):
-        step = u32(u32(cuda.blockDim.x) * u32(ROWS))      # rows a pass
         n = u32(n_out)
+        step = u32(u32(cuda.blockDim.x) * u32(ROWS))      # rows one load of every lane covers
+        pass_rows = u32(step * u32(L))
+        passes = u32((n + pass_rows - u32(1)) // pass_rows)
         wpg = u32(group_cols // u32(2 * (BLOCK // k)))          # down words a group (the plan keeps it whole)
         mine = u32((n_groups - cta + grid - u32(1)) // grid) if cta < n_groups else u32(0)
         n_words = u32(mine * wpg)
         w_last = u32(n_groups * wpg - u32(1))
+        w_first = u32(cta * wpg)
+        jump = u32(u32(u32(grid - u32(1)) * wpg) + u32(1))
         lane_off = u32(u32((lane % u32(COPIES)) * u32(ENTRY)) + u32(SECOND_TABLE))
-        codes = cuda.local.array((D, ROWS), np.uint32)     # D items' buffers, used in turn
-        am = cuda.local.array(D, np.uint32)
+        codes = cuda.local.array((D, L, ROWS), np.uint32)  # D items' buffers, used in turn
+        am = cuda.local.array((D, L), np.uint32)
         hp = cuda.local.array(H_WORDS, np.uint32)
-        acc = cuda.local.array(ROWS, np.float32)
-        for r in range(ROWS):
+        acc = cuda.local.array(SUMS, np.float32)
+        for r in range(SUMS):
             acc[r] = np.float32(0.0)
-        # items (pass, word) in order: the loads of item j + D - 1 go out before item j's decode; (li, lr) is the
-        # next item to load (its word index and first row), (di, dr) the next to decode
-        li = u32(0)
-        lr = u32(tid * u32(ROWS))
+        # items (pass, word) in order: the loads of item j + D - 1 go out before item j's decode. The next item to
+        # load is word lw (the lpos-th of its group, the lc-th of the pass) of the rows from lr; to decode, dw, dpos,
+        # dc, dr. (Items past the last load valid words and rows: min and load_item's own clamp.)
+        lw, lpos, lc, lr = w_first, u32(0), u32(0), u32(tid * u32(ROWS))
         for b in range(D - 1):      # the first items' loads go out before the barrier: they do not depend on h
-            load_item(d_packed, d_absmax, word_of(li, wpg, cta, grid, w_last), lr, n, codes, am, b)
-            li = u32(li + u32(1))
-            if li == n_words:
-                li = u32(0)
-                lr = u32(lr + step)
+            load_item(d_packed, d_absmax, min(lw, w_last), lr, n, step, codes, am, b)
+            lw, lpos = next_word(lw, lpos, wpg, jump)
+            lc = u32(lc + u32(1))
+            if lc == n_words:
+                lw, lpos, lc, lr = w_first, u32(0), u32(0), u32(lr + pass_rows)
         bar_sync(DOWN_BARRIER, u32(cuda.blockDim.x))    # every slice's h values are written
-        di = u32(0)
-        dr = u32(tid * u32(ROWS))
+        dw, dpos, dc, dr = w_first, u32(0), u32(0), u32(tid * u32(ROWS))
         j = u32(0)
-        total = u32(n_words * u32(P))
+        total = u32(n_words * passes)
         while j < total:            # unrolled D times, so that every buffer index is a constant (registers)
             for b in range(D):      # buffer b holds item j; item j + D - 1's loads go into the buffer before it,
                 if j < total:       # which the last decode emptied
-                    load_item(d_packed, d_absmax, word_of(li, wpg, cta, grid, w_last), lr, n, codes, am,
-                              (b + D - 1) % D)
-                    li = u32(li + u32(1))
-                    if li == n_words:
-                        li = u32(0)
-                        lr = u32(lr + step)
-                    load_h(h_words, word_of(di, wpg, cta, grid, w_last), hp)
+                    load_item(d_packed, d_absmax, min(lw, w_last), lr, n, step, codes, am, (b + D - 1) % D)
+                    lw, lpos = next_word(lw, lpos, wpg, jump)
+                    lc = u32(lc + u32(1))
+                    if lc == n_words:
+                        lw, lpos, lc, lr = w_first, u32(0), u32(0), u32(lr + pass_rows)
+                    load_h(h_words, dw, hp)
                     decode_item(smem, table, lane_off, codes, am, b, hp, acc)
-                    di = u32(di + u32(1))
-                    if di == n_words:       # the pass's last word: its four rows' sums, one reduction in the L2
-                        if dr < n:
-                            red_v4_f32(acc_out, dr, acc[0], acc[1], acc[2], acc[3])
-                        for r in range(ROWS):
+                    dw, dpos = next_word(dw, dpos, wpg, jump)
+                    dc = u32(dc + u32(1))
+                    if dc == n_words:       # the pass's last word: each load's four rows, one reduction in the L2
+                        for q in range(L):
+                            rq = u32(dr + u32(q) * step)
+                            if rq < n:
+                                red_v4_f32(acc_out, rq, acc[ROWS * q], acc[ROWS * q + 1], acc[ROWS * q + 2],
+                                           acc[ROWS * q + 3])
+                        for r in range(SUMS):
                             acc[r] = np.float32(0.0)
-                        di = u32(0)
-                        dr = u32(dr + step)
+                        dw, dpos, dc, dr = w_first, u32(0), u32(0), u32(dr + pass_rows)
                     j = u32(j + u32(1))
 
     return fill_down, down_phase

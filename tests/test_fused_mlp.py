@@ -50,7 +50,7 @@ def other_codebook(k):
     return np.linspace(-1.0, 1.0, 1 << k, dtype=np.float32)
 
 
-def run_fused(monkeypatch, rng, k, H, inter, n_out, ctas, cta_warps, eps=0.0, acc0=None):
+def run_fused(monkeypatch, rng, k, H, inter, n_out, ctas, cta_warps, eps=0.0, acc0=None, loads=None):
     """One launch on random weights; returns (got acc, kernel's h, x, gate/up, down)."""
     monkeypatch.setattr(fused_mlp, "persistent_grid", lambda work, *args: min(work, ctas))
     gu = ref.to_codes(ref.quantize(random_weight(rng, 2 * inter, H), k=k))
@@ -58,27 +58,28 @@ def run_fused(monkeypatch, rng, k, H, inter, n_out, ctas, cta_warps, eps=0.0, ac
     x = _activations(rng, 1, H, "float16")
     h = cuda.device_array((1, inter), np.float16)
     acc = cuda.to_device(np.zeros((1, n_out), np.float32) if acc0 is None else acc0)
-    p = fused_mlp.plan(x, gu, dn, acc=acc, h=h, rms_eps=eps or None, cta_warps=cta_warps)
+    p = fused_mlp.plan(x, gu, dn, acc=acc, h=h, rms_eps=eps or None, cta_warps=cta_warps, down_loads=loads)
     assert p.steps[0].grid == min(ctas, p.steps[0].grid) and p.out is acc
     return p.launch().copy_to_host(), h.copy_to_host(), x, gu, dn
 
 
-# (k, H, intermediate, down's rows, CTAs, warps a CTA): one and two words a group (k = 4 with 4 and 8 slices), k = 2's
-# 8 columns; several groups a CTA, and more (pass, word) items a CTA than its loads run ahead (10 at k = 4, 5 at k = 2,
-# against pair_gemv.DOWN_DEPTH's 8 and 3); two passes over down's rows with the last one partly past N (516 > 4 x 128),
-# in one round of the loads and across rounds (20 items)
-CASES = [(4, 64, 32, 64, 1, 4), (4, 64, 64, 64, 3, 8), (2, 64, 64, 32, 2, 4), (4, 32, 32, 516, 2, 4),
-         (4, 32, 160, 64, 2, 4), (2, 32, 160, 32, 2, 4), (4, 32, 160, 516, 2, 4)]
+# (k, H, intermediate, down's rows, CTAs, warps a CTA, loads a lane an item (None: the plan's)): one and two words a
+# group (k = 4 with 4 and 8 slices), k = 2's 8 columns; several groups a CTA, and more items a CTA than its loads run
+# ahead (10 words at k = 4, 5 at k = 2); at 128 threads one pass of 2 loads (516 rows: the second load partly past N),
+# two passes of 2 loads (1028), and two and three passes of 1 load (516, 1028), in one round of loads and across rounds
+CASES = [(4, 64, 32, 64, 1, 4, None), (4, 64, 64, 64, 3, 8, None), (2, 64, 64, 32, 2, 4, None),
+         (4, 32, 32, 516, 2, 4, None), (4, 32, 160, 64, 2, 4, None), (2, 32, 160, 32, 2, 4, None),
+         (4, 32, 160, 1028, 2, 4, None), (4, 32, 32, 516, 2, 4, 1), (2, 32, 160, 1028, 2, 4, 1)]
 
 
-@pytest.mark.parametrize("k, H, inter, n_out, ctas, warps", CASES)
-def test_fused_mlp(monkeypatch, k, H, inter, n_out, ctas, warps):
+@pytest.mark.parametrize("k, H, inter, n_out, ctas, warps, loads", CASES)
+def test_fused_mlp(monkeypatch, k, H, inter, n_out, ctas, warps, loads):
     """acc += down(h), h = silu(gate(x)) * up(x): the kernel's h (float16, as the separate launches write it) within
     the SiLU epilogue's bound of reference.silu_pairs, and acc within :func:`down_bound` of down(h) for that h, added
     into what acc held."""
     rng = np.random.default_rng(7 * k + H + n_out)
     acc0 = rng.standard_normal((1, n_out)).astype(np.float32)
-    got, h, x, gu, dn = run_fused(monkeypatch, rng, k, H, inter, n_out, ctas, warps, acc0=acc0)
+    got, h, x, gu, dn = run_fused(monkeypatch, rng, k, H, inter, n_out, ctas, warps, acc0=acc0, loads=loads)
     check_silu_pairs(h, x, gu, True, np.float16)
     want = acc0.astype(np.float64) + ref.gemv(h.astype(np.float32), dn).astype(np.float64)
     assert_within(got, want, down_bound(h, dn, k) + 1e-6 * np.abs(acc0), np.float32)
@@ -155,9 +156,6 @@ def test_fused_mlp_refusals():
         fused_mlp.plan(np.zeros(16384, np.float16), wide, dn4)
     with pytest.raises(TypeError, match="down weight"):
         fused_mlp.plan(x, gu4, np.zeros(4))
-    with pytest.raises(ValueError, match="rows of down"):
-        big = ref.to_kmajor(ref.quantize(random_weight(rng, 4 * 4 * 16 * 32 + 4, 32), k=4))
-        fused_mlp.plan(x, gu4, big, cta_warps=4)
 
 
 @cuda.jit
