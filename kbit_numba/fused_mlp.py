@@ -21,10 +21,11 @@ two products (``benchmarks/README.md``, "Designed, not built: gate/up, SiLU and 
 
 Geometry: a group of gate/up columns is ``slices * cols`` columns, so ``slices * cols / 2`` h values; the plan keeps
 that a whole number of down's words (16 columns at k = 4: 4 columns and 4 slices) so that no word is split between
-CTAs. Phase 2 takes *items*, a word over ``DOWN_LOADS[k]`` x 4 of the lane's rows (lane t: rows 4t .. 4t + 3 and every
-4 x threads on), pass by pass over the rows, a pass's sums reduced as soon as its last word is decoded; its loads run
-``pair_gemv.DOWN_DEPTH`` 16-byte loads ahead, the first ones issued before the barrier. Float32 sums from many CTAs arrive in any order: the result
-varies in its last bits from run to run (tests compare against the reference with a bound).
+CTAs. Phase 2 takes *items*, a word over ``DOWN_LOADS[k]`` x 4 of the lane's rows (lane t: rows 4t .. 4t + 3 and
+every 4 x threads on), pass by pass over the rows, a pass's sums reduced as soon as its last word is decoded; its loads
+run ``pair_gemv.DOWN_DEPTH`` 16-byte loads ahead, the first ones issued before the barrier. Float32 sums from many CTAs
+arrive in any order: the result varies in its last bits from run to run (tests compare against the reference with a
+bound).
 
 Reference twin: ``reference.fused_mlp``. Tests: ``tests/test_fused_mlp.py``. Not yet measured on a GPU.
 """
@@ -42,15 +43,16 @@ from .formats import BLOCK, CODES_K, KMAJOR_ROWS, KbitCodes, KbitKMajor, KbitWei
 from .intrinsics import SIMULATOR
 from .launch import NUMBA_TYPES, Plan, Step
 
-MAX_SLICES = pg.DOWN_BARRIER         # the CTA's barrier between the phases is the last named one: at most 15 slices
-DOWN_COLS = {4: 4, 2: 8}          # gate/up columns a warp an iteration: with 4 slices a group is one or two words
+MAX_SLICES = pg.DOWN_BARRIER      # the CTA's barrier between the phases is the last named one: at most 15 slices
+DOWN_COLS = {4: 4, 2: 8}          # gate/up columns a warp an iteration: with 4 slices a group is one down word
 CTA_WARPS = 2 if SIMULATOR else 16   # warps a CTA, as the pair gemv's default
 # 16-byte loads a lane an item of phase 2 (pair_gemv.make_down_phase): two cover llama3-8b's 4096 rows in one pass at
-# 512 threads, the loop's own work (cursors, addresses, ~60 instructions an item) spread over 64 weights; one load an
-# item made 139 SASS instructions an item of 32 weights (local ptxas and nvdisasm), 4.3 a weight, about 7.6 us of issue
-# a layer against 6.3 us of DRAM time, but sends half the sums before the end. k = 2 keeps one: two took its step build
-# to 138 registers (local ptxas), past 512 threads an SM. Not measured on a GPU.
-DOWN_LOADS = {4: 2, 2: 1}
+# 512 threads and spread the loop's own work (cursors, addresses, clamps: ~90 SASS instructions an item) over twice
+# the weights: at k = 4 240 instructions an item of 64 weights, 3.75 a weight, against 139 for 32 (4.3) with one load
+# an item, which would send half the sums before the end; at k = 2 274 for 128, 2.1 (local ptxas and nvdisasm; the
+# k = 2 whole-batch build takes 138 registers either way, 128 under the plan's cap with 4 bytes spilled). Not measured
+# on a GPU (benchmarks/fused_mlp_ab.py times one and two).
+DOWN_LOADS = {4: 2, 2: 2}
 
 
 def words_per_group(k, group_cols):

@@ -96,10 +96,9 @@ MAX_DOWN_LOADS = 4                # the fused down phase: 16-byte loads a lane a
 DOWN_BARRIER = 15                 # ... and the named barrier of the whole CTA before it (slices use 0 .. slices-1)
 # ... and its loads in flight: DOWN_DEPTH[k] 16-byte loads a lane, in whole items (``make_down_phase``; at least two).
 # Eight at k = 4 is 128 bytes a lane, 64 KB an SM of 512 threads, as the gate/up loop before it keeps; an SM must have
-# ~36 KB in flight to stream at the DRAM's rate (~4.8 TB/s x ~1 us / 132 SMs; issue 15's "32 KB"). Fewer at k = 2,
-# whose 16-element words take twice the decode a byte: more took the step's build from 108 to 136 registers (local
-# ptxas), past 512 threads an SM. Neither is tuned on a GPU yet.
-DOWN_DEPTH = {4: 8, 2: 2}
+# ~36 KB in flight to stream at the DRAM's rate (~4.8 TB/s x ~1 us / 132 SMs; issue 15's "32 KB"). Four at k = 2
+# (one item of two loads ahead), whose 16-element words take twice the decode a byte. Neither is tuned on a GPU yet.
+DOWN_DEPTH = {4: 8, 2: 4}
 SQUARE_WORDS = MAX_SLICES * MAX_M  # rms_eps: a (slice, row)'s sum of squares of A, in static shared memory
 PART = CODEBOOK + 16              # float offset of the cross-warp partial sums
 BATCH = 3                         # column groups whose partials are summed after one barrier (the loop's unroll)

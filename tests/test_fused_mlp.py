@@ -66,10 +66,12 @@ def run_fused(monkeypatch, rng, k, H, inter, n_out, ctas, cta_warps, eps=0.0, ac
 # (k, H, intermediate, down's rows, CTAs, warps a CTA, loads a lane an item (None: the plan's)): one and two words a
 # group (k = 4 with 4 and 8 slices), k = 2's 8 columns; several groups a CTA, and more items a CTA than its loads run
 # ahead (10 words at k = 4, 5 at k = 2); at 128 threads one pass of 2 loads (516 rows: the second load partly past N),
-# two passes of 2 loads (1028), and two and three passes of 1 load (516, 1028), in one round of loads and across rounds
+# two passes of 2 loads (1028, k = 4 and 2), and two and three passes of 1 load (516, 1028), in one round of loads and
+# across rounds
 CASES = [(4, 64, 32, 64, 1, 4, None), (4, 64, 64, 64, 3, 8, None), (2, 64, 64, 32, 2, 4, None),
          (4, 32, 32, 516, 2, 4, None), (4, 32, 160, 64, 2, 4, None), (2, 32, 160, 32, 2, 4, None),
-         (4, 32, 160, 1028, 2, 4, None), (4, 32, 32, 516, 2, 4, 1), (2, 32, 160, 1028, 2, 4, 1)]
+         (4, 32, 160, 1028, 2, 4, None), (2, 32, 64, 1028, 2, 4, None), (4, 32, 32, 516, 2, 4, 1),
+         (2, 32, 160, 1028, 2, 4, 1)]
 
 
 @pytest.mark.parametrize("k, H, inter, n_out, ctas, warps, loads", CASES)
