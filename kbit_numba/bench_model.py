@@ -680,8 +680,8 @@ def att_cluster(slices, ctas=1):
 
 def kernel_specializations():
     """(name, kernel, argument types) for the PTX checks (tests/test_ptx.py): add_rmsnorm at both models' hidden
-    sizes (256 and 512 threads; at llama3-8b's also its prefetch and float32-y builds) and decode_attention as the llama3-8b and
-    qwen3-30b-a3b steps build it at batch 1, both merges, with and without PDL."""
+    sizes (256 and 512 threads; at llama3-8b's also its prefetch and float32-y builds) and decode_attention as the
+    llama3-8b and qwen3-30b-a3b steps build it at batch 1, both merges, with and without PDL."""
     from numba import types as t
     sig = (t.uint32[::1],) * 3 + (t.float16[:, ::1], t.float32[::1], t.float32[::1], t.int32[::1])
     specs = [(f"add_rmsnorm H={cfg['hidden']} threads={norm_threads(cfg['hidden'])} pdl={pdl} prefetch={pf}",
