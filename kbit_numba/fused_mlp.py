@@ -37,7 +37,7 @@ import numpy as np
 from numba import cuda
 
 from . import _arrays, pair_gemv as pg, reference
-from .core import device_weight, fit_threads, k_warps, persistent_grid, unused_i32
+from .core import device_weight, fit_threads, k_warps, unused_i32
 from .device import TABLE_BYTES, WARP, i32
 from .formats import BLOCK, CODES_K, KMAJOR_ROWS, KbitCodes, KbitKMajor, KbitWeight
 from .intrinsics import SIMULATOR
@@ -137,10 +137,7 @@ def plan(x, gate_up, down, acc=None, h=None, stream=None, rms_eps=None, pdl=Fals
     n_groups = N2 // (slices * spec.cols)
     spec = replace(spec, down=loads_for(n_out, threads, DOWN_LOADS[gu.k] if down_loads is None else down_loads))
     spec, kern, regs, _ = fit_threads(pg.make_pair_gemv_kernel, spec, args, threads)
-    grid = persistent_grid(n_groups, threads, regs, pg.resident_bytes(spec, slices, kw))
-    if spec.batch == pg.BATCH and spec.k in pg.PAIR_FULL_BATCHES_K and n_groups > 2 * grid:   # as pair_gemv.plan
-        spec, kern, regs, _ = fit_threads(pg.make_pair_gemv_kernel, replace(spec, full_batches=True), args, threads)
-        grid = persistent_grid(n_groups, threads, regs, pg.resident_bytes(spec, slices, kw))
+    spec, kern, grid = pg.with_whole_batches(spec, kern, regs, args, slices, kw, n_groups)
     shared = TABLE_BYTES + pg.part_bytes(1, spec.cols, slices, kw, spec.batch)
     return Plan([Step(kern, grid, threads, args, shared, pdl)], Ad, acc, stream)
 

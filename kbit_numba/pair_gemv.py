@@ -925,12 +925,20 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc
         slices = whole_rounds(slices, most, N, spec, kw, regs)
     n_groups = -(-N // (slices * spec.cols))
     shared = TABLE_BYTES + part_bytes(M, spec.cols, slices, kw, spec.batch)
-    grid = persistent_grid(n_groups, slices * kw * WARP, regs, resident_bytes(spec, slices, kw))
-    if spec.batch == BATCH and spec.k in PAIR_FULL_BATCHES_K and n_groups > 2 * grid:     # a CTA runs a whole batch
-        spec, kern, regs, _ = fit_threads(make_pair_gemv_kernel, replace(spec, full_batches=True), args,
-                                          slices * kw * WARP)
-        grid = persistent_grid(n_groups, slices * kw * WARP, regs, resident_bytes(spec, slices, kw))
+    spec, kern, grid = with_whole_batches(spec, kern, regs, args, slices, kw, n_groups)
     return Plan([Step(kern, grid, slices * kw * WARP, args, shared, pdl)], Ad, out, stream)
+
+
+def with_whole_batches(spec, kern, regs, args, slices, kw, n_groups):
+    """(spec, kernel, persistent grid) of a plain M = 1 launch of ``slices`` slices of ``kw`` K-warps over ``n_groups``
+    column groups: its ``full_batches`` build where batches of three groups run at a k of ``PAIR_FULL_BATCHES_K`` and a
+    CTA runs a whole batch (more groups than twice the grid), else the build given (:func:`plan`; ``fused_mlp.plan``)."""
+    threads = slices * kw * WARP
+    grid = persistent_grid(n_groups, threads, regs, resident_bytes(spec, slices, kw))
+    if spec.batch == BATCH and spec.k in PAIR_FULL_BATCHES_K and n_groups > 2 * grid:     # a CTA runs a whole batch
+        spec, kern, regs, _ = fit_threads(make_pair_gemv_kernel, replace(spec, full_batches=True), args, threads)
+        grid = persistent_grid(n_groups, threads, regs, resident_bytes(spec, slices, kw))
+    return spec, kern, grid
 
 
 def grouped_knobs(k, K, f16_acc, rows):

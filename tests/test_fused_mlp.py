@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from numba import cuda
 
-from kbit_numba import fused_mlp, intrinsics as I, reference as ref
+from kbit_numba import fused_mlp, intrinsics as I, pair_gemv, reference as ref
 from kbit_numba.formats import BLOCK, CODES_K, KbitKMajor
 from helpers import EXAMPLES, SIM, assert_within, random_weight, seeds
 from test_gemv import _activations
@@ -52,7 +52,7 @@ def other_codebook(k):
 
 def run_fused(monkeypatch, rng, k, H, inter, n_out, ctas, cta_warps, eps=0.0, acc0=None, loads=None):
     """One launch on random weights; returns (got acc, kernel's h, x, gate/up, down)."""
-    monkeypatch.setattr(fused_mlp, "persistent_grid", lambda work, *args: min(work, ctas))
+    monkeypatch.setattr(pair_gemv, "persistent_grid", lambda work, *args: min(work, ctas))
     gu = ref.to_codes(ref.quantize(random_weight(rng, 2 * inter, H), k=k))
     dn = ref.to_kmajor(ref.quantize(random_weight(rng, n_out, inter), k=k, codebook=other_codebook(k)))
     x = _activations(rng, 1, H, "float16")
