@@ -24,7 +24,7 @@ import json
 import numpy as np
 from numba import cuda
 
-from kbit_numba import bench_model, fused_mlp, pair_gemv, reference as ref
+from kbit_numba import bench_model, fused_mlp, pair_gemv, quantize, reference as ref
 from kbit_numba.dispatch import KbitLinear
 from kbit_numba.formats import kbit_nbytes
 
@@ -35,8 +35,10 @@ def build(H, inter, k, copies, seed=0):
     """``copies`` device copies of one layer: (gate/up KbitCodes with interleaved rows, down KbitCodes, down
     KbitKMajor)."""
     rng = np.random.default_rng(seed)
-    gu = ref.quantize(bench_model.interleave_pairs(rng.standard_normal((2 * inter, H), dtype=np.float32) * 0.02), k=k)
-    dn = ref.quantize(rng.standard_normal((H, inter), dtype=np.float32) * 0.02, k=k)
+    # (the GPU quantizer, bit-exact with reference.quantize, which would take minutes at these shapes)
+    gu = quantize(bench_model.interleave_pairs(rng.standard_normal((2 * inter, H), dtype=np.float32) * 0.02),
+                  k=k).to_numpy()
+    dn = quantize(rng.standard_normal((H, inter), dtype=np.float32) * 0.02, k=k).to_numpy()
     gu_c, dn_c = ref.to_codes(gu), ref.to_codes(dn)
     dn_m = ref.to_kmajor(dn_c)
     return [(pair_gemv.to_codes(gu_c), pair_gemv.to_codes(dn_c), fused_mlp.to_kmajor(dn_m)) for _ in range(copies)]
