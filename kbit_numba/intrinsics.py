@@ -57,6 +57,8 @@ offset used without its base fails under the simulator too).
 """
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 from llvmlite import ir
 from numba import types
@@ -184,7 +186,7 @@ def ptx_red_v4_f32(typingctx, arr, index, a, b, c, d):
     return sig, codegen
 
 
-_RED_LOCK = __import__("threading").Lock()
+_RED_LOCK = threading.Lock()
 
 
 def py_red_v4_f32(arr, index, a, b, c, d):     # four float32 adds under a lock (the simulator's threads interleave)

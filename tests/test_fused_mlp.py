@@ -59,7 +59,7 @@ def run_fused(monkeypatch, rng, k, H, inter, n_out, ctas, cta_warps, eps=0.0, ac
     h = cuda.device_array((1, inter), np.float16)
     acc = cuda.to_device(np.zeros((1, n_out), np.float32) if acc0 is None else acc0)
     p = fused_mlp.plan(x, gu, dn, acc=acc, h=h, rms_eps=eps or None, cta_warps=cta_warps, down_loads=loads)
-    assert p.steps[0].grid == min(ctas, p.steps[0].grid) and p.out is acc
+    assert p.steps[0].grid <= ctas and p.out is acc
     return p.launch().copy_to_host(), h.copy_to_host(), x, gu, dn
 
 
