@@ -86,8 +86,8 @@ from .device import (ABSMAX_CODES, CODEBOOK, PRMT_ROW, SECOND_TABLE, TABLE_BYTES
                      make_word_unpacker, rsqrt_mean, u32)
 from .formats import ABSMAX_FORMATS, BLOCK, CODES_K, KMAJOR_ROWS, KbitCodes, KbitFragments, KbitWeight
 from .intrinsics import (SIMULATOR, bar_sync, f16_bits_to_f32, griddep_launch_dependents, griddep_wait, hfma2, ld128,
-                         ldg128, ldg64_stream, ldg128_stream, lds64, lds128, lds_u32, prmt, red_v4_f32, shared_addr,
-                         u32_as_f32)
+                         ldg128, ldg64_stream, ldg128_stream, lds64, lds128, lds_f32, lds_u32, prmt, red_v4_f32,
+                         shared_addr, u32_as_f32)
 from .launch import NUMBA_TYPES, OUT_TYPES, Plan, Spec, Step, launch_step, type_name
 
 MAX_KW = 32                       # K-warps per slice: K <= 32 * 32 * 32 = 32768
@@ -712,6 +712,7 @@ def make_down_phase(k, loads):
         """acc[4q + r] += row r's word (buffer b, load q) dotted with its h values: per code byte one prmt and one
         shared load of down's table, one (k = 4) or two (k = 2) fma.rn.f16x2 with the h pairs; the word's float16 pair
         sum times its block's absmax into float32."""
+        scales = u32(table + u32(TABLE_BYTES))          # the decoded E4M4 values (TABLE_FLOATS)
         for q in range(L):
             for r in range(ROWS):
                 hs = u32(0)
@@ -723,8 +724,17 @@ def make_down_phase(k, loads):
                         x0, x1 = lds64(smem, addr)
                         hs = hfma2(x0, hp[2 * t], hs)
                         hs = hfma2(x1, hp[2 * t + 1], hs)
-                scale = smem[u32(u32(TABLE_FLOATS) + u32((am[b, q] >> u32(8 * r)) & u32(0xFF)))]
+                scale = lds_f32(smem, u32(scales + scale_offset(am[b, q], r)))
                 acc[q * ROWS + r] += (f16_bits_to_f32(hs) + f16_bits_to_f32(hs >> u32(16))) * scale
+
+    @inlined
+    def scale_offset(am, r):
+        """Byte r of the absmax word am as the byte offset of its decoded value (a float32 at ``TABLE_FLOATS`` +
+        byte): a shift and a mask, which ptxas folds with the table's base into the shared load (a float index
+        took an or, a shift and an add more)."""
+        if r == 0:
+            return u32(u32(am << u32(2)) & u32(0x3FC))
+        return u32(u32(am >> u32(8 * r - 2)) & u32(0x3FC))
 
     @inlined
     def load_h(h_words, w, hp):
