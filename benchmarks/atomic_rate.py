@@ -52,6 +52,7 @@ def red_f32(typingctx, arr, index, v):
     return sig, codegen
 
 
+@cuda.jit
 def empty_kernel(acc, per, cluster):
     pass
 

@@ -2,6 +2,7 @@
 
     python benchmarks/fused_mlp_ab.py [--model llama3-8b] [--k 4,2] [--layers 8] [--json out.json]
     python benchmarks/fused_mlp_ab.py --check      # (also on the simulator: small shapes, no timing)
+    ncu -k regex:pair_gemv ... python benchmarks/fused_mlp_ab.py --k 4 --once 2   # eager launches for Nsight Compute
 
 For each k, a chain of ``--layers`` MLPs at the model's shape (M = 1, float16 sums, programmatic dependent launches,
 the norm's scale inside gate/up as the decode step runs it) captured in one CUDA graph, each layer on its own copy of
@@ -87,6 +88,7 @@ def main():
     ap.add_argument("--layers", type=int, default=8, help="launch pairs (or fused launches) a graph")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--check", action="store_true", help="compare the paths once at a small shape, no timing")
+    ap.add_argument("--once", type=int, default=0, help="eager rounds of fused, gate/up, down for a profiler")
     args = ap.parse_args()
     ks = [int(k) for k in args.k.split(",")]
     if args.check:
@@ -99,6 +101,14 @@ def main():
     H, inter = cfg["hidden"], cfg["intermediate"]
     rows = []
     for k in ks:
+        if args.once:
+            x = cuda.to_device(np.random.default_rng(2).standard_normal((1, H)).astype(np.float16))
+            (two, one, _), = plans(build(H, inter, k, 1), x, H, inter)[0]
+            for _ in range(args.once):
+                for p in (one,) + two:
+                    p.run()
+            cuda.synchronize()
+            continue
         layer_bytes = kbit_nbytes(2 * inter, H, k) + kbit_nbytes(H, inter, k)
         copies = max(rotation_count(layer_bytes), 2)
         x = cuda.to_device(np.random.default_rng(2).standard_normal((1, H)).astype(np.float16))
