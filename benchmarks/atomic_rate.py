@@ -18,8 +18,8 @@ checked after the timing (every address the same nonzero multiple of ctas / clus
 threads and ``shared`` bytes of dynamic shared memory (the pair gemv's 64 KB table and its partials), the clusters of
 2, 4 and 8 CTAs the device runs at once (``cuOccupancyMaxActiveClusters``) and so the SMs they leave idle.
 
-The scalar reduction is a local inline-PTX intrinsic of this probe; the vector one is ``intrinsics.red_v4_f32``, which
-the fused MLP (``kbit_numba/fused_mlp.py``) uses.
+The two reductions are local inline-PTX intrinsics of this probe; a kernel that keeps one gets it in
+``kbit_numba/intrinsics.py`` with a Python twin.
 """
 import argparse
 
@@ -30,7 +30,7 @@ from numba.core.extending import intrinsic
 
 from kbit_numba._timing import graph_time_us
 from kbit_numba.core import sm_count
-from kbit_numba.intrinsics import _element_ptr, red_v4_f32
+from kbit_numba.intrinsics import _element_ptr
 from kbit_numba.launch import PreparedLaunch
 
 LAUNCHES = 20                   # launches a graph
@@ -47,6 +47,22 @@ def red_f32(typingctx, arr, index, v):
         fty = ir.FunctionType(ir.VoidType(), [ptr.type, ir.FloatType()])
         builder.call(ir.InlineAsm(fty, "red.global.add.f32 [$0], $1;", "l,f,~{memory}", side_effect=True),
                      [ptr, val])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def red_v4_f32(typingctx, arr, index, a, b, c, d):
+    """arr[index .. index + 3] += (a, b, c, d), one red.global.add.v4.f32 (index % 4 == 0; sm_90)."""
+    sig = types.void(arr, index, a, b, c, d)
+
+    def codegen(context, builder, sig, args):
+        ptr = _element_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+        vals = [context.cast(builder, x, t, types.float32) for x, t in zip(args[2:], sig.args[2:])]
+        fty = ir.FunctionType(ir.VoidType(), [ptr.type] + [ir.FloatType()] * 4)
+        builder.call(ir.InlineAsm(fty, "red.global.add.v4.f32 [$0], {$1, $2, $3, $4};", "l,f,f,f,f,~{memory}",
+                                  side_effect=True), [ptr] + vals)
         return context.get_dummy_value()
 
     return sig, codegen

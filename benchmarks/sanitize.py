@@ -1,7 +1,7 @@
 """Small launches of every kernel family for compute-sanitizer (memcheck / racecheck) on the device:
 
     compute-sanitizer --tool memcheck python benchmarks/sanitize.py \
-        [codec,gemv,pair,mma,pdl,grouped,grouped_pair,gemm,formats,attention,norm,fused]
+        [codec,gemv,pair,mma,pdl,grouped,grouped_pair,gemm,formats,attention,norm]
 
 (default: every family; name some to check only those). ``pdl``: a chain of pair gemvs launched as
 programmatic dependent launches, each reading the previous one's output. ``mma``: the tensor-core gemv (also
@@ -12,9 +12,8 @@ several batches of strips a CTA, on both layouts, as a PDL chain, and split-K, w
 ``batches``: only ``pair``'s launches of many column groups a CTA (its batches of three);
 ``pair`` also chains the two launches of a decode step's add + norm (``accumulate``, then ``rms_eps``, which sums
 the squares in shared memory);
-``norm``: ``bench_model``'s ``add_rmsnorm`` at each of its thread counts (``norm_threads``: 256..512), its
-prefetch build (CTAs past the rows asking the L2 for a cache's lines) and its float32-y build;
-``fused``: the fused MLP (``fused_mlp``: gate/up, SiLU and down in one launch, the partials reduced in the L2).
+``norm``: ``bench_model``'s ``add_rmsnorm`` at each of its thread counts (``norm_threads``: 256..512), and its
+prefetch build (CTAs past the rows asking the L2 for a cache's lines).
 """
 import sys
 
@@ -27,7 +26,7 @@ from kbit_numba.pair_gemv import to_codes
 
 families = (sys.argv[1].split(",") if len(sys.argv) > 1
             else ["codec", "gemv", "pair", "mma", "pdl", "grouped", "grouped_pair", "gemm", "formats", "attention",
-                  "norm", "fused"])
+                  "norm"])
 rng = np.random.default_rng(0)
 for k in (2, 3, 4, 5):
     for layout in ("flat", "tiled"):
@@ -305,16 +304,5 @@ if "norm" in families:   # add_rmsnorm: rows of 1000 (125 chunks, 256 threads), 
             kv = [cuda.to_device(rng.integers(0, 2**32, 1000 * bench_model.LINE_WORDS, dtype=np.uint32)) for _ in "kv"]
             PreparedLaunch(bench_model._kernel("add_rmsnorm", H, pdl, prefetch=True), B + 3,
                            bench_model.norm_threads(H), (*words, 1e-6, *kv), pdl=pdl)()
-            # the float32-y build (the fused MLP's sums, read and zeroed): y as float32 words
-            y32 = cuda.to_device(rng.standard_normal((B, H)).astype(np.float32).reshape(-1).view(np.uint32))
-            PreparedLaunch(bench_model._kernel("add_rmsnorm", H, pdl, y32=True), B, bench_model.norm_threads(H),
-                           (words[0], y32, words[2], words[3], 1e-6), pdl=pdl)()
-    cuda.synchronize()
-if "fused" in families:    # the fused MLP: k = 4 and 2, one and several words a CTA, down's rows in one and two passes
-    ref = kb.reference
-    for k, H, inter, n_out, pdl, eps in ((4, 256, 512, 2048, True, 1e-6), (2, 128, 320, 100, False, None)):
-        gu = ref.to_codes(ref.quantize(rng.standard_normal((2 * inter, H)).astype(np.float32), k=k))
-        dn = ref.to_kmajor(ref.quantize(rng.standard_normal((n_out, inter)).astype(np.float32), k=k))
-        kb.fused_mlp.mlp(rng.standard_normal(H).astype(np.float16), gu, dn, rms_eps=eps, pdl=pdl).copy_to_host()
     cuda.synchronize()
 print("sanitize workload done:", ",".join(families))

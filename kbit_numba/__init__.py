@@ -18,15 +18,15 @@ if _config.ENABLE_CUDASIM:
     _sim.install()
 
 from . import reference  # noqa: E402
-from .formats import (BLOCK, K_BITS, KbitCodes, KbitExperts, KbitFragments, KbitKMajor, KbitWeight,  # noqa: E402
-                      codebook, e4m4_decode, e4m4_encode)
+from .formats import (BLOCK, K_BITS, KbitCodes, KbitExperts, KbitFragments, KbitWeight, codebook,  # noqa: E402
+                      e4m4_decode, e4m4_encode)
 from .core import stack_experts  # noqa: E402
 from .launch import Plan, Prepared  # noqa: E402
 from .codec import dequantize, quantize, repack_tiled  # noqa: E402
 from .tensor_gemm import gemm, grouped_gemm  # noqa: E402
 from .dispatch import (KbitExpertsLinear, KbitLinear, Workspace, dequant_matmul, grouped_linear,  # noqa: E402
                        linear)
-from . import bitnet, calibrate, fused_mlp, mma_gemv, pair_gemv, sbvr, scalar_gemv, tensor_gemm, uniform  # noqa: E402
+from . import bitnet, calibrate, mma_gemv, pair_gemv, sbvr, scalar_gemv, tensor_gemm, uniform  # noqa: E402
 from .scalar_gemv import gemv, grouped_gemv  # noqa: E402
 from .scalar_gemv import prepare as prepare_gemv  # noqa: E402
 
@@ -34,11 +34,11 @@ SIMULATOR = bool(_config.ENABLE_CUDASIM)
 
 __version__ = "0.1.0"
 
-__all__ = ["BLOCK", "K_BITS", "KbitWeight", "KbitCodes", "KbitFragments", "KbitKMajor", "codebook", "e4m4_encode",
-           "e4m4_decode", "reference",
+__all__ = ["BLOCK", "K_BITS", "KbitWeight", "KbitCodes", "KbitFragments", "codebook", "e4m4_encode", "e4m4_decode",
+           "reference",
            "quantize", "dequantize", "repack_tiled", "gemv", "prepare_gemv", "Plan", "Prepared",
            "grouped_gemv", "stack_experts", "KbitExperts", "gemm", "grouped_gemm", "linear", "KbitLinear",
            "grouped_linear", "KbitExpertsLinear",
-           "Workspace", "dequant_matmul", "calibrate", "scalar_gemv", "pair_gemv", "fused_mlp", "mma_gemv",
-           "tensor_gemm", "uniform", "sbvr", "bitnet",
+           "Workspace", "dequant_matmul", "calibrate", "scalar_gemv", "pair_gemv", "mma_gemv", "tensor_gemm", "uniform",
+           "sbvr", "bitnet",
            "SIMULATOR"]

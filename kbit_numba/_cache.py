@@ -78,13 +78,9 @@ class Unstable(Exception):
     """A closure value with no description that is the same in every process."""
 
 
-MAX_DEPTH = 12        # closures within closures a description follows: the deepest kernel (the pair gemv, whose body
-                      # is a device function of its own since the fused MLP's down build) needs 9
-
-
 def describe(value, depth=0):
     """A string that names ``value`` the same way in every process, or :class:`Unstable`."""
-    if depth > MAX_DEPTH:
+    if depth > 8:
         raise Unstable("closures nested too deeply")
     py_func = getattr(value, "py_func", None)
     if py_func is not None:                   # a Numba dispatcher (device function or kernel)

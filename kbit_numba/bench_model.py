@@ -84,9 +84,6 @@ VARIANTS = {
     "kbit k=2 pdl f16_acc": ("kbit", dict(k=2, pdl=True, f16_acc=True)),
     "kbit k=4 pdl": ("kbit", dict(k=4, pdl=True)),
     "kbit k=4 pdl f16_acc": ("kbit", dict(k=4, pdl=True, f16_acc=True)),
-    # the MLP as one launch at batch 1 (fused_mlp: gate/up, SiLU and down; FUSED_MLP_MAX_BATCH), else as above
-    "kbit k=2 pdl f16_acc fused_mlp": ("kbit", dict(k=2, pdl=True, f16_acc=True, fused_mlp=True)),
-    "kbit k=4 pdl f16_acc fused_mlp": ("kbit", dict(k=4, pdl=True, f16_acc=True, fused_mlp=True)),
     # the fragment layout (KbitLinear(layout="fragments")): the tensor-core gemv at every B <= 16
     "kbit k=2 pdl frag": ("kbit", dict(k=2, pdl=True, layout="fragments")),
     "kbit k=4 pdl frag": ("kbit", dict(k=4, pdl=True, layout="fragments")),
@@ -94,8 +91,6 @@ VARIANTS = {
     "bitnet": ("bitnet", dict(parts=1)),
 }
 _QUANTIZE_KEYS = ("k", "bits", "group_size", "parts")      # the options that change the quantized bytes
-_STEP_KEYS = ("fused_mlp",)                                 # the options of the step, not of its KbitLinears
-FUSED_MLP_MAX_BATCH = 1         # the fused MLP's batches (its kernel takes one row)
 
 
 def is_moe(cfg):
@@ -140,12 +135,6 @@ def routing(cfg, B, rng):
     inv[order] = np.arange(B * top)
     offsets = np.concatenate([[0], np.cumsum(np.bincount(experts.reshape(-1), minlength=E))]).astype(np.int32)
     return src, inv, weights, offsets
-
-
-def uses_fused_mlp(variant):
-    """Whether ``variant``'s step runs each layer's MLP as one launch where it can (:meth:`DecodeStep.fused_mlp_runs`):
-    the down weights get a K-major copy (``fused_mlp``)."""
-    return bool(VARIANTS[variant] and VARIANTS[variant][1].get("fused_mlp"))
 
 
 def uses_pdl(variant):
@@ -246,16 +235,14 @@ def norm_threads(H):
     return min(NORM_MAX_THREADS, max(NORM_THREADS, -(-H // (HALVES_PER_CHUNK * 32)) * 32))
 
 
-def _kernel(name, width=0, pdl=False, cluster=False, prefetch=False, y32=False):
+def _kernel(name, width=0, pdl=False, cluster=False, prefetch=False):
     """A fused elementwise kernel, compiled once per (name, row width, pdl, cluster, prefetch). ``pdl``: built for a
     programmatic dependent launch (sm_90): it lets the next kernel start at once (that kernel's weight loads and
     tables overlap this one) and waits for the kernel before it before reading anything. ``cluster``
     (decode_attention): a (row, KV head)'s slices merge in their cluster's shared memory (launch with
     ``cluster=`` the slices a head: :func:`att_cluster`). ``prefetch`` (add_rmsnorm): two more arguments, the
-    attention cache's K and V words, which the CTAs past the rows prefetch into the L2 (``NORM_PREFETCH_CTAS``).
-    ``y32`` (add_rmsnorm): y is float32 (the fused MLP's sums, ``fused_mlp``), read and zeroed for the next layer's
-    MLP to add into."""
-    key = (name, width if name in ("add_rmsnorm", "decode_attention") else 0, pdl, cluster, prefetch, y32)
+    attention cache's K and V words, which the CTAs past the rows prefetch into the L2 (``NORM_PREFETCH_CTAS``)."""
+    key = (name, width if name in ("add_rmsnorm", "decode_attention") else 0, pdl, cluster, prefetch)
     if key not in _KERNELS:
         from .device import inlined, jit_kernel
         from .intrinsics import (cluster_arrive, cluster_rank, cluster_wait, f16_bits_to_f32, f16x2_as_u32,
@@ -280,19 +267,14 @@ def _kernel(name, width=0, pdl=False, cluster=False, prefetch=False, y32=False):
             THREADS = norm_threads(H)
             CPT = -(-CHUNKS // THREADS)                         # chunks a thread keeps
             WORDS, WARPS, SLOTS = H // 2, THREADS // 32, 4 * CPT
-            Y32 = y32
-            Y_SLOTS = 2 * SLOTS if Y32 else SLOTS              # y words a thread keeps (float32: two a pair)
-            # float32 y is read and zeroed by this kernel: ordinary loads (an ld.global.nc of what the kernel writes
-            # would be undefined), ordered before the zeroing stores
-            load_y = ld128 if Y32 else load_prev
 
             @inlined
             def norm_row(res, y, w, h, eps, t, b):
                 """res[b] += y[b] (float16, in place); h[b] = res[b] / rms(res[b]) * w (float32 sum of squares).
-                The arrays are the rows' float16 pairs as flat uint32 words (y32: y's float32 values, zeroed)."""
+                The arrays are the rows' float16 pairs as flat uint32 words."""
                 ww = cuda.local.array(SLOTS, uint32)            # w words
                 rw = cuda.local.array(SLOTS, uint32)            # res words, then res + y
-                yw = cuda.local.array(Y_SLOTS, uint32)          # y words
+                yw = cuda.local.array(SLOTS, uint32)            # y words
                 for i in range(CPT):                            # the norm weights are no kernel's output:
                     c = t + i * THREADS                         # loaded before the wait
                     if c < CHUNKS:
@@ -302,27 +284,16 @@ def _kernel(name, width=0, pdl=False, cluster=False, prefetch=False, y32=False):
                     c = t + i * THREADS
                     if c < CHUNKS:
                         rw[4 * i], rw[4 * i + 1], rw[4 * i + 2], rw[4 * i + 3] = load_prev(res, b * WORDS + 4 * c)
-                        if Y32:                                 # 8 float32 values, then zeros in their place
-                            for q in range(2):
-                                j = 8 * i + 4 * q
-                                yw[j], yw[j + 1], yw[j + 2], yw[j + 3] = load_y(y, b * H + 8 * c + 4 * q)
-                            for q in range(2):
-                                stg128(y, b * H + 8 * c + 4 * q, uint32(0), uint32(0), uint32(0), uint32(0))
-                        else:
-                            yw[4 * i], yw[4 * i + 1], yw[4 * i + 2], yw[4 * i + 3] = load_y(y, b * WORDS + 4 * c)
+                        yw[4 * i], yw[4 * i + 1], yw[4 * i + 2], yw[4 * i + 3] = load_prev(y, b * WORDS + 4 * c)
                 acc = float32(0)
                 for i in range(CPT):
                     c = t + i * THREADS
                     if c < CHUNKS:
                         for q in range(4):
-                            r = rw[4 * i + q]
-                            if Y32:
-                                a_lo, a_hi = u32_as_f32(yw[8 * i + 2 * q]), u32_as_f32(yw[8 * i + 2 * q + 1])
-                            else:
-                                a_lo, a_hi = f16_bits_to_f32(yw[4 * i + q]), f16_bits_to_f32(yw[4 * i + q] >> 16)
-                            s = f16x2_as_u32(f16_bits_to_f32(r) + a_lo,                 # (rounded to float16:
-                                             f16_bits_to_f32(r >> 16) + a_hi)           # what the next layer reads)
-                            rw[4 * i + q] = s
+                            r, a = rw[4 * i + q], yw[4 * i + q]
+                            s = f16x2_as_u32(f16_bits_to_f32(r) + f16_bits_to_f32(a),          # (rounded to
+                                             f16_bits_to_f32(r >> 16) + f16_bits_to_f32(a >> 16))  # float16: what
+                            rw[4 * i + q] = s                                           # the next layer reads)
                             lo, hi = f16_bits_to_f32(s), f16_bits_to_f32(s >> 16)
                             acc += lo * lo + hi * hi
                         stg128(res, b * WORDS + 4 * c, rw[4 * i], rw[4 * i + 1], rw[4 * i + 2], rw[4 * i + 3])
@@ -680,8 +651,8 @@ def att_cluster(slices, ctas=1):
 
 def kernel_specializations():
     """(name, kernel, argument types) for the PTX checks (tests/test_ptx.py): add_rmsnorm at both models' hidden
-    sizes (256 and 512 threads; at llama3-8b's also its prefetch and float32-y builds) and decode_attention as the
-    llama3-8b and qwen3-30b-a3b steps build it at batch 1, both merges, with and without PDL."""
+    sizes (256 and 512 threads; at llama3-8b's also its prefetch build) and decode_attention as the llama3-8b and
+    qwen3-30b-a3b steps build it at batch 1, both merges, with and without PDL."""
     from numba import types as t
     sig = (t.uint32[::1],) * 3 + (t.float16[:, ::1], t.float32[::1], t.float32[::1], t.int32[::1])
     specs = [(f"add_rmsnorm H={cfg['hidden']} threads={norm_threads(cfg['hidden'])} pdl={pdl} prefetch={pf}",
@@ -689,11 +660,6 @@ def kernel_specializations():
               (t.uint32[::1],) * 4 + (t.float64,) + (t.uint32[::1],) * (2 if pf else 0))
              for cfg in MODELS.values() for pdl in (False, True)
              for pf in ((False, True) if cfg is MODELS["llama3-8b"] else (False,))]
-    H = MODELS["llama3-8b"]["hidden"]                  # the float32-y builds (the fused MLP's step, llama3-8b)
-    specs += [(f"add_rmsnorm H={H} threads={norm_threads(H)} pdl={pdl} prefetch={pf} y32=True",
-               _kernel("add_rmsnorm", H, pdl, prefetch=pf, y32=True),
-               (t.uint32[::1],) * 4 + (t.float64,) + (t.uint32[::1],) * (2 if pf else 0))
-              for pdl, pf in ((True, True), (False, False))]
     for model, builds in (("llama3-8b", ((True, True), (True, False), (False, True), (False, False))),
                           ("qwen3-30b-a3b", ((True, True),))):
         cfg = MODELS[model]
@@ -841,11 +807,9 @@ class DecodeStep:
     the fused kernels as programmatic dependent launches (:func:`uses_pdl`). ``silu_pairs``: the linears' gate/up
     rows are interleaved (:func:`fuses_silu`)."""
 
-    def __init__(self, cfg, linears, B, context=CONTEXT, device="cuda", pdl=False, attention="auto", silu_pairs=False,
-                 fused_mlp=False):
+    def __init__(self, cfg, linears, B, context=CONTEXT, device="cuda", pdl=False, attention="auto", silu_pairs=False):
         import torch
         self.torch, self.cfg, self.linears, self.B, self.pdl = torch, cfg, linears, B, bool(pdl)
-        self.fused_mlp = bool(fused_mlp)            # the MLP in one launch where it can (fused_mlp_runs)
         self.silu_pairs = bool(silu_pairs)          # the gate/up rows interleaved (build_linears(silu_pairs=True))
         self.attention = attention_kernel(attention, B)
         # the layer's first norm prefetches its attention cache (NORM_PREFETCH_CTAS: where it was measured faster)
@@ -863,10 +827,6 @@ class DecodeStep:
         self.static = {K: torch.randn(B, K, device=dev, dtype=f16, generator=g) * 0.1
                        for _, _, K in projections(cfg)}
         self.spare = torch.zeros(B, H, device=dev, dtype=f16)     # (the o and down gemvs' residual: NORM_IN_GATE_UP)
-        if self.fused_mlp and not is_moe(cfg):      # the fused MLP's float32 sums (zero between layers) and its h
-            self.mlp_acc = torch.zeros(B, H, device=dev, dtype=torch.float32)
-            self.mlp_spare = torch.zeros(B, H, device=dev, dtype=torch.float32)      # (linears_only's)
-            self.mlp_h = torch.empty(B, cfg["intermediate"], device=dev, dtype=f16)
         if is_moe(cfg):
             self._bind_experts(torch, dev, f16)
         if self.attention == "numba" and torch.device(dev).type == "cuda":   # decode_attention's slices and counts,
@@ -914,13 +874,12 @@ class DecodeStep:
         down()
         return self.moe_combine(self.down_rows, inv, weights)
 
-    def _launch(self, name, grid, block, *args, width=0, cluster=1, prefetch=False, y32=False):
+    def _launch(self, name, grid, block, *args, width=0, cluster=1, prefetch=False):
         """Launch fused kernel ``name`` on torch's current stream (tensors passed as Numba device arrays); with
         ``self.pdl`` as a programmatic dependent launch (``launch.PreparedLaunch``), as the pdl linears are;
-        ``cluster``: in clusters of that many CTAs (the kernel's cluster build); ``prefetch``, ``y32``: its prefetch and
-        float32-y builds."""
+        ``cluster``: in clusters of that many CTAs (the kernel's cluster build); ``prefetch``: its prefetch build."""
         from .launch import PreparedLaunch
-        kernel = _kernel(name, width, self.pdl, cluster > 1, prefetch, y32)
+        kernel = _kernel(name, width, self.pdl, cluster > 1, prefetch)
         args = [cuda.as_cuda_array(a) if hasattr(a, "__cuda_array_interface__") else a for a in args]
         stream = self.torch.cuda.current_stream().cuda_stream
         if self.pdl or cluster > 1:
@@ -947,46 +906,23 @@ class DecodeStep:
         return out
 
     def add_rmsnorm(self, res, y, w, eps=1e-6, prefetch=None):
-        """``prefetch``: a layer's (K, V) cache, which NORM_PREFETCH_CTAS more CTAs ask the L2 for. A float32 y (the
-        fused MLP's sums) is zeroed once read."""
+        """``prefetch``: a layer's (K, V) cache, which NORM_PREFETCH_CTAS more CTAs ask the L2 for."""
         if not res.is_cuda:
-            h = add_rmsnorm_torch(res, y, w, eps)
-            if y.dtype == self.torch.float32:
-                y.zero_()
-            return h
-        H, f32, f16 = res.shape[1], self.torch.float32, self.torch.float16
-        ok = all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (res, y, w))
-        if H % HALVES_PER_CHUNK or not ok or res.dtype != f16 or w.dtype != f16 or y.dtype not in (f16, f32):
-            raise ValueError(f"add_rmsnorm takes contiguous, 16-byte aligned float16 rows (y: float16 or float32) of a "
-                             f"multiple of {HALVES_PER_CHUNK} values, got {tuple(res.shape)}")
+            return add_rmsnorm_torch(res, y, w, eps)
+        H = res.shape[1]
+        if H % HALVES_PER_CHUNK or not all(t.is_contiguous() and t.dtype == self.torch.float16 and t.data_ptr() % 16 == 0
+                                           for t in (res, y, w)):
+            raise ValueError(f"add_rmsnorm takes contiguous, 16-byte aligned float16 rows of a multiple of "
+                             f"{HALVES_PER_CHUNK} values, got {tuple(res.shape)}")
         h = self.torch.empty_like(res)
-        y32 = y.dtype == f32
         words = [cuda.as_cuda_array(t.reshape(-1)).view(np.uint32) for t in (res, y, w, h)]
         if prefetch is None or not NORM_PREFETCH_CTAS:
-            self._launch("add_rmsnorm", res.shape[0], norm_threads(H), *words, float(eps), width=H, y32=y32)
+            self._launch("add_rmsnorm", res.shape[0], norm_threads(H), *words, float(eps), width=H)
         else:
             cache = [cuda.as_cuda_array(t.reshape(-1)).view(np.uint32) for t in prefetch]
             self._launch("add_rmsnorm", res.shape[0] + NORM_PREFETCH_CTAS, norm_threads(H), *words, float(eps),
-                         *cache, width=H, prefetch=True, y32=y32)
+                         *cache, width=H, prefetch=True)
         return h
-
-    def fused_mlp_runs(self, x):
-        """Whether this step runs each layer's MLP as one launch (``fused_mlp``): a fused variant, a dense model, x's
-        rows at most ``FUSED_MLP_MAX_BATCH``, the second norm inside the linears (:func:`norm_in_gate_up`, whose pair
-        gemvs the fused kernel's first phase is) and a K-major copy of every down weight."""
-        if not (self.fused_mlp and not is_moe(self.cfg) and x.shape[0] <= FUSED_MLP_MAX_BATCH):
-            return False
-        return (norm_in_gate_up(*self.linears[0][1:3], x, self.silu_pairs)
-                and all(hasattr(layer[3], "kmajor") for layer in self.linears))
-
-    def run_fused_mlp(self, gate_up, down, x, acc):
-        """acc += down(silu(gate(rmsnorm(x))) * up(rmsnorm(x))) in one launch (``fused_mlp.plan``; the norm's weight
-        folded into gate/up: ones here), h in ``mlp_h``."""
-        from .fused_mlp import plan
-        stream = self.torch.cuda.current_stream(x.device)
-        plan(x, gate_up.runtime.weight, down.kmajor, acc=acc, h=self.mlp_h, stream=stream, rms_eps=NORM_EPS,
-             pdl=self.pdl).launch()
-        return acc
 
     def silu_mul(self, gu, out=None, pairs=False):
         if not gu.is_cuda:
@@ -1025,16 +961,6 @@ class DecodeStep:
         moe = is_moe(self.cfg)
         fused = not moe and norm_in_gate_up(*self.linears[0][1:3], res, self.silu_pairs)
         both = fused and norm_in_qkv(self.linears[0][0], self.linears[0][3], res)
-        if fused and self.fused_mlp_runs(res):     # the MLP in one launch, its sums added by the next norm
-            acc = self.mlp_acc
-            for (qkv, o, gate_up, down), (n1, n2), kv in zip(self.linears, self.norms, self.kv):
-                h = self.add_rmsnorm(res, acc, n1, prefetch=kv if self.prefetch_kv else None)   # res += acc; acc = 0
-                att = self._attention(qkv(h), kv)
-                o.run(att, accumulate_into=res)                                 # res += o(att)
-                self.run_fused_mlp(gate_up, down, res, acc)                     # acc = mlp(rmsnorm(res))
-            res.copy_((res.float() + acc).half())
-            acc.zero_()
-            return res
         if both:                    # (n1, n2: ones, folded into qkv and gate/up)
             for (qkv, o, gate_up, down), kv in zip(self.linears, self.kv):
                 att = self._attention(qkv.run(res, rms_eps=NORM_EPS), kv)               # rmsnorm -> qkv
@@ -1065,12 +991,8 @@ class DecodeStep:
                 continue
             fused = norm_in_gate_up(layer[1], layer[2], self.static[layer[1].in_features], self.silu_pairs)
             both = fused and norm_in_qkv(layer[0], layer[3], self.static[layer[0].in_features])
-            one_mlp = fused and self.fused_mlp_runs(self.static[layer[2].in_features])
             for lin, (name, _, K) in zip(layer, projections(self.cfg)):     # (the builds the step runs)
-                if one_mlp and name in ("gate_up", "down"):
-                    if name == "gate_up":
-                        self.run_fused_mlp(layer[2], layer[3], self.static[K], self.mlp_spare)
-                elif (fused and name == "o") or (both and name == "down"):
+                if (fused and name == "o") or (both and name == "down"):
                     lin.run(self.static[K], accumulate_into=self.spare)
                 elif fused and name == "gate_up":
                     lin.run(self.static[K], silu_pairs=True, rms_eps=NORM_EPS)
@@ -1162,8 +1084,7 @@ def decode_step(model, variant, batch=1, context=CONTEXT, attention="auto", base
     ``decode_step_trace.py``)."""
     cfg = MODELS[model]
     linears, fused = build_step_linears(model, variant, base, progress)
-    return DecodeStep(cfg, linears, batch, context, pdl=uses_pdl(variant), attention=attention, silu_pairs=fused,
-                      fused_mlp=uses_fused_mlp(variant))
+    return DecodeStep(cfg, linears, batch, context, pdl=uses_pdl(variant), attention=attention, silu_pairs=fused)
 
 
 def build_step_linears(model, variant, base=None, progress=None):
@@ -1239,17 +1160,13 @@ def build_linears(cfg, variant, base, progress, device="cuda", silu_pairs=False)
         else:
             fmt, opts = VARIANTS[variant]
             qopts = {key: v for key, v in opts.items() if key in _QUANTIZE_KEYS}
-            layout_opts = {key: v for key, v in opts.items() if key not in _QUANTIZE_KEYS + _STEP_KEYS}
+            layout_opts = {key: v for key, v in opts.items() if key not in _QUANTIZE_KEYS}
             if layout_opts.get("layout") == "fragments" and not fits_fragments(N, K):
                 layout_opts["layout"] = "codes"     # (whole fragment tiles only: the code layout where they do not fit)
             progress(f"{variant}: quantizing {name} {N}x{K}")
             W = interleave_pairs(base[name]) if silu_pairs and name == "gate_up" else base[name]
             w = quantize_weight(W, fmt, **qopts)
             mods = [KbitLinear(c, **layout_opts) for c in _device_copies(w, L)]
-            if opts.get("fused_mlp") and name == "down":      # the fused MLP's own copy of down, K-major
-                from .reference import to_kmajor
-                for mod, km in zip(mods, _device_copies(to_kmajor(w), L)):
-                    mod.kmajor = km
         per_proj.append(mods)
     return list(zip(*per_proj))
 
@@ -1286,8 +1203,7 @@ def run(model="llama3-8b", variants=None, batches=BATCHES, context=CONTEXT, prog
         step = None
         for B in batches:
             del step                        # (the previous batch's KV caches)
-            step = DecodeStep(cfg, linears, B, context, pdl=uses_pdl(variant), attention=attention, silu_pairs=fused,
-                              fused_mlp=uses_fused_mlp(variant))
+            step = DecodeStep(cfg, linears, B, context, pdl=uses_pdl(variant), attention=attention, silu_pairs=fused)
             try:
                 with torch.no_grad():
                     t_step = graph_us(torch, step.step)

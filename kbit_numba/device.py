@@ -309,8 +309,6 @@ CHUNK_BYTES = 16                  # the fill writes the table 16 bytes (one st.s
 PHASE_BYTES = 128                 # what the 32 shared-memory banks serve at once (a request is split into phases)
 ABSMAX_CODES = 256                # E4M4 bytes, decoded once per CTA into shared memory after the table
 CODEBOOK = TABLE_FLOATS + ABSMAX_CODES   # float offset of the codebook (<= 16 values, staged for the fill)
-SECOND_TABLE = PHASE_BYTES        # make_table_fill(second=True): a second table in bytes 128..255 of every row
-SECOND_CODEBOOK = CODEBOOK + 16   # ... whose codebook is staged after the first's (the gemvs' partials start there)
 # prmt selector for code byte t of a word: result byte 0 <- the lane's copy offset (byte 4 of {b, a}),
 # byte 1 <- byte t of the code word, bytes 2, 3 <- byte 5 (zero: the offset is < 256).
 PRMT_ROW = 0x5504
@@ -332,7 +330,7 @@ def stage_codebook(smem, cb, tid, word0, count):
 
 
 @lru_cache(maxsize=None)
-def make_table_fill(k, entry_type, staged=False, second=False):
+def make_table_fill(k, entry_type, staged=False):
     """(fill, ENTRY, COPIES): ``fill(smem, cb, tid)`` builds the group table at the start of the dynamic shared
     array ``smem`` (all threads of the CTA call it; it stages the codebook ``cb`` at float offset ``CODEBOOK`` and
     meets them at one barrier; ``staged``: the kernel copied it there earlier with :func:`stage_codebook`, and
@@ -342,11 +340,7 @@ def make_table_fill(k, entry_type, staged=False, second=False):
     its first 128 bytes (lane l reads copy l % COPIES at row offset (l % COPIES) * ENTRY; why 128: at COPIES
     below). Each thread writes one 16-byte chunk of a row at a time (one ``st.shared.v4``); a chunk's 4 words
     are 4 // (ENTRY / 4) copies of the entry. The codebook is read from shared memory: 16384 global reads would
-    serialise the fill.
-    ``second``: a second table in the rows' unused halves (bytes 128..255 of each row: ``SECOND_TABLE``, the lane's
-    offset ``SECOND_TABLE`` more), for a second weight's codebook staged at ``SECOND_CODEBOOK`` (the first fill's stays
-    where it is): a kernel that reads two weights (``fused_mlp``) looks both up with one prmt each, in no more shared
-    memory. The partials that the gemvs keep at ``SECOND_CODEBOOK`` are written after the fill's barrier."""
+    serialise the fill."""
     G = 8 // k
     packed = entry_type != "float32"
     ENTRY = (2 if packed else 4) * G
@@ -359,16 +353,13 @@ def make_table_fill(k, entry_type, staged=False, second=False):
     CODE_MASK = (1 << k) - 1
     N_CODES = 1 << k
     bf16 = entry_type == "bfloat16"
-    CB = SECOND_CODEBOOK if second else CODEBOOK            # where the fill reads its codebook
-    ROW0 = SECOND_TABLE if second else 0                    # the table's first byte in a row
-    assert not (second and staged), "the second table's codebook is staged by its own fill"
 
     @inlined
     def fill(smem, cb, tid):
         if staged:
             cp_async_wait(0)                    # the codebook, staged by stage_codebook
         elif tid < u32(N_CODES):
-            smem[u32(CB) + tid] = cb[tid]
+            smem[u32(CODEBOOK) + tid] = cb[tid]
         cuda.syncthreads()
         table = shared_addr(smem)
         chunk = u32(tid)
@@ -377,16 +368,16 @@ def make_table_fill(k, entry_type, staged=False, second=False):
             vals = cuda.local.array(4, np.uint32)
             for wd in range(4):                     # word wd of the chunk: word wd % WORDS_PER_ENTRY of an entry
                 e = (wd % WORDS_PER_ENTRY) * (2 if packed else 1)      # its (first) element
-                v0 = smem[u32(CB) + ((code >> u32(k * e)) & u32(CODE_MASK))]
+                v0 = smem[u32(CODEBOOK) + ((code >> u32(k * e)) & u32(CODE_MASK))]
                 if packed:
-                    v1 = smem[u32(CB) + ((code >> u32(k * (e + 1))) & u32(CODE_MASK))]
+                    v1 = smem[u32(CODEBOOK) + ((code >> u32(k * (e + 1))) & u32(CODE_MASK))]
                     if bf16:
                         vals[wd] = f32_to_bf16_bits(v0) | (f32_to_bf16_bits(v1) << u32(16))
                     else:
                         vals[wd] = f16x2_as_u32(np.float16(v0), np.float16(v1))
                 else:
                     vals[wd] = f32_as_u32(v0)
-            dst = code * u32(ROW_BYTES) + u32(ROW0) + (chunk - code * u32(USED_CHUNKS)) * u32(CHUNK_BYTES)
+            dst = code * u32(ROW_BYTES) + (chunk - code * u32(USED_CHUNKS)) * u32(CHUNK_BYTES)
             sts128(smem, table + dst, vals[0], vals[1], vals[2], vals[3])
             chunk = u32(chunk + u32(cuda.blockDim.x))   # (stays 32-bit)
 

@@ -300,26 +300,6 @@ class KbitCodes(_CodeBlocks):
     layout = "codes"
 
 
-@dataclass(frozen=True)
-class KbitKMajor(_CodeBlocks):
-    """A kbit weight W[N, K] in the *K-major* code layout (``fused_mlp`` reads the MLP's down weight this way).
-
-    The code layout's words (``KbitCodes``: word w of a row holds its elements ``w * (32 // k) ..`` as k-bit fields)
-    transposed: ``packed[w * N + n]`` is word w of row n, and ``absmax[kb * N + n]`` block kb's absmax of row n. A
-    kernel that owns a range of K (the fused MLP's CTA, its share of the intermediate dimension) reads that range of
-    every row as one contiguous stream, four rows a 16-byte load, instead of N pieces 7 KB apart. N a multiple of 4
-    (a lane's four rows). ``reference.to_kmajor`` / ``reference.from_kmajor`` convert exactly.
-    """
-    NAME = "K-major"
-    layout = "kmajor"
-
-    def __post_init__(self):
-        if self.N % KMAJOR_ROWS:
-            raise ValueError(f"the K-major layout holds N a multiple of {KMAJOR_ROWS}, got N={self.N}")
-        super().__post_init__()
-
-
-KMAJOR_ROWS = 4           # KbitKMajor: the rows of one 16-byte load (a word each), so N is a multiple of it
 FRAGMENT_N = 16           # columns of a fragment tile: the rows of mma_gemv's A operand (m16), one strip
 FRAGMENT_KB = 8           # blocks of a fragment tile: the 256 k one warp of mma_gemv takes of a strip
 FRAGMENT_BLOCKS = FRAGMENT_N * FRAGMENT_KB

@@ -14,7 +14,6 @@ nothing, by the chain of layers in ``tests/test_pair_gemv.py``).
 | ldg128_stream, ldg64_stream | ld.global.nc.L1::no_allocate...  | the same for weights read once (STREAM_HINT)  |
 | stg128(...)  | st.global.v4.u32                      | one 16-byte store (coalesced 512 B per warp)   |
 | prefetch_l2(a, i) | prefetch.global.L2               | a later kernel's input into the L2 (a hint)    |
-| red_v4_f32(a, i, x0..x3) | red.global.add.v4.f32     | a[i..i+3] += 4 floats in the L2, no result (sm_90) |
 | dp4a(a,b,c)  | dp4a.s32.s32                          | 4 int8 products + add in one instruction       |
 | lop3(a,b,c,L)| lop3.b32 (L a literal truth table)    | any 3-input bitwise function in one instruction|
 | prmt(a,b,s)  | prmt.b32                              | byte permute / byte lookup from 8 bytes        |
@@ -56,8 +55,6 @@ warp (``_sim.exchange``) and compute the PTX fragment layout in NumPy; the ``cp.
 offset used without its base fails under the simulator too).
 """
 from __future__ import annotations
-
-import threading
 
 import numpy as np
 from llvmlite import ir
@@ -164,36 +161,6 @@ def ptx_prefetch_l2(typingctx, arr, index):
         return context.get_dummy_value()
 
     return sig, codegen
-
-
-@intrinsic
-def ptx_red_v4_f32(typingctx, arr, index, a, b, c, d):
-    """arr[index .. index + 3] += (a, b, c, d) in the L2, one ``red.global.add.v4.f32`` (sm_90, index % 4 == 0): no
-    result comes back, so nothing waits on it. Partial sums of many CTAs into one float32 array (the fused MLP's
-    down partials: ``fused_mlp``), four at a time: a quarter of the atomic requests of scalar adds."""
-    if not (isinstance(arr, types.Array) and arr.ndim == 1 and arr.dtype == types.float32):
-        raise TypeError(f"red_v4_f32 needs a 1-D float32 array, got {arr}")
-    sig = types.void(arr, index, a, b, c, d)
-
-    def codegen(context, builder, sig, args):
-        ptr = _element_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-        vals = [context.cast(builder, x, t, types.float32) for x, t in zip(args[2:], sig.args[2:])]
-        fty = ir.FunctionType(ir.VoidType(), [ptr.type] + [ir.FloatType()] * 4)
-        builder.call(ir.InlineAsm(fty, "red.global.add.v4.f32 [$0], {$1, $2, $3, $4};", "l,f,f,f,f,~{memory}",
-                                  side_effect=True), [ptr] + vals)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-_RED_LOCK = threading.Lock()
-
-
-def py_red_v4_f32(arr, index, a, b, c, d):     # four float32 adds under a lock (the simulator's threads interleave)
-    i = int(index)
-    with _RED_LOCK:
-        for j, v in enumerate((a, b, c, d)):
-            arr[i + j] = np.float32(arr[i + j]) + np.float32(v)
 
 
 def py_prefetch_l2(arr, index):     # a cache hint: no value changes (the index must still be inside the array)
@@ -937,9 +904,9 @@ def py_f16x2_as_u32(lo, hi):
 # ---------------------------------------------------------------------------------------------
 # The names kernels use
 # ---------------------------------------------------------------------------------------------
-NAMES = ("ldg128", "ldg64", "ldg128_stream", "ldg64_stream", "ld128", "stg128", "prefetch_l2", "red_v4_f32",
-         "shared_addr", "lds_f32", "lds_u32", "lds128", "lds64", "sts128", "cp_async16", "cp_async4", "cp_async_commit",
-         "cp_async_wait", "griddep_wait", "griddep_launch_dependents", "cluster_arrive", "cluster_wait", "cluster_rank",
+NAMES = ("ldg128", "ldg64", "ldg128_stream", "ldg64_stream", "ld128", "stg128", "prefetch_l2", "shared_addr", "lds_f32",
+         "lds_u32", "lds128", "lds64", "sts128", "cp_async16", "cp_async4", "cp_async_commit", "cp_async_wait",
+         "griddep_wait", "griddep_launch_dependents", "cluster_arrive", "cluster_wait", "cluster_rank",
          "mbar_init_cluster", "mbar_expect_tx", "mbar_try_wait", "st_async_x2", "st_async_x4",
          "bar_sync", "ldmatrix_x4",
          "mma_f16", "mma_bf16", "hmul2", "hfma2", "bmul2", "dp4a", "lop3", "prmt", "rotr", "u32_as_f32", "f32_as_u32",
@@ -947,8 +914,8 @@ NAMES = ("ldg128", "ldg64", "ldg128_stream", "ldg64_stream", "ld128", "stg128", 
 PAIRS = {name: (globals()["ptx_" + name], globals()["py_" + name]) for name in NAMES}
 
 _pick = 1 if SIMULATOR else 0
-(ldg128, ldg64, ldg128_stream, ldg64_stream, ld128, stg128, prefetch_l2, red_v4_f32, shared_addr, lds_f32, lds_u32,
- lds128, lds64, sts128, cp_async16, cp_async4, cp_async_commit, cp_async_wait, griddep_wait, griddep_launch_dependents,
- cluster_arrive, cluster_wait, cluster_rank, mbar_init_cluster, mbar_expect_tx, mbar_try_wait,
+(ldg128, ldg64, ldg128_stream, ldg64_stream, ld128, stg128, prefetch_l2, shared_addr, lds_f32, lds_u32, lds128, lds64,
+ sts128, cp_async16, cp_async4, cp_async_commit, cp_async_wait, griddep_wait, griddep_launch_dependents, cluster_arrive,
+ cluster_wait, cluster_rank, mbar_init_cluster, mbar_expect_tx, mbar_try_wait,
  st_async_x2, st_async_x4, bar_sync, ldmatrix_x4, mma_f16, mma_bf16, hmul2, hfma2, bmul2, dp4a, lop3, prmt, rotr, u32_as_f32,
  f32_as_u32, f16x2_as_u32, f16_bits_to_f32) = (PAIRS[n][_pick] for n in NAMES)

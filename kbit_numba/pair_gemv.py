@@ -60,14 +60,9 @@ offline and looks weights up several at a time:
   to that expert and row, and runs the plain kernel. At a decode step's B = 1 the 8 rows are 8 experts, one
   launch over their columns; ``mma_gemv.grouped_gemv`` instead takes up to 8 rows of one expert together.
 
-* **The fused MLP's down phase** (``down`` > 0, :func:`make_down_phase`; plan and layout in ``fused_mlp``): after the
-  SiLU build's loop the CTA meets at one barrier and multiplies its own SiLU outputs by their columns of down (the
-  K-major layout), adding its partial of down's outputs into a float32 array in the L2: gate/up, SiLU and down in one
-  launch.
-
 Reference twin: ``reference.gemv`` (which reads ``KbitCodes`` too; ``reference.silu_pairs`` for the epilogue,
-``reference.rms_gemv`` for ``rms_eps``, ``reference.fused_mlp`` for ``down``).
-Tests: ``tests/test_pair_gemv.py`` (``down``: ``tests/test_fused_mlp.py``).
+``reference.rms_gemv`` for ``rms_eps``).
+Tests: ``tests/test_pair_gemv.py``.
 """
 from __future__ import annotations
 
@@ -81,24 +76,16 @@ from numba.cuda.misc.special import literal_unroll
 from . import _arrays
 from .core import (MAX_M, check_grouped, device_weight, fit_threads, k_warps, persistent_grid, row_share, sm_count,
                    unused_i32)
-from .device import (ABSMAX_CODES, CODEBOOK, PRMT_ROW, SECOND_TABLE, TABLE_BYTES, TABLE_FLOATS, WARP, e4m4_decode,
-                     i32, inlined, jit_kernel, make_silu_pair_out, make_table_fill, make_warp_reduce_scatter,
-                     make_word_unpacker, rsqrt_mean, u32)
-from .formats import ABSMAX_FORMATS, BLOCK, CODES_K, KMAJOR_ROWS, KbitCodes, KbitFragments, KbitWeight
+from .device import (ABSMAX_CODES, CODEBOOK, PRMT_ROW, TABLE_BYTES, TABLE_FLOATS, WARP, e4m4_decode, i32, inlined,
+                     jit_kernel, make_silu_pair_out, make_table_fill, make_warp_reduce_scatter, make_word_unpacker,
+                     rsqrt_mean, u32)
+from .formats import ABSMAX_FORMATS, BLOCK, CODES_K, KbitCodes, KbitFragments, KbitWeight
 from .intrinsics import (SIMULATOR, bar_sync, f16_bits_to_f32, griddep_launch_dependents, griddep_wait, hfma2, ld128,
-                         ldg128, ldg64_stream, ldg128_stream, lds64, lds128, lds_f32, lds_u32, prmt, red_v4_f32,
-                         shared_addr, u32_as_f32)
+                         ldg128, ldg64_stream, ldg128_stream, lds64, lds128, lds_u32, prmt, shared_addr, u32_as_f32)
 from .launch import NUMBA_TYPES, OUT_TYPES, Plan, Spec, Step, launch_step, type_name
 
 MAX_KW = 32                       # K-warps per slice: K <= 32 * 32 * 32 = 32768
 MAX_SLICES = 16                   # a slice's named barrier is one of the CTA's 16 (bar.sync 0..15)
-MAX_DOWN_LOADS = 4                # the fused down phase: 16-byte loads a lane an item (fused_mlp), at most
-DOWN_BARRIER = 15                 # ... and the named barrier of the whole CTA before it (slices use 0 .. slices-1)
-# ... and its loads in flight: DOWN_DEPTH[k] 16-byte loads a lane, in whole items (``make_down_phase``; at least two).
-# Eight at k = 4 is 128 bytes a lane, 64 KB an SM of 512 threads, as the gate/up loop before it keeps; an SM must have
-# ~36 KB in flight to stream at the DRAM's rate (~4.8 TB/s x ~1 us / 132 SMs; issue 15's "32 KB"). Four at k = 2
-# (one item of two loads ahead), whose 16-element words take twice the decode a byte. Neither is tuned on a GPU yet.
-DOWN_DEPTH = {4: 8, 2: 4}
 SQUARE_WORDS = MAX_SLICES * MAX_M  # rms_eps: a (slice, row)'s sum of squares of A, in static shared memory
 PART = CODEBOOK + 16              # float offset of the cross-warp partial sums
 BATCH = 3                         # column groups whose partials are summed after one barrier (the loop's unroll)
@@ -141,8 +128,6 @@ class PairGemvSpec(Spec):
     full_batches: bool = False              # batch = 3: whole batches run a loop with no branch inside (FULL_BATCHES)
     rms_eps: float = 0.0                    # > 0: out = (A W^T) / sqrt(mean(A^2) + rms_eps) (RMSNorm, w folded in W)
     accumulate: bool = False                # out += A W^T in place (float16): a decode step's residual add
-    down: int = 0                           # > 0: the fused MLP's down phase after the SiLU epilogue, its items this
-                                            # many 16-byte loads a lane (make_down_phase); 0: none
 
     def normalise(self):
         if self.k not in CODES_K or not 1 <= self.M <= MAX_M:
@@ -157,13 +142,6 @@ class PairGemvSpec(Spec):
             raise ValueError("accumulate adds into a float16 output, without silu_pairs")
         if self.rms_eps and self.accumulate:
             raise ValueError("rms_eps and accumulate: not both in one launch (a step's add, then the next layer's norm)")
-        if self.down and not (self.silu_pairs and self.f16_acc and self.M == 1 and self.absmax_format == "e4m4"
-                              and not (self.grouped or self.fragments or self.accumulate)
-                              and type_name(self.out_dtype, "out_dtype", OUT_TYPES) == "float16"):
-            raise ValueError("the fused down phase follows the SiLU epilogue of a plain M = 1 launch with float16 "
-                             "sums, E4M4 absmax and a float16 output (silu_pairs, f16_acc, code layout)")
-        if not 0 <= int(self.down) <= MAX_DOWN_LOADS:
-            raise ValueError(f"down takes 0..{MAX_DOWN_LOADS} loads an item, got {self.down!r}")
         if not 0 <= float(self.rms_eps) < 1:
             raise ValueError(f"rms_eps must be in [0, 1), got {self.rms_eps!r}")
         if self.silu_pairs and self.cols % 2:   # (a column pair must stay within one slice's columns)
@@ -184,7 +162,7 @@ class PairGemvSpec(Spec):
                     max_registers=int(self.max_registers) if self.max_registers else None,
                     silu_pairs=bool(self.silu_pairs), grouped=bool(self.grouped), fragments=bool(self.fragments),
                     full_batches=bool(self.full_batches), rms_eps=float(self.rms_eps),
-                    accumulate=bool(self.accumulate), down=int(self.down))
+                    accumulate=bool(self.accumulate))
 
 
 
@@ -228,11 +206,6 @@ def make_pair_gemv_kernel(spec):
     # barrier before the wait").
     EARLY_BARRIER = PDL and k == 4 and not GROUPED
     SILU_PAIRS, ACCUMULATE = spec.silu_pairs, spec.accumulate
-    DOWN = spec.down > 0            # the fused MLP: down's partials of this CTA's SiLU outputs after the loop
-    if DOWN:
-        fill_down, down_phase = make_down_phase(k, spec.down)
-    else:
-        fill_down = down_phase = None       # (the DOWN branches are pruned before typing)
     # A decode step's add + RMSNorm inside its gemvs, with no norm launch between them: the o projection's
     # ``accumulate`` build writes x = res + o(att) in place, and the gate/up projection's ``rms_eps`` build, on x,
     # scales its products by 1 / sqrt(mean(x^2) + eps) in the epilogue (the norm's weight folded into its own). The
@@ -498,10 +471,8 @@ def make_pair_gemv_kernel(spec):
             smem[u32(u32(TABLE_FLOATS) + i)] = e4m4_decode(np.uint8(i))
             i = u32(i + u32(cuda.blockDim.x))
 
-    @inlined
-    def body(A, packed, absmax, cb, out, N, n_kb, offsets, d_packed, d_absmax, d_cb, h_words, acc_out, n_out):
-        # offsets: grouped, the experts' first rows [E + 1]; else unused. d_*, h_words, acc_out, n_out: DOWN's (the
-        # down weight in the K-major layout, its absmax bytes as words; out as words; the float32 sums; down's N)
+    def pair_gemv(A, packed, absmax, cb, out, N, n_kb, offsets):
+        # offsets: grouped, the experts' first rows [E + 1]; else unused
         smem = cuda.shared.array(0, np.float32)    # [group table][E4M4 table][codebook][partials]
         if RMS:                     # the slices' sums of squares of A, a (slice, row) word (declared in RMS builds only)
             squares = cuda.shared.array(SQUARE_WORDS, np.float32)
@@ -562,8 +533,6 @@ def make_pair_gemv_kernel(spec):
         # ---- 2. the group table and the E4M4 table (grouped PDL: filled above) ---------------------
         if not (GROUPED and PDL):
             fill_tables(smem, cb, tid)
-        if DOWN:                    # down's table, in the rows' other halves
-            fill_down(smem, d_cb, tid)
         if RMS and tid < u32(SQUARE_WORDS):     # (zeroed before the CTA's barrier below, which every atomic follows)
             squares[tid] = np.float32(0.0)
         table = shared_addr(smem)
@@ -646,18 +615,6 @@ def make_pair_gemv_kernel(spec):
             flip = end(smem, acc, lane, part, flip, FLIP, 2, g, grid, n_groups, sl, kw, slice_tid, group_cols, out, N,
                        squares, k_len)
             g = u32(g + grid)
-        if DOWN:                    # ---- 5. the fused MLP: down's partials of this CTA's SiLU outputs -------------
-            down_phase(smem, table, lane, tid, d_packed, d_absmax, h_words, acc_out, n_out, u32(cuda.blockIdx.x), grid,
-                       n_groups, group_cols)
-
-    if DOWN:
-        def pair_gemv_down(A, packed, absmax, cb, out, N, n_kb, offsets, d_packed, d_absmax, d_cb, h_words, acc_out,
-                           n_out):
-            body(A, packed, absmax, cb, out, N, n_kb, offsets, d_packed, d_absmax, d_cb, h_words, acc_out, n_out)
-        return jit_kernel(pair_gemv_down, spec.max_registers)
-
-    def pair_gemv(A, packed, absmax, cb, out, N, n_kb, offsets):
-        body(A, packed, absmax, cb, out, N, n_kb, offsets, packed, packed, cb, packed, cb, N)   # (no down phase)
 
     return jit_kernel(pair_gemv, spec.max_registers)
 
@@ -674,140 +631,6 @@ def resident_bytes(spec, slices, kw):
     part_bytes``) and, in an ``rms_eps`` build, the static sums of squares."""
     return (TABLE_BYTES + part_bytes(spec.M, spec.cols, slices, kw, spec.batch)
             + (4 * SQUARE_WORDS if spec.rms_eps else 0))
-
-
-# ------------------------------------------------------------------------------------------------
-# The fused MLP's down phase (the ``down`` build; fused_mlp.py has its plan, layout and the why)
-# ------------------------------------------------------------------------------------------------
-def make_down_phase(k, loads):
-    """(fill_down, down_phase) for the ``down`` build, the fused MLP's phase 2 (``fused_mlp``):
-    ``fill_down(smem, cb, tid)`` builds down's float16 table in the table rows' second halves; ``down_phase(smem,
-    table, lane, tid, d_packed, d_absmax, h_words, acc, n_out, cta, grid, n_groups, group_cols)`` adds this CTA's
-    partial of down into ``acc``. An *item* is one of the CTA's down words over ``loads`` x 4 of the lane's rows (lane
-    t: rows 4t + 4 x threads x q, q < ``loads``, one 16-byte load each); a *pass* takes every word once over those rows
-    and sends their sums to the L2 when its last word is decoded, while the next pass streams. More loads an item
-    spread the loop's own instructions over more weights; fewer make more passes, whose sums go out earlier."""
-    fill_down, ENTRY, COPIES = make_table_fill(k, "float16", second=True)
-    L = loads
-    D = max(2, DOWN_DEPTH[k] // L)  # items whose loads are in flight
-    H_WORDS = BLOCK // k // 2       # f16x2 words of h that one code word meets: 4 at k = 4, 8 at k = 2
-    ROWS = KMAJOR_ROWS              # rows (one word each) of a lane's 16-byte load
-    SUMS = L * ROWS                 # the lane's row sums in a pass
-
-    @inlined
-    def load_item(d_packed, d_absmax, w, r, n_out, step, codes, am, b):
-        """Word w of the lane's rows r + step q (q < L) into buffer b: a 16-byte load (4 rows) and the 4 rows' absmax
-        bytes as one word each. Rows past n_out (and items past the last) read valid rows and words instead, whose
-        sums are never added."""
-        base = u32(w * n_out)
-        blk = u32(u32(w // u32(k)) * u32(n_out // ROWS))     # block w // k's absmax words
-        last = u32(n_out - ROWS)
-        for q in range(L):
-            rq = min(u32(r + u32(q) * step), last)
-            codes[b, q, 0], codes[b, q, 1], codes[b, q, 2], codes[b, q, 3] = ldg128_stream(d_packed, u32(base + rq))
-            am[b, q] = d_absmax[u32(blk + u32(rq >> u32(2)))]
-
-    @inlined
-    def decode_item(smem, table, lane_off, codes, am, b, hp, acc):
-        """acc[4q + r] += row r's word (buffer b, load q) dotted with its h values: per code byte one prmt and one
-        shared load of down's table, one (k = 4) or two (k = 2) fma.rn.f16x2 with the h pairs; the word's float16 pair
-        sum times its block's absmax into float32."""
-        scales = u32(table + u32(TABLE_BYTES))          # the decoded E4M4 values (TABLE_FLOATS)
-        for q in range(L):
-            for r in range(ROWS):
-                hs = u32(0)
-                for t in range(4):
-                    addr = table + prmt(codes[b, q, r], lane_off, u32(PRMT_ROW | (t << 4)))
-                    if k == 4:
-                        hs = hfma2(lds_u32(smem, addr), hp[t], hs)
-                    else:
-                        x0, x1 = lds64(smem, addr)
-                        hs = hfma2(x0, hp[2 * t], hs)
-                        hs = hfma2(x1, hp[2 * t + 1], hs)
-                scale = lds_f32(smem, u32(scales + scale_offset(am[b, q], r)))
-                acc[q * ROWS + r] += (f16_bits_to_f32(hs) + f16_bits_to_f32(hs >> u32(16))) * scale
-
-    @inlined
-    def scale_offset(am, r):
-        """Byte r of the absmax word am as the byte offset of its decoded value (a float32 at ``TABLE_FLOATS`` +
-        byte): a shift and a mask, which ptxas folds with the table's base into the shared load (a float index
-        took an or, a shift and an add more)."""
-        if r == 0:
-            return u32(u32(am << u32(2)) & u32(0x3FC))
-        return u32(u32(am >> u32(8 * r - 2)) & u32(0x3FC))
-
-    @inlined
-    def load_h(h_words, w, hp):
-        """Word w's h values as f16x2 words: ordinary loads (this CTA wrote them before the barrier)."""
-        for q in range(H_WORDS // 4):
-            hp[4 * q], hp[4 * q + 1], hp[4 * q + 2], hp[4 * q + 3] = ld128(h_words, u32(w * u32(H_WORDS) + 4 * q))
-
-    @inlined
-    def next_word(w, pos, wpg, jump):
-        """The CTA's word after word w, the pos-th of its group (groups cta, cta + grid, ...: ``jump`` = (grid - 1) wpg
-        + 1 words on at a group's end): no division in the loop."""
-        pos = u32(pos + u32(1))
-        wrap = pos == wpg
-        return u32(w + (jump if wrap else u32(1))), (u32(0) if wrap else pos)
-
-    @inlined
-    def down_phase(smem, table, lane, tid, d_packed, d_absmax, h_words, acc_out, n_out, cta, grid, n_groups,
-                   group_cols):
-        n = u32(n_out)
-        step = u32(u32(cuda.blockDim.x) * u32(ROWS))      # rows one load of every lane covers
-        pass_rows = u32(step * u32(L))
-        passes = u32((n + pass_rows - u32(1)) // pass_rows)
-        wpg = u32(group_cols // u32(2 * (BLOCK // k)))          # down words a group (the plan keeps it whole)
-        mine = u32((n_groups - cta + grid - u32(1)) // grid) if cta < n_groups else u32(0)
-        n_words = u32(mine * wpg)
-        w_last = u32(n_groups * wpg - u32(1))
-        w_first = u32(cta * wpg)
-        jump = u32(u32(u32(grid - u32(1)) * wpg) + u32(1))
-        lane_off = u32(u32((lane % u32(COPIES)) * u32(ENTRY)) + u32(SECOND_TABLE))
-        codes = cuda.local.array((D, L, ROWS), np.uint32)  # D items' buffers, used in turn
-        am = cuda.local.array((D, L), np.uint32)
-        hp = cuda.local.array(H_WORDS, np.uint32)
-        acc = cuda.local.array(SUMS, np.float32)
-        for r in range(SUMS):
-            acc[r] = np.float32(0.0)
-        # items (pass, word) in order: the loads of item j + D - 1 go out before item j's decode. The next item to
-        # load is word lw (the lpos-th of its group, the lc-th of the pass) of the rows from lr; to decode, dw, dpos,
-        # dc, dr. (Items past the last load valid words and rows: min and load_item's own clamp.)
-        lw, lpos, lc, lr = w_first, u32(0), u32(0), u32(tid * u32(ROWS))
-        for b in range(D - 1):      # the first items' loads go out before the barrier: they do not depend on h
-            load_item(d_packed, d_absmax, min(lw, w_last), lr, n, step, codes, am, b)
-            lw, lpos = next_word(lw, lpos, wpg, jump)
-            lc = u32(lc + u32(1))
-            if lc == n_words:
-                lw, lpos, lc, lr = w_first, u32(0), u32(0), u32(lr + pass_rows)
-        bar_sync(DOWN_BARRIER, u32(cuda.blockDim.x))    # every slice's h values are written
-        dw, dpos, dc, dr = w_first, u32(0), u32(0), u32(tid * u32(ROWS))
-        j = u32(0)
-        total = u32(n_words * passes)
-        while j < total:            # unrolled D times, so that every buffer index is a constant (registers)
-            for b in range(D):      # buffer b holds item j; item j + D - 1's loads go into the buffer before it,
-                if j < total:       # which the last decode emptied
-                    load_item(d_packed, d_absmax, min(lw, w_last), lr, n, step, codes, am, (b + D - 1) % D)
-                    lw, lpos = next_word(lw, lpos, wpg, jump)
-                    lc = u32(lc + u32(1))
-                    if lc == n_words:
-                        lw, lpos, lc, lr = w_first, u32(0), u32(0), u32(lr + pass_rows)
-                    load_h(h_words, dw, hp)
-                    decode_item(smem, table, lane_off, codes, am, b, hp, acc)
-                    dw, dpos = next_word(dw, dpos, wpg, jump)
-                    dc = u32(dc + u32(1))
-                    if dc == n_words:       # the pass's last word: each load's four rows, one reduction in the L2
-                        for q in range(L):
-                            rq = u32(dr + u32(q) * step)
-                            if rq < n:
-                                red_v4_f32(acc_out, rq, acc[ROWS * q], acc[ROWS * q + 1], acc[ROWS * q + 2],
-                                           acc[ROWS * q + 3])
-                        for r in range(SUMS):
-                            acc[r] = np.float32(0.0)
-                        dw, dpos, dc, dr = w_first, u32(0), u32(0), u32(dr + pass_rows)
-                    j = u32(j + u32(1))
-
-    return fill_down, down_phase
 
 
 # ------------------------------------------------------------------------------------------------
@@ -935,20 +758,12 @@ def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, f16_acc
         slices = whole_rounds(slices, most, N, spec, kw, regs)
     n_groups = -(-N // (slices * spec.cols))
     shared = TABLE_BYTES + part_bytes(M, spec.cols, slices, kw, spec.batch)
-    spec, kern, grid = with_whole_batches(spec, kern, regs, args, slices, kw, n_groups)
-    return Plan([Step(kern, grid, slices * kw * WARP, args, shared, pdl)], Ad, out, stream)
-
-
-def with_whole_batches(spec, kern, regs, args, slices, kw, n_groups):
-    """(spec, kernel, persistent grid) of a plain M = 1 launch of ``slices`` slices of ``kw`` K-warps over ``n_groups``
-    column groups: its ``full_batches`` build where batches of three groups run at a k of ``PAIR_FULL_BATCHES_K`` and a
-    CTA runs a whole batch (more groups than twice the grid), else the build given (:func:`plan`; ``fused_mlp.plan``)."""
-    threads = slices * kw * WARP
-    grid = persistent_grid(n_groups, threads, regs, resident_bytes(spec, slices, kw))
+    grid = persistent_grid(n_groups, slices * kw * WARP, regs, resident_bytes(spec, slices, kw))
     if spec.batch == BATCH and spec.k in PAIR_FULL_BATCHES_K and n_groups > 2 * grid:     # a CTA runs a whole batch
-        spec, kern, regs, _ = fit_threads(make_pair_gemv_kernel, replace(spec, full_batches=True), args, threads)
-        grid = persistent_grid(n_groups, threads, regs, resident_bytes(spec, slices, kw))
-    return spec, kern, grid
+        spec, kern, regs, _ = fit_threads(make_pair_gemv_kernel, replace(spec, full_batches=True), args,
+                                          slices * kw * WARP)
+        grid = persistent_grid(n_groups, slices * kw * WARP, regs, resident_bytes(spec, slices, kw))
+    return Plan([Step(kern, grid, slices * kw * WARP, args, shared, pdl)], Ad, out, stream)
 
 
 def grouped_knobs(k, K, f16_acc, rows):

@@ -8,8 +8,8 @@ import numpy as np
 
 from .formats import (BITNET_BLOCK_K, BITNET_BLOCK_N, BITNET_ORDER, BLOCK, INT8_ABSMAX_FLOOR, INT8_MAX, LANES,
                       SBVR_ACT_PLANES, SBVR_GROUP, SBVR_PLANES, CODES_K, BitnetWeight, KbitCodes, KbitFragments,
-                      KbitKMajor, KbitWeight, SbvrWeight, UniformWeight, check_codebook, check_fragment_shape, check_k,
-                      e4m4_decode, e4m4_encode, fragment_position, padded_k, tiled_absmax_index, tiled_word_index,
+                      KbitWeight, SbvrWeight, UniformWeight, check_codebook, check_fragment_shape, check_k, e4m4_decode,
+                      e4m4_encode, fragment_position, padded_k, tiled_absmax_index, tiled_word_index,
                       uniform_elements_per_word)
 
 
@@ -153,42 +153,8 @@ def from_fragments(kf):
     return KbitCodes(packed.reshape(-1), absmax, np.asarray(kf.codebook), kf.k, kf.shape, kf.absmax_format)
 
 
-def to_kmajor(w):
-    """KbitCodes (or a KbitWeight with k = 2, 4, through ``to_codes``) -> KbitKMajor (NumPy): the code words and absmax
-    values transposed, word w of row n at w * N + n (``formats.KbitKMajor``)."""
-    kc = w.to_numpy() if isinstance(w, KbitCodes) else to_codes(w)
-    N, K = kc.shape
-    packed = np.asarray(kc.packed).reshape(N, -1).T.reshape(-1)
-    absmax = np.asarray(kc.absmax).reshape(N, -1).T.reshape(-1)
-    return KbitKMajor(np.ascontiguousarray(packed), np.ascontiguousarray(absmax), np.asarray(kc.codebook), kc.k,
-                      kc.shape, kc.absmax_format)
-
-
-def from_kmajor(km):
-    """KbitKMajor -> the KbitCodes it came from (NumPy), exactly."""
-    km = km.to_numpy()
-    N, K = km.shape
-    packed = np.asarray(km.packed).reshape(-1, N).T.reshape(-1)
-    absmax = np.asarray(km.absmax).reshape(-1, N).T.reshape(-1)
-    return KbitCodes(np.ascontiguousarray(packed), np.ascontiguousarray(absmax), np.asarray(km.codebook), km.k,
-                     km.shape, km.absmax_format)
-
-
-def fused_mlp(x, gate_up, down, rms_eps=0.0):
-    """The fused MLP's twin (``fused_mlp.mlp``): down(silu(gate(x')) * up(x')) in float64, where x' is x, or with
-    ``rms_eps`` > 0 x / sqrt(mean(x^2) + rms_eps) (``rms_gemv``), and gate/up one weight whose rows are interleaved
-    (gate j at 2j, up j at 2j + 1: ``silu_pairs``). The kernel rounds the SiLU product to float16 before down (as
-    the separate launches do); this twin returns that float16 h as well: (out float32 [M, N_down], h float16)."""
-    c = rms_gemv(x, gate_up, rms_eps) if rms_eps else gemv(x, gate_up)
-    h = silu_pairs(c).astype(np.float16)
-    down = from_kmajor(down) if isinstance(down, KbitKMajor) else down
-    return gemv(h.astype(np.float32), down), h
-
-
 def to_flat(qw):
-    """Any layout (KbitCodes, KbitFragments and KbitKMajor too) -> flat layout (NumPy)."""
-    if isinstance(qw, KbitKMajor):
-        return from_codes(from_kmajor(qw))
+    """Any layout (KbitCodes and KbitFragments too) -> flat layout (NumPy)."""
     if isinstance(qw, KbitFragments):
         return from_codes(from_fragments(qw))
     if isinstance(qw, KbitCodes):

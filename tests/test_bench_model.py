@@ -100,35 +100,6 @@ def test_norm_inside_gate_up_follows_the_norm_launch(monkeypatch, in_qkv, k):
     assert np.isfinite(outs[0]).all() and err <= 0.01, err
 
 
-@pytest.mark.skipif(SIM, reason="the fused MLP in the step is a GPU launch's (the CPU step runs the torch twins)")
-@pytest.mark.parametrize("k", [2, 4])
-def test_fused_mlp_step_follows_the_two_launches(k):
-    """``... fused_mlp`` variants at batch 1: each layer's gate/up, SiLU and down in one launch (``fused_mlp``), its
-    float32 sums added into the residual by the next layer's norm (which zeroes them) and by the step's end, against
-    the same linears' step through the two gemvs: the same residual stream to float16 rounding (the sums' order and
-    the float16 residual the down gemv adds into differ). At batch 2 the step is the plain one; the linear-only pass
-    runs the fused launch too."""
-    rng = np.random.default_rng(2)
-    base = {name: rng.standard_normal((N, K), dtype=np.float32) * 0.1 for name, N, K in bench_model.projections(TINY)}
-    variant = f"kbit k={k} pdl f16_acc fused_mlp"
-    assert bench_model.uses_fused_mlp(variant) and bench_model.fuses_silu(TINY, variant)
-    q = bench_model.build_linears(TINY, variant, base, lambda msg: None, DEVICE, silu_pairs=True)
-    assert all(layer[3].kmajor.layout == "kmajor" for layer in q)
-    outs = []
-    for fused in (True, False):
-        step = bench_model.DecodeStep(TINY, q, 1, context=64, device=DEVICE, pdl=True, silu_pairs=True,
-                                      fused_mlp=fused)
-        assert step.fused_mlp_runs(step.x) == fused
-        with torch.no_grad():
-            outs.append(step.step().float().cpu().numpy())
-            step.linears_only()
-        if fused:
-            assert not step.mlp_acc.any()              # (zeroed for the next step)
-            assert not step.fused_mlp_runs(torch.zeros(2, TINY["hidden"], device=DEVICE, dtype=torch.float16))
-    err = np.abs(outs[0] - outs[1]).max() / np.abs(outs[1]).max()
-    assert np.isfinite(outs[0]).all() and err <= 0.01, err
-
-
 TINY_MOE = (dict(hidden=64, heads=2, kv_heads=1, head_dim=32, layers=2, experts=4, expert_intermediate=32, top_k=2)
             if SIM else dict(hidden=256, heads=2, kv_heads=1, head_dim=128, layers=2, experts=8,
                              expert_intermediate=128, top_k=2))
@@ -257,12 +228,6 @@ def test_fused_kernels_equal_their_torch_twins(H, pdl, monkeypatch):
     kept = [c.clone() for c in cache]
     monkeypatch.setattr(bench_model, "NORM_PREFETCH_CTAS", 5)
     assert torch.equal(step.add_rmsnorm(res3, y, w, prefetch=cache), h) and torch.equal(res3, res)
-    # float32 y (the fused MLP's sums): added in float32, rounded once, and zeroed; the prefetch build alike
-    for pf in (None, cache):
-        y32, res4, res5 = y.float() * 1.5, res.clone(), res.clone()
-        want = bench_model.add_rmsnorm_torch(res5, y32.clone(), w)
-        torch.testing.assert_close(step.add_rmsnorm(res4, y32, w, prefetch=pf), want, rtol=2e-3, atol=2e-3)
-        assert torch.equal(res4, res5) and not y32.any()
     assert all(torch.equal(c, d) for c, d in zip(cache, kept))
     gu = torch.randn(3, 2 * 14336, device="cuda", dtype=torch.float16, generator=g) * 4
     torch.testing.assert_close(step.silu_mul(gu), bench_model.silu_mul_torch(gu), rtol=2e-3, atol=2e-3)

@@ -18,10 +18,10 @@ pytestmark = pytest.mark.skipif(PTX_ONLY, reason="not a PTX check")
 # kernels are real dispatchers; building them compiles nothing).
 KEYS_SCRIPT = textwrap.dedent("""
     import hashlib, json
-    from kbit_numba import (_cache, act_quant, bitnet, codec, fused_mlp, mma_gemv, pair_gemv, sbvr, scalar_gemv,
+    from kbit_numba import (_cache, act_quant, bitnet, codec, mma_gemv, pair_gemv, sbvr, scalar_gemv,
                             tensor_gemm, uniform)
     keys, unstable = [], []
-    for module in (codec, scalar_gemv, pair_gemv, fused_mlp, mma_gemv, tensor_gemm, act_quant, uniform, sbvr, bitnet):
+    for module in (codec, scalar_gemv, pair_gemv, mma_gemv, tensor_gemm, act_quant, uniform, sbvr, bitnet):
         for name, kernel, argtypes in module.kernel_specializations():
             key = _cache.kernel_key(kernel.py_func, kernel.targetoptions)
             if key is None:

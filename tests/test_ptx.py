@@ -22,11 +22,10 @@ STREAM = f"ld.global.nc{I.STREAM_HINT}."    # the pair gemv's weight loads (intr
 
 
 def _specializations():
-    from kbit_numba import (act_quant, bench_model, bitnet, codec, fused_mlp, mma_gemv, pair_gemv, sbvr,
-                            scalar_gemv, tensor_gemm, uniform)
+    from kbit_numba import (act_quant, bench_model, bitnet, codec, mma_gemv, pair_gemv, sbvr, scalar_gemv,
+                            tensor_gemm, uniform)
     return (codec.kernel_specializations() + scalar_gemv.kernel_specializations()
-            + pair_gemv.kernel_specializations() + fused_mlp.kernel_specializations()
-            + mma_gemv.kernel_specializations()
+            + pair_gemv.kernel_specializations() + mma_gemv.kernel_specializations()
             + tensor_gemm.kernel_specializations() + act_quant.kernel_specializations()
             + uniform.kernel_specializations() + sbvr.kernel_specializations()
             + bitnet.kernel_specializations() + bench_model.kernel_specializations())
@@ -76,11 +75,6 @@ def _requirements(name):
             must += ["griddepcontrol.launch_dependents", "griddepcontrol.wait"]
         else:
             never += ["griddepcontrol"]
-    if name.startswith("fused_mlp"):                         # phase 1 as the pair gemv; phase 2: two tables, f16x2
-        must += ["prmt.b32", "fma.rn.f16x2", "bar.sync %r", "st.shared.v4.u32", STREAM + "v4.u32"]   # FMAs, h by
-        must += ["ld.global.v4.u32", "red.global.add.v4.f32"]   # ordinary loads, the partials reduced in the L2
-        never += ["ld.shared.f64", "cvt.rn.f32.f64", "atom.global"]
-        (must if "pdl=True" in name else never).append("griddepcontrol.wait")
     if name.startswith("gemm"):
         bf16 = "a_type=bfloat16" in name
         must += ["mma.sync.aligned.m16n8k16.row.col.f32." + ("bf16.bf16" if bf16 else "f16.f16") + ".f32",
@@ -118,8 +112,6 @@ def _requirements(name):
             never += cluster
     if name.startswith("add_rmsnorm"):                       # 16-byte loads and stores, one shared word a warp
         must += ["ld.global.nc.v4.u32", "st.global.v4.u32", "shfl.sync.bfly.b32", "bar.sync", "sqrt.rn.f32"]
-        if "y32=True" in name:                               # float32 y: read by ordinary loads, then zeroed
-            must += ["ld.global.v4.u32"]
         (must if "prefetch=True" in name else never).append("prefetch.global.L2")   # the cache's lines, its build
     if name.startswith(("decode_attention", "add_rmsnorm")):    # the step's fused kernels: griddepcontrol exactly
         if "pdl=True" in name:                                  # in their PDL builds
