@@ -2,7 +2,7 @@
 (GPU): the two numbers the fused gate/up + down design needs before it is built (benchmarks/README.md, "Seventy-sixth
 session": each CTA's partial of all of down's outputs is summed in its cluster, then added into a float32 accumulator).
 
-    python benchmarks/atomic_rate.py [--ctas 132] [--threads 512] [--outputs 4096] [--shared 70000]
+    python benchmarks/atomic_rate.py [--ctas 132] [--threads 512] [--outputs 4096] [--shared 120000]
 
 Each mode is one launch of ``ctas`` CTAs of ``threads`` threads, timed in CUDA graphs (``_timing.graph_time_us``, 20
 launches a graph), for ``per = outputs / cluster`` floats a CTA with cluster in 1, 2, 4, 8 (what a CTA adds once its
@@ -15,8 +15,11 @@ cluster of that many CTAs has summed its members' partials in distributed shared
 - ``red4``: the same, four floats an instruction (``red.global.add.v4.f32``, sm_90).
 Printed: us a launch, and beside ``red`` / ``red4`` the reductions a microsecond beyond ``empty``. The accumulator is
 checked after the timing (every address the same nonzero multiple of ctas / cluster). Then, for a kernel of ``threads``
-threads and ``shared`` bytes of dynamic shared memory (the pair gemv's 64 KB table and its partials), the clusters of
-2, 4 and 8 CTAs the device runs at once (``cuOccupancyMaxActiveClusters``) and so the SMs they leave idle.
+threads and ``shared`` bytes of dynamic shared memory, the clusters of 2, 4 and 8 CTAs the device runs at once
+(``cuOccupancyMaxActiveClusters``) and so the SMs they leave idle. The default 120,000 bytes is more than half an SM's
+shared memory, so one CTA fits an SM, as for a kernel with the pair gemv's 64 KB table and ~100 registers a thread at
+512 threads (the first run's 70,000 let this probe's small kernel fit three an SM: its idle counts came out
+negative, benchmarks/README.md, "Seventy-eighth session").
 
 The two reductions are local inline-PTX intrinsics of this probe; a kernel that keeps one gets it in
 ``kbit_numba/intrinsics.py`` with a Python twin.
@@ -133,7 +136,8 @@ def main():
     ap.add_argument("--ctas", type=int, default=None, help="CTAs a launch (default: one an SM)")
     ap.add_argument("--threads", type=int, default=512)
     ap.add_argument("--outputs", type=int, default=4096)
-    ap.add_argument("--shared", type=int, default=70000, help="dynamic shared bytes for the cluster occupancy")
+    ap.add_argument("--shared", type=int, default=120000, help="dynamic shared bytes for the cluster occupancy "
+                    "(more than half an SM's, so that one CTA fits an SM and 'SMs idle' counts SMs)")
     args = ap.parse_args()
     sms = sm_count()
     ctas = args.ctas or sms
