@@ -40,36 +40,32 @@ from kbit_numba.launch import PreparedLaunch
 LAUNCHES = 20                   # launches a graph
 
 
-@intrinsic
-def red_f32(typingctx, arr, index, v):
-    """arr[index] += v, red.global.add.f32 (no result)."""
-    sig = types.void(arr, index, v)
-
-    def codegen(context, builder, sig, args):
-        ptr = _element_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
-        val = context.cast(builder, args[2], sig.args[2], types.float32)
-        fty = ir.FunctionType(ir.VoidType(), [ptr.type, ir.FloatType()])
-        builder.call(ir.InlineAsm(fty, "red.global.add.f32 [$0], $1;", "l,f,~{memory}", side_effect=True),
-                     [ptr, val])
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@intrinsic
-def red_v4_f32(typingctx, arr, index, a, b, c, d):
-    """arr[index .. index + 3] += (a, b, c, d), one red.global.add.v4.f32 (index % 4 == 0; sm_90)."""
-    sig = types.void(arr, index, a, b, c, d)
+def _red_codegen(n):
+    """Codegen of arr[index .. index + n - 1] += n float32 values by one ``red.global.add`` (n = 1, or 4: ``.v4``,
+    sm_90, index % 4 == 0); no result comes back."""
+    operands = "$1" if n == 1 else "{" + ", ".join(f"${j + 1}" for j in range(n)) + "}"
+    text = f"red.global.add{'.v4' if n > 1 else ''}.f32 [$0], {operands};"
 
     def codegen(context, builder, sig, args):
         ptr = _element_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
         vals = [context.cast(builder, x, t, types.float32) for x, t in zip(args[2:], sig.args[2:])]
-        fty = ir.FunctionType(ir.VoidType(), [ptr.type] + [ir.FloatType()] * 4)
-        builder.call(ir.InlineAsm(fty, "red.global.add.v4.f32 [$0], {$1, $2, $3, $4};", "l,f,f,f,f,~{memory}",
-                                  side_effect=True), [ptr] + vals)
+        fty = ir.FunctionType(ir.VoidType(), [ptr.type] + [ir.FloatType()] * n)
+        builder.call(ir.InlineAsm(fty, text, "l" + ",f" * n + ",~{memory}", side_effect=True), [ptr] + vals)
         return context.get_dummy_value()
 
-    return sig, codegen
+    return codegen
+
+
+@intrinsic
+def red_f32(typingctx, arr, index, v):
+    """arr[index] += v, red.global.add.f32."""
+    return types.void(arr, index, v), _red_codegen(1)
+
+
+@intrinsic
+def red_v4_f32(typingctx, arr, index, a, b, c, d):
+    """arr[index .. index + 3] += (a, b, c, d), red.global.add.v4.f32."""
+    return types.void(arr, index, a, b, c, d), _red_codegen(4)
 
 
 @cuda.jit
