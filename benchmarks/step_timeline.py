@@ -13,8 +13,9 @@ entry, after the ``griddep_wait`` and at its end (after a barrier of the whole C
 within a barrier's time); in the gemvs also once its tables are filled (``tables``: the pair gemv's own part of them,
 first run 2026-12-04, seventy-first session; the tensor-core gemv's before their barrier). The records go to one
 int32 buffer, passed where those kernels take an array they do not use in the step (the gemvs' ``offsets`` outside
-grouped launches, the attention's ``count`` in its cluster build). The norm launches and a split launch's finishing
-launch are not stamped. The step's graph is captured once, replayed, the counter reset and one more replay read back.
+grouped launches, the attention's ``count`` in its cluster build). The norm launches, a split launch's finishing
+launch and the attention's L2-merge build (B = 3, 4 on 132 SMs: ``launch_names``) are not stamped. The step's graph
+is captured once, replayed, the counter reset and one more replay read back.
 
 Printed per projection (averaged over layers 2..L; us; "before" = the last CTA end of the stamped launch before it):
 ``first in``: the first CTA's entry; ``tables``: the median CTA's end of its table fill (gemvs); ``waited``: the
@@ -185,6 +186,14 @@ def launches(recs):
     return out + ([np.array(cur)] if cur else [])
 
 
+def launch_names(groups):
+    """The labels of a layer's stamped launches: qkv, attention, o, gate_up, down, without the attention where no launch
+    is the attention's (only its cluster build is stamped, and ``bench_model.att_cluster`` builds it only where the
+    launch has no more CTAs than the GPU has SMs: llama3-8b at B = 1, 2, not at B = 3, 4 on 132 SMs)."""
+    names = ["qkv", "attention", "o", "gate_up", "down"]
+    return names if any(g[0, TAG] == ATTENTION for g in groups) else [n for n in names if n != "attention"]
+
+
 def summarise(groups, names, layers):
     """{name: {metric: mean us over layers 2..}} for launches labelled cyclically by ``names``."""
     rows = {n: [] for n in names}
@@ -245,9 +254,11 @@ def main():
     for w in (ENTRY, WAITED, END, FILLED):          # (globaltimer's low 32 bits: unwrap from the first entry)
         recs[:, w] = (recs[:, w] - t0) % (1 << 32)
     groups = launches(recs)
-    names = ["qkv", "attention", "o", "gate_up", "down"]
+    names = launch_names(groups)
     print(f"{args.model} B={args.batch} {args.variant}: {n} stamped CTAs in {len(groups)} launches; the stamped step "
           f"{untraced:.0f} us untraced; span of the stamps {(recs[:, END].max()) / 1e3:.0f} us")
+    if "attention" not in names:
+        print("the attention ran its L2 merge build, which is not stamped: o's 'before' is QKV's last CTA end")
     table = summarise(groups, names, cfg["layers"])
     cols = list(next(iter(table.values())))
     print(f"{'us after the launch before':<28}" + "".join(f"{c:>11}" for c in cols))
