@@ -94,16 +94,22 @@ def test_table_parameters_reach_the_kernel():
         pair_gemv.PairGemvSpec(4, 1, cols=1, out_dtype="float32"))
 
 
+def epilogue_case(rng, N, K, variant):
+    """A k = 4 weight, one row of activations and a table whose code-layout rules run the pair gemv with cols = 4 and
+    give the build named by ``variant`` (``"k=4 silu"``, ``"k=4 acc"``) cols = 2 in 2-warp CTAs at M = 1."""
+    qw = ref.quantize(random_weight(rng, N, K), k=4)
+    A = rng.standard_normal((1, K)).astype(np.float16)
+    table = {"rules": [[None, "gemv"]], "shapes": {}, "codes_rules": [[4, "pair_gemv", {"cols": 4}], [None, "gemm"]],
+             "codes_shapes": {f"{K}x{N}": {variant: [[1, "pair_gemv", {"cols": 2, "cta_warps": 2}]]}}}
+    return qw, A, table
+
+
 def test_silu_knobs_reach_only_the_silu_build():
     """A table's "<variant> silu" per-shape rules (dispatch.silu_knobs) give the pair gemv's SiLU build its own
     launch knobs; the plain build, an explicitly named kernel and a silu rule naming another kernel keep the plain
     rules' knobs."""
-    rng = np.random.default_rng(2)
-    N, K = 16, 64
-    qw = ref.quantize(random_weight(rng, N, K), k=4)
-    A = rng.standard_normal((1, K)).astype(np.float16)
-    table = {"rules": [[None, "gemv"]], "shapes": {}, "codes_rules": [[4, "pair_gemv", {"cols": 4}], [None, "gemm"]],
-             "codes_shapes": {f"{K}x{N}": {"k=4 silu": [[1, "pair_gemv", {"cols": 2, "cta_warps": 2}]]}}}
+    rng, N, K = np.random.default_rng(2), 16, 64
+    qw, A, table = epilogue_case(rng, N, K, "k=4 silu")
     layer = kb.KbitLinear(qw, table=table)
 
     def kernel(cols, silu):
@@ -132,12 +138,8 @@ def test_acc_knobs_reach_only_the_residual_add_build():
     """A table's "<variant> acc" per-shape rules (dispatch.epilogue_knobs with ACC) give the pair gemv's residual-add
     build (``accumulate``: out += A W^T, the step's o and down) its own launch knobs; the plain build, the SiLU build
     and an explicitly named kernel keep theirs, and past the acc rules' last M the plain rules' knobs apply."""
-    rng = np.random.default_rng(3)
-    N, K = 16, 64
-    qw = ref.quantize(random_weight(rng, N, K), k=4)
-    A = rng.standard_normal((1, K)).astype(np.float16)
-    table = {"rules": [[None, "gemv"]], "shapes": {}, "codes_rules": [[4, "pair_gemv", {"cols": 4}], [None, "gemm"]],
-             "codes_shapes": {f"{K}x{N}": {"k=4 acc": [[1, "pair_gemv", {"cols": 2, "cta_warps": 2}]]}}}
+    rng, N, K = np.random.default_rng(3), 16, 64
+    qw, A, table = epilogue_case(rng, N, K, "k=4 acc")
     layer = kb.KbitLinear(qw, table=table)
 
     def kernel(cols, M=1, **kw):
