@@ -60,6 +60,16 @@ MAX_KB_TILED = 3 if SIM else MAX_KB
 SIM_EXPLICIT_ONLY = dict(phases=(Phase.explicit,)) if SIM else {}
 
 
+def benchmark_script(name):
+    """benchmarks/NAME.py loaded as a module (the scripts are not a package), for tests of their GPU-free pieces."""
+    import importlib.util
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def gpu_split(names, values):
     """On the GPU, one test per value of ``names`` (a parameter the property would otherwise draw), each with
     ``gpu_examples`` draws: every draw there may compile a kernel specialisation (seconds), and pytest-xdist

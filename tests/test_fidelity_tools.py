@@ -1,17 +1,14 @@
 """The pieces of benchmarks/fidelity_minilm.py that need no model download: the safetensors reader, the BERT
 tokenizer, the NumPy BERT forward (padding must not change an embedding) and the NF4 anchor quantizer.
 (The tokenizer was also checked against the model's own tokenizer.json: equal ids on 203 sentences.)"""
-import importlib.util
 import json
-import os
 import struct
 
 import numpy as np
 
-_path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "fidelity_minilm.py")
-_spec = importlib.util.spec_from_file_location("fidelity_minilm", _path)
-F = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(F)
+from helpers import benchmark_script
+
+F = benchmark_script("fidelity_minilm")
 
 
 def test_safetensors_reader(tmp_path):

@@ -1,12 +1,8 @@
 """benchmarks/ptx_fingerprint.py's comparison of two revisions' fingerprints (no GPU, no compile: the names and hashes
 are given)."""
-import importlib.util
-import os
+from helpers import benchmark_script
 
-_path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "ptx_fingerprint.py")
-_spec = importlib.util.spec_from_file_location("ptx_fingerprint", _path)
-P = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(P)
+P = benchmark_script("ptx_fingerprint")
 
 
 def test_compare_matches_the_names_without_a_field_that_one_side_lacks():

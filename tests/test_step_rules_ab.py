@@ -1,16 +1,14 @@
 """benchmarks/step_rules_ab.py's pieces that need no GPU: a rule's text, its edit of a table, and the parsing of
 decode_step_trace.py's output and of the bench's step lines (the run itself is a device visit's:
 benchmarks/README.md)."""
-import importlib.util
 import json
 import os
 
 import pytest
 
-_path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "step_rules_ab.py")
-_spec = importlib.util.spec_from_file_location("step_rules_ab", _path)
-S = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(S)
+from helpers import benchmark_script
+
+S = benchmark_script("step_rules_ab")
 
 TRACE = """
 llama3-8b B=1 kbit k=4 pdl f16_acc (increments in us, averaged over replays 2..6)

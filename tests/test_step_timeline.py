@@ -1,15 +1,11 @@
 """benchmarks/step_timeline.py's pieces that need no GPU: the stamped records split into launches and labelled, with
 and without the attention's launch among them (the run itself is a device visit's: benchmarks/README.md)."""
-import importlib.util
-import os
-
 import numpy as np
 import pytest
 
-_path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "step_timeline.py")
-_spec = importlib.util.spec_from_file_location("step_timeline", _path)
-T = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(T)
+from helpers import benchmark_script
+
+T = benchmark_script("step_timeline")
 
 
 def records(tags_and_grids, layers):
