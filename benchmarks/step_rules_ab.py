@@ -10,7 +10,8 @@ moves the kernels around it (the k = 2 QKV rule of the fifty-fourth session, the
 benchmarks/README.md). ``prepare`` (no GPU needed) makes ``benchmarks/_pk/base`` and ``benchmarks/_pk/NAME`` from
 ``git archive HEAD kbit_numba``; in NAME's ``kbit_numba/tuning/TABLE.json`` the rule of ``codes_shapes[SHAPE][VARIANT]``
 for M rows becomes the pair gemv with KNOBS (``cols=2,cta_warps=8``; empty: the plan's defaults; ``mma_gemv``: the
-tensor-core gemv instead; a SiLU build's variant, ``... silu``, gets the rule added where it has none), and a NAME
+tensor-core gemv instead; an epilogue build's variant, ``... silu`` or ``... acc``, gets the rule added where it has
+none), and a NAME
 given twice gets both rules. The fifty-fifth session's kept rule, for example: ``prepare d2="14336x4096/k=4 f16_acc
 pdl/1/cols=2"``. An argument ``NAME=const:MODULE.CONST=VALUE`` makes a copy whose ``kbit_numba/MODULE.py`` sets CONST
 to VALUE instead (``n512=const:bench_model.NORM_THREADS=512``). Carry
@@ -33,6 +34,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PACKAGES = os.path.join(HERE, "_pk")
 STEP_LINE = re.compile(r"^(\S+) B=(\d+) (.+) \(increments in us")
 MMA = "mma_gemv"                # KNOBS naming the tensor-core gemv: its default plan takes the rule's M instead
+EPILOGUES = (" silu", " acc")   # variant suffixes of the pair gemv's epilogue builds' rules (dispatch.EPILOGUES)
 CONST = "const:"                # a prepare argument NAME=const:MODULE.CONST=VALUE edits a constant, not a rule
 UNTRACED = re.compile(r"^\s+step: .*untraced (\d+(?:\.\d+)?) us")
 BENCH_STEP = re.compile(r"^\s+\.\. (.+) B=\d+: step (\d+(?:\.\d+)?) us")    # bench --model's progress line
@@ -53,12 +55,12 @@ def parse_rule(text):
 
 
 def set_rule(table, shape, variant, m, knobs):
-    """``table`` with the pair gemv rule for M rows of codes_shapes[shape][variant] set to ``knobs``. A SiLU build's
-    variant (``... silu``: dispatch.silu_knobs) that the table lacks, or lacks M in, gets the rule added (without one
-    the SiLU build runs the plain rule's knobs); any other variant must have a rule for M."""
+    """``table`` with the pair gemv rule for M rows of codes_shapes[shape][variant] set to ``knobs``. An epilogue
+    build's variant (``... silu`` or ``... acc``: dispatch.epilogue_knobs) that the table lacks, or lacks M in, gets
+    the rule added (without one the build runs the plain rule's knobs); any other variant must have a rule for M."""
     variants = table["codes_shapes"][shape]
     rule = [m, MMA] if knobs == MMA else [m, "pair_gemv", knobs] if knobs else [m, "pair_gemv"]
-    if variant.endswith(" silu") and not any(r[0] == m for r in variants.get(variant, [])):
+    if variant.endswith(EPILOGUES) and not any(r[0] == m for r in variants.get(variant, [])):
         variants[variant] = sorted(variants.get(variant, []) + [rule], key=lambda r: r[0])
         return table
     rules = variants[variant]

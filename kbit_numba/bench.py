@@ -545,9 +545,10 @@ def codes_tune_rows(shapes, ks, ceilings, progress, table=None, reps=CODES_TUNE_
     ``same_as``. ``silu``: the SiLU epilogue's build (``silu_pairs=True``, an [M, N / 2] output; rows marked ``silu``,
     which ``tune_codes_table`` does not read: their rules are ``dispatch.silu_knobs``', written by hand).
     ``accumulate``: the residual-add build (``accumulate=True``: out += A W^T in place, the step's o and down; rows
-    marked ``accumulate``, which ``tune_codes_table`` does not read either). From ``CODES_TUNE_MMA_FROM_M`` on (not
-    with ``silu`` or ``accumulate``) the tensor-core gemv's default plan is timed in the same turns, a PDL chain in
-    the pdl variants: a ``mma_gemv`` row carrying the variant's ``f16_acc`` and ``pdl``."""
+    marked ``accumulate``, which ``tune_codes_table`` does not read either: ``dispatch.epilogue_knobs``' ``" acc"``
+    rules, written by hand). From ``CODES_TUNE_MMA_FROM_M`` on (not with ``silu`` or ``accumulate``) the tensor-core
+    gemv's default plan is timed in the same turns, a PDL chain in the pdl variants: a ``mma_gemv`` row carrying the
+    variant's ``f16_acc`` and ``pdl``."""
     from numba import cuda
 
     from . import dispatch, mma_gemv, pair_gemv

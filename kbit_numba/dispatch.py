@@ -174,22 +174,40 @@ def codes_rules(table, N, K, k=None, f16_acc=False, pdl=False):
 
 
 SILU = " silu"       # a codes_shapes variant key's suffix: the pair gemv's knobs for its SiLU epilogue's build
+ACC = " acc"         # ... and for its residual-add build (``accumulate``: a decode step's o and down projections)
+EPILOGUES = (SILU, ACC)
 
 
-def silu_knobs(table, N, K, M, k=None, f16_acc=False, pdl=False):
-    """The pair gemv's launch knobs for its SiLU epilogue's build (``silu_pairs``: more registers than the plain
-    build, so other knobs may win) at M rows of an N x K weight: the table's per-shape rules under
-    ``codes_variant(k, f16_acc, pdl) + " silu"`` where it has them and they run the pair gemv at M, else None (the
-    plain build's knobs apply). Which kernel runs is the plain rules' choice either way (``kernel_for`` does not
-    know the epilogue). Measured (H200): llama3-8b's gate/up, k = 4, M = 1, float16 sums, alone and as a PDL chain,
-    ``cols = 2`` with 8-warp CTAs 5.5% faster than the plain build's knobs; with float32 sums no knob set was 3%
-    faster (benchmarks/README.md, "Fifty-second session")."""
-    rules = table.get("codes_shapes", {}).get(f"{K}x{N}", {}).get(codes_variant(k, f16_acc, pdl) + SILU)
+def epilogue_knobs(table, N, K, M, k=None, f16_acc=False, pdl=False, epilogue=SILU):
+    """The pair gemv's launch knobs for one of its epilogue builds (``epilogue``: ``SILU`` for ``silu_pairs``, ``ACC``
+    for ``accumulate``; each takes more registers than the plain build, so other knobs may win) at M rows of an
+    N x K weight: the table's per-shape rules under ``codes_variant(k, f16_acc, pdl) + epilogue`` where it has them
+    and they run the pair gemv at M, else None (the plain build's knobs apply). Which kernel runs is the plain rules'
+    choice either way (``kernel_for`` does not know the epilogue). Measured (H200): llama3-8b's gate/up, k = 4, M = 1,
+    float16 sums, alone and as a PDL chain, ``cols = 2`` with 8-warp CTAs 5.5% faster than the plain build's knobs;
+    with float32 sums no knob set was 3% faster (benchmarks/README.md, "Fifty-second session"). The residual-add
+    build's rules (``ACC``): on the H100, llama3-8b's down (14336x4096) at k = 4, M = 1, float16 sums with PDL,
+    runs the plan's defaults and o (4096x4096) ``cols = 2``, 3.6% and 7% faster alone than the plain rule's knobs
+    and -16.7 us in the decode step (benchmarks/README.md, "Eighty-first session")."""
+    rules = table.get("codes_shapes", {}).get(f"{K}x{N}", {}).get(codes_variant(k, f16_acc, pdl) + epilogue)
     try:
         kernel, params = _first_rule(rules or [], M)
     except StopIteration:          # (no rule for M: the plain build's knobs)
         return None
     return params if kernel == "pair_gemv" else None
+
+
+def silu_knobs(table, N, K, M, k=None, f16_acc=False, pdl=False):
+    """:func:`epilogue_knobs` of the SiLU epilogue's build (``silu_pairs``)."""
+    return epilogue_knobs(table, N, K, M, k, f16_acc, pdl, SILU)
+
+
+def _with_knobs(params, knobs):
+    """``params`` with an epilogue build's own knobs (``epilogue_knobs``) in place of the plain rule's cols and
+    cta_warps (its other parameters, e.g. ``max_registers``, stay)."""
+    if knobs is None:
+        return params
+    return {key: v for key, v in params.items() if key not in ("cols", "cta_warps")} | knobs
 
 
 def _first_rule(rules, M):
@@ -573,23 +591,26 @@ class KbitLinear:
             if kernel not in EPILOGUE_GEMVS:
                 raise ValueError(f"silu_pairs is the pair and tensor-core gemvs' epilogue; this call runs {kernel!r} "
                                  "(kernel_for(M) says which kernel a batch runs)")
-            knobs = None
-            if kernel == "pair_gemv" and chosen:
-                knobs = silu_knobs(self.table or load_table(), *self.weight.shape, _rows(A), self.weight.k,
-                                   self.f16_acc and f16_input(A, bf16), self.pdl)
-            if knobs is not None:          # the SiLU build's own knobs replace the plain build's
-                params = {key: v for key, v in params.items() if key not in ("cols", "cta_warps")} | knobs
+            if kernel == "pair_gemv" and chosen:      # the SiLU build's own knobs replace the plain build's
+                params = _with_knobs(params, self._epilogue_knobs(A, bf16, SILU))
             params = dict(params, silu_pairs=True)
         if rms_eps is not None or accumulate:
             if kernel != "pair_gemv":
                 raise ValueError(f"rms_eps and accumulate are the pair gemv's; this call runs {kernel!r} "
                                  "(kernel_for(M) says which kernel a batch runs)")
+            if accumulate and chosen:                   # and the residual-add build's its own (ACC rules)
+                params = _with_knobs(params, self._epilogue_knobs(A, bf16, ACC))
             params = dict(params, rms_eps=rms_eps, accumulate=accumulate)
         # f16_acc sums in float16 only float16 activations; float32 and bfloat16 ones keep float32 sums
         # (and only in the pair gemv: the gemm's MMAs have no such option)
         f16_acc = self.f16_acc and kernel == "pair_gemv" and f16_input(A, bf16)
         return plan(A, self._weight_for(kernel), out, stream, self.workspace, out_dtype, bf16, kernel,
                     self.table, f16_acc, params)
+
+    def _epilogue_knobs(self, A, bf16, epilogue):
+        """The table's knobs for the pair gemv's ``epilogue`` build at A's rows (:func:`epilogue_knobs`), or None."""
+        return epilogue_knobs(self.table or load_table(), *self.weight.shape, _rows(A), self.weight.k,
+                              self.f16_acc and f16_input(A, bf16), self.pdl, epilogue)
 
     def prepare(self, A, out=None, stream=None, out_dtype=np.float16, bf16=False, kernel=None):
         """Buffers bound once: a :class:`launch.Prepared` whose ``run()`` replays the chosen launches with

@@ -66,12 +66,15 @@ def test_a_moe_model_is_timed_by_the_bench():
                                                                                                         "llama3-8b"]
 
 
-def test_a_silu_variant_the_table_lacks_gets_its_rule_added():
+def test_an_epilogue_variant_the_table_lacks_gets_its_rule_added():
     table = {"codes_shapes": {"4096x28672": {"k=2 f16_acc pdl": [[1, "pair_gemv", {"cols": 4}], [32, "mma_gemv"]],
                                              "k=4 f16_acc pdl silu": [[1, "pair_gemv", {"cols": 2}]]}}}
     S.set_rule(table, "4096x28672", "k=2 f16_acc pdl silu", 1, {"cols": 2, "cta_warps": 8})
     S.set_rule(table, "4096x28672", "k=4 f16_acc pdl silu", 2, {})
     S.set_rule(table, "4096x28672", "k=4 f16_acc pdl silu", 1, {"cols": 4})
+    S.set_rule(table, "4096x28672", "k=4 f16_acc pdl acc", 1, {"cols": 1, "cta_warps": 12})   # the residual-add build
+    assert table["codes_shapes"]["4096x28672"].pop("k=4 f16_acc pdl acc") == [[1, "pair_gemv", {"cols": 1,
+                                                                                                 "cta_warps": 12}]]
     assert table["codes_shapes"]["4096x28672"] == {
         "k=2 f16_acc pdl": [[1, "pair_gemv", {"cols": 4}], [32, "mma_gemv"]],       # (the plain rules untouched)
         "k=2 f16_acc pdl silu": [[1, "pair_gemv", {"cols": 2, "cta_warps": 8}]],

@@ -94,16 +94,22 @@ def test_table_parameters_reach_the_kernel():
         pair_gemv.PairGemvSpec(4, 1, cols=1, out_dtype="float32"))
 
 
+def epilogue_case(rng, N, K, variant):
+    """A k = 4 weight, one row of activations and a table whose code-layout rules run the pair gemv with cols = 4 and
+    give the build named by ``variant`` (``"k=4 silu"``, ``"k=4 acc"``) cols = 2 in 2-warp CTAs at M = 1."""
+    qw = ref.quantize(random_weight(rng, N, K), k=4)
+    A = rng.standard_normal((1, K)).astype(np.float16)
+    table = {"rules": [[None, "gemv"]], "shapes": {}, "codes_rules": [[4, "pair_gemv", {"cols": 4}], [None, "gemm"]],
+             "codes_shapes": {f"{K}x{N}": {variant: [[1, "pair_gemv", {"cols": 2, "cta_warps": 2}]]}}}
+    return qw, A, table
+
+
 def test_silu_knobs_reach_only_the_silu_build():
     """A table's "<variant> silu" per-shape rules (dispatch.silu_knobs) give the pair gemv's SiLU build its own
     launch knobs; the plain build, an explicitly named kernel and a silu rule naming another kernel keep the plain
     rules' knobs."""
-    rng = np.random.default_rng(2)
-    N, K = 16, 64
-    qw = ref.quantize(random_weight(rng, N, K), k=4)
-    A = rng.standard_normal((1, K)).astype(np.float16)
-    table = {"rules": [[None, "gemv"]], "shapes": {}, "codes_rules": [[4, "pair_gemv", {"cols": 4}], [None, "gemm"]],
-             "codes_shapes": {f"{K}x{N}": {"k=4 silu": [[1, "pair_gemv", {"cols": 2, "cta_warps": 2}]]}}}
+    rng, N, K = np.random.default_rng(2), 16, 64
+    qw, A, table = epilogue_case(rng, N, K, "k=4 silu")
     layer = kb.KbitLinear(qw, table=table)
 
     def kernel(cols, silu):
@@ -128,6 +134,35 @@ def test_silu_knobs_reach_only_the_silu_build():
     assert kb.KbitLinear(qw, table=table).plan(A, silu_pairs=True).steps[0].kernel is kernel(4, True)
 
 
+def test_acc_knobs_reach_only_the_residual_add_build():
+    """A table's "<variant> acc" per-shape rules (dispatch.epilogue_knobs with ACC) give the pair gemv's residual-add
+    build (``accumulate``: out += A W^T, the step's o and down) its own launch knobs; the plain build, the SiLU build
+    and an explicitly named kernel keep theirs, and past the acc rules' last M the plain rules' knobs apply."""
+    rng, N, K = np.random.default_rng(3), 16, 64
+    qw, A, table = epilogue_case(rng, N, K, "k=4 acc")
+    layer = kb.KbitLinear(qw, table=table)
+
+    def kernel(cols, M=1, **kw):
+        return pair_gemv.make_pair_gemv_kernel(pair_gemv.PairGemvSpec(4, M, cols, **kw))
+    assert layer.plan(A).steps[0].kernel is kernel(4)
+    assert layer.plan(A, silu_pairs=True).steps[0].kernel is kernel(4, silu_pairs=True)
+    residual = rng.standard_normal((1, N)).astype(np.float16)
+    out = cuda.to_device(residual.copy())
+    p = layer.plan(A, out=out, accumulate=True)
+    assert p.steps[0].kernel is kernel(2, accumulate=True) and p.steps[0].block == 2 * 32   # two 1-warp slices
+    p.launch()
+    want = residual.astype(np.float64) + ref.gemv(A, qw).astype(np.float64)
+    np.testing.assert_allclose(out.copy_to_host(), want, rtol=2e-2, atol=2e-3 * np.abs(want).max())
+    assert dispatch.epilogue_knobs(table, N, K, 2, k=4, epilogue=dispatch.ACC) is None
+    assert dispatch.silu_knobs(table, N, K, 1, k=4) is None                     # (an acc rule is not a silu one)
+    A2 = rng.standard_normal((2, K)).astype(np.float16)
+    out2 = cuda.to_device(np.zeros((2, N), np.float16))
+    assert layer.plan(A2, out=out2, accumulate=True).steps[0].kernel is kernel(4, 2, accumulate=True)
+    named = layer.plan(A, out=out, kernel="pair_gemv", accumulate=True).steps[0]     # the caller's kernel: no knobs
+    direct = pair_gemv.plan(A, layer.weight, out=out, accumulate=True).steps[0]
+    assert (named.kernel, named.grid, named.block) == (direct.kernel, direct.grid, direct.block)
+
+
 def shipped_tables():
     """(path, table) of every per-GPU table in kbit_numba/tuning."""
     import glob
@@ -149,34 +184,37 @@ def shipped_rules():
                     yield path, where, variant, r
 
 
-def test_shipped_silu_rules_are_knobs_the_silu_build_takes():
-    """The per-GPU tables' hand-written "<variant> silu" rules: a known variant key, M thresholds, and knobs the SiLU
-    build accepts (an even cols from COL_CHOICES, cta_warps), so that silu_knobs never hands the plan a bad knob."""
-    variants = {dispatch.codes_variant(k, f, p) + dispatch.SILU for k in (2, 4) for f in (False, True)
-                for p in (False, True)}
+def test_shipped_epilogue_rules_are_knobs_their_build_takes():
+    """The per-GPU tables' hand-written "<variant> silu" and "<variant> acc" rules: a known variant key, M
+    thresholds, and knobs the build accepts (cols from COL_CHOICES, even for the SiLU build; cta_warps), so that
+    epilogue_knobs never hands the plan a bad knob."""
+    variants = {dispatch.codes_variant(k, f, p) + e for k in (2, 4) for f in (False, True) for p in (False, True)
+                for e in dispatch.EPILOGUES}
     seen = 0
     for path, where, variant, r in shipped_rules():
-        if not variant.endswith(dispatch.SILU):
+        if not variant.endswith(dispatch.EPILOGUES):
             continue
         assert variant in variants, (path, where, variant)
         assert (r[0] is None or r[0] >= 1) and r[1] in dispatch.KERNELS, (path, where, r)
         knobs = r[2] if len(r) > 2 else {}
         assert set(knobs) <= {"cols", "cta_warps"}, (path, where, r)
-        assert knobs.get("cols", 2) in pair_gemv.COL_CHOICES and knobs.get("cols", 2) % 2 == 0
+        assert knobs.get("cols", 2) in pair_gemv.COL_CHOICES, (path, where, r)
+        assert knobs.get("cols", 2) % 2 == 0 or not variant.endswith(dispatch.SILU), (path, where, r)
         seen += 1
-    assert seen >= 2          # (the H200's gate/up rules, float16 sums with and without PDL)
+    assert seen >= 5          # (the H200's gate/up silu rules, the H100's gate/up silu and o, down acc rules)
 
 
 def test_shipped_rule_lists_cover_every_m():
-    """Every rule list of the per-GPU tables but the SiLU builds' (which may stop at any M: silu_knobs then gives the
-    plain build's knobs) ends with an any-M rule, in increasing M, so that a lookup finds a rule for every batch."""
+    """Every rule list of the per-GPU tables but the epilogue builds' (which may stop at any M: epilogue_knobs then
+    gives the plain build's knobs) ends with an any-M rule, in increasing M, so that a lookup finds a rule for every
+    batch."""
     lists = 0
     for path, table in shipped_tables():
         found = [(key, table[key]) for key in ("rules", "codes_rules", "codes_mm_rules") if key in table]
         found += [(f"{key} {shape}", rs) for key in ("shapes", "codes_mm_shapes", "codes_variants")
                   for shape, rs in table.get(key, {}).items()]
         found += [(f"codes_shapes {shape} {variant}", rs) for shape, by_variant in table.get("codes_shapes", {}).items()
-                  for variant, rs in by_variant.items() if not variant.endswith(dispatch.SILU)]
+                  for variant, rs in by_variant.items() if not variant.endswith(dispatch.EPILOGUES)]
         for where, rs in found:
             ms = [r[0] for r in rs]
             assert ms and ms[-1] is None and None not in ms[:-1], (path, where, rs)
