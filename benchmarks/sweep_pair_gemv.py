@@ -25,7 +25,6 @@ import sys
 from kbit_numba import bench, dispatch
 
 MARGIN = 0.03           # a knob set this much faster than the build's knobs today is worth a step A/B
-EPILOGUE_KNOBS = ("cols", "cta_warps")
 
 KNOBS = [dict(cols=2), dict(cols=4), dict(cols=8), dict(cta_warps=8), dict(cols=2, cta_warps=8),
          dict(cols=2, cta_warps=32)]
@@ -38,8 +37,8 @@ def todays_knobs(table, shape, k, M, f16, pdl, epilogue):
     kernel, params = dispatch.choose_rule(M, N, K, "codes", table, backend=False, f16_acc=f16, k=k, pdl=pdl)
     if kernel != "pair_gemv":
         return None
-    own = dispatch.epilogue_knobs(table, N, K, M, k, f16, pdl, epilogue)
-    return {key: v for key, v in (own if own is not None else params).items() if key in EPILOGUE_KNOBS}
+    params = dispatch.with_epilogue_knobs(params, dispatch.epilogue_knobs(table, N, K, M, k, f16, pdl, epilogue))
+    return {key: v for key, v in params.items() if key in dispatch.EPILOGUE_KNOBS}
 
 
 def suggestions(rows, table, epilogue, margin=MARGIN):

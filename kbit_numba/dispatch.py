@@ -176,11 +176,13 @@ def codes_rules(table, N, K, k=None, f16_acc=False, pdl=False):
 SILU = " silu"       # a codes_shapes variant key's suffix: the pair gemv's knobs for its SiLU epilogue's build
 ACC = " acc"         # ... and for its residual-add build (``accumulate``: a decode step's o and down projections)
 EPILOGUES = (SILU, ACC)
+EPILOGUE_KNOBS = ("cols", "cta_warps")   # the launch knobs an epilogue build's own rule replaces
 
 
 def epilogue_knobs(table, N, K, M, k=None, f16_acc=False, pdl=False, epilogue=SILU):
     """The pair gemv's launch knobs for one of its epilogue builds (``epilogue``: ``SILU`` for ``silu_pairs``, ``ACC``
-    for ``accumulate``; each takes more registers than the plain build, so other knobs may win) at M rows of an
+    for ``accumulate``; the one takes more registers than the plain build, the other reads and writes its output in
+    place, so other knobs may win) at M rows of an
     N x K weight: the table's per-shape rules under ``codes_variant(k, f16_acc, pdl) + epilogue`` where it has them
     and they run the pair gemv at M, else None (the plain build's knobs apply). Which kernel runs is the plain rules'
     choice either way (``kernel_for`` does not know the epilogue). Measured (H200): llama3-8b's gate/up, k = 4, M = 1,
@@ -202,17 +204,17 @@ def silu_knobs(table, N, K, M, k=None, f16_acc=False, pdl=False):
     return epilogue_knobs(table, N, K, M, k, f16_acc, pdl, SILU)
 
 
-def _with_knobs(params, knobs):
-    """``params`` with an epilogue build's own knobs (``epilogue_knobs``) in place of the plain rule's cols and
-    cta_warps (its other parameters, e.g. ``max_registers``, stay)."""
+def with_epilogue_knobs(params, knobs):
+    """``params`` (a plain rule's) with an epilogue build's own knobs (``epilogue_knobs``; None: none) in place of
+    its ``EPILOGUE_KNOBS`` (its other parameters, e.g. ``max_registers``, stay)."""
     if knobs is None:
         return params
-    return {key: v for key, v in params.items() if key not in ("cols", "cta_warps")} | knobs
+    return {key: v for key, v in params.items() if key not in EPILOGUE_KNOBS} | knobs
 
 
 def _first_rule(rules, M):
     """(kernel, launch parameters) of the first rule ``[max_m, kernel(, params)]`` with M <= max_m (None: any M);
-    StopIteration where none has (a table's plain rules end with an any-M rule; SiLU rules may stop short)."""
+    StopIteration where none has (a table's plain rules end with an any-M rule; epilogue rules may stop short)."""
     return next((r[1], dict(r[2]) if len(r) > 2 else {}) for r in rules if r[0] is None or M <= r[0])
 
 
@@ -592,14 +594,14 @@ class KbitLinear:
                 raise ValueError(f"silu_pairs is the pair and tensor-core gemvs' epilogue; this call runs {kernel!r} "
                                  "(kernel_for(M) says which kernel a batch runs)")
             if kernel == "pair_gemv" and chosen:      # the SiLU build's own knobs replace the plain build's
-                params = _with_knobs(params, self._epilogue_knobs(A, bf16, SILU))
+                params = with_epilogue_knobs(params, self._epilogue_knobs(A, bf16, SILU))
             params = dict(params, silu_pairs=True)
         if rms_eps is not None or accumulate:
             if kernel != "pair_gemv":
                 raise ValueError(f"rms_eps and accumulate are the pair gemv's; this call runs {kernel!r} "
                                  "(kernel_for(M) says which kernel a batch runs)")
             if accumulate and chosen:                   # and the residual-add build's its own (ACC rules)
-                params = _with_knobs(params, self._epilogue_knobs(A, bf16, ACC))
+                params = with_epilogue_knobs(params, self._epilogue_knobs(A, bf16, ACC))
             params = dict(params, rms_eps=rms_eps, accumulate=accumulate)
         # f16_acc sums in float16 only float16 activations; float32 and bfloat16 ones keep float32 sums
         # (and only in the pair gemv: the gemm's MMAs have no such option)
