@@ -34,7 +34,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PACKAGES = os.path.join(HERE, "_pk")
 STEP_LINE = re.compile(r"^(\S+) B=(\d+) (.+) \(increments in us")
 MMA = "mma_gemv"                # KNOBS naming the tensor-core gemv: its default plan takes the rule's M instead
-EPILOGUES = (" silu", " acc")   # variant suffixes of the pair gemv's epilogue builds' rules (dispatch.EPILOGUES)
 CONST = "const:"                # a prepare argument NAME=const:MODULE.CONST=VALUE edits a constant, not a rule
 UNTRACED = re.compile(r"^\s+step: .*untraced (\d+(?:\.\d+)?) us")
 BENCH_STEP = re.compile(r"^\s+\.\. (.+) B=\d+: step (\d+(?:\.\d+)?) us")    # bench --model's progress line
@@ -58,6 +57,7 @@ def set_rule(table, shape, variant, m, knobs):
     """``table`` with the pair gemv rule for M rows of codes_shapes[shape][variant] set to ``knobs``. An epilogue
     build's variant (``... silu`` or ``... acc``: dispatch.epilogue_knobs) that the table lacks, or lacks M in, gets
     the rule added (without one the build runs the plain rule's knobs); any other variant must have a rule for M."""
+    from kbit_numba.dispatch import EPILOGUES      # (the variant suffixes of the epilogue builds' rules)
     variants = table["codes_shapes"][shape]
     rule = [m, MMA] if knobs == MMA else [m, "pair_gemv", knobs] if knobs else [m, "pair_gemv"]
     if variant.endswith(EPILOGUES) and not any(r[0] == m for r in variants.get(variant, [])):
