@@ -16,6 +16,6 @@ for r in $(seq 1 "$rounds"); do
     root=$PWD; [ "$side" = new ] || root=$PWD/.$side
     (cd "$root" && PYTHONPATH=/tmp/site:$root python3 -m kbit_numba.bench "$@" --json "$OUT/ab_${side}_$r.json" \
        2>>"$OUT/ab_progress.log" > "$OUT/ab_${side}_$r.txt") || echo "$side round $r failed"
-    echo "== $side round $r"; grep -E "^ *(gemv|pair|gemm|linear)" "$OUT/ab_${side}_$r.txt" | head -40
+    echo "== $side round $r"; grep -E "^ *(gemv|pair|gemm|mma|linear)" "$OUT/ab_${side}_$r.txt" | head -40
   done
 done
