@@ -90,6 +90,18 @@ def persistent_grid(work, threads, regs, shared):
     return min(work, sm_count() * per_sm)
 
 
+def busiest_sm_items(groups, items, ctas):
+    """Work items on the busiest SM of a persistent launch of ``ctas`` CTAs over ``groups`` groups of ``items``
+    items each: group g runs on CTA g % ctas (the kernels' grid-stride loop) and CTA c on SM c % SMs (the order in
+    which the block scheduler fills an idle GPU). The launch takes about as long as its busiest SM."""
+    sms = sm_count()
+    each, extra = divmod(groups, ctas)
+    loads = [0] * min(sms, ctas)
+    for c in range(ctas):
+        loads[c % sms] += each + (c < extra)
+    return items * max(loads)
+
+
 def row_share(n_groups, rows, resident):
     """grid.x of a launch whose grid.y (and z) are ``rows`` (K's shares, a grouped launch's slots): the ``resident``
     CTAs (:func:`persistent_grid` of all the work) shared among the rows, rounded down, at least one and never more

@@ -26,7 +26,8 @@ and waits on its own dependency chains. This kernel streams the weights the pair
   scales it by the block's absmax (the same roundings as the tiled gemm: codebook value, absmax and
   their product in the MMA's type): ~1.6 instructions per weight at k = 4 whatever M is (with the loads,
   the reduction and the loop, 2.84 at M = 1 and 3.20 at M = 8 measured: benchmarks/README.md).
-* **Geometry** as the pair gemv's: a CTA holds ``S`` slices of ``KW = ceil(K / 256)`` warps (K <= 8192),
+* **Geometry** as the pair gemv's: a CTA holds ``S`` slices of ``KW = ceil(K / 256)`` warps (K <= 8192; S up to
+  the aim, the one whose launch puts the fewest strips on the busiest SM: :func:`busiest_sm_slices`),
   a persistent grid walks 16-column strips, loads run two iterations ahead in three register buffers,
   and the KW warps' partial C tiles are summed in shared memory, three strips at a time (one barrier per three
   strips: ``BATCH``), stored in fragment order (a lane's 4 values of a token tile: one 16-byte store).
@@ -60,9 +61,9 @@ import numpy as np
 from numba import cuda
 
 from . import _arrays
-from .core import (SHARED_PER_SM, check_grouped, device_weight, expected_active, finish_step, fit_threads,
-                   make_finish_kernel, max_tokens_per_expert, persistent_grid, row_share, slot_share, split_sums,
-                   unused_i32)
+from .core import (SHARED_PER_SM, busiest_sm_items, check_grouped, device_weight, expected_active, finish_step,
+                   fit_threads, make_finish_kernel, max_tokens_per_expert, persistent_grid, row_share, slot_share,
+                   split_sums, unused_i32)
 from .device import (CODEBOOK, FULL_MASK, PRMT_ROW, TABLE_BYTES, TABLE_FLOATS, WARP, e4m4_decode, f32_to_bf16_bits, i32,
                      jit_kernel, make_table_fill, silu_mul, slot_expert, stage_codebook, u32)
 from .formats import (ABSMAX_FORMATS, BLOCK, CODES_K, KbitCodes, KbitFragments, check_fragment_shape,
@@ -713,9 +714,11 @@ def _step(spec, args, N, K, cta_warps=None, slots=None, splits=1, active=None):
         spec = replace(spec, batch=1)                      # K > 6656 with two tiles: a barrier per strip
     spec, kern, regs, max_threads = fit_threads(make_mma_gemv_kernel, spec, args, kw * WARP)
     slices = min(most_slices, max(1, max_threads // (kw * WARP)))
+    rows = (slots or 1) * splits                           # grid.y: experts, or shares of K; grouped split: y x z
+    if rows == 1 and slots is None and cta_warps is None:
+        slices = busiest_sm_slices(N, kw, slices, regs, spec)
     n_groups = -(-N // (slices * STRIP))
     shared = TABLE_BYTES + part_bytes(slices, kw, spec.tiles, spec.batch)
-    rows = (slots or 1) * splits                           # grid.y: experts, or shares of K; grouped split: y x z
     if rows == 1 and slots is None:
         grid = persistent_grid(n_groups, slices * kw * WARP, regs, shared)
     else:                           # the resident CTAs shared among the rows, rounded down (or more: see slot_share)
@@ -724,6 +727,19 @@ def _step(spec, args, N, K, cta_warps=None, slots=None, splits=1, active=None):
              slot_share(n_groups, rows, resident, active * splits))
         grid = (x, slots, splits) if slots and splits > 1 else (x, rows)
     return Step(kern, grid, slices * kw * WARP, args, shared, spec.pdl)
+
+
+def busiest_sm_slices(N, kw, most, regs, spec):
+    """The slices a CTA (1..``most``) whose persistent launch puts the fewest strips on its busiest SM
+    (:func:`core.busiest_sm_items`); of equals the most (fewer CTAs fill the table). At 2048x5120 two slices make 160
+    groups of two strips for 132 CTAs (4 strips on the busiest SM), one slice 320 strips for 264 (3): one ran 3-10%
+    faster at M = 1..8; at 2048x4096 (2 strips either way) two ran 1-9% faster (H100, benchmarks/README.md,
+    "Eighty-sixth session")."""
+    def busiest(s):
+        groups = -(-N // (s * STRIP))
+        shared = TABLE_BYTES + part_bytes(s, kw, spec.tiles, spec.batch)
+        return busiest_sm_items(groups, s, persistent_grid(groups, s * kw * WARP, regs, shared))
+    return min(range(most, 0, -1), key=busiest)      # (min keeps the first of equals: the most slices)
 
 
 def plan_grouped(A, experts, expert_offsets, out=None, stream=None, out_dtype=np.float16, bf16=False,

@@ -152,11 +152,13 @@ def test_k_splits_default_rule():
         mma_gemv.k_splits(14336, 1)
 
 
-def test_cta_warps_by_bits_and_tiles():
+def test_cta_warps_by_bits_and_tiles(monkeypatch):
     """At K = 2048 (8 K-warps) a CTA aims for DEFAULTS["cta_warps"] (16: two slices where the registers allow), but
     k = 2's two-tile build for CTA_WARPS_BY_K_TILES (8: one slice); an asked cta_warps wins. (The plan alone: nothing
     is launched. On a GPU the registers may cut the slices further, as for k = 4's two tiles: the default plan is then
-    compared with one asked for the aim; on the simulator every build fits 1024 threads, so the blocks are exact.)"""
+    compared with one asked for the aim; on the simulator every build fits 1024 threads, so the blocks are exact.
+    The busiest-SM rule, which may take fewer slices than the aim, is off here: test_busiest_sm_slices.)"""
+    monkeypatch.setattr(mma_gemv, "busiest_sm_slices", lambda N, kw, most, regs, spec: most)
     rng = np.random.default_rng(5)
     K, N = 2048, 4 * mma_gemv.STRIP
     for k, M, cta_warps, aim in ((2, 12, None, 8), (2, 8, None, 16), (4, 12, None, 16), (2, 16, 16, 16)):
@@ -166,6 +168,38 @@ def test_cta_warps_by_bits_and_tiles():
         assert block == mma_gemv.plan(A, kc, cta_warps=aim).steps[0].block, (k, M, cta_warps)
         if SIM:
             assert block == aim * 32, (k, M, cta_warps)
+
+
+def test_busiest_sm_items_counts_the_grid_stride_loop(monkeypatch):
+    """core.busiest_sm_items against a direct count (group g on CTA g % ctas, CTA c on SM c % SMs), and the cases
+    the plan's rule decides between on an H100's 132 SMs."""
+    monkeypatch.setattr(core, "sm_count", lambda: 132)
+    rng = np.random.default_rng(8)
+    for _ in range(200):
+        groups, ctas, items = int(rng.integers(1, 2000)), int(rng.integers(1, 600)), int(rng.integers(1, 5))
+        per_sm = np.zeros(132, np.int64)
+        np.add.at(per_sm, (np.arange(groups) % ctas) % 132, items)
+        assert core.busiest_sm_items(groups, items, ctas) == per_sm.max(), (groups, ctas, items)
+    assert core.busiest_sm_items(160, 2, 132) == 4 and core.busiest_sm_items(320, 1, 264) == 3   # 2048x5120
+    assert core.busiest_sm_items(128, 2, 128) == 2 == core.busiest_sm_items(256, 1, 256)         # 2048x4096
+
+
+def test_busiest_sm_slices(monkeypatch):
+    """A plan of one weight without an asked cta_warps takes the slices (up to the aim) whose launch puts the fewest
+    strips on the busiest SM, of equals the most: on an H100-like GPU (132 SMs, a 512-thread CTA or two of 256 an SM)
+    one slice at 2048x5120 (3 strips against 4) and 2048x512 (1 against 2), two at 2048x4096 (2 either way); an asked
+    cta_warps and a split-K launch keep the aim."""
+    monkeypatch.setattr(core, "sm_count", lambda: 132)
+    monkeypatch.setattr(mma_gemv, "persistent_grid",
+                        lambda work, threads, regs, shared: min(work, 132 * (65536 // (threads * 128))))
+    rng = np.random.default_rng(6)
+    K = 2048
+    for N, warps in ((5120, 8), (512, 8), (4096, 16)):
+        kc = pair_gemv.to_codes(ref.quantize(random_weight(rng, N, K), k=4))
+        A = rng.standard_normal((4, K)).astype(np.float16)
+        assert mma_gemv.plan(A, kc).steps[0].block == 32 * warps, N
+        assert mma_gemv.plan(A, kc, cta_warps=16).steps[0].block == 512, N
+        assert mma_gemv.plan(A, kc, split=2).steps[0].block == 512, N               # (4 K-warps a share)
 
 
 @gpu_split("k_split", CODES_K)
