@@ -17,7 +17,8 @@ from the register file's four quarters (16384 / (ceil(warps / 4) * 32), down to 
 ``--silu``: every gemv column with the gate/up SiLU epilogue (``silu_pairs``, an [M, N / 2] output; with K split the
 finishing launch applies it); the gemm columns are left out (no epilogue there). ``--cta-warps=W`` adds ``mma,wW``:
 mma(c) with CTAs of about W warps (``mma_gemv.plan(cta_warps=W)``; the default aims for ``DEFAULTS["cta_warps"]``, 16,
-except k = 2's two tiles, 8: ``CTA_WARPS_BY_K_TILES``, measured with this option).
+except k = 2's two tiles, 8: ``CTA_WARPS_BY_K_TILES``, measured with this option; then ``busiest_sm_slices`` may take
+fewer slices, which an asked W skips: ``--cta-warps=16`` beside the default times the rule at K = 2048).
 ``--dq`` adds ``dq(c)`` and ``dq(f)``:
 dequantize + cuBLAS (``linear(kernel="dequant_matmul")``; needs torch or cupy) from the code and the fragment layout,
 what ``linear`` runs past the tensor-core gemv (the fragment layout has no gemm).
