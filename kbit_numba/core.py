@@ -93,13 +93,11 @@ def persistent_grid(work, threads, regs, shared):
 def busiest_sm_items(groups, items, ctas):
     """Work items on the busiest SM of a persistent launch of ``ctas`` CTAs over ``groups`` groups of ``items``
     items each: group g runs on CTA g % ctas (the kernels' grid-stride loop) and CTA c on SM c % SMs (the order in
-    which the block scheduler fills an idle GPU). The launch takes about as long as its busiest SM."""
+    which the block scheduler fills an idle GPU). The launch takes about as long as its busiest SM: SM 0, which holds
+    the most CTAs (0, SMs, 2 SMs, ...) and the most of the first ``extra`` CTAs that run one group more."""
     sms = sm_count()
     each, extra = divmod(groups, ctas)
-    loads = [0] * min(sms, ctas)
-    for c in range(ctas):
-        loads[c % sms] += each + (c < extra)
-    return items * max(loads)
+    return items * (each * -(-ctas // sms) + -(-extra // sms))
 
 
 def row_share(n_groups, rows, resident):
