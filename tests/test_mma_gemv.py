@@ -186,20 +186,22 @@ def test_busiest_sm_items_counts_the_grid_stride_loop(monkeypatch):
 
 def test_busiest_sm_slices(monkeypatch):
     """A plan of one weight without an asked cta_warps takes the slices (up to the aim) whose launch puts the fewest
-    strips on the busiest SM, of equals the most: on an H100-like GPU (132 SMs, a 512-thread CTA or two of 256 an SM)
-    one slice at 2048x5120 (3 strips against 4) and 2048x512 (1 against 2), two at 2048x4096 (2 either way); an asked
-    cta_warps and a split-K launch keep the aim."""
-    monkeypatch.setattr(core, "sm_count", lambda: 132)
+    strips on the busiest SM, of equals the most. On a 4-SM GPU that holds a 512-thread CTA or two of 256 an SM (an
+    H100's 132 scaled down, so the weights stay small): one slice at 10 strips (5 groups of two on 4 CTAs: 4 strips
+    on SM 0; 10 strips on 8 CTAs: 3), two at 8 (2 either way), one at 2 (2 against 1). An asked cta_warps and a
+    split-K launch keep the aim."""
+    monkeypatch.setattr(core, "sm_count", lambda: 4)
     monkeypatch.setattr(mma_gemv, "persistent_grid",
-                        lambda work, threads, regs, shared: min(work, 132 * (65536 // (threads * 128))))
+                        lambda work, threads, regs, shared: min(work, 4 * (65536 // (threads * 128))))
     rng = np.random.default_rng(6)
     K = 2048
-    for N, warps in ((5120, 8), (512, 8), (4096, 16)):
-        kc = pair_gemv.to_codes(ref.quantize(random_weight(rng, N, K), k=4))
+    for strips, warps in ((10, 8), (8, 16), (2, 8)):
+        N = strips * mma_gemv.STRIP
+        kc = ref.to_codes(ref.quantize(random_weight(rng, N, K), k=4))      # (NumPy: no simulated repack)
         A = rng.standard_normal((4, K)).astype(np.float16)
         assert mma_gemv.plan(A, kc).steps[0].block == 32 * warps, N
         assert mma_gemv.plan(A, kc, cta_warps=16).steps[0].block == 512, N
-        assert mma_gemv.plan(A, kc, split=2).steps[0].block == 512, N               # (4 K-warps a share)
+        assert mma_gemv.plan(A, kc, split=2).steps[0].block == 128 * min(4, strips), N   # (4 K-warps a share)
 
 
 @gpu_split("k_split", CODES_K)
