@@ -733,8 +733,8 @@ def busiest_sm_slices(N, kw, most, regs, spec):
     """The slices a CTA (1..``most``) whose persistent launch puts the fewest strips on its busiest SM
     (:func:`core.busiest_sm_items`); of equals the most (fewer CTAs fill the table). At 2048x5120 two slices make 160
     groups of two strips for 132 CTAs (4 strips on the busiest SM), one slice 320 strips for 264 (3): one ran 3-10%
-    faster at M = 1..8; at 2048x4096 (2 strips either way) two ran 1-9% faster (H100, benchmarks/README.md,
-    "Eighty-sixth session")."""
+    faster at M = 1..8 (but k = 2 on the code layout: -2.6..+1.5%); at 2048x4096 (2 strips either way) two ran up to
+    9% faster (H100, benchmarks/README.md, "Eighty-sixth session")."""
     def busiest(s):
         groups = -(-N // (s * STRIP))
         shared = TABLE_BYTES + part_bytes(s, kw, spec.tiles, spec.batch)
