@@ -715,11 +715,12 @@ def _step(spec, args, N, K, cta_warps=None, slots=None, splits=1, active=None):
     spec, kern, regs, max_threads = fit_threads(make_mma_gemv_kernel, spec, args, kw * WARP)
     slices = min(most_slices, max(1, max_threads // (kw * WARP)))
     rows = (slots or 1) * splits                           # grid.y: experts, or shares of K; grouped split: y x z
-    if rows == 1 and slots is None and cta_warps is None:
+    one_weight = rows == 1 and slots is None
+    if one_weight and cta_warps is None:
         slices = busiest_sm_slices(N, kw, slices, regs, spec)
     n_groups = -(-N // (slices * STRIP))
     shared = TABLE_BYTES + part_bytes(slices, kw, spec.tiles, spec.batch)
-    if rows == 1 and slots is None:
+    if one_weight:
         grid = persistent_grid(n_groups, slices * kw * WARP, regs, shared)
     else:                           # the resident CTAs shared among the rows, rounded down (or more: see slot_share)
         resident = persistent_grid(n_groups * rows, slices * kw * WARP, regs, shared)
