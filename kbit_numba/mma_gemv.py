@@ -108,6 +108,9 @@ DEFAULTS = {"cta_warps": 16}      # warps per CTA the plan aims for (the table i
 # fits one slice either way (within 2%). benchmarks/README.md, "Forty-sixth session".
 CTA_WARPS_BY_K_TILES = {(2, 2): 8}   # (k, tiles) -> the warps per CTA the plan aims for instead of DEFAULTS
 BATCH = 3                         # strips whose partial C tiles are summed after one barrier (the loop's unroll)
+# Longer batches the plan may take where a CTA walks more strips than BATCH (:func:`long_batch`): fewer barriers, at
+# the cost of shared memory and of counting the strip at run time. A short list, so that few builds exist.
+LONG_BATCHES = (4, 6, 8)
 SHARED_PER_CTA = SHARED_PER_SM - 1024   # the most dynamic shared memory a CTA may opt in to (sm_90: 227 KB)
 
 # This kernel's own helpers are inlined by Numba's IR inliner, not by NVVM like device.py's (device.inlined): with
@@ -140,8 +143,8 @@ class MmaGemvSpec(Spec):
             raise ValueError(f"absmax_format must be one of {ABSMAX_FORMATS}, got {self.absmax_format!r}")
         if self.tiles not in range(1, MAX_TILES + 1):
             raise ValueError(f"mma gemv takes 1..{MAX_TILES} n8 token tiles, got tiles={self.tiles}")
-        if self.batch not in (1, BATCH):        # the loop body holds BATCH strips: a batch ends with it or each strip
-            raise ValueError(f"mma gemv sums the partial tiles of 1 or {BATCH} strips at a time, "
+        if self.batch not in (1, BATCH) + LONG_BATCHES:
+            raise ValueError(f"mma gemv sums the partial tiles of 1, {BATCH} or {LONG_BATCHES} strips at a time, "
                              f"got batch={self.batch}")
         if self.split_k and (self.silu_pairs or type_name(self.out_dtype, "out_dtype", OUT_TYPES) != "float32"):
             raise ValueError("split_k adds plain sums into a float32 workspace: not silu_pairs (the finishing launch "
@@ -185,6 +188,8 @@ def make_mma_gemv_kernel(spec):
     TILES = spec.tiles
     FRAGMENTS = spec.fragments
     BATCH_ = spec.batch                            # strips per barrier and sum
+    # 1 or BATCH: a strip's slot in the batch is its place in the loop body, a constant; a longer batch counts them
+    COUNTED = BATCH_ not in (1, BATCH)
     PIECE_BLOCKS = 2 if BSTRIDE == 1 else 1         # blocks in a lane's 16-byte load
     TOKENS = N8 * TILES                            # rows of A a CTA takes
     TILE = STRIP * TOKENS                          # floats of one warp's partial C tile
@@ -322,6 +327,20 @@ def make_mma_gemv_kernel(spec):
                       group_cols, out, N, M, row0)
             return u32(u32(BATCH_) * slot - flip)
         return flip
+
+    @ir_inlined
+    def batch_slot(r, place):
+        """The slot of the strip at ``place`` (0..2) of the loop body: its place, or the counted ``r``."""
+        if COUNTED:
+            return r
+        return u32(place % BATCH_)
+
+    @ir_inlined
+    def next_slot(r, half, flip):
+        """The next strip's counted slot: 0 where end_strip began a batch (its buffer half flipped), else r + 1."""
+        if COUNTED:
+            return u32(0) if half != flip else u32(r + 1)
+        return r
 
     @ir_inlined
     def sum_fragment(smem, table, p, p_end):
@@ -547,27 +566,34 @@ def make_mma_gemv_kernel(spec):
         slot = u32(slices * kw * u32(TILE))                 # floats of one strip's tiles; a half holds BATCH
         flip = u32(0)
         acc = cuda.local.array(ACC, np.float32)
+        r = u32(0)                                          # (the strip's slot in a counted batch)
         # ---- 4. the persistent loop, unrolled three times (pair_gemv says why): a batch of BATCH strips a barrier
         ahead = u32(u32(2) * grid * group_cols)
         while grp < n_groups:
             load_strip(packed, absmax, first, u32(grp * group_cols + ahead + col0), kb0, last, nkb, codes_c, am_c)
             decode_strip(smem, table, lane_off, codes_a, am_a, bx, acc)
-            flip = end_strip(smem, table, acc, lane, tid, part, flip, slot, 0 % BATCH_, grp, grid, n_groups, slices, kw,
-                             group_cols, out, N, m, row0)
+            half = end_strip(smem, table, acc, lane, tid, part, flip, slot, batch_slot(r, 0), grp, grid, n_groups,
+                             slices, kw, group_cols, out, N, m, row0)
+            r = next_slot(r, half, flip)
+            flip = half
             grp = u32(grp + grid)
             if grp >= n_groups:
                 break
             load_strip(packed, absmax, first, u32(grp * group_cols + ahead + col0), kb0, last, nkb, codes_a, am_a)
             decode_strip(smem, table, lane_off, codes_b, am_b, bx, acc)
-            flip = end_strip(smem, table, acc, lane, tid, part, flip, slot, 1 % BATCH_, grp, grid, n_groups, slices, kw,
-                             group_cols, out, N, m, row0)
+            half = end_strip(smem, table, acc, lane, tid, part, flip, slot, batch_slot(r, 1), grp, grid, n_groups,
+                             slices, kw, group_cols, out, N, m, row0)
+            r = next_slot(r, half, flip)
+            flip = half
             grp = u32(grp + grid)
             if grp >= n_groups:
                 break
             load_strip(packed, absmax, first, u32(grp * group_cols + ahead + col0), kb0, last, nkb, codes_b, am_b)
             decode_strip(smem, table, lane_off, codes_c, am_c, bx, acc)
-            flip = end_strip(smem, table, acc, lane, tid, part, flip, slot, 2 % BATCH_, grp, grid, n_groups, slices, kw,
-                             group_cols, out, N, m, row0)
+            half = end_strip(smem, table, acc, lane, tid, part, flip, slot, batch_slot(r, 2), grp, grid, n_groups,
+                             slices, kw, group_cols, out, N, m, row0)
+            r = next_slot(r, half, flip)
+            flip = half
             grp = u32(grp + grid)
 
     return jit_kernel(mma_gemv, spec.max_registers)
@@ -722,6 +748,13 @@ def _step(spec, args, N, K, cta_warps=None, slots=None, splits=1, active=None):
     shared = TABLE_BYTES + part_bytes(slices, kw, spec.tiles, spec.batch)
     if one_weight:
         grid = persistent_grid(n_groups, slices * kw * WARP, regs, shared)
+        batch = long_batch(n_groups, grid, slices, kw, regs, spec)
+        if batch != spec.batch:     # (its own build, kept if its registers leave the launch as it is)
+            long_spec, long_kern, long_regs, _ = fit_threads(make_mma_gemv_kernel, replace(spec, batch=batch), args,
+                                                             slices * kw * WARP)
+            long_shared = TABLE_BYTES + part_bytes(slices, kw, spec.tiles, batch)
+            if persistent_grid(n_groups, slices * kw * WARP, long_regs, long_shared) == grid:
+                spec, kern, shared = long_spec, long_kern, long_shared
     else:                           # the resident CTAs shared among the rows, rounded down (or more: see slot_share)
         resident = persistent_grid(n_groups * rows, slices * kw * WARP, regs, shared)
         x = (row_share(n_groups, rows, resident) if active is None else
@@ -741,6 +774,24 @@ def busiest_sm_slices(N, kw, most, regs, spec):
         shared = TABLE_BYTES + part_bytes(s, kw, spec.tiles, spec.batch)
         return busiest_sm_items(groups, s, persistent_grid(groups, s * kw * WARP, regs, shared))
     return min(range(most, 0, -1), key=busiest)      # (min keeps the first of equals: the most slices)
+
+
+def long_batch(n_groups, grid, slices, kw, regs, spec):
+    """The batch (strips a barrier) of a persistent launch of ``grid`` CTAs over ``n_groups`` strip groups: BATCH,
+    or of LONG_BATCHES the one that gives the busiest CTA (ceil(n_groups / grid) groups) the fewest barriers, if
+    fewer than BATCH's, whose partial tiles fit in the shared memory without fewer CTAs an SM (of equals the
+    smallest). At 4096x14336 a CTA walks 7 strips: 3 barriers with BATCH, 2 with 4 (two tiles), 1 with 8."""
+    if spec.batch != BATCH:
+        return spec.batch
+    walks = -(-n_groups // grid)
+    best, fewest = BATCH, -(-walks // BATCH)
+    for batch in LONG_BATCHES:
+        shared = TABLE_BYTES + part_bytes(slices, kw, spec.tiles, batch)
+        if shared > SHARED_PER_CTA or persistent_grid(n_groups, slices * kw * WARP, regs, shared) < grid:
+            break
+        if -(-walks // batch) < fewest:
+            best, fewest = batch, -(-walks // batch)
+    return best
 
 
 def plan_grouped(A, experts, expert_offsets, out=None, stream=None, out_dtype=np.float16, bf16=False,
@@ -818,12 +869,13 @@ def prepare(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, pdl=
 
 def ptx_specs():
     """Every k with float16 A and E4M4 absmax (plain with one and two token tiles, pdl, grouped, grouped pdl,
-    the fragment layout with one and two tiles and grouped, a sum per strip with two tiles: K > 6656, the silu_pairs
+    the fragment layout with one and two tiles and grouped, a sum per strip with two tiles: K > 6656, counted batches
+    (:func:`long_batch`) of 8 strips (fragments) and of 4 (two tiles, pdl), the silu_pairs
     epilogue plain and grouped, split-K with one tile, with two as a PDL launch and grouped, with three and four), and
     each other choice with every k."""
     variants = [dict(), dict(tiles=2), dict(pdl=True), dict(grouped=True), dict(grouped=True, pdl=True),
                 dict(fragments=True), dict(fragments=True, tiles=2), dict(fragments=True, grouped=True),
-                dict(tiles=2, batch=1),
+                dict(tiles=2, batch=1), dict(fragments=True, batch=8), dict(tiles=2, pdl=True, batch=4),
                 dict(a_type="bfloat16"),
                 dict(absmax_format="fp32"),
                 dict(out_dtype="float32"),
