@@ -30,7 +30,8 @@ and waits on its own dependency chains. This kernel streams the weights the pair
   the aim, the one whose launch puts the fewest strips on the busiest SM: :func:`busiest_sm_slices`),
   a persistent grid walks 16-column strips, loads run two iterations ahead in three register buffers,
   and the KW warps' partial C tiles are summed in shared memory, three strips at a time (one barrier per three
-  strips: ``BATCH``), stored in fragment order (a lane's 4 values of a token tile: one 16-byte store).
+  strips: ``BATCH``; with one token tile up to eight where a CTA walks more than three: :func:`long_batch`), stored
+  in fragment order (a lane's 4 values of a token tile: one 16-byte store).
 * **Split-K** (``split_k``; K > 8192, e.g. a llama3-8b down projection, K = 14336; K > 4096 but for k = 2 at M <= 8,
   where a CTA of all K-warps gets 64 registers and spills; or ``plan(split=)``): a CTA
   holds only its share of the K-warps (grid.y = the splits, ~``SPLIT_KW`` warps each: a CTA of all 56 would need
@@ -109,7 +110,10 @@ DEFAULTS = {"cta_warps": 16}      # warps per CTA the plan aims for (the table i
 CTA_WARPS_BY_K_TILES = {(2, 2): 8}   # (k, tiles) -> the warps per CTA the plan aims for instead of DEFAULTS
 BATCH = 3                         # strips whose partial C tiles are summed after one barrier (the loop's unroll)
 # Longer batches the plan may take where a CTA walks more strips than BATCH (:func:`long_batch`): fewer barriers, at
-# the cost of shared memory and of counting the strip at run time. A short list, so that few builds exist.
+# the cost of shared memory and of counting the strip at run time. A short list, so that few builds exist. With one
+# token tile 4096x14336 (7 strips a CTA: batch 8) ran 4-8% faster at k = 4 and 6-13% at k = 2, M = 1 and 4, and
+# 4096x28672 8-10% at M = 1..8; two tiles with batch 4 (8 does not fit) 3-6% slower (H100, benchmarks/README.md,
+# "Eighty-seventh session").
 LONG_BATCHES = (4, 6, 8)
 SHARED_PER_CTA = SHARED_PER_SM - 1024   # the most dynamic shared memory a CTA may opt in to (sm_90: 227 KB)
 
@@ -778,10 +782,11 @@ def busiest_sm_slices(N, kw, most, regs, spec):
 
 def long_batch(n_groups, grid, slices, kw, regs, spec):
     """The batch (strips a barrier) of a persistent launch of ``grid`` CTAs over ``n_groups`` strip groups: BATCH,
-    or of LONG_BATCHES the one that gives the busiest CTA (ceil(n_groups / grid) groups) the fewest barriers, if
-    fewer than BATCH's, whose partial tiles fit in the shared memory without fewer CTAs an SM (of equals the
-    smallest). At 4096x14336 a CTA walks 7 strips: 3 barriers with BATCH, 2 with 4 (two tiles), 1 with 8."""
-    if spec.batch != BATCH:
+    or, with one token tile, of LONG_BATCHES the one that gives the busiest CTA (ceil(n_groups / grid) groups) the
+    fewest barriers, if fewer than BATCH's, whose partial tiles fit in the shared memory without fewer CTAs an SM (of
+    equals the smallest). At 4096x14336 a CTA walks 7 strips: 3 barriers with BATCH, 1 with 8. Two token tiles keep
+    BATCH: there batch 4 (2 barriers) ran 3-6% slower in three of four builds (see LONG_BATCHES)."""
+    if spec.batch != BATCH or spec.tiles > 1:
         return spec.batch
     walks = -(-n_groups // grid)
     best, fewest = BATCH, -(-walks // BATCH)

@@ -231,14 +231,14 @@ def test_mma_gemv_split_k_silu_pairs(k_split, seed, v, half_n, kb2, split):
 
 @pytest.mark.parametrize("k, layout, long_batches, batches", [
     (4, "fragments", (), (3, 3)), (2, "codes", (), (3, 3)), (4, "codes", None, (1, 1)),
-    (4, "codes", (4,), (4, 4)), (2, "fragments", mma_gemv.LONG_BATCHES, (8, 4))])
+    (4, "codes", (4,), (4, 3)), (2, "fragments", mma_gemv.LONG_BATCHES, (8, 3))])
 def test_mma_gemv_batches_of_strips(monkeypatch, k, layout, long_batches, batches):
     """A CTA sums its partial tiles once per batch of strips (``MmaGemvSpec.batch``): three, 1 where they do not fit
-    in shared memory, or a longer batch (:func:`mma_gemv.long_batch`) where it means fewer barriers for the CTA that
-    walks the most strips (its strips then counted at run time). Seven strips of one warp a CTA (with codes the last
-    one partial: N = 100): one CTA walks them (M = 12, two token tiles) in batches of 3, 3, 1, of 4 and 3 (the count
-    starts again), or in one of 8; two CTAs walk 4 and 3 (M = 1): 3 + 1 and 3, or one batch of 4 each. batch = 1 is
-    forced by a shared-memory limit of 0 (``long_batches`` None), batch = 3 by no longer batches (())."""
+    in shared memory, or, with one token tile, a longer batch (:func:`mma_gemv.long_batch`) where it means fewer
+    barriers for the CTA that walks the most strips (its strips then counted at run time). Seven strips of one warp a
+    CTA (with codes the last one partial: N = 100): one CTA walks them (M = 4) in batches of 3, 3, 1, of 4 and 3 (the
+    count starts again), or in one of 8; two CTAs walk 4 and 3 (M = 12, two token tiles: always 3) in 3 + 1 and 3.
+    batch = 1 is forced by a shared-memory limit of 0 (``long_batches`` None), batch = 3 by no longer batches (())."""
     if long_batches is None:
         monkeypatch.setattr(mma_gemv, "SHARED_PER_CTA", 0)
     else:
@@ -248,7 +248,7 @@ def test_mma_gemv_batches_of_strips(monkeypatch, k, layout, long_batches, batche
     qw = ref.quantize(random_weight(rng, N, K), k=k)
     w = pair_gemv.to_codes(qw)
     w = mma_gemv.to_fragments(w) if layout == "fragments" else w
-    for (ctas, M), batch in zip(((1, 12), (2, 1)), batches):
+    for (ctas, M), batch in zip(((1, 4), (2, 12)), batches):
         monkeypatch.setattr(mma_gemv, "persistent_grid", lambda work, *args, ctas=ctas: min(work, ctas))
         A = _activations(rng, M, K, "float16")
         p = mma_gemv.plan(A, w, out_dtype=np.float32, cta_warps=1)      # one warp a CTA: a group a strip
@@ -262,13 +262,13 @@ def test_mma_gemv_batches_of_strips(monkeypatch, k, layout, long_batches, batche
 
 def test_long_batch_rule(monkeypatch):
     """The batch for an H100's launches: 4096x14336 (7 strips on the busiest CTA of 132) takes 8 with one token tile (1
-    barrier), 4 with two (2 barriers: 8 does not fit in 227 KB); 2048x5120 (3 strips or fewer) keeps 3; a batch that
-    would leave fewer CTAs an SM is not taken (K = 2048, 256 threads: two CTAs an SM by registers, one by the shared
-    memory of 8 strips)."""
+    barrier); two token tiles keep 3 (4 fits, but ran 3-6% slower: benchmarks/README.md, "Eighty-seventh session");
+    2048x5120 (3 strips or fewer) keeps 3; a batch that would leave fewer CTAs an SM is not taken (K = 2048, 256
+    threads: two CTAs an SM by registers, one by the shared memory of 6 strips)."""
     monkeypatch.setattr(core, "sm_count", lambda: 132)
     spec1, spec2 = mma_gemv.MmaGemvSpec(4), mma_gemv.MmaGemvSpec(4, tiles=2)
     assert mma_gemv.long_batch(896, 132, 1, 16, 128, spec1) == 8
-    assert mma_gemv.long_batch(896, 132, 1, 16, 128, spec2) == 4
+    assert mma_gemv.long_batch(896, 132, 1, 16, 128, spec2) == 3
     assert mma_gemv.long_batch(320, 264, 1, 8, 120, spec1) == 3
     assert mma_gemv.long_batch(1200, 264, 1, 8, 120, spec1) == 3     # (5 strips: 6 would halve the CTAs an SM)
     assert mma_gemv.long_batch(896, 132, 1, 16, 128, mma_gemv.MmaGemvSpec(4, batch=1)) == 1
