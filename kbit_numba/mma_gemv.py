@@ -875,12 +875,12 @@ def prepare(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, pdl=
 def ptx_specs():
     """Every k with float16 A and E4M4 absmax (plain with one and two token tiles, pdl, grouped, grouped pdl,
     the fragment layout with one and two tiles and grouped, a sum per strip with two tiles: K > 6656, counted batches
-    (:func:`long_batch`) of 8 strips (fragments) and of 4 (two tiles, pdl), the silu_pairs
+    (:func:`long_batch`) of 8 strips (fragments; the silu_pairs PDL build), the silu_pairs
     epilogue plain and grouped, split-K with one tile, with two as a PDL launch and grouped, with three and four), and
     each other choice with every k."""
     variants = [dict(), dict(tiles=2), dict(pdl=True), dict(grouped=True), dict(grouped=True, pdl=True),
                 dict(fragments=True), dict(fragments=True, tiles=2), dict(fragments=True, grouped=True),
-                dict(tiles=2, batch=1), dict(fragments=True, batch=8), dict(tiles=2, pdl=True, batch=4),
+                dict(tiles=2, batch=1), dict(fragments=True, batch=8), dict(pdl=True, silu_pairs=True, batch=8),
                 dict(a_type="bfloat16"),
                 dict(absmax_format="fp32"),
                 dict(out_dtype="float32"),
