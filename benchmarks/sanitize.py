@@ -10,6 +10,7 @@ several batches of strips a CTA, on both layouts, as a PDL chain, and split-K, w
 ``grouped_pair``: the grouped pair gemv (a token row a grid slot) at each of its default knob sets;
 ``attention``: ``bench_model``'s ``decode_attention`` (the decode step's attention stand-in);
 ``batches``: only ``pair``'s launches of many column groups a CTA (its batches of three);
+``long``: only ``mma``'s counted batches (``mma_gemv.long_batch``: 6 + 3 strips a CTA);
 ``pair`` also chains the two launches of a decode step's add + norm (``accumulate``, then ``rms_eps``, which sums
 the squares in shared memory);
 ``norm``: ``bench_model``'s ``add_rmsnorm`` at each of its thread counts (``norm_threads``: 256..512), and its
@@ -177,6 +178,21 @@ if "mma" in families:      # N = 37 (a partial strip), K = 1088 (5 K-warps, the 
             mma_gemv.plan(rng.standard_normal((M, 8256)).astype(np.float16), kc, pdl=pdl).launch().copy_to_host()
         kc = pair_gemv.to_codes(kb.quantize(rng.standard_normal((37, 1088)).astype(np.float16), k=k))
         mma_gemv.plan(rng.standard_normal((8, 1088)).astype(np.float16), kc, split=3).launch().copy_to_host()
+if "mma" in families or "long" in families:
+    # counted batches (mma_gemv.long_batch) that start again: a launch held to two CTAs (the plan's grid function
+    # replaced for it) over 18 strips of one K-warp, 9 a CTA: batches of 6 + 3; plain, and PDL with the SiLU epilogue
+    from kbit_numba import mma_gemv, pair_gemv
+    resident = mma_gemv.persistent_grid
+    mma_gemv.persistent_grid = lambda work, *args: min(work, 2)
+    for k in pair_gemv.CODES_K:
+        kc = pair_gemv.to_codes(kb.quantize(rng.standard_normal((18 * 16, 256)).astype(np.float16), k=k))
+        for pdl in (False, True):
+            p = mma_gemv.plan(rng.standard_normal((4, 256)).astype(np.float16), kc, cta_warps=1, pdl=pdl,
+                              silu_pairs=pdl)
+            assert p.steps[0].grid == 2 and p.steps[0].kernel is mma_gemv.make_mma_gemv_kernel(
+                mma_gemv.MmaGemvSpec(k, pdl=pdl, silu_pairs=pdl, batch=6)), "not the counted launch meant"
+            p.launch().copy_to_host()
+    mma_gemv.persistent_grid = resident
 if "pdl" in families:      # N = K = 1056: a partial column group, two K-warps; float32 and float16 block sums
 
     from kbit_numba import pair_gemv
