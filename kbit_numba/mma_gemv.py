@@ -785,7 +785,8 @@ def long_batch(n_groups, grid, slices, kw, regs, spec):
     or, with one token tile, of LONG_BATCHES the one that gives the busiest CTA (ceil(n_groups / grid) groups) the
     fewest barriers, if fewer than BATCH's, whose partial tiles fit in the shared memory without fewer CTAs an SM (of
     equals the smallest). At 4096x14336 a CTA walks 7 strips: 3 barriers with BATCH, 1 with 8. Two token tiles keep
-    BATCH: there batch 4 (2 barriers) ran 3-6% slower in three of four builds (see LONG_BATCHES)."""
+    BATCH: there batch 4 (2 barriers) ran 3-6% slower in three of four builds (see LONG_BATCHES). Only plans of one
+    weight ask (:func:`_step`); grouped and split-K launches keep their batch."""
     if spec.batch != BATCH or spec.tiles > 1:
         return spec.batch
     walks = -(-n_groups // grid)
