@@ -163,7 +163,7 @@ class MmaGemvSpec(Spec):
 @lru_cache(maxsize=None)
 def make_mma_gemv_kernel(spec):
     """Kernel(A words, packed codes, absmax, codebook, out[M*N], N, n_kb, M, offsets) for a
-    :class:`MmaGemvSpec`; blockDim = 32 * KW * S, ``TABLE_BYTES + part_bytes(S, KW)`` bytes of dynamic shared
+    :class:`MmaGemvSpec`; blockDim = 32 * KW * S, :func:`cta_shared` (S, KW) bytes of dynamic shared
     memory. A: the [M, K] activations as uint32 words of two float16 (bfloat16) values, M <= 8 * spec.tiles;
     n_kb = K / 32, even.
     Grouped: A [T, K] and out [T, N] hold every expert's rows (offsets: int32 [E + 1]), M is unused.
@@ -680,6 +680,11 @@ def part_bytes(slices, kw, tiles=1, batch=BATCH):
     return 4 * (PART - TABLE_FLOATS) + 2 * batch * slices * kw * STRIP * N8 * tiles * 4
 
 
+def cta_shared(slices, kw, tiles=1, batch=BATCH):
+    """A CTA's dynamic shared bytes: the group table and :func:`part_bytes`."""
+    return TABLE_BYTES + part_bytes(slices, kw, tiles, batch)
+
+
 def plan(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, cta_warps=None, pdl=False, silu_pairs=False,
          split=None, workspace=None):
     """Checked inputs bound into a :class:`launch.Plan`. ``kc``: KbitCodes (k = 2, 4; K a multiple of 64;
@@ -740,7 +745,7 @@ def _step(spec, args, N, K, cta_warps=None, slots=None, splits=1, active=None):
     kw = -(-(-(-(K // BLOCK) // KB_WARP)) // splits)     # ceil(ceil(K / 256) / splits)
     aim = cta_warps or CTA_WARPS_BY_K_TILES.get((spec.k, spec.tiles), DEFAULTS["cta_warps"])
     most_slices = max(1, min(aim // kw, -(-N // STRIP)))
-    if TABLE_BYTES + part_bytes(most_slices, kw, spec.tiles, spec.batch) > SHARED_PER_CTA:
+    if cta_shared(most_slices, kw, spec.tiles, spec.batch) > SHARED_PER_CTA:
         spec = replace(spec, batch=1)                      # K > 6656 with two tiles: a barrier per strip
     spec, kern, regs, max_threads = fit_threads(make_mma_gemv_kernel, spec, args, kw * WARP)
     slices = min(most_slices, max(1, max_threads // (kw * WARP)))
@@ -749,14 +754,14 @@ def _step(spec, args, N, K, cta_warps=None, slots=None, splits=1, active=None):
     if one_weight and cta_warps is None:
         slices = busiest_sm_slices(N, kw, slices, regs, spec)
     n_groups = -(-N // (slices * STRIP))
-    shared = TABLE_BYTES + part_bytes(slices, kw, spec.tiles, spec.batch)
+    shared = cta_shared(slices, kw, spec.tiles, spec.batch)
     if one_weight:
         grid = persistent_grid(n_groups, slices * kw * WARP, regs, shared)
         batch = long_batch(n_groups, grid, slices, kw, regs, spec)
         if batch != spec.batch:     # (its own build, kept if its registers leave the launch as it is)
             long_spec, long_kern, long_regs, _ = fit_threads(make_mma_gemv_kernel, replace(spec, batch=batch), args,
                                                              slices * kw * WARP)
-            long_shared = TABLE_BYTES + part_bytes(slices, kw, spec.tiles, batch)
+            long_shared = cta_shared(slices, kw, spec.tiles, batch)
             if persistent_grid(n_groups, slices * kw * WARP, long_regs, long_shared) == grid:
                 spec, kern, shared = long_spec, long_kern, long_shared
     else:                           # the resident CTAs shared among the rows, rounded down (or more: see slot_share)
@@ -775,7 +780,7 @@ def busiest_sm_slices(N, kw, most, regs, spec):
     9% faster (H100, benchmarks/README.md, "Eighty-sixth session")."""
     def busiest(s):
         groups = -(-N // (s * STRIP))
-        shared = TABLE_BYTES + part_bytes(s, kw, spec.tiles, spec.batch)
+        shared = cta_shared(s, kw, spec.tiles, spec.batch)
         return busiest_sm_items(groups, s, persistent_grid(groups, s * kw * WARP, regs, shared))
     return min(range(most, 0, -1), key=busiest)      # (min keeps the first of equals: the most slices)
 
@@ -792,7 +797,7 @@ def long_batch(n_groups, grid, slices, kw, regs, spec):
     walks = -(-n_groups // grid)
     best, fewest = BATCH, -(-walks // BATCH)
     for batch in LONG_BATCHES:
-        shared = TABLE_BYTES + part_bytes(slices, kw, spec.tiles, batch)
+        shared = cta_shared(slices, kw, spec.tiles, batch)
         if shared > SHARED_PER_CTA or persistent_grid(n_groups, slices * kw * WARP, regs, shared) < grid:
             break
         if -(-walks // batch) < fewest:
