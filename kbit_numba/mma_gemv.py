@@ -755,20 +755,21 @@ def _step(spec, args, N, K, cta_warps=None, slots=None, splits=1, active=None):
         slices = busiest_sm_slices(N, kw, slices, regs, spec)
     n_groups = -(-N // (slices * STRIP))
     shared = cta_shared(slices, kw, spec.tiles, spec.batch)
-    if one_weight:
-        grid = persistent_grid(n_groups, slices * kw * WARP, regs, shared)
-        batch = long_batch(n_groups, grid, slices, kw, regs, spec)
+    threads = slices * kw * WARP
+    resident = persistent_grid(n_groups * rows, threads, regs, shared)
+    # grid.x: every resident CTA for one weight; else the resident CTAs shared among the rows, rounded down (or more:
+    # see slot_share)
+    x = (resident if one_weight else row_share(n_groups, rows, resident) if active is None else
+         slot_share(n_groups, rows, resident, active * splits))
+    if slots is None:               # one weight, whole or split in K: a CTA walks ceil(n_groups / x) strips
+        batch = long_batch(n_groups, x, slices, kw, regs, spec, rows)
         if batch != spec.batch:     # (its own build, kept if its registers leave the launch as it is)
             long_spec, long_kern, long_regs, _ = fit_threads(make_mma_gemv_kernel, replace(spec, batch=batch), args,
-                                                             slices * kw * WARP)
+                                                             threads)
             long_shared = cta_shared(slices, kw, spec.tiles, batch)
-            if persistent_grid(n_groups, slices * kw * WARP, long_regs, long_shared) == grid:
+            if persistent_grid(n_groups * rows, threads, long_regs, long_shared) == resident:
                 spec, kern, shared = long_spec, long_kern, long_shared
-    else:                           # the resident CTAs shared among the rows, rounded down (or more: see slot_share)
-        resident = persistent_grid(n_groups * rows, slices * kw * WARP, regs, shared)
-        x = (row_share(n_groups, rows, resident) if active is None else
-             slot_share(n_groups, rows, resident, active * splits))
-        grid = (x, slots, splits) if slots and splits > 1 else (x, rows)
+    grid = x if one_weight else (x, slots, splits) if slots and splits > 1 else (x, rows)
     return Step(kern, grid, slices * kw * WARP, args, shared, spec.pdl)
 
 
@@ -785,20 +786,23 @@ def busiest_sm_slices(N, kw, most, regs, spec):
     return min(range(most, 0, -1), key=busiest)      # (min keeps the first of equals: the most slices)
 
 
-def long_batch(n_groups, grid, slices, kw, regs, spec):
-    """The batch (strips a barrier) of a persistent launch of ``grid`` CTAs over ``n_groups`` strip groups: BATCH,
-    or, with one token tile, of LONG_BATCHES the one that gives the busiest CTA (ceil(n_groups / grid) groups) the
-    fewest barriers, if fewer than BATCH's, whose partial tiles fit in the shared memory without fewer CTAs an SM (of
-    equals the smallest). At 4096x14336 a CTA walks 7 strips: 3 barriers with BATCH, 1 with 8. Two token tiles keep
-    BATCH: there batch 4 (2 barriers) ran 3-6% slower in three of four builds (see LONG_BATCHES). Only plans of one
-    weight ask (:func:`_step`); grouped and split-K launches keep their batch."""
+def long_batch(n_groups, grid, slices, kw, regs, spec, rows=1):
+    """The batch (strips a barrier) of a persistent launch of ``grid`` CTAs (a row's, of ``rows``: K's shares) over
+    ``n_groups`` strip groups: BATCH, or, with one token tile, of LONG_BATCHES the one that gives the busiest CTA
+    (ceil(n_groups / grid) groups) the fewest barriers, if fewer than BATCH's, whose partial tiles fit in the shared
+    memory without fewer CTAs an SM (of equals the smallest). At 4096x14336 a CTA walks 7 strips: 3 barriers with
+    BATCH, 1 with 8; the llama3-8b down projection (14336x4096, 4 shares of 33 CTAs) 8. Two token tiles keep BATCH:
+    there batch 4 (2 barriers) ran 3-6% slower in three of four builds (see LONG_BATCHES). Plans of one weight ask,
+    whole or split in K (:func:`_step`); grouped launches keep their batch."""
     if spec.batch != BATCH or spec.tiles > 1:
         return spec.batch
+    threads = slices * kw * WARP
+    resident = persistent_grid(n_groups * rows, threads, regs, cta_shared(slices, kw, spec.tiles))
     walks = -(-n_groups // grid)
     best, fewest = BATCH, -(-walks // BATCH)
     for batch in LONG_BATCHES:
         shared = cta_shared(slices, kw, spec.tiles, batch)
-        if shared > SHARED_PER_CTA or persistent_grid(n_groups, slices * kw * WARP, regs, shared) < grid:
+        if shared > SHARED_PER_CTA or persistent_grid(n_groups * rows, threads, regs, shared) < resident:
             break
         if -(-walks // batch) < fewest:
             best, fewest = batch, -(-walks // batch)
@@ -881,12 +885,13 @@ def prepare(A, kc, out=None, stream=None, out_dtype=np.float16, bf16=False, pdl=
 def ptx_specs():
     """Every k with float16 A and E4M4 absmax (plain with one and two token tiles, pdl, grouped, grouped pdl,
     the fragment layout with one and two tiles and grouped, a sum per strip with two tiles: K > 6656, counted batches
-    (:func:`long_batch`) of 8 strips (fragments; the silu_pairs PDL build), the silu_pairs
+    (:func:`long_batch`) of 8 strips (fragments; the silu_pairs PDL build; split-K PDL), the silu_pairs
     epilogue plain and grouped, split-K with one tile, with two as a PDL launch and grouped, with three and four), and
     each other choice with every k."""
     variants = [dict(), dict(tiles=2), dict(pdl=True), dict(grouped=True), dict(grouped=True, pdl=True),
                 dict(fragments=True), dict(fragments=True, tiles=2), dict(fragments=True, grouped=True),
                 dict(tiles=2, batch=1), dict(fragments=True, batch=8), dict(pdl=True, silu_pairs=True, batch=8),
+                dict(split_k=True, out_dtype="float32", pdl=True, batch=8),
                 dict(a_type="bfloat16"),
                 dict(absmax_format="fp32"),
                 dict(out_dtype="float32"),

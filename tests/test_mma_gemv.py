@@ -260,6 +260,27 @@ def test_mma_gemv_batches_of_strips(monkeypatch, k, layout, long_batches, batche
         check_gemm(p.launch().copy_to_host(), A, qw)
 
 
+@pytest.mark.parametrize("k, layout, long_batches, batch", [(4, "codes", (4,), 4), (2, "fragments", None, 8)])
+def test_split_k_long_batches(monkeypatch, k, layout, long_batches, batch):
+    """A launch split in K counts its strips in a long batch too: 7 strips of one K-warp a share (K = 512 in two
+    shares), one CTA a share (two resident), so each CTA walks all 7: batches of 4 + 3, or one of 8. The shares' sums
+    meet in the workspace and the finishing launch writes them."""
+    if long_batches is not None:
+        monkeypatch.setattr(mma_gemv, "LONG_BATCHES", long_batches)
+    monkeypatch.setattr(mma_gemv, "persistent_grid", lambda work, *args: min(work, 2))
+    rng = np.random.default_rng(30 + k)
+    N, K, M = (100, 512, 4) if layout == "codes" else (112, 512, 4)
+    qw = ref.quantize(random_weight(rng, N, K), k=k)
+    w = pair_gemv.to_codes(qw)
+    w = mma_gemv.to_fragments(w) if layout == "fragments" else w
+    A = _activations(rng, M, K, "float16")
+    p = mma_gemv.plan(A, w, out_dtype=np.float32, cta_warps=1, split=2)
+    step = p.steps[0]
+    assert step.grid == (1, 2) and step.kernel is mma_gemv.make_mma_gemv_kernel(mma_gemv.MmaGemvSpec(
+        k, a_type="float16", out_dtype="float32", fragments=layout == "fragments", split_k=True, batch=batch))
+    check_gemm(p.launch().copy_to_host(), A, qw)
+
+
 def test_long_batch_rule(monkeypatch):
     """The batch for an H100's launches: 4096x14336 (7 strips on the busiest CTA of 132) takes 8 with one token tile (1
     barrier); two token tiles keep 3 (4 fits, but ran 3-6% slower: benchmarks/README.md, "Eighty-seventh session");
@@ -272,6 +293,7 @@ def test_long_batch_rule(monkeypatch):
     assert mma_gemv.long_batch(320, 264, 1, 8, 120, spec1) == 3
     assert mma_gemv.long_batch(1200, 264, 1, 8, 120, spec1) == 3     # (5 strips: 6 would halve the CTAs an SM)
     assert mma_gemv.long_batch(896, 132, 1, 16, 128, mma_gemv.MmaGemvSpec(4, batch=1)) == 1
+    assert mma_gemv.long_batch(256, 33, 1, 14, 128, spec1, rows=4) == 8     # 14336x4096 in 4 shares: 8 strips a CTA
 
 
 def test_split_and_grouped_grids_fit_the_resident_ctas(monkeypatch):
