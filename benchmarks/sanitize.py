@@ -10,7 +10,7 @@ several batches of strips a CTA, on both layouts, as a PDL chain, and split-K, w
 ``grouped_pair``: the grouped pair gemv (a token row a grid slot) at each of its default knob sets;
 ``attention``: ``bench_model``'s ``decode_attention`` (the decode step's attention stand-in);
 ``batches``: only ``pair``'s launches of many column groups a CTA (its batches of three);
-``long``: only ``mma``'s counted batches (``mma_gemv.long_batch``: 6 + 3 strips a CTA);
+``long``: only ``mma``'s counted batches (``mma_gemv.long_batch``: 6 + 3 strips a CTA, whole and split in K);
 ``pair`` also chains the two launches of a decode step's add + norm (``accumulate``, then ``rms_eps``, which sums
 the squares in shared memory);
 ``norm``: ``bench_model``'s ``add_rmsnorm`` at each of its thread counts (``norm_threads``: 256..512), and its
@@ -192,6 +192,13 @@ if "mma" in families or "long" in families:
             assert p.steps[0].grid == 2 and p.steps[0].kernel is mma_gemv.make_mma_gemv_kernel(
                 mma_gemv.MmaGemvSpec(k, pdl=pdl, silu_pairs=pdl, batch=6)), "not the counted launch meant"
             p.launch().copy_to_host()
+        # split in K (two shares of K = 512, one CTA a share) over 9 strips: batches of 6 + 3, the shares' sums
+        # added in the workspace, then the finishing launch; PDL
+        kc = pair_gemv.to_codes(kb.quantize(rng.standard_normal((9 * 16, 512)).astype(np.float16), k=k))
+        p = mma_gemv.plan(rng.standard_normal((4, 512)).astype(np.float16), kc, cta_warps=1, pdl=True, split=2)
+        assert p.steps[0].grid == (1, 2) and p.steps[0].kernel is mma_gemv.make_mma_gemv_kernel(mma_gemv.MmaGemvSpec(
+            k, pdl=True, out_dtype="float32", split_k=True, batch=6)), "not the counted split launch meant"
+        p.launch().copy_to_host()
     mma_gemv.persistent_grid = resident
 if "pdl" in families:      # N = K = 1056: a partial column group, two K-warps; float32 and float16 block sums
 
