@@ -771,7 +771,7 @@ def _step(spec, args, N, K, cta_warps=None, slots=None, splits=1, active=None):
             if persistent_grid(n_groups * rows, threads, long_regs, long_shared) == resident:
                 spec, kern, shared = long_spec, long_kern, long_shared
     grid = x if one_weight else (x, slots, splits) if slots and splits > 1 else (x, rows)
-    return Step(kern, grid, slices * kw * WARP, args, shared, spec.pdl)
+    return Step(kern, grid, threads, args, shared, spec.pdl)
 
 
 def busiest_sm_slices(N, kw, most, regs, spec):
