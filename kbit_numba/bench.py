@@ -434,7 +434,7 @@ def merge_tuned(old, new, rows):
 
 
 MMA_CAP_MARGIN = 0.03              # the tensor-core gemv keeps an M while at most this much slower than the gemm
-MMA_CAP_FROM_M = 3                 # (M = 1, 2 run the pair gemv in every table)
+MMA_CAP_FROM_M = 3                 # (M = 1, 2: the codes rules' choice, from --tune-codes; a cap is never below 2)
 
 
 def mma_gemv_caps(rows):
