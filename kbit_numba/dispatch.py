@@ -67,9 +67,9 @@ PAIR_GEMV_MAX_ROW_WARPS_F16 = 56
 # With f16_acc at k = 4 the pair gemv also beats the tensor-core gemv at M = 3 (7-15% on five llama/qwen shapes; the
 # llama3-8b B = 3 step 8% faster), not at M = 4; at k = 2 it does not (that step 3% slower). H100, benchmarks/README.md.
 # This holds where a table has no tuned rules for the variant: ``bench --tune-codes`` times the tensor-core gemv beside
-# the pair gemv's knob sets at each M it tunes from 2 on, so tuned rules say which is faster themselves (as PDL chains
-# on the H200 the tensor-core gemv won by 8-15% at M = 2, 3 on three of eight points; benchmarks/README.md,
-# "Seventy-second session").
+# the pair gemv's knob sets at each M it tunes (from ``bench.CODES_TUNE_MMA_FROM_M``), so tuned rules say which is
+# faster themselves (as PDL chains on the H200 the tensor-core gemv won by 8-15% at M = 2, 3 on three of eight points;
+# benchmarks/README.md, "Seventy-second session").
 PAIR_GEMV_F16_MAX_M = {4: 3}       # k -> the largest M the pair gemv with float16 block sums takes from it
 # The tensor-core gemv's two token tiles (M = 9..16) take 10-20% less time than the tiled gemm and 25-28% less than
 # the code layout's at k = 4 (M = 12, 16 on 4096x14336, 2048x5120, 4096x6144), but up to 1.8x more at k = 2. H100,

@@ -486,11 +486,12 @@ def test_tune_codes_table_names_the_tensor_core_gemv_where_it_wins():
                                                         [None, "gemm"]]
 
 
-def test_tune_codes_rows_time_the_tensor_core_gemv_from_m2(monkeypatch):
+def test_tune_codes_rows_time_the_tensor_core_gemv_from_m1(monkeypatch):
     """codes_tune_rows on the simulator (the timer stubbed: each candidate launched once, then given its turn's
-    number): the pair gemv's rows first at each point, then from M = 2 the tensor-core gemv's, in the variant's PDL
-    form, carrying the variant; none at M = 1 or beside the SiLU build. The weights come from the NumPy quantizer
-    (the same bytes, test_codec.py), which saves the simulated quantize kernel's ~26 s."""
+    number): the pair gemv's rows first at each point, then from ``CODES_TUNE_MMA_FROM_M`` (1) the tensor-core gemv's,
+    in the variant's PDL form, carrying the variant; none below it (checked with it raised to 2) or beside the SiLU
+    build. The weights come from the NumPy quantizer (the same bytes, test_codec.py), which saves the simulated
+    quantize kernel's ~26 s."""
     from kbit_numba import _timing, codec
     monkeypatch.setattr(codec, "quantize", lambda W, k: ref.quantize(W, k=k))
     launched = []
@@ -503,10 +504,16 @@ def test_tune_codes_rows_time_the_tensor_core_gemv_from_m2(monkeypatch):
     monkeypatch.setattr(_timing, "rotation_count", lambda nbytes: 1)
     rows = bench.codes_tune_rows([(256, 32)], [4], {"read_GBps": 1.0}, lambda msg: None, reps=1,
                                  variants=[(True, True)], knob_sets=[{"cols": 2}], ms=[1, 2])
+    assert bench.CODES_TUNE_MMA_FROM_M == 1
     assert [(r["kernel"], r["M"]) for r in rows] == [
-        ("pair_gemv[f16,pdl]", 1), ("pair_gemv[cols=2,f16,pdl]", 1),
+        ("pair_gemv[f16,pdl]", 1), ("pair_gemv[cols=2,f16,pdl]", 1), ("mma_gemv[pdl]", 1),
         ("pair_gemv[f16,pdl]", 2), ("pair_gemv[cols=2,f16,pdl]", 2), ("mma_gemv[pdl]", 2)]
     assert rows[-1]["f16_acc"] and rows[-1]["pdl"] and rows[-1]["turns_us"] == [float(len(launched))]   # (last)
+    monkeypatch.setattr(bench, "CODES_TUNE_MMA_FROM_M", 2)
+    later = bench.codes_tune_rows([(256, 32)], [4], {"read_GBps": 1.0}, lambda msg: None, reps=1,
+                                  variants=[(True, True)], knob_sets=[], ms=[1, 2])
+    assert [(r["kernel"], r["M"]) for r in later] == [("pair_gemv[f16,pdl]", 1), ("pair_gemv[f16,pdl]", 2),
+                                                      ("mma_gemv[pdl]", 2)]
     silu = bench.codes_tune_rows([(256, 32)], [4], {"read_GBps": 1.0}, lambda msg: None, reps=1,
                                  variants=[(True, True)], knob_sets=[], ms=[2], silu=True)
     assert [r["kernel"] for r in silu] == ["pair_gemv[f16,pdl,silu]"]
