@@ -531,8 +531,9 @@ CODES_TUNE_VARIANTS = tuple(CODES_TUNE_VARIANT_NAMES.values())
 # From this M on, the tune also times the tensor-core gemv (its default plan; a PDL chain in the pdl variants) beside
 # the pair gemv's knob sets, and its rules name it where it is the fastest: which of the two wins at M = 2, 3 depends
 # on the shape (H200 PDL chains, benchmarks/README.md, "Seventy-second session"), and since the long batches at M = 1
-# with float32 sums too (H100 PDL chains: 4096x14336 k = 2 11.34 us against the best knob set's 11.83, 14336x4096
-# 12.23 against 12.88; "Eighty-ninth session"). With float16 sums the pair gemv wins M = 1 by 20-30% there.
+# with float32 sums too (H100 PDL chains, k = 2, two runs on one machine: 4096x14336 11.34 us against the best knob
+# set's 11.83 in the tune after it, 14336x4096 12.23 against 12.88; "Eighty-ninth session"). With float16 sums the pair
+# gemv wins M = 1 by 20-30% there.
 CODES_TUNE_MMA_FROM_M = 1
 MMA = "mma_gemv"                  # tune_codes_table's key of the tensor-core gemv among the pair gemv's knob sets
 
