@@ -14,7 +14,8 @@ tensor-core gemv instead; an epilogue build's variant, ``... silu`` or ``... acc
 none), and a NAME
 given twice gets both rules. The fifty-fifth session's kept rule, for example: ``prepare d2="14336x4096/k=4 f16_acc
 pdl/1/cols=2"``. An argument ``NAME=const:MODULE.CONST=VALUE`` makes a copy whose ``kbit_numba/MODULE.py`` sets CONST
-to VALUE instead (``n512=const:bench_model.NORM_THREADS=512``). Carry
+to VALUE instead (``n512=const:bench_model.NORM_THREADS=512``); rules and constants given the same NAME share a
+copy. Carry
 ``benchmarks/_pk`` to the device; ``run`` then traces base and every copy (default: all but base) once a round, each
 in its own process with the copy first on PYTHONPATH, prints each process's step lines, and per variant a table of the
 untraced step us by copy and round with each copy's mean difference from base's. A MoE model (``--model
@@ -106,11 +107,12 @@ def copy_package(name):
 
 def prepare(rules, table_name):
     copy_package("base")
-    made = set()                # (a NAME given twice gets both rules in one copy)
+    made = set()                # (a NAME given twice gets both edits in one copy)
     for text in rules:
         if text.partition("=")[2].startswith(CONST):
             name, module, const, value = parse_constant(text)
-            set_constant(copy_package(name), module, const, value)
+            set_constant(os.path.join(PACKAGES, name) if name in made else copy_package(name), module, const, value)
+            made.add(name)
             print(f"{name}: {module}.{const} = {value}")
             continue
         name, shape, variant, m, knobs = parse_rule(text)
