@@ -674,9 +674,11 @@ def tune_codes_table(rows, table, margin=CODES_TUNE_MARGIN):
                 fastest = min(sorted(t), key=t.get)
                 mine = general.get(M, "{}")
                 per_shape.setdefault(shape, {})[M] = fastest if t[fastest] < (1 - margin) * t[mine] else mine
-        old_general = variants.pop(variant, None) or tail
+        old_general = variants.get(variant) or tail
         if any(c != "{}" for c in general.values()):
-            variants[variant] = as_rules(general, old_general)
+            variants[variant] = as_rules(general, old_general)     # (in its place: a retune's JSON diff stays short)
+        else:
+            variants.pop(variant, None)
         for shape, chosen in per_shape.items():
             entry = shapes.setdefault(shape, {})
             entry[variant] = as_rules(chosen, entry.get(variant) or old_general)

@@ -430,6 +430,7 @@ def test_tune_codes_table_writes_per_shape_knobs():
     # the shapes measured before keep theirs
     later = tune_codes_table([row(1, 10.0, shape="64x512"), row(1, 6.0, {"cols": 4}, shape="64x512")], table)
     assert later["codes_variants"]["k=4"] == [[1, "pair_gemv", {"cols": 4}], [2, "pair_gemv"]] + tail
+    assert list(later["codes_variants"]) == list(table["codes_variants"])     # (rewritten in place, not moved last)
     assert later["codes_shapes"]["64x128"]["k=4"] == general and "64x512" in later["codes_shapes"]
     assert dispatch.choose_rule(1, 128, 64, "codes", later, backend=False, k=4) == ("pair_gemv", win)
     choose = lambda M, N, **kw: dispatch.choose_rule(M, N, 64, "codes", table, backend=False, **kw)   # noqa: E731
