@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Retune this GPU's linear() table for the code layout's gemvs and check it, in one device call:
 #     TUNE_SHAPES=4096x28672,4096x6144 [TUNE_VARIANTS=fp32,fp32+pdl] [TUNE_K=2,4] bash benchmarks/device_tune_codes.sh
-# 1. `bench --tune-codes` over the shapes (its rows: $OUT/tc_rows.json; the retuned table: $OUT/tc.json, the table
-#    before it: $OUT/before.json), written into kbit_numba/tuning/ on the device only;
+# 1. `bench --tune-codes` over the shapes (its rows: $OUT/tc_rows.json and tc.txt; the retuned table: $OUT/tc.json),
+#    written into kbit_numba/tuning/ on the device only;
 # 2. test_linear.py on the GPU with that table (device_suite.sh; a table change needs it before it is committed);
 # 3. `linear` beside the pair and tensor-core gemvs at M = 1, 2 on the shapes (is it within 5% of the best?).
 # Then here: copy $OUT/tc.json over the table, and `git diff` shows the rules that moved (a retune keeps the
 # variants' order). Why a routine: a kernel change that moves a gemv's row by more than ~5% leaves the tuned rules
-# stale (the M = 2 rules of the eighty-ninth session); this catches it in ~4-6 minutes a GPU.
+# stale (the M = 2 rules of the eighty-ninth session); this catches it in ~4-6 minutes a GPU. It leaves six files
+# under $OUT (the device tool brings back eight at most: a first version's eleven lost the table).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -15,21 +16,21 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 shapes=${TUNE_SHAPES:?TUNE_SHAPES=KxN,... (the shapes to tune)}
 table=$(python3 -c "from numba import cuda; from kbit_numba import dispatch; print(dispatch.device_key(cuda.get_current_device().name))")
 echo "table kbit_numba/tuning/$table.json; $(date -u)"
-cp "kbit_numba/tuning/$table.json" "$OUT/before.json" 2>/dev/null || echo '{}' > "$OUT/before.json"
-cp "$OUT/before.json" "$OUT/tc.json"
+cp "kbit_numba/tuning/$table.json" "$OUT/tc.json" 2>/dev/null || echo '{}' > "$OUT/tc.json"
 t0=$(date +%s)
 timeout "${TUNE_TIMEOUT:-300}" python3 -m kbit_numba.bench --tune-codes "$OUT/tc.json" \
   --tune-variants "${TUNE_VARIANTS:-fp32,fp32+pdl}" --k "${TUNE_K:-2,4}" --shapes "$shapes" \
-  --json "$OUT/tc_rows.json" > "$OUT/tc.txt" 2> "$OUT/tc.err"
+  --json "$OUT/tc_rows.json" > "$OUT/tc.txt" 2> /tmp/tc.err
 echo "tune rc $? $(( $(date +%s) - t0 )) s"; grep -E "^(mma_gemv|pair_gemv) " "$OUT/tc.txt" | head -80
-tail -2 "$OUT/tc.err"
+tail -2 /tmp/tc.err
 cp "$OUT/tc.json" "kbit_numba/tuning/$table.json"
 t0=$(date +%s)
-OUT=$OUT SUITE_ONLY=1 SUITE_TIMEOUT=${SUITE_TIMEOUT:-200} SUITE_FILES=test_linear.py bash benchmarks/device_suite.sh \
-  > "$OUT/suite_out.log" 2>&1
+mkdir -p /tmp/suite && OUT=/tmp/suite SUITE_ONLY=1 SUITE_TIMEOUT=${SUITE_TIMEOUT:-200} SUITE_FILES=test_linear.py \
+  bash benchmarks/device_suite.sh > /tmp/suite/out.log 2>&1
+cp /tmp/suite/suite.log "$OUT/suite.log"
 echo "test_linear.py $(( $(date +%s) - t0 )) s: $(grep -E '[0-9]+ (passed|failed)' "$OUT/suite.log" | tail -1)"
 t0=$(date +%s)
 timeout "${GRID_TIMEOUT:-200}" python3 -m kbit_numba.bench --shapes "$shapes" --k "${TUNE_K:-2,4}" --m 1,2 \
-  --kernels pair_gemv,mma_gemv,linear --json "$OUT/lin.json" > "$OUT/lin.txt" 2> "$OUT/lin.err"
+  --kernels pair_gemv,mma_gemv,linear --json "$OUT/lin.json" > "$OUT/lin.txt" 2> /tmp/lin.err
 echo "grid rc $? $(( $(date +%s) - t0 )) s"; grep -E "^ *(pair|mma|linear)" "$OUT/lin.txt"
 date -u
