@@ -8,20 +8,24 @@
 # Then here: copy $OUT/tc.json over the table, and `git diff` shows the rules that moved (a retune keeps the
 # variants' order). Why a routine: a kernel change that moves a gemv's row by more than ~5% leaves the tuned rules
 # stale (the M = 2 rules of the eighty-ninth session); this catches it in ~4-6 minutes a GPU. It leaves six files
-# under $OUT (the device tool brings back eight at most: a first version's eleven lost the table).
+# under $OUT (the device tool brings back eight at most: a first version's eleven lost the table). Tune several
+# shapes at once: the tune rewrites a variant's general rules (those of shapes it has no entry for) from the shapes
+# it timed, so one shape's tune would set them from that shape alone.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 shapes=${TUNE_SHAPES:?TUNE_SHAPES=KxN,... (the shapes to tune)}
-table=$(python3 -c "from numba import cuda; from kbit_numba import dispatch; print(dispatch.device_key(cuda.get_current_device().name))")
+table=$(python3 -c "from numba import cuda; from kbit_numba import dispatch
+print(dispatch.device_key(cuda.get_current_device().name))")
 echo "table kbit_numba/tuning/$table.json; $(date -u)"
 cp "kbit_numba/tuning/$table.json" "$OUT/tc.json" 2>/dev/null || echo '{}' > "$OUT/tc.json"
 t0=$(date +%s)
 timeout "${TUNE_TIMEOUT:-300}" python3 -m kbit_numba.bench --tune-codes "$OUT/tc.json" \
   --tune-variants "${TUNE_VARIANTS:-fp32,fp32+pdl}" --k "${TUNE_K:-2,4}" --shapes "$shapes" \
   --json "$OUT/tc_rows.json" > "$OUT/tc.txt" 2> /tmp/tc.err
-echo "tune rc $? $(( $(date +%s) - t0 )) s"; grep -E "^(mma_gemv|pair_gemv) " "$OUT/tc.txt" | head -80
+echo "tune rc $? $(( $(date +%s) - t0 )) s"      # (the pair gemv's default plan and the tensor-core gemv; every
+grep -E "^(mma_gemv|pair_gemv) " "$OUT/tc.txt" | head -80       # knob set's row is in tc.txt)
 tail -2 /tmp/tc.err
 cp "$OUT/tc.json" "kbit_numba/tuning/$table.json"
 t0=$(date +%s)
