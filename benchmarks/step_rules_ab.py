@@ -107,18 +107,23 @@ def copy_package(name):
 
 def prepare(rules, table_name):
     copy_package("base")
-    made = set()                # (a NAME given twice gets both edits in one copy)
+    made = set()
+
+    def copy_for(name):
+        """NAME's copy: made at its first edit, the same one at the next (a NAME given twice gets both edits)."""
+        if name in made:
+            return os.path.join(PACKAGES, name)
+        made.add(name)
+        return copy_package(name)
+
     for text in rules:
         if text.partition("=")[2].startswith(CONST):
             name, module, const, value = parse_constant(text)
-            set_constant(os.path.join(PACKAGES, name) if name in made else copy_package(name), module, const, value)
-            made.add(name)
+            set_constant(copy_for(name), module, const, value)
             print(f"{name}: {module}.{const} = {value}")
             continue
         name, shape, variant, m, knobs = parse_rule(text)
-        root = os.path.join(PACKAGES, name) if name in made else copy_package(name)
-        made.add(name)
-        path = os.path.join(root, "kbit_numba", "tuning", f"{table_name}.json")
+        path = os.path.join(copy_for(name), "kbit_numba", "tuning", f"{table_name}.json")
         with open(path) as f:
             raw = f.read()
         table = set_rule(json.loads(raw), shape, variant, m, knobs)
