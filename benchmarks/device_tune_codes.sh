@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Retune this GPU's linear() table for the code layout's gemvs and check it, in one device call:
-#     TUNE_SHAPES=4096x28672,4096x6144 [TUNE_VARIANTS=fp32,fp32+pdl] [TUNE_K=2,4] bash benchmarks/device_tune_codes.sh
+#     TUNE_SHAPES=4096x28672,4096x6144 [TUNE_VARIANTS=fp32,fp32+pdl] [TUNE_K=2,4] [TUNE_KEEP_GENERAL=1] \
+#       bash benchmarks/device_tune_codes.sh
 # 1. `bench --tune-codes` over the shapes (its rows: $OUT/tc_rows.json and tc.txt; the retuned table: $OUT/tc.json),
 #    written into kbit_numba/tuning/ on the device only;
 # 2. test_linear.py on the GPU with that table (device_suite.sh; a table change needs it before it is committed);
@@ -10,7 +11,8 @@
 # stale (the M = 2 rules of the eighty-ninth session); this catches it in ~4-6 minutes a GPU. It leaves six files
 # under $OUT (the device tool brings back eight at most: a first version's eleven lost the table). Tune several
 # shapes at once: the tune rewrites a variant's general rules (those of shapes it has no entry for) from the shapes
-# it timed, so one shape's tune would set them from that shape alone.
+# it timed, so one shape's tune would set them from that shape alone; TUNE_KEEP_GENERAL=1 (--tune-keep-general)
+# keeps them and writes the shapes' entries only (for shapes other than the seed shapes).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -23,7 +25,7 @@ cp "kbit_numba/tuning/$table.json" "$OUT/tc.json" 2>/dev/null || echo '{}' > "$O
 t0=$(date +%s)
 timeout "${TUNE_TIMEOUT:-300}" python3 -m kbit_numba.bench --tune-codes "$OUT/tc.json" \
   --tune-variants "${TUNE_VARIANTS:-fp32,fp32+pdl}" --k "${TUNE_K:-2,4}" --shapes "$shapes" \
-  --json "$OUT/tc_rows.json" > "$OUT/tc.txt" 2> /tmp/tc.err
+  ${TUNE_KEEP_GENERAL:+--tune-keep-general} --json "$OUT/tc_rows.json" > "$OUT/tc.txt" 2> /tmp/tc.err
 echo "tune rc $? $(( $(date +%s) - t0 )) s"      # (the pair gemv's default plan and the tensor-core gemv; every
 grep -E "^(mma_gemv|pair_gemv) " "$OUT/tc.txt" | head -80       # knob set's row is in tc.txt)
 tail -2 /tmp/tc.err

@@ -620,7 +620,7 @@ def codes_tune_rows(shapes, ks, ceilings, progress, table=None, reps=CODES_TUNE_
     return rows
 
 
-def tune_codes_table(rows, table, margin=CODES_TUNE_MARGIN):
+def tune_codes_table(rows, table, margin=CODES_TUNE_MARGIN, keep_general=False):
     """``table`` with its ``codes_variants`` and ``codes_shapes`` rewritten from ``codes_tune_rows`` rows, per
     variant (``dispatch.codes_variant``: k, the block sums' type, PDL or not) and tuned M. The candidates are the
     pair gemv's knob sets and, where it was timed, the tensor-core gemv (a ``mma_gemv`` rule at that M):
@@ -661,23 +661,31 @@ def tune_codes_table(rows, table, margin=CODES_TUNE_MARGIN):
 
     variants = dict(table.get("codes_variants", {}))
     shapes = {s: dict(v) for s, v in table.get("codes_shapes", {}).items()}
+    def as_key(kernel, knobs):      # a rule's (kernel, knobs) as the candidate key of its times (None: neither gemv)
+        return MMA if kernel == MMA else json.dumps(knobs, sort_keys=True) if kernel == "pair_gemv" else None
+
     for variant, by_m in sorted(times.items()):
-        general, per_shape = {}, {}
+        old_general = variants.get(variant) or tail
+        general = {}
+        if keep_general:                      # the rules there are: their choice at each tuned M
+            general = {M: as_key(*dispatch._first_rule(old_general, M)) for M in by_m}
         n_shapes = max(len(by_shape) for by_shape in by_m.values())
         for M, by_shape in sorted(by_m.items()):
-            if len(by_shape) == n_shapes:    # (an M where only some shapes run the pair gemv gets no general knobs)
+            if len(by_shape) == n_shapes and not keep_general:  # (an M only some shapes ran gets no general knobs)
                 everywhere = set.intersection(*(set(t) for t in by_shape.values()))
                 gm = {c: np.mean([np.log(t[c] / min(t.values())) for t in by_shape.values()]) for c in everywhere}
                 best = min(sorted(gm), key=gm.get)
                 general[M] = best if gm[best] < gm["{}"] + np.log(1 - margin) else "{}"
+        per_shape = {}
+        for M, by_shape in sorted(by_m.items()):
             for shape, t in by_shape.items():
                 fastest = min(sorted(t), key=t.get)
-                mine = general.get(M, "{}")
-                per_shape.setdefault(shape, {})[M] = fastest if t[fastest] < (1 - margin) * t[mine] else mine
-        old_general = variants.get(variant) or tail
-        if any(c != "{}" for c in general.values()):
+                mine = general.get(M, "{}")           # (the fastest where the rules' own choice was not timed)
+                per_shape.setdefault(shape, {})[M] = mine if mine in t and t[fastest] >= (1 - margin) * t[mine] \
+                    else fastest
+        if not keep_general and any(c != "{}" for c in general.values()):
             variants[variant] = as_rules(general, old_general)     # (in its place: a retune's JSON diff stays short)
-        else:
+        elif not keep_general:
             variants.pop(variant, None)
         for shape, chosen in per_shape.items():
             entry = shapes.setdefault(shape, {})
@@ -1013,7 +1021,7 @@ def _tune_codes_main(args, name, progress, shapes, ks, variants):
           f"{CODES_TUNE_REPS} turns; the first row of each point is the default plan, the last from M = "
           f"{CODES_TUNE_MMA_FROM_M} on the tensor-core gemv)")
     print(format_table([r for r in rows if "same_as" not in r], width=44))
-    table = tune_codes_table(rows, table)
+    table = tune_codes_table(rows, table, keep_general=args.tune_keep_general)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(table, f, indent=1)
@@ -1067,6 +1075,10 @@ def main(argv=None):
                         "codes_variants and codes_shapes; the other rules kept)")
     p.add_argument("--tune-variants", default="fp32,f16,fp32+pdl,f16+pdl",
                    help="with --tune-codes: the variants to tune (block sums fp32 or f16, +pdl: as a PDL chain)")
+    p.add_argument("--tune-keep-general", action="store_true",
+                   help="with --tune-codes: keep the table's general rules (for shapes with no entry of their own) and "
+                        "write only the tuned shapes' entries, judged against those rules (for a tune of shapes "
+                        "other than the seed shapes, which would otherwise set the general rules from them alone)")
     p.add_argument("--model", help="time a whole-model decode step instead of the kernel grid (needs torch): "
                                     "llama3-8b or qwen3-30b-a3b (MoE) (kbit_numba/bench_model.py)")
     p.add_argument("--batch", default="1,4,16", help="with --model: batch sizes (tokens per step)")
