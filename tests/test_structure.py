@@ -559,7 +559,7 @@ def test_tune_codes_main_writes_the_table(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(bench, "floor_us", lambda nbytes: 1.0)
     monkeypatch.setattr(bench, "cublas_row", lambda K, N, M: 2.0)
     path, out = tmp_path / "table.json", tmp_path / "rows.json"
-    args = type("Args", (), dict(tune_codes=str(path), json=str(out)))
+    args = type("Args", (), dict(tune_codes=str(path), json=str(out), tune_keep_general=False))
     assert bench._tune_codes_main(args, "Test GPU", lambda msg: None, [(64, 128)], [4], [(False, False)]) == 0
     table = json.loads(path.read_text())
     assert table["device"] == "Test GPU" and table["rules"] == dispatch.DEFAULT_TABLE["rules"]
