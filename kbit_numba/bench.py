@@ -635,7 +635,12 @@ def tune_codes_table(rows, table, margin=CODES_TUNE_MARGIN, keep_general=False):
     Rules carry the knobs as parameters (none for the default plan) at the tuned Ms, followed for larger M by the
     entry's rules before this tune (the shape's for the variant, else the variant's general ones, else the table's
     ``codes_rules``): a tune of M = 1..3 leaves a shape's tensor-core gemv cap at 32 as it was (it had put
-    ``codes_rules``' 16 there: 2026-12-05)."""
+    ``codes_rules``' 16 there: 2026-12-05).
+
+    ``keep_general`` (``--tune-keep-general``): the general rules stay as they are, and each tuned shape is judged
+    against the rules it runs now (its entry for the variant, else the general rules): the fastest candidate where it
+    beats their choice at M by ``margin`` (or where that choice was not timed), else their choice. A tune of shapes
+    other than the seed shapes then sets their entries without setting every other shape's rules from them."""
     from . import dispatch
 
     table = dict(table)
@@ -661,14 +666,14 @@ def tune_codes_table(rows, table, margin=CODES_TUNE_MARGIN, keep_general=False):
 
     variants = dict(table.get("codes_variants", {}))
     shapes = {s: dict(v) for s, v in table.get("codes_shapes", {}).items()}
-    def as_key(kernel, knobs):      # a rule's (kernel, knobs) as the candidate key of its times (None: neither gemv)
+    def current(rules, M):          # the rules' choice at M as the candidate key of its times (None: neither gemv)
+        kernel, knobs = next(((r[1], r[2] if len(r) > 2 else {}) for r in rules if r[0] is None or M <= r[0]),
+                             (None, None))
         return MMA if kernel == MMA else json.dumps(knobs, sort_keys=True) if kernel == "pair_gemv" else None
 
     for variant, by_m in sorted(times.items()):
         old_general = variants.get(variant) or tail
         general = {}
-        if keep_general:                      # the rules there are: their choice at each tuned M
-            general = {M: as_key(*dispatch._first_rule(old_general, M)) for M in by_m}
         n_shapes = max(len(by_shape) for by_shape in by_m.values())
         for M, by_shape in sorted(by_m.items()):
             if len(by_shape) == n_shapes and not keep_general:  # (an M only some shapes ran gets no general knobs)
@@ -680,7 +685,8 @@ def tune_codes_table(rows, table, margin=CODES_TUNE_MARGIN, keep_general=False):
         for M, by_shape in sorted(by_m.items()):
             for shape, t in by_shape.items():
                 fastest = min(sorted(t), key=t.get)
-                mine = general.get(M, "{}")           # (the fastest where the rules' own choice was not timed)
+                mine = (current(shapes.get(shape, {}).get(variant) or old_general, M) if keep_general
+                        else general.get(M, "{}"))    # (the fastest where that choice was not timed)
                 per_shape.setdefault(shape, {})[M] = mine if mine in t and t[fastest] >= (1 - margin) * t[mine] \
                     else fastest
         if not keep_general and any(c != "{}" for c in general.values()):

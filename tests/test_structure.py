@@ -490,8 +490,8 @@ def test_tune_codes_table_names_the_tensor_core_gemv_where_it_wins():
 
 def test_tune_codes_table_keep_general_writes_shape_entries_only():
     """bench --tune-codes --tune-keep-general: the general rules stay as they are, and each tuned shape's entry is
-    its fastest candidate where it beats the general rules' own choice at that M by the margin, else that choice (the
-    fastest where that choice was not timed); entries of other shapes stay."""
+    its fastest candidate where that beats the rules the shape runs now (its entry, else the general rules) by the
+    margin at that M, else their choice (the fastest where their choice was not timed); untuned shapes keep theirs."""
     from kbit_numba.bench import CODES_TUNE_MARGIN, MMA, tune_codes_table
 
     def row(M, us, params=None, shape="64x512", kernel="pair_gemv"):
@@ -500,15 +500,18 @@ def test_tune_codes_table_keep_general_writes_shape_entries_only():
     tail = [[16, MMA], [None, "gemm"]]
     general = [[1, "pair_gemv", c2], [2, MMA]] + tail
     old = {"rules": [[None, "gemm"]], "codes_rules": [[2, "pair_gemv"]] + tail, "codes_variants": {"k=4": general},
-           "codes_shapes": {"64x128": {"k=4": [[2, "pair_gemv"]] + tail}}}
+           "codes_shapes": {"64x128": {"k=4": [[2, "pair_gemv"]] + tail}, "9x9": {"k=4": []}}}
     near = 12.0 * (1 - CODES_TUNE_MARGIN / 2)
-    rows = [row(1, 10.0), row(1, 9.0, c2), row(1, 8.0, c8),                  # c8 beats the rules' c2 by 11%
-            row(2, near), row(2, 12.0, kernel=MMA),                          # a near-tie: the rules' MMA stays
-            row(1, 10.0, shape="64x768"), row(1, 11.0, c8, shape="64x768"),  # the rules' c2 not timed: the fastest
-            row(2, 12.0, shape="64x768"), row(2, 10.0, kernel=MMA, shape="64x768")]
+    rows = [row(1, 10.0), row(1, 9.0, c2), row(1, 8.0, c8),                  # c8 beats the general c2 by 11%
+            row(2, near), row(2, 12.0, kernel=MMA),                          # a near-tie: the general MMA stays
+            row(1, 10.0, shape="64x768"), row(1, 11.0, c8, shape="64x768"),  # the general c2 not timed: the fastest
+            row(2, 12.0, shape="64x768"), row(2, 10.0, kernel=MMA, shape="64x768"),
+            row(1, 10.0, shape="64x128"), row(1, 10.0 * (1 - CODES_TUNE_MARGIN / 2), c2, shape="64x128"),
+            row(2, 12.0, shape="64x128"), row(2, 11.0, kernel=MMA, shape="64x128")]   # (judged against its entry)
     table = tune_codes_table(rows, old, keep_general=True)
     assert table["codes_variants"] == {"k=4": general}
-    assert table["codes_shapes"] == {"64x128": old["codes_shapes"]["64x128"],
+    assert table["codes_shapes"] == {"9x9": {"k=4": []},
+                                     "64x128": {"k=4": [[1, "pair_gemv"], [2, MMA]] + tail},
                                      "64x512": {"k=4": [[1, "pair_gemv", c8], [2, MMA]] + tail},
                                      "64x768": {"k=4": [[1, "pair_gemv"], [2, MMA]] + tail}}
     assert tune_codes_table(rows, old)["codes_variants"] != {"k=4": general}   # (without it: set from these shapes)
