@@ -666,9 +666,12 @@ def tune_codes_table(rows, table, margin=CODES_TUNE_MARGIN, keep_general=False):
 
     variants = dict(table.get("codes_variants", {}))
     shapes = {s: dict(v) for s, v in table.get("codes_shapes", {}).items()}
+
     def current(rules, M):          # the rules' choice at M as the candidate key of its times (None: neither gemv)
-        kernel, knobs = next(((r[1], r[2] if len(r) > 2 else {}) for r in rules if r[0] is None or M <= r[0]),
-                             (None, None))
+        try:
+            kernel, knobs = dispatch._first_rule(rules, M)
+        except StopIteration:       # (no rule reaches M)
+            return None
         return MMA if kernel == MMA else json.dumps(knobs, sort_keys=True) if kernel == "pair_gemv" else None
 
     for variant, by_m in sorted(times.items()):
@@ -1082,9 +1085,10 @@ def main(argv=None):
     p.add_argument("--tune-variants", default="fp32,f16,fp32+pdl,f16+pdl",
                    help="with --tune-codes: the variants to tune (block sums fp32 or f16, +pdl: as a PDL chain)")
     p.add_argument("--tune-keep-general", action="store_true",
-                   help="with --tune-codes: keep the table's general rules (for shapes with no entry of their own) and "
-                        "write only the tuned shapes' entries, judged against those rules (for a tune of shapes "
-                        "other than the seed shapes, which would otherwise set the general rules from them alone)")
+                   help="with --tune-codes: keep the table's general rules (for shapes with no entry of their own) "
+                        "and write only the tuned shapes' entries, each judged against the rules it runs now (for a "
+                        "tune of shapes other than the seed shapes, which would otherwise set the general rules from "
+                        "them alone)")
     p.add_argument("--model", help="time a whole-model decode step instead of the kernel grid (needs torch): "
                                     "llama3-8b or qwen3-30b-a3b (MoE) (kbit_numba/bench_model.py)")
     p.add_argument("--batch", default="1,4,16", help="with --model: batch sizes (tokens per step)")

@@ -487,7 +487,6 @@ def test_tune_codes_table_names_the_tensor_core_gemv_where_it_wins():
                                                         [None, "gemm"]]
 
 
-
 def test_tune_codes_table_keep_general_writes_shape_entries_only():
     """bench --tune-codes --tune-keep-general: the general rules stay as they are, and each tuned shape's entry is
     its fastest candidate where that beats the rules the shape runs now (its entry, else the general rules) by the
@@ -516,6 +515,7 @@ def test_tune_codes_table_keep_general_writes_shape_entries_only():
                                      "64x768": {"k=4": [[1, "pair_gemv"], [2, MMA]] + tail}}
     assert tune_codes_table(rows, old)["codes_variants"] != {"k=4": general}   # (without it: set from these shapes)
     assert dispatch.choose_rule(1, 256, 64, "codes", table, backend=False, k=4) == ("pair_gemv", c2)
+
 
 def test_tune_codes_rows_time_the_tensor_core_gemv_from_m1(monkeypatch):
     """codes_tune_rows on the simulator (the timer stubbed: each candidate launched once, then given its turn's
