@@ -677,13 +677,18 @@ def tune_codes_table(rows, table, margin=CODES_TUNE_MARGIN, keep_general=False):
     for variant, by_m in sorted(times.items()):
         old_general = variants.get(variant) or tail
         general = {}
-        n_shapes = max(len(by_shape) for by_shape in by_m.values())
-        for M, by_shape in sorted(by_m.items()):
-            if len(by_shape) == n_shapes and not keep_general:  # (an M only some shapes ran gets no general knobs)
-                everywhere = set.intersection(*(set(t) for t in by_shape.values()))
-                gm = {c: np.mean([np.log(t[c] / min(t.values())) for t in by_shape.values()]) for c in everywhere}
-                best = min(sorted(gm), key=gm.get)
-                general[M] = best if gm[best] < gm["{}"] + np.log(1 - margin) else "{}"
+        if not keep_general:                  # the general rules, from the shapes timed
+            n_shapes = max(len(by_shape) for by_shape in by_m.values())
+            for M, by_shape in sorted(by_m.items()):
+                if len(by_shape) == n_shapes:     # (an M only some shapes ran gets no general knobs)
+                    everywhere = set.intersection(*(set(t) for t in by_shape.values()))
+                    gm = {c: np.mean([np.log(t[c] / min(t.values())) for t in by_shape.values()]) for c in everywhere}
+                    best = min(sorted(gm), key=gm.get)
+                    general[M] = best if gm[best] < gm["{}"] + np.log(1 - margin) else "{}"
+            if any(c != "{}" for c in general.values()):
+                variants[variant] = as_rules(general, old_general)     # (in place: a retune's JSON diff stays short)
+            else:
+                variants.pop(variant, None)
         per_shape = {}
         for M, by_shape in sorted(by_m.items()):
             for shape, t in by_shape.items():
@@ -692,10 +697,6 @@ def tune_codes_table(rows, table, margin=CODES_TUNE_MARGIN, keep_general=False):
                         else general.get(M, "{}"))    # (the fastest where that choice was not timed)
                 per_shape.setdefault(shape, {})[M] = mine if mine in t and t[fastest] >= (1 - margin) * t[mine] \
                     else fastest
-        if not keep_general and any(c != "{}" for c in general.values()):
-            variants[variant] = as_rules(general, old_general)     # (in its place: a retune's JSON diff stays short)
-        elif not keep_general:
-            variants.pop(variant, None)
         for shape, chosen in per_shape.items():
             entry = shapes.setdefault(shape, {})
             entry[variant] = as_rules(chosen, entry.get(variant) or old_general)
