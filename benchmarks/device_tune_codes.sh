@@ -12,7 +12,9 @@
 # under $OUT (the device tool brings back eight at most: a first version's eleven lost the table). Tune several
 # shapes at once: the tune rewrites a variant's general rules (those of shapes it has no entry for) from the shapes
 # it timed, so one shape's tune would set them from that shape alone; TUNE_KEEP_GENERAL=1 (--tune-keep-general)
-# keeps them and writes the shapes' entries only (for shapes other than the seed shapes).
+# keeps them and writes the shapes' entries only (for shapes other than the seed shapes). The tune writes the table
+# after each shape, so one cut by TUNE_TIMEOUT leaves the shapes it finished in tc.json (and test_linear.py runs on
+# that); on a cold machine the first compiles can take more than 360 s for two variants over three shapes.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1

@@ -1019,29 +1019,41 @@ def add_floor_and_cublas(rows):
 
 def _tune_codes_main(args, name, progress, shapes, ks, variants):
     """``--tune-codes`` on GPU ``name``: the pair gemv's knob rows (with the read floor and cuBLAS of each point),
-    printed, and the winners written into the table (``tune_codes_table``)."""
+    printed, and the winners written into the table (``tune_codes_table``). Shapes are timed one after another, and
+    after each one the table (from the table as it was and every row so far) and the ``--json`` rows are written, so
+    a tune cut short (a device call's time limit: 2026-12-06, a cold kernel cache) keeps the shapes it finished;
+    without ``--tune-keep-general`` the general rules are then those of the finished shapes."""
     from .dispatch import DEFAULT_TABLE, TUNING_DIR, device_key
 
     path = args.tune_codes or os.path.join(TUNING_DIR, device_key(name) + ".json")
-    table = _read_table(path) or dict(DEFAULT_TABLE, device=name)
+    before = _read_table(path) or dict(DEFAULT_TABLE, device=name)
     read_bw, copy_bw = measure_ceilings()
-    rows = add_floor_and_cublas(codes_tune_rows(shapes, ks, dict(read_GBps=read_bw, copy_GBps=copy_bw), progress,
-                                                table, variants=variants))
     print(f"device: {name}; read ceiling {read_bw:.0f} GB/s; the pair gemv's launch knobs (best of "
           f"{CODES_TUNE_REPS} turns; the first row of each point is the default plan, the last from M = "
-          f"{CODES_TUNE_MMA_FROM_M} on the tensor-core gemv)")
-    print(format_table([r for r in rows if "same_as" not in r], width=44))
-    table = tune_codes_table(rows, table, keep_general=args.tune_keep_general)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(table, f, indent=1)
+          f"{CODES_TUNE_MMA_FROM_M} on the tensor-core gemv)", flush=True)
+    rows, table = [], before
+    for shape in shapes:
+        done = add_floor_and_cublas(codes_tune_rows([shape], ks, dict(read_GBps=read_bw, copy_GBps=copy_bw), progress,
+                                                    before, variants=variants))
+        rows += done
+        print(format_table([r for r in done if "same_as" not in r], width=44), flush=True)
+        table = tune_codes_table(rows, before, keep_general=args.tune_keep_general)
+        _write_json(path, table)
+        if args.json:
+            _write_json(args.json, dict(device=name, rows=rows, codes_variants=table["codes_variants"],
+                                        codes_shapes=table["codes_shapes"]))
     print(f"linear() table written to {path}: codes_variants {json.dumps(table['codes_variants'])}, codes_shapes "
           f"{json.dumps(table['codes_shapes'])}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=name, rows=rows, codes_variants=table["codes_variants"],
-                           codes_shapes=table["codes_shapes"]), f, indent=1)
     return 0
+
+
+def _write_json(path, obj):
+    """``obj`` as JSON at ``path``, whole or not at all (a temporary file renamed over it: a tune killed while
+    writing leaves the last complete file)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path + ".part", "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(path + ".part", path)
 
 
 def main(argv=None):

@@ -571,6 +571,32 @@ def test_tune_codes_main_writes_the_table(monkeypatch, tmp_path, capsys):
     assert "pair_gemv[cols=2]" in capsys.readouterr().out
 
 
+def test_tune_codes_main_keeps_the_shapes_it_finished(monkeypatch, tmp_path):
+    """A tune cut short (here: interrupted while timing its second shape) has already written the first shape's
+    entry and rows: the table and the --json rows are written after each shape, not once at the end."""
+    def rows_of(shapes, *a, **kw):
+        (K, N), = shapes
+        if N == 256:
+            raise KeyboardInterrupt                 # (as a device call's time limit kills the tune)
+        rows = [dict(kernel="pair_gemv", shape=f"{K}x{N}", k=4, M=1, us=10.0, params=None),
+                dict(kernel="pair_gemv[cols=2]", shape=f"{K}x{N}", k=4, M=1, us=8.0, params={"cols": 2})]
+        for r in rows:
+            r.update(f16_acc=False, pdl=False, floor_bytes=100, GBps=1.0, pct_ceiling=1.0)
+        return rows
+    monkeypatch.setattr(bench, "measure_ceilings", lambda: (1.0, 1.0))
+    monkeypatch.setattr(bench, "codes_tune_rows", rows_of)
+    monkeypatch.setattr(bench, "floor_us", lambda nbytes: 1.0)
+    monkeypatch.setattr(bench, "cublas_row", lambda K, N, M: 2.0)
+    path, out = tmp_path / "table.json", tmp_path / "rows.json"
+    args = type("Args", (), dict(tune_codes=str(path), json=str(out), tune_keep_general=True))
+    with pytest.raises(KeyboardInterrupt):
+        bench._tune_codes_main(args, "Test GPU", lambda msg: None, [(64, 128), (64, 256)], [4], [(False, False)])
+    table = json.loads(path.read_text())
+    assert table["codes_shapes"] == {"64x128": {"k=4": [[1, "pair_gemv", {"cols": 2}]] + dispatch.CODES_RULES}}
+    assert {r["shape"] for r in json.loads(out.read_text())["rows"]} == {"64x128"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rows.json", "table.json"]     # (no .part left)
+
+
 def test_every_property_is_in_a_fuzz_family():
     """KBIT_FUZZ=N runs N examples per kernel family (conftest.py): each hypothesis property (a function decorated
     with ``@given``) is listed in exactly one ``helpers.FUZZ_FAMILIES`` family, and each listed one exists."""
