@@ -9,17 +9,27 @@
 # Then here: copy $OUT/tc.json over the table, and `git diff` shows the rules that moved (a retune keeps the
 # variants' order). Why a routine: a kernel change that moves a gemv's row by more than ~5% leaves the tuned rules
 # stale (the M = 2 rules of the eighty-ninth session); this catches it in ~4-6 minutes a GPU. It leaves six files
-# under $OUT (the device tool brings back eight at most: a first version's eleven lost the table). Tune several
-# shapes at once: the tune rewrites a variant's general rules (those of shapes it has no entry for) from the shapes
-# it timed, so one shape's tune would set them from that shape alone; TUNE_KEEP_GENERAL=1 (--tune-keep-general)
-# keeps them and writes the shapes' entries only (for shapes other than the seed shapes). The tune writes the table
-# after each shape, so one cut by TUNE_TIMEOUT leaves the shapes it finished in tc.json (and test_linear.py runs on
-# that); on a cold machine the first compiles can take more than 360 s for two variants over three shapes.
+# under $OUT, seven with TUNE_CACHE_OUT=1 (the device tool brings back eight at most: a first version's eleven lost
+# the table). Tune several shapes at once: the tune rewrites a variant's general rules (those of shapes it has no
+# entry for) from the shapes it timed, so one shape's tune would set them from that shape alone; TUNE_KEEP_GENERAL=1
+# (--tune-keep-general) keeps them and writes the shapes' entries only (for shapes other than the seed shapes). The
+# tune writes the table after each shape, so one cut by TUNE_TIMEOUT leaves the shapes it finished in tc.json (and
+# test_linear.py runs on that); on a cold machine the first compiles can take more than 360 s for two variants over
+# three shapes (see the kernel cache below).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 shapes=${TUNE_SHAPES:?TUNE_SHAPES=KxN,... (the shapes to tune)}
+# The compiled-kernel cache (kbit_numba/_cache.py) as one file each way: a fresh machine compiles every knob set's
+# build first (2026-12-06: a tune took 258 s on a fresh machine; another, whose kernels the call before had compiled
+# on the same machine, 17 s; not yet tried with a carried cache). A
+# carried .kcache.tgz (this script's $OUT/kcache.tgz of an earlier call: `cp .../kcache.tgz .kcache.tgz`, carry
+# it) is unpacked into the cache before the tune, and TUNE_CACHE_OUT=1 packs the cache into $OUT/kcache.tgz after
+# it (the device returns files of up to 16 MiB). Only the same package sources load it: the cache is keyed by them.
+cache_base=$(python3 -c "from kbit_numba import _cache; print(_cache.cache_dir().parent)")
+if [ -f .kcache.tgz ]; then mkdir -p "$cache_base" && tar -xzf .kcache.tgz -C "$cache_base" \
+  && echo "kernel cache: $(find "$cache_base" -type f | wc -l) files unpacked"; fi
 table=$(python3 -c "from numba import cuda; from kbit_numba import dispatch
 print(dispatch.device_key(cuda.get_current_device().name))")
 echo "table kbit_numba/tuning/$table.json; $(date -u)"
@@ -41,4 +51,10 @@ t0=$(date +%s)
 timeout "${GRID_TIMEOUT:-200}" python3 -m kbit_numba.bench --shapes "$shapes" --k "${TUNE_K:-2,4}" --m 1,2 \
   --kernels pair_gemv,mma_gemv,linear --json "$OUT/lin.json" > "$OUT/lin.txt" 2> /tmp/lin.err
 echo "grid rc $? $(( $(date +%s) - t0 )) s"; grep -E "^ *(pair|mma|linear)" "$OUT/lin.txt"
+if [ -n "${TUNE_CACHE_OUT:-}" ]; then
+  here=$(python3 -c "from kbit_numba import _cache; print(_cache.cache_dir().name)")
+  tar -C "$cache_base" -czf /tmp/kcache.tgz "$here" && size=$(stat -c %s /tmp/kcache.tgz)
+  echo "kernel cache: $(find "$cache_base/$here" -type f | wc -l) files, $size bytes packed"
+  [ "$size" -lt 16000000 ] && cp /tmp/kcache.tgz "$OUT/kcache.tgz"
+fi
 date -u

@@ -113,8 +113,9 @@ BATCH = 3                         # strips whose partial C tiles are summed afte
 # the cost of shared memory and of counting the strip at run time. A short list, so that few builds exist. With one
 # token tile 4096x14336 (7 strips a CTA: batch 8) ran 4-8% faster at k = 4 and 6-13% at k = 2, M = 1 and 4, and
 # 4096x28672 8-10% at M = 1..8; two tiles with batch 4 (8 does not fit) 3-6% slower (H100, benchmarks/README.md,
-# "Eighty-seventh session"). Split in K too: 14336x4096 (4 shares, 8 strips a CTA: batch 8) 6-10% faster at M = 1, 4,
-# 8, k = 4 and 2 ("Eighty-eighth session").
+# "Eighty-seventh session"): at the 128-register cap the device's batch-4 builds spill 24-32 bytes a thread, 15 local
+# accesses in the strip loop, where batch 3's plain build spills none ("Ninety-second session"). Split in K too:
+# 14336x4096 (4 shares, 8 strips a CTA: batch 8) 6-10% faster at M = 1, 4, 8, k = 4 and 2 ("Eighty-eighth session").
 LONG_BATCHES = (4, 6, 8)
 SHARED_PER_CTA = SHARED_PER_SM - 1024   # the most dynamic shared memory a CTA may opt in to (sm_90: 227 KB)
 
