@@ -23,10 +23,10 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 shapes=${TUNE_SHAPES:?TUNE_SHAPES=KxN,... (the shapes to tune)}
 # The compiled-kernel cache (kbit_numba/_cache.py) as one file each way: a fresh machine compiles every knob set's
 # build first (2026-12-06: a tune took 258 s on a fresh machine; another, whose kernels the call before had compiled
-# on the same machine, 17 s; not yet tried with a carried cache). A
-# carried .kcache.tgz (this script's $OUT/kcache.tgz of an earlier call: `cp .../kcache.tgz .kcache.tgz`, carry
-# it) is unpacked into the cache before the tune, and TUNE_CACHE_OUT=1 packs the cache into $OUT/kcache.tgz after
-# it (the device returns files of up to 16 MiB). Only the same package sources load it: the cache is keyed by them.
+# on the same machine, 17 s; not yet tried with a carried cache). A carried .kcache.tgz (this script's
+# $OUT/kcache.tgz of an earlier call: `cp .../kcache.tgz .kcache.tgz`, carry it) is unpacked into the cache before
+# the tune, and TUNE_CACHE_OUT=1 packs the cache into $OUT/kcache.tgz after it (the device returns files of up to
+# 16 MiB). Only the same package sources load it: the cache is keyed by them.
 cache_base=$(python3 -c "from kbit_numba import _cache; print(_cache.cache_dir().parent)")
 if [ -f .kcache.tgz ]; then mkdir -p "$cache_base" && tar -xzf .kcache.tgz -C "$cache_base" \
   && echo "kernel cache: $(find "$cache_base" -type f | wc -l) files unpacked"; fi
