@@ -1230,9 +1230,7 @@ def main(argv=None):
         from .dispatch import TUNING_DIR, device_key
         path = args.tune or os.path.join(TUNING_DIR, device_key(name) + ".json")
         table = merge_tuned(_read_table(path), tune_table(rows, name), rows)
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(table, f, indent=1)
+        _write_json(path, table)
         print(f"linear() table written to {path}: rules {table['rules']}")
     if args.json:
         with open(args.json, "w") as f:
