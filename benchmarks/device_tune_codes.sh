@@ -14,8 +14,9 @@
 # entry for) from the shapes it timed, so one shape's tune would set them from that shape alone; TUNE_KEEP_GENERAL=1
 # (--tune-keep-general) keeps them and writes the shapes' entries only (for shapes other than the seed shapes). The
 # tune writes the table after each shape, so one cut by TUNE_TIMEOUT leaves the shapes it finished in tc.json (and
-# test_linear.py runs on that); on a cold machine the first compiles can take more than 360 s for two variants over
-# three shapes (see the kernel cache below).
+# test_linear.py runs on that); on a cold machine the first compiles took more than 360 s for two variants over
+# three shapes (2026-12-06), one after another: the tune now first compiles them in TUNE_COMPILE_WORKERS processes
+# at once (default: one a core; 0: none), and the kernel cache below can carry them from an earlier call.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -36,11 +37,12 @@ echo "table kbit_numba/tuning/$table.json; $(date -u)"
 cp "kbit_numba/tuning/$table.json" "$OUT/tc.json" 2>/dev/null || echo '{}' > "$OUT/tc.json"
 t0=$(date +%s)
 timeout "${TUNE_TIMEOUT:-300}" python3 -m kbit_numba.bench --tune-codes "$OUT/tc.json" \
-  --tune-variants "${TUNE_VARIANTS:-fp32,fp32+pdl}" --k "${TUNE_K:-2,4}" --shapes "$shapes" \
-  ${TUNE_KEEP_GENERAL:+--tune-keep-general} --json "$OUT/tc_rows.json" > "$OUT/tc.txt" 2> /tmp/tc.err
+  --tune-compile-workers "${TUNE_COMPILE_WORKERS:-$(nproc)}" --tune-variants "${TUNE_VARIANTS:-fp32,fp32+pdl}" \
+  --k "${TUNE_K:-2,4}" --shapes "$shapes" ${TUNE_KEEP_GENERAL:+--tune-keep-general} --json "$OUT/tc_rows.json" \
+  > "$OUT/tc.txt" 2> /tmp/tc.err
 echo "tune rc $? $(( $(date +%s) - t0 )) s"      # (the pair gemv's default plan and the tensor-core gemv; every
 grep -E "^(mma_gemv|pair_gemv) " "$OUT/tc.txt" | head -80       # knob set's row is in tc.txt)
-tail -2 /tmp/tc.err
+grep -E "compile part|kernel cache filled" /tmp/tc.err | tail -3; tail -2 /tmp/tc.err
 cp "$OUT/tc.json" "kbit_numba/tuning/$table.json"
 t0=$(date +%s)
 mkdir -p /tmp/suite && OUT=/tmp/suite SUITE_ONLY=1 SUITE_TIMEOUT=${SUITE_TIMEOUT:-200} SUITE_FILES=test_linear.py \

@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import subprocess
+import time
 import sys
 from functools import lru_cache, partial
 
@@ -538,36 +539,27 @@ CODES_TUNE_MMA_FROM_M = 1
 MMA = "mma_gemv"                  # tune_codes_table's key of the tensor-core gemv among the pair gemv's knob sets
 
 
-def codes_tune_rows(shapes, ks, ceilings, progress, table=None, reps=CODES_TUNE_REPS, variants=CODES_TUNE_VARIANTS,
-                    knob_sets=None, ms=None, silu=False, accumulate=False):
-    """``--tune-codes``: the pair gemv on the code layout at every shape x k (2, 4) x variant (``CODES_TUNE_VARIANTS``)
-    x M of ``CODES_TUNE_MS`` where ``table``'s general rules run it (or every M of ``ms``), with its default plan
-    (params None) and each knob set (default: ``CODES_TUNE_COLS`` x ``CODES_TUNE_CTA_WARPS``), timed in turns
-    ``reps`` times: the best counts, every turn's time is under ``turns_us``. A knob set whose launch equals an
-    earlier one's (same kernel, CTA and grid) is timed once: its row repeats that time and names the twin under
-    ``same_as``. ``silu``: the SiLU epilogue's build (``silu_pairs=True``, an [M, N / 2] output; rows marked ``silu``,
-    which ``tune_codes_table`` does not read: their rules are ``dispatch.silu_knobs``', written by hand).
-    ``accumulate``: the residual-add build (``accumulate=True``: out += A W^T in place, the step's o and down; rows
-    marked ``accumulate``, which ``tune_codes_table`` does not read either: ``dispatch.epilogue_knobs``' ``" acc"``
-    rules, written by hand). From ``CODES_TUNE_MMA_FROM_M`` on (not with ``silu`` or ``accumulate``) the tensor-core
-    gemv's default plan is timed in the same turns, a PDL chain in the pdl variants: a ``mma_gemv`` row carrying the
-    variant's ``f16_acc`` and ``pdl``."""
+def _default_knob_sets():
+    """The pair gemv's knob sets --tune-codes tries beside its default plan: ``CODES_TUNE_COLS`` x
+    ``CODES_TUNE_CTA_WARPS``."""
+    return [dict(cols=c, cta_warps=w) if w else dict(cols=c) for c in CODES_TUNE_COLS for w in CODES_TUNE_CTA_WARPS]
+
+
+def _codes_tune_points(shapes, ks, table, variants, knob_sets, ms, silu, accumulate, rotations):
+    """The points ``codes_tune_rows`` times, in its order, and their candidates' plans (not yet prepared, so not
+    compiled): ``(K, N, k, nbytes, n, f16, pdl, M, [(j, plans)], twin)`` with ``n = rotations(nbytes)`` weight
+    copies (one plan each), ``j`` the index of the knob set in ``knob_sets`` (``len(knob_sets)``: the tensor-core
+    gemv) and ``twin`` {j: the earlier j of the same launch}, a knob set not timed again."""
     from numba import cuda
 
     from . import dispatch, mma_gemv, pair_gemv
-    from ._timing import graph_time_us, rotation_count
 
     general = {k: v for k, v in (table or dispatch.load_table()).items() if k not in ("codes_shapes", "codes_variants")}
-    if knob_sets is None:
-        knob_sets = [dict(cols=c, cta_warps=w) if w else dict(cols=c) for c in CODES_TUNE_COLS
-                     for w in CODES_TUNE_CTA_WARPS]
-    knob_sets = [None] + list(knob_sets)
-    rows = []
     rng = np.random.default_rng(1)
     for K, N in shapes:
         for k in [k for k in ks if k in CODES_K]:
             nbytes = kbit_nbytes(N, K, k)
-            n = rotation_count(nbytes)
+            n = rotations(nbytes)
             kcs = [pair_gemv.to_codes(w) for w in _rotating_weights(K, N, k, n, rng)]
             for f16, pdl in variants:
                 for M in ms or [m for m in CODES_TUNE_MS if dispatch.choose(m, N, K, "codes", general, backend=False,
@@ -587,36 +579,84 @@ def codes_tune_rows(shapes, ks, ceilings, progress, table=None, reps=CODES_TUNE_
                             twin[j] = seen[key]
                         else:
                             seen[key] = j
-                            cands.append((j, [p.prepare().run for p in plans]))
-                    mma = len(knob_sets)         # (the tensor-core gemv's index among the candidates)
+                            cands.append((j, plans))
                     if M >= CODES_TUNE_MMA_FROM_M and not (silu or accumulate) and mma_gemv.reads(M, K):
-                        cands.append((mma, [mma_gemv.plan(A, kc, out, 0, pdl=pdl).prepare().run for kc in kcs]))
-                    turns = {}
-                    for rep in range(reps):
-                        for j, runs in cands:
-                            name = MMA if j == mma else f"pair_gemv {knob_sets[j] or 'default'}{' f16' if f16 else ''}"
-                            progress(f"{name}{' pdl' if pdl else ''} {K}x{N} k={k} M={M}")
-                            turns.setdefault(j, []).append(
-                                graph_time_us(lambda i, s, runs=runs: runs[i % n](s), n * max(1, 64 // n)))
-                    for j in sorted((set(turns) | set(twin)) - {mma}):
-                        knobs = knob_sets[j]
-                        tags = ([f"{a}={b}" for a, b in (knobs or {}).items()] + (["f16"] if f16 else [])
-                                + (["pdl"] if pdl else []) + (["silu"] if silu else [])
-                                + (["acc"] if accumulate else []))
-                        row = _mm_row("pair_gemv" + (f"[{','.join(tags)}]" if tags else ""), K, N, k, M,
-                                      min(turns[twin.get(j, j)]), nbytes, ceilings, knobs)
-                        row["f16_acc"], row["pdl"], row["turns_us"] = f16, pdl, turns[twin.get(j, j)]
-                        if silu:
-                            row["silu"] = True
-                        if accumulate:
-                            row["accumulate"] = True
-                        if j in twin:
-                            row["same_as"] = knob_sets[twin[j]] or "default"
-                        rows.append(row)
-                    if mma in turns:             # (after the pair gemv's rows, whose first is its default plan)
-                        row = _mm_row(MMA + ("[pdl]" if pdl else ""), K, N, k, M, min(turns[mma]), nbytes, ceilings)
-                        row["f16_acc"], row["pdl"], row["turns_us"] = f16, pdl, turns[mma]
-                        rows.append(row)
+                        cands.append((len(knob_sets), [mma_gemv.plan(A, kc, out, 0, pdl=pdl) for kc in kcs]))
+                    yield K, N, k, nbytes, n, f16, pdl, M, cands, twin
+
+
+def codes_tune_kernels(shapes, ks, table=None, variants=CODES_TUNE_VARIANTS, knob_sets=None):
+    """The distinct kernel launches the ``--tune-codes`` of these arguments compiles, in its order: one step (the
+    kernel and its arguments) per distinct kernel (a knob set that changes only the grid or CTA reuses a build)."""
+    knob_sets = [None] + list(_default_knob_sets() if knob_sets is None else knob_sets)
+    steps = {}
+    for *_, cands, _twin in _codes_tune_points(shapes, ks, table, variants, knob_sets, None, False, False,
+                                               lambda nbytes: 1):
+        for _, plans in cands:
+            for step in plans[0].steps:
+                if hasattr(step, "kernel"):             # (not a HostStep)
+                    steps.setdefault(id(step.kernel), step)
+    return list(steps.values())
+
+
+def codes_tune_compile(shapes, ks, table, variants, part, parts):
+    """Compile (into the kernel cache, ``_cache.py``) every ``parts``-th of ``codes_tune_kernels``' launches from
+    the ``part``-th (0-based), without timing them: ``--tune-compile-part``. ``parts`` processes at once fill the
+    cache that a cold ``--tune-codes`` would fill one compile after another; returns how many this part compiled."""
+    mine = codes_tune_kernels(shapes, ks, table, variants)[part::parts]
+    for step in mine:
+        step.kernel.compile(tuple(step.kernel.typeof_pyval(a) for a in step.args))
+    return len(mine)
+
+
+def codes_tune_rows(shapes, ks, ceilings, progress, table=None, reps=CODES_TUNE_REPS, variants=CODES_TUNE_VARIANTS,
+                    knob_sets=None, ms=None, silu=False, accumulate=False):
+    """``--tune-codes``: the pair gemv on the code layout at every shape x k (2, 4) x variant (``CODES_TUNE_VARIANTS``)
+    x M of ``CODES_TUNE_MS`` where ``table``'s general rules run it (or every M of ``ms``), with its default plan
+    (params None) and each knob set (default: ``CODES_TUNE_COLS`` x ``CODES_TUNE_CTA_WARPS``), timed in turns
+    ``reps`` times: the best counts, every turn's time is under ``turns_us``. A knob set whose launch equals an
+    earlier one's (same kernel, CTA and grid) is timed once: its row repeats that time and names the twin under
+    ``same_as``. ``silu``: the SiLU epilogue's build (``silu_pairs=True``, an [M, N / 2] output; rows marked ``silu``,
+    which ``tune_codes_table`` does not read: their rules are ``dispatch.silu_knobs``', written by hand).
+    ``accumulate``: the residual-add build (``accumulate=True``: out += A W^T in place, the step's o and down; rows
+    marked ``accumulate``, which ``tune_codes_table`` does not read either: ``dispatch.epilogue_knobs``' ``" acc"``
+    rules, written by hand). From ``CODES_TUNE_MMA_FROM_M`` on (not with ``silu`` or ``accumulate``) the tensor-core
+    gemv's default plan is timed in the same turns, a PDL chain in the pdl variants: a ``mma_gemv`` row carrying the
+    variant's ``f16_acc`` and ``pdl``."""
+    from ._timing import graph_time_us, rotation_count
+
+    knob_sets = [None] + list(_default_knob_sets() if knob_sets is None else knob_sets)
+    rows = []
+    for K, N, k, nbytes, n, f16, pdl, M, cand_plans, twin in _codes_tune_points(
+            shapes, ks, table, variants, knob_sets, ms, silu, accumulate, rotation_count):
+        mma = len(knob_sets)         # (the tensor-core gemv's index among the candidates)
+        cands = [(j, [p.prepare().run for p in plans]) for j, plans in cand_plans]
+        turns = {}
+        for rep in range(reps):
+            for j, runs in cands:
+                name = MMA if j == mma else f"pair_gemv {knob_sets[j] or 'default'}{' f16' if f16 else ''}"
+                progress(f"{name}{' pdl' if pdl else ''} {K}x{N} k={k} M={M}")
+                turns.setdefault(j, []).append(
+                    graph_time_us(lambda i, s, runs=runs: runs[i % n](s), n * max(1, 64 // n)))
+        for j in sorted((set(turns) | set(twin)) - {mma}):
+            knobs = knob_sets[j]
+            tags = ([f"{a}={b}" for a, b in (knobs or {}).items()] + (["f16"] if f16 else [])
+                    + (["pdl"] if pdl else []) + (["silu"] if silu else [])
+                    + (["acc"] if accumulate else []))
+            row = _mm_row("pair_gemv" + (f"[{','.join(tags)}]" if tags else ""), K, N, k, M,
+                          min(turns[twin.get(j, j)]), nbytes, ceilings, knobs)
+            row["f16_acc"], row["pdl"], row["turns_us"] = f16, pdl, turns[twin.get(j, j)]
+            if silu:
+                row["silu"] = True
+            if accumulate:
+                row["accumulate"] = True
+            if j in twin:
+                row["same_as"] = knob_sets[twin[j]] or "default"
+            rows.append(row)
+        if mma in turns:             # (after the pair gemv's rows, whose first is its default plan)
+            row = _mm_row(MMA + ("[pdl]" if pdl else ""), K, N, k, M, min(turns[mma]), nbytes, ceilings)
+            row["f16_acc"], row["pdl"], row["turns_us"] = f16, pdl, turns[mma]
+            rows.append(row)
     return rows
 
 
@@ -1027,6 +1067,14 @@ def _tune_codes_main(args, name, progress, shapes, ks, variants):
 
     path = args.tune_codes or os.path.join(TUNING_DIR, device_key(name) + ".json")
     before = _read_table(path) or dict(DEFAULT_TABLE, device=name)
+    if args.tune_compile_part:
+        part, parts = map(int, args.tune_compile_part.split("/"))
+        t0 = time.perf_counter()
+        count = codes_tune_compile(shapes, ks, before, variants, part, parts)
+        print(f"part {part}/{parts}: {count} kernels compiled in {time.perf_counter() - t0:.0f} s", flush=True)
+        return 0
+    if args.tune_compile_workers:
+        _compile_in_workers(args.tune_compile_workers, progress)
     read_bw, copy_bw = measure_ceilings()
     print(f"device: {name}; read ceiling {read_bw:.0f} GB/s; the pair gemv's launch knobs (best of "
           f"{CODES_TUNE_REPS} turns; the first row of each point is the default plan, the last from M = "
@@ -1045,6 +1093,23 @@ def _tune_codes_main(args, name, progress, shapes, ks, variants):
     print(f"linear() table written to {path}: codes_variants {json.dumps(table['codes_variants'])}, codes_shapes "
           f"{json.dumps(table['codes_shapes'])}")
     return 0
+
+
+def _compile_in_workers(workers, progress, argv=None):
+    """Fill the kernel cache for this ``--tune-codes`` in ``workers`` processes at once, each this command with
+    ``--tune-compile-part i/workers`` (``codes_tune_compile``): on a cold cache the tune compiles some hundred builds
+    one after another (2026-12-06, an H100: 258 s of a tune that took 17 s warm), while the machine has more cores.
+    A part that fails only leaves its builds to the tune."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    drop = {"--tune-compile-workers"}
+    kept = [a for i, a in enumerate(argv) if a.split("=")[0] not in drop and (i == 0 or argv[i - 1] not in drop)]
+    t0 = time.perf_counter()
+    procs = [subprocess.Popen([sys.executable, "-m", "kbit_numba.bench", *kept, f"--tune-compile-part={i}/{workers}"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(workers)]
+    for i, proc in enumerate(procs):
+        text = proc.communicate()[0].strip().splitlines()
+        progress(f"compile part {i}/{workers} rc {proc.returncode}: {text[-1] if text else ''}")
+    progress(f"the kernel cache filled by {workers} processes in {time.perf_counter() - t0:.0f} s")
 
 
 def _write_json(path, obj):
@@ -1102,6 +1167,10 @@ def main(argv=None):
                         "and write only the tuned shapes' entries, each judged against the rules it runs now (for a "
                         "tune of shapes other than the seed shapes, which would otherwise set the general rules from "
                         "them alone)")
+    p.add_argument("--tune-compile-workers", type=int, default=0, metavar="N",
+                   help="with --tune-codes: first compile its kernels into the kernel cache in N processes at once "
+                        "(a cold machine's tune spends most of its time compiling, one build after another)")
+    p.add_argument("--tune-compile-part", help=argparse.SUPPRESS)   # (i/N: one of those processes)
     p.add_argument("--model", help="time a whole-model decode step instead of the kernel grid (needs torch): "
                                     "llama3-8b or qwen3-30b-a3b (MoE) (kbit_numba/bench_model.py)")
     p.add_argument("--batch", default="1,4,16", help="with --model: batch sizes (tokens per step)")

@@ -550,6 +550,51 @@ def test_tune_codes_rows_time_the_tensor_core_gemv_from_m1(monkeypatch):
     assert [r["kernel"] for r in silu] == ["pair_gemv[f16,pdl,silu]"]
 
 
+def test_tune_compile_lists_the_kernels_the_tune_prepares(monkeypatch):
+    """--tune-compile-workers' processes compile ``codes_tune_kernels``' launches: on the simulator (the timer
+    stubbed), that list is the set of kernels ``codes_tune_rows`` prepares over the same arguments, each once, so a
+    pre-pass leaves the tune nothing to compile. The weights come from the NumPy quantizer, as above."""
+    from kbit_numba import _timing, codec
+    monkeypatch.setattr(codec, "quantize", lambda W, k: ref.quantize(W, k=k))
+    monkeypatch.setattr(_timing, "graph_time_us", lambda launch, n: 1.0)
+    monkeypatch.setattr(_timing, "rotation_count", lambda nbytes: 1)
+    prepared, prepare = set(), Plan.prepare
+
+    def record(plan):
+        prepared.update(id(step.kernel) for step in plan.steps)
+        return prepare(plan)
+    monkeypatch.setattr(Plan, "prepare", record)
+    args = dict(variants=[(False, True), (True, False)], knob_sets=[{"cols": 2}, {"cols": 2, "cta_warps": 8},
+                                                                    {"cols": 4}])
+    bench.codes_tune_rows([(256, 32)], [4], {"read_GBps": 1.0}, lambda msg: None, reps=1, **args)
+    listed = bench.codes_tune_kernels([(256, 32)], [4], **args)
+    assert [id(step.kernel) for step in listed] == list(dict.fromkeys(id(step.kernel) for step in listed))
+    assert {id(step.kernel) for step in listed} == prepared and len(prepared) > 4
+
+
+def test_tune_compile_workers_run_the_command_in_parts(monkeypatch):
+    """_compile_in_workers starts this command once per part, without --tune-compile-workers (either spelling) and
+    with --tune-compile-part i/N, and waits for every one."""
+    started = []
+
+    class Proc:
+        returncode = 0
+
+        def __init__(self, cmd, **kw):
+            started.append(cmd[1:])
+
+        def communicate(self):
+            return "part 0/2: 3 kernels compiled in 1 s\n", None
+    monkeypatch.setattr(bench.subprocess, "Popen", Proc)
+    said = []
+    bench._compile_in_workers(2, said.append, ["--tune-codes", "t.json", "--tune-compile-workers", "2", "--k", "4"])
+    bench._compile_in_workers(2, said.append, ["--tune-compile-workers=2", "--tune-codes", "t.json"])
+    head = ["-m", "kbit_numba.bench"]
+    assert started == [head + ["--tune-codes", "t.json", "--k", "4", f"--tune-compile-part={i}/2"] for i in (0, 1)] \
+        + [head + ["--tune-codes", "t.json", f"--tune-compile-part={i}/2"] for i in (0, 1)]
+    assert len(said) == 6 and "3 kernels compiled" in said[0]
+
+
 def test_tune_codes_main_writes_the_table(monkeypatch, tmp_path, capsys):
     """The --tune-codes path after the timings (which need a GPU): rows printed with their floor and cuBLAS, the
     winners written into the table file, the rows as JSON."""
@@ -562,7 +607,8 @@ def test_tune_codes_main_writes_the_table(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(bench, "floor_us", lambda nbytes: 1.0)
     monkeypatch.setattr(bench, "cublas_row", lambda K, N, M: 2.0)
     path, out = tmp_path / "table.json", tmp_path / "rows.json"
-    args = type("Args", (), dict(tune_codes=str(path), json=str(out), tune_keep_general=False))
+    args = type("Args", (), dict(tune_codes=str(path), json=str(out), tune_keep_general=False,
+                                 tune_compile_part=None, tune_compile_workers=0))
     assert bench._tune_codes_main(args, "Test GPU", lambda msg: None, [(64, 128)], [4], [(False, False)]) == 0
     table = json.loads(path.read_text())
     assert table["device"] == "Test GPU" and table["rules"] == dispatch.DEFAULT_TABLE["rules"]
@@ -588,7 +634,8 @@ def test_tune_codes_main_keeps_the_shapes_it_finished(monkeypatch, tmp_path):
     monkeypatch.setattr(bench, "floor_us", lambda nbytes: 1.0)
     monkeypatch.setattr(bench, "cublas_row", lambda K, N, M: 2.0)
     path, out = tmp_path / "table.json", tmp_path / "rows.json"
-    args = type("Args", (), dict(tune_codes=str(path), json=str(out), tune_keep_general=True))
+    args = type("Args", (), dict(tune_codes=str(path), json=str(out), tune_keep_general=True,
+                                 tune_compile_part=None, tune_compile_workers=0))
     with pytest.raises(KeyboardInterrupt):
         bench._tune_codes_main(args, "Test GPU", lambda msg: None, [(64, 128), (64, 256)], [4], [(False, False)])
     table = json.loads(path.read_text())
