@@ -545,53 +545,63 @@ def _default_knob_sets():
     return [dict(cols=c, cta_warps=w) if w else dict(cols=c) for c in CODES_TUNE_COLS for w in CODES_TUNE_CTA_WARPS]
 
 
-def _codes_tune_points(shapes, ks, table, variants, knob_sets, ms, silu, accumulate, rotations):
-    """The points ``codes_tune_rows`` times, in its order, and their candidates' plans (not yet prepared, so not
-    compiled): ``(K, N, k, nbytes, n, f16, pdl, M, [(j, plans)], twin)`` with ``n = rotations(nbytes)`` weight
-    copies (one plan each), ``j`` the index of the knob set in ``knob_sets`` (``len(knob_sets)``: the tensor-core
-    gemv) and ``twin`` {j: the earlier j of the same launch}, a knob set not timed again."""
+def _codes_tune_points(shapes, ks, table, variants, knob_sets, ms, silu, accumulate, rotations, part=None):
+    """The points ``codes_tune_rows`` times, in its order, and their candidates' plans (not yet prepared):
+    ``(K, N, k, nbytes, n, f16, pdl, M, [(j, plans)], twin)`` with ``n = rotations(nbytes)`` weight copies (one plan
+    each), ``j`` the index of the knob set in ``knob_sets`` (``len(knob_sets)``: the tensor-core gemv) and ``twin``
+    {j: the earlier j of the same launch}, a knob set not timed again. Making a plan compiles its kernel (the launch
+    is fitted to its registers: ``core.fit_threads``). ``part = (i, parts)``: only the points whose build key (k,
+    f16, pdl, M: the kernels' compile-time choices, numbered in first-seen order) is the i-th modulo ``parts``, so
+    that ``parts`` processes plan, and so compile, disjoint shares (``codes_tune_compile``)."""
     from numba import cuda
 
     from . import dispatch, mma_gemv, pair_gemv
 
     general = {k: v for k, v in (table or dispatch.load_table()).items() if k not in ("codes_shapes", "codes_variants")}
     rng = np.random.default_rng(1)
+    keys = {}                                   # build key -> its number (every process numbers them alike)
     for K, N in shapes:
         for k in [k for k in ks if k in CODES_K]:
+            points = [(f16, pdl, M) for f16, pdl in variants
+                      for M in ms or [m for m in CODES_TUNE_MS if dispatch.choose(
+                          m, N, K, "codes", general, backend=False, f16_acc=f16, k=k) == "pair_gemv"]]
+            if part is not None:              # (every point is numbered, in every process, before the filter)
+                points = [p for p in points if keys.setdefault((k, *p), len(keys)) % part[1] == part[0]]
+                if not points:
+                    continue
             nbytes = kbit_nbytes(N, K, k)
             n = rotations(nbytes)
             kcs = [pair_gemv.to_codes(w) for w in _rotating_weights(K, N, k, n, rng)]
-            for f16, pdl in variants:
-                for M in ms or [m for m in CODES_TUNE_MS if dispatch.choose(m, N, K, "codes", general, backend=False,
-                                                                         f16_acc=f16, k=k) == "pair_gemv"]:
-                    A = cuda.to_device(rng.standard_normal((M, K)).astype(np.float16))
-                    out = cuda.device_array((M, N // 2 if silu else N), np.float16)
-                    cands, twin, seen = [], {}, {}
-                    for j, knobs in enumerate(knob_sets):
-                        try:
-                            plans = [pair_gemv.plan(A, kc, out, 0, f16_acc=f16, pdl=pdl, silu_pairs=silu,
-                                                    accumulate=accumulate, **(knobs or {})) for kc in kcs]
-                        except ValueError:             # (e.g. cols = 8 at a long K: the CTA does not fit)
-                            continue
-                        step = plans[0].steps[0]
-                        key = (step.kernel, step.grid, step.block)
-                        if key in seen:
-                            twin[j] = seen[key]
-                        else:
-                            seen[key] = j
-                            cands.append((j, plans))
-                    if M >= CODES_TUNE_MMA_FROM_M and not (silu or accumulate) and mma_gemv.reads(M, K):
-                        cands.append((len(knob_sets), [mma_gemv.plan(A, kc, out, 0, pdl=pdl) for kc in kcs]))
-                    yield K, N, k, nbytes, n, f16, pdl, M, cands, twin
+            for f16, pdl, M in points:
+                A = cuda.to_device(rng.standard_normal((M, K)).astype(np.float16))
+                out = cuda.device_array((M, N // 2 if silu else N), np.float16)
+                cands, twin, seen = [], {}, {}
+                for j, knobs in enumerate(knob_sets):
+                    try:
+                        plans = [pair_gemv.plan(A, kc, out, 0, f16_acc=f16, pdl=pdl, silu_pairs=silu,
+                                                accumulate=accumulate, **(knobs or {})) for kc in kcs]
+                    except ValueError:             # (e.g. cols = 8 at a long K: the CTA does not fit)
+                        continue
+                    step = plans[0].steps[0]
+                    key = (step.kernel, step.grid, step.block)
+                    if key in seen:
+                        twin[j] = seen[key]
+                    else:
+                        seen[key] = j
+                        cands.append((j, plans))
+                if M >= CODES_TUNE_MMA_FROM_M and not (silu or accumulate) and mma_gemv.reads(M, K):
+                    cands.append((len(knob_sets), [mma_gemv.plan(A, kc, out, 0, pdl=pdl) for kc in kcs]))
+                yield K, N, k, nbytes, n, f16, pdl, M, cands, twin
 
 
-def codes_tune_kernels(shapes, ks, table=None, variants=CODES_TUNE_VARIANTS, knob_sets=None):
-    """The distinct kernel launches the ``--tune-codes`` of these arguments compiles, in its order: one step (the
-    kernel and its arguments) per distinct kernel (a knob set that changes only the grid or CTA reuses a build)."""
+def codes_tune_kernels(shapes, ks, table=None, variants=CODES_TUNE_VARIANTS, knob_sets=None, part=None):
+    """The distinct kernel launches the ``--tune-codes`` of these arguments compiles, in its order (of the points of
+    ``part``, as ``_codes_tune_points``): one step (the kernel and its arguments) per distinct kernel (a knob set
+    that changes only the grid or CTA reuses a build)."""
     knob_sets = [None] + list(_default_knob_sets() if knob_sets is None else knob_sets)
     steps = {}
     for *_, cands, _twin in _codes_tune_points(shapes, ks, table, variants, knob_sets, None, False, False,
-                                               lambda nbytes: 1):
+                                               lambda nbytes: 1, part):
         for _, plans in cands:
             for step in plans[0].steps:
                 if hasattr(step, "kernel"):             # (not a HostStep)
@@ -600,14 +610,16 @@ def codes_tune_kernels(shapes, ks, table=None, variants=CODES_TUNE_VARIANTS, kno
 
 
 def codes_tune_compile(shapes, ks, table, variants, part, parts):
-    """Compile (into the kernel cache, ``_cache.py``) every ``parts``-th of ``codes_tune_kernels``' launches from
-    the ``part``-th (0-based), without timing them: ``--tune-compile-part``. ``parts`` processes at once fill the
-    cache that a cold ``--tune-codes`` would fill one compile after another; returns how many this part compiled."""
-    mine = codes_tune_kernels(shapes, ks, table, variants)[part::parts]
-    for step in mine:
+    """Compile (into the kernel cache, ``_cache.py``), without timing them, the kernels of the ``part``-th (0-based)
+    of ``parts`` shares of the ``--tune-codes`` points (``_codes_tune_points``): ``--tune-compile-part``. ``parts``
+    processes at once fill the cache that a cold ``--tune-codes`` fills one compile after another; a kernel two
+    shares use (the tensor-core gemv's at M = 1..3) compiles in both. Returns how many kernels this share has. (The
+    first version split the kernels of the whole tune, whose plans every process made, and so compiled, in full:
+    16 processes took 198 s, no faster than one; benchmarks/README.md, "Ninety-third session".)"""
+    mine = codes_tune_kernels(shapes, ks, table, variants, part=(part, parts))
+    for step in mine:                  # (most compiled already, by their plans: these load from memory)
         step.kernel.compile(tuple(step.kernel.typeof_pyval(a) for a in step.args))
     return len(mine)
-
 
 def codes_tune_rows(shapes, ks, ceilings, progress, table=None, reps=CODES_TUNE_REPS, variants=CODES_TUNE_VARIANTS,
                     knob_sets=None, ms=None, silu=False, accumulate=False):
@@ -1097,9 +1109,10 @@ def _tune_codes_main(args, name, progress, shapes, ks, variants):
 
 def _compile_in_workers(workers, progress, argv=None):
     """Fill the kernel cache for this ``--tune-codes`` in ``workers`` processes at once, each this command with
-    ``--tune-compile-part i/workers`` (``codes_tune_compile``): on a cold cache the tune compiles some hundred builds
-    one after another (2026-12-06, an H100: 258 s of a tune that took 17 s warm), while the machine has more cores.
-    A part that fails only leaves its builds to the tune."""
+    ``--tune-compile-part i/workers`` (``codes_tune_compile``): on a cold cache the tune compiles its builds one after
+    another (34 for float16 sums over the seed shapes, k = 2 and 4; 2026-12-06, an H100: a two-variant tune took 258 s
+    cold and 17 s warm), while the machine has more cores. More workers than the tune's build keys (k x variant x M)
+    find nothing to do. A part that fails only leaves its builds to the tune."""
     argv = list(sys.argv[1:] if argv is None else argv)
     drop = {"--tune-compile-workers"}
     kept = [a for i, a in enumerate(argv) if a.split("=")[0] not in drop and (i == 0 or argv[i - 1] not in drop)]

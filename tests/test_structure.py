@@ -572,6 +572,27 @@ def test_tune_compile_lists_the_kernels_the_tune_prepares(monkeypatch):
     assert {id(step.kernel) for step in listed} == prepared and len(prepared) > 4
 
 
+def test_tune_compile_parts_share_out_the_points(monkeypatch):
+    """``--tune-compile-part i/N`` plans (and so compiles: ``core.fit_threads``) only its share of the tune's points:
+    over N parts every point once, and every point of one build key (k, f16, pdl, M) in the same part, so a kernel is
+    compiled by one process. (The first version had each process plan every point: 16 took as long as one.)"""
+    from kbit_numba import _timing, codec
+    monkeypatch.setattr(codec, "quantize", lambda W, k: ref.quantize(W, k=k))
+    monkeypatch.setattr(_timing, "rotation_count", lambda nbytes: 1)
+
+    def points(part=None):
+        return [(K, N, k, f16, pdl, M) for K, N, k, _, _, f16, pdl, M, _, _ in bench._codes_tune_points(
+            [(256, 32), (512, 32)], [2, 4], None, [(False, True), (True, False)], [None], [1, 2], False, False,
+            lambda nbytes: 1, part)]
+    whole = points()
+    parts = [points((i, 3)) for i in range(3)]
+    assert len(whole) == 16 and sorted(sum(parts, [])) == sorted(whole) and all(parts)
+    owner = {}
+    for i, share in enumerate(parts):
+        for K, N, *key in share:
+            assert owner.setdefault(tuple(key), i) == i
+
+
 def test_tune_compile_workers_run_the_command_in_parts(monkeypatch):
     """_compile_in_workers starts this command once per part, without --tune-compile-workers (either spelling) and
     with --tune-compile-part i/N, and waits for every one."""
