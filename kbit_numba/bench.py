@@ -13,8 +13,8 @@ import argparse
 import json
 import os
 import subprocess
-import time
 import sys
+import time
 from functools import lru_cache, partial
 
 import numpy as np
@@ -620,6 +620,7 @@ def codes_tune_compile(shapes, ks, table, variants, part, parts):
     for step in mine:                  # (most compiled already, by their plans: these load from memory)
         step.kernel.compile(tuple(step.kernel.typeof_pyval(a) for a in step.args))
     return len(mine)
+
 
 def codes_tune_rows(shapes, ks, ceilings, progress, table=None, reps=CODES_TUNE_REPS, variants=CODES_TUNE_VARIANTS,
                     knob_sets=None, ms=None, silu=False, accumulate=False):
