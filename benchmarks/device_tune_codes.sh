@@ -15,10 +15,11 @@
 # (--tune-keep-general) keeps them and writes the shapes' entries only (for shapes other than the seed shapes). The
 # tune writes the table after each shape, so one cut by TUNE_TIMEOUT leaves the shapes it finished in tc.json (and
 # test_linear.py runs on that); on a cold machine the first compiles took more than 360 s for two variants over
-# three shapes (2026-12-06), one after another. TUNE_COMPILE_WORKERS=N first compiles them in N processes at once
-# (bench --tune-compile-workers; default 0, none): its first version was no faster (2026-12-07: 16 processes, 198 s;
-# each planned, and so compiled, every point), the version that shares out the points is untried on the device. The
-# kernel cache below can also carry the builds from an earlier call.
+# three shapes (2026-12-06), one after another. So the tune first compiles them in TUNE_COMPILE_WORKERS processes at
+# once (bench --tune-compile-workers; default: one a core, 0 for none): 2026-12-07 on an H100, 72 compiles for two
+# variants over the three seed shapes took 55 s in 16 processes (8 had work, one a build key), and the tune after it
+# 21 s (benchmarks/README.md, "Ninety-fourth session"). The kernel cache below can also carry the builds from an
+# earlier call.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -39,7 +40,7 @@ echo "table kbit_numba/tuning/$table.json; $(date -u)"
 cp "kbit_numba/tuning/$table.json" "$OUT/tc.json" 2>/dev/null || echo '{}' > "$OUT/tc.json"
 t0=$(date +%s)
 timeout "${TUNE_TIMEOUT:-300}" python3 -m kbit_numba.bench --tune-codes "$OUT/tc.json" \
-  --tune-compile-workers "${TUNE_COMPILE_WORKERS:-0}" --tune-variants "${TUNE_VARIANTS:-fp32,fp32+pdl}" \
+  --tune-compile-workers "${TUNE_COMPILE_WORKERS:-$(nproc)}" --tune-variants "${TUNE_VARIANTS:-fp32,fp32+pdl}" \
   --k "${TUNE_K:-2,4}" --shapes "$shapes" ${TUNE_KEEP_GENERAL:+--tune-keep-general} --json "$OUT/tc_rows.json" \
   > "$OUT/tc.txt" 2> /tmp/tc.err
 echo "tune rc $? $(( $(date +%s) - t0 )) s"      # (the pair gemv's default plan and the tensor-core gemv; every

@@ -1113,7 +1113,8 @@ def _compile_in_workers(workers, progress, argv=None):
     ``--tune-compile-part i/workers`` (``codes_tune_compile``): on a cold cache the tune compiles its builds one after
     another (34 for float16 sums over the seed shapes, k = 2 and 4; 2026-12-06, an H100: a two-variant tune took 258 s
     cold and 17 s warm), while the machine has more cores. More workers than the tune's build keys (k x variant x M)
-    find nothing to do. A part that fails only leaves its builds to the tune."""
+    find nothing to do. A part that fails only leaves its builds to the tune. (2026-12-07, a fresh H100: 16 workers
+    filled the cache for two variants over the seed shapes in 55 s, 8 of them with work; the tune after it took 21 s.)"""
     argv = list(sys.argv[1:] if argv is None else argv)
     drop = {"--tune-compile-workers"}
     kept = [a for i, a in enumerate(argv) if a.split("=")[0] not in drop and (i == 0 or argv[i - 1] not in drop)]
