@@ -43,9 +43,11 @@ timeout "${TUNE_TIMEOUT:-300}" python3 -m kbit_numba.bench --tune-codes "$OUT/tc
   --tune-compile-workers "${TUNE_COMPILE_WORKERS:-$(nproc)}" --tune-variants "${TUNE_VARIANTS:-fp32,fp32+pdl}" \
   --k "${TUNE_K:-2,4}" --shapes "$shapes" ${TUNE_KEEP_GENERAL:+--tune-keep-general} --json "$OUT/tc_rows.json" \
   > "$OUT/tc.txt" 2> /tmp/tc.err
-echo "tune rc $? $(( $(date +%s) - t0 )) s"      # (the pair gemv's default plan and the tensor-core gemv; every
-grep -E "^(mma_gemv|pair_gemv) " "$OUT/tc.txt" | head -80       # knob set's row is in tc.txt)
-grep -E "compile part|kernel cache filled" /tmp/tc.err | tail -3; tail -2 /tmp/tc.err
+rc=$?   # the time line and the pre-pass's summary also go into tc.txt: the device tool returns only the output's tail
+echo "tune rc $rc $(( $(date +%s) - t0 )) s" | tee -a "$OUT/tc.txt"
+# the pair gemv's default plan and the tensor-core gemv (every knob set's row is in tc.txt)
+grep -E "^(mma_gemv|pair_gemv) " "$OUT/tc.txt" | head -80
+grep -E "compile part|kernel cache filled" /tmp/tc.err | tail -3 | tee -a "$OUT/tc.txt"; tail -2 /tmp/tc.err
 cp "$OUT/tc.json" "kbit_numba/tuning/$table.json"
 t0=$(date +%s)
 mkdir -p /tmp/suite && OUT=/tmp/suite SUITE_ONLY=1 SUITE_TIMEOUT=${SUITE_TIMEOUT:-200} SUITE_FILES=test_linear.py \
