@@ -6,7 +6,8 @@ host (weights on the device, MoE experts, launch geometry) in ``core``; kernels 
 ``sbvr``, ``bitnet``), each with a ``Spec`` of its compile-time choices and a public ``plan(...)``
 returning a ``launch.Plan`` (``plan.launch()``, ``plan.prepare().run()``); ``dispatch.linear`` picks a
 family per shape and M. PTX helpers in ``intrinsics``; shared device helpers in ``device``; calibrated
-(GPTQ-style) quantization into kbit bytes in ``calibrate``; the on-disk kernel cache in ``_cache``.
+(GPTQ-style) quantization into kbit bytes in ``calibrate``; the on-disk kernel cache in ``_cache``; the IR
+inliner without its redundant copies (faster compiles) in ``_inline``.
 Under Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) the package installs warp primitives so
 that the same kernels run on the CPU.
 """
@@ -16,6 +17,10 @@ if _config.ENABLE_CUDASIM:
     from . import _sim
 
     _sim.install()
+else:                           # where kernels compile: the IR inliner without its redundant copies (_inline)
+    from . import _inline
+
+    _inline.install()
 
 from . import reference  # noqa: E402
 from .formats import (BLOCK, K_BITS, KbitCodes, KbitExperts, KbitFragments, KbitWeight, codebook,  # noqa: E402

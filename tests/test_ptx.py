@@ -7,6 +7,7 @@ their compiling overlaps the simulator tests; the single test below waits for th
 and fails if any of their checks fail.
 """
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -202,3 +203,36 @@ else:
             assert s in ptx, f"{name}: expected {s!r} in the PTX"
         for s in never:
             assert s not in ptx, f"{name}: unexpected {s!r} in the PTX"
+
+    @pytest.mark.skipif(os.environ.get("KBIT_NUMBA_PTX_ONLY") != "1" and os.environ.get("KBIT_PTX") != "1",
+                        reason="PTX checks run in CI (the same sm_90 compile); KBIT_PTX=1 runs them on the GPU too")
+    def test_fast_inlining_leaves_the_ptx_unchanged(monkeypatch):
+        """kbit_numba._inline skips the IR inliner's block copies on its fresh-IR path: a tensor-core gemv (whose
+        helpers Numba inlines) compiles to the same PTX with and without, and the patched compile copies fewer
+        blocks (numba-cuda outside the checked versions fails here: check the patch again, then its version list)."""
+        import copy
+        import types
+
+        from kbit_numba import _inline, mma_gemv
+
+        assert _inline.enabled() and _inline._installed, "kbit_numba._inline did not patch this numba-cuda"
+        copies = [0]
+
+        def counting(value, memo=None):
+            copies[0] += 1
+            return copy.deepcopy(value, memo)
+
+        monkeypatch.setattr(_inline, "copy", types.SimpleNamespace(deepcopy=counting))
+        spec = mma_gemv.MmaGemvSpec(k=4)
+        kernel, argtypes = mma_gemv.make_mma_gemv_kernel(spec), mma_gemv.argtypes(spec)
+        fast, _ = cuda.compile_ptx(kernel.py_func, argtypes, cc=CC)
+        fast_copies, copies[0] = copies[0], 0
+        with _inline.copying():
+            stock, _ = cuda.compile_ptx(kernel.py_func, argtypes, cc=CC)
+        assert copies[0] > 0 and fast_copies < copies[0] // 10, (fast_copies, copies[0])
+        assert _entry_renamed(fast) == _entry_renamed(stock)
+
+
+def _entry_renamed(ptx):
+    """The PTX with the numbers each compile puts in its names (mangled ``B<n>v<m>``, the shared array's) taken out."""
+    return re.sub(r"_cudapy_smem_\d+", "_cudapy_smem_N", re.sub(r"B\d+v\d+", "BvN", ptx))
