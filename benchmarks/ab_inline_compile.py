@@ -1,7 +1,8 @@
 """Compile time with and without ``kbit_numba._inline``'s fast path, in one process: every ``--every``-th tensor-core
 gemv specialisation (``mma_gemv.ptx_specs``) compiled to PTX for sm_90 both ways, the order alternating (a second
 compile reuses the first's device functions), and the two PTX texts compared once the per-compile name counters are
-taken out (``tests/test_ptx._entry_renamed``). No GPU needed; on a GPU machine it compiles the same way.
+taken out (``tests/test_ptx._without_compile_counters``). No GPU needed; on a GPU machine it compiles the same
+way.
 
     python benchmarks/ab_inline_compile.py --every 6
 """
@@ -25,7 +26,7 @@ def compile_ptx(kernel, argtypes, stock):
     with _inline.copying() if stock else contextlib.nullcontext():
         t = time.perf_counter()
         ptx, _ = cuda.compile_ptx(kernel.py_func, argtypes, cc=test_ptx.CC)
-        return test_ptx._entry_renamed(ptx), time.perf_counter() - t
+        return test_ptx._without_compile_counters(ptx), time.perf_counter() - t
 
 
 def main():
@@ -43,9 +44,10 @@ def main():
         for stock in ((False, True) if i % 2 else (True, False)):
             ptx[stock], seconds = compile_ptx(kernel, argtypes, stock)
             total[stock] += seconds
-        same += ptx[False] == ptx[True]
-        print(f"fast {total[False]:7.1f} s  stock {total[True]:7.1f} s (running sums)  same PTX {ptx[False] == ptx[True]}"
-              f"  {spec.name}", flush=True)
+        equal = ptx[False] == ptx[True]
+        same += equal
+        print(f"fast {total[False]:7.1f} s  stock {total[True]:7.1f} s (running sums)  same PTX {equal}  {spec.name}",
+              flush=True)
     print(f"{len(specs)} specialisations: fast {total[False]:.1f} s, stock {total[True]:.1f} s "
           f"({100 * (total[False] / total[True] - 1):+.1f}%), same PTX {same}/{len(specs)}")
 

@@ -74,15 +74,13 @@ def install():
 
 @contextmanager
 def copying():
-    """Numba's own block copies inside (for tests that compare the two)."""
-    was = _fresh[0]
-    saved = [_installed[0]] if _installed else []
-    if saved:
-        from numba.cuda.core import inline_closurecall as icc
-        patched, icc.InlineWorker.inline_function = icc.InlineWorker.inline_function, saved[0]
+    """Numba's own ``inline_function``, and so its block copies, inside (to compare the two)."""
+    if not _installed:
+        yield
+        return
+    from numba.cuda.core import inline_closurecall as icc
+    patched, icc.InlineWorker.inline_function = icc.InlineWorker.inline_function, _installed[0]
     try:
         yield
     finally:
-        if saved:
-            icc.InlineWorker.inline_function = patched
-        _fresh[0] = was
+        icc.InlineWorker.inline_function = patched

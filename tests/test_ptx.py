@@ -230,9 +230,9 @@ else:
         with _inline.copying():
             stock, _ = cuda.compile_ptx(kernel.py_func, argtypes, cc=CC)
         assert copies[0] > 0 and fast_copies < copies[0] // 10, (fast_copies, copies[0])
-        assert _entry_renamed(fast) == _entry_renamed(stock)
+        assert _without_compile_counters(fast) == _without_compile_counters(stock)
 
 
-def _entry_renamed(ptx):
+def _without_compile_counters(ptx):
     """The PTX with the numbers each compile puts in its names (mangled ``B<n>v<m>``, the shared array's) taken out."""
     return re.sub(r"_cudapy_smem_\d+", "_cudapy_smem_N", re.sub(r"B\d+v\d+", "BvN", ptx))
