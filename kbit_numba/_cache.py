@@ -36,9 +36,14 @@ import numpy as np
 PACKAGE_DIR = Path(__file__).resolve().parent
 
 
+def switched_on(name):
+    """Whether the package's on-by-default environment switch ``name`` is on: unset, or not 0 / false / no / off."""
+    return os.environ.get(name, "1").strip().lower() not in ("0", "", "false", "no", "off")
+
+
 def enabled():
     """Whether kernels are cached (``KBIT_NUMBA_CACHE`` unset or not 0)."""
-    return os.environ.get("KBIT_NUMBA_CACHE", "1").strip().lower() not in ("0", "", "false", "no", "off")
+    return switched_on("KBIT_NUMBA_CACHE")
 
 
 @lru_cache(maxsize=None)

@@ -20,9 +20,10 @@ Numba as it is.
 from __future__ import annotations
 
 import copy
-import os
 import types
 from contextlib import contextmanager
+
+from ._cache import switched_on
 
 CHECKED_VERSIONS = ("0.30.",)     # numba-cuda versions whose inline_ir / inline_function this was checked against
 _fresh = [False]                  # True while inline_ir runs on the IR inline_function has just built
@@ -31,7 +32,7 @@ _installed = []                   # the original inline_function, once install()
 
 def enabled():
     """Whether :func:`install` may patch (``KBIT_NUMBA_FAST_INLINE`` unset or not 0)."""
-    return os.environ.get("KBIT_NUMBA_FAST_INLINE", "1").strip().lower() not in ("0", "", "false", "no", "off")
+    return switched_on("KBIT_NUMBA_FAST_INLINE")
 
 
 def supported(version):

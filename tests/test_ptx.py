@@ -191,8 +191,11 @@ else:
 
     # On a GPU machine these checks repeat CI's exactly (the same specialisations compiled for the same sm_90,
     # a third of the GPU suite's compile time): they run there with KBIT_PTX=1, and always in CI's children
-    @pytest.mark.skipif(os.environ.get("KBIT_NUMBA_PTX_ONLY") != "1" and os.environ.get("KBIT_PTX") != "1",
-                        reason="PTX checks run in CI (the same sm_90 compile); KBIT_PTX=1 runs them on the GPU too")
+    ptx_checks = pytest.mark.skipif(
+        os.environ.get("KBIT_NUMBA_PTX_ONLY") != "1" and os.environ.get("KBIT_PTX") != "1",
+        reason="PTX checks run in CI (the same sm_90 compile); KBIT_PTX=1 runs them on the GPU too")
+
+    @ptx_checks
     @pytest.mark.parametrize("spec", _shard(_specializations()), ids=lambda s: s[0])
     def test_kernel_ptx(spec):
         name, kernel, argtypes = spec
@@ -204,8 +207,7 @@ else:
         for s in never:
             assert s not in ptx, f"{name}: unexpected {s!r} in the PTX"
 
-    @pytest.mark.skipif(os.environ.get("KBIT_NUMBA_PTX_ONLY") != "1" and os.environ.get("KBIT_PTX") != "1",
-                        reason="PTX checks run in CI (the same sm_90 compile); KBIT_PTX=1 runs them on the GPU too")
+    @ptx_checks
     def test_fast_inlining_leaves_the_ptx_unchanged(monkeypatch):
         """kbit_numba._inline skips the IR inliner's block copies on its fresh-IR path: a tensor-core gemv (whose
         helpers Numba inlines) compiles to the same PTX with and without, and the patched compile copies fewer
