@@ -12,13 +12,6 @@ import os
 import sys
 
 PTX_ONLY = os.environ.get("KBIT_NUMBA_PTX_ONLY") == "1"
-# The tests that wait for the child processes of a whole simulator run: they run last (pytest_collection_modifyitems).
-LAST_TESTS = ("test_ptx_in_child_process", "test_simulator_child")
-# A whole simulator run (test_ptx.py collected; KBIT_NUMBA_SIM_CHILD=0 keeps them here) hands these files' tests to a
-# second simulator process, so that CI's two cores share the simulator's work with the PTX child. On 2 cores, alone:
-# the simulator tests 1880 s (these four 948 s of it), the PTX child ~880 s (2026-12-07; tests/README.md): about half
-# each way, so that the three processes end together.
-SIM_CHILD_FILES = ("test_mma_gemv.py", "test_gemm.py", "test_gemv.py", "test_bitnet.py")
 
 
 def _gpu_present():
@@ -99,12 +92,12 @@ def pytest_collection_modifyitems(config, items):
     (``helpers.FUZZ_FAMILIES``) runs N examples, shared equally among its collected properties and, for a property
     split into several tests (``helpers.gpu_split``), among those.
 
-    Under the simulator the tests that wait for the child processes (``LAST_TESTS``) run last: the simulator tests
-    after them in file order (test_readme.py ... test_uniform.py) then run while the children still work, instead of
-    after a wait that leaves the simulator's core idle (CI's log of 2026-12-02: a 519 s wait)."""
+    Under the simulator the test that waits for the PTX children runs last: the simulator tests after it in file
+    order (test_readme.py ... test_uniform.py) then run while the children still compile, instead of after a wait
+    that leaves the simulator's core idle (CI's log of 2026-12-02: a 519 s wait)."""
     import math
     import pytest
-    items.sort(key=lambda item: getattr(item, "originalname", None) in LAST_TESTS)  # (stable)
+    items.sort(key=lambda item: getattr(item, "originalname", None) == "test_ptx_in_child_process")  # (stable)
     props = {}
     for item in items:
         if hasattr(getattr(item, "obj", None), "hypothesis"):
@@ -166,35 +159,19 @@ if os.environ.get("KBIT_FUZZ_COUNTS"):
 
 
 def pytest_collection_finish(session):
-    """Under the simulator, if test_ptx.py was collected (a whole-suite run), start the child processes now: the PTX
-    children, and the simulator child, which takes over the collected tests of ``SIM_CHILD_FILES`` (they leave this
-    session). Both run on the cores this session's simulator (one Python thread at a time) leaves idle."""
+    """Under the simulator, start the PTX children now if test_ptx.py was collected: they compile on the
+    cores the simulator (one Python thread at a time) leaves idle, instead of after it."""
     if PTX_ONLY or os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
         return
     if any(os.path.basename(str(item.fspath)) == "test_ptx.py" for item in session.items):
         import test_ptx
         test_ptx.start_children()
-        moved = [item for item in session.items if os.path.basename(str(item.fspath)) in SIM_CHILD_FILES]
-        if moved and os.environ.get("KBIT_NUMBA_SIM_CHILD", "1") != "0":
-            session.items[:] = [item for item in session.items if item not in set(moved)]
-            test_ptx.start_sim_child([item.nodeid for item in moved], str(session.config.rootpath))
-
-
-def pytest_terminal_summary(terminalreporter):
-    """The simulator child's skips (one ``SKIPPED [n] file:line: reason`` line each, as ``-rs`` prints this session's,
-    so that CI's check of allowed skips reads them too) and its summary line."""
-    mod = sys.modules.get("test_ptx")
-    lines = mod.sim_child_report() if mod and hasattr(mod, "sim_child_report") else []
-    if lines:
-        terminalreporter.section("simulator child (the tests of conftest.SIM_CHILD_FILES)")
-        for line in lines:
-            terminalreporter.write_line(line)
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """Children still running when the session ends (test_ptx deselected by -x or a failure) are stopped."""
+    """PTX children still running when the session ends (test_ptx deselected by -x or a failure) are stopped."""
     mod = sys.modules.get("test_ptx")
-    for proc, _ in getattr(mod, "_CHILDREN", []) + getattr(mod, "_SIM_CHILD", []):
+    for proc, _ in getattr(mod, "_CHILDREN", []):
         if proc.poll() is None:
             proc.kill()
 

@@ -158,42 +158,7 @@ def start_children(jobs=None):
         _CHILDREN.append((proc, log))
 
 
-_SIM_CHILD = []         # (process, log file) of the simulator child, started once per session
-
-
-def start_sim_child(nodeids, rootdir):
-    """Run the tests ``nodeids`` (conftest.SIM_CHILD_FILES') in a child pytest under the simulator, beside this
-    session; test_simulator_child waits for it and fails if it fails, and conftest prints its skips."""
-    log = tempfile.TemporaryFile(mode="w+")
-    env = dict(os.environ, KBIT_NUMBA_SIM_CHILD="0")      # (its own session starts no children)
-    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "--durations=5",
-                             *nodeids], cwd=rootdir, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
-    _SIM_CHILD.append((proc, log))
-
-
-def sim_child_report():
-    """The simulator child's SKIPPED lines and its summary line, once it has finished (else [])."""
-    if not _SIM_CHILD or _SIM_CHILD[0][0].poll() is None:
-        return []
-    log = _SIM_CHILD[0][1]
-    log.seek(0)
-    lines = log.read().strip().splitlines()
-    return [line for line in lines if line.startswith("SKIPPED")] + lines[-1:]
-
-
 if SIM:
-    def test_simulator_child():
-        """The tests conftest handed to the simulator child (a whole simulator run only) passed."""
-        if not _SIM_CHILD:
-            pytest.skip("no simulator child in this session (a whole-suite simulator run starts one)")
-        proc, log = _SIM_CHILD[0]
-        proc.wait()
-        log.seek(0)
-        out = log.read()
-        print("--- simulator child:", out[-3000:])
-        assert proc.returncode == 0, out[-9000:]
-        assert " passed" in out.strip().splitlines()[-1], out[-3000:]
-
     def test_ptx_in_child_process():
         start_children()
         jobs = len(_CHILDREN)
