@@ -293,7 +293,7 @@ def test_kbit_linear_codes_f16_acc(M):
     k = 4 if M == 3 else 2                 # (k = 4, M = 3: the pair gemv, not the tensor-core gemv; dispatch.py)
     flat = ref.quantize(random_weight(rng, 24 if SIM else 1000, 64 if SIM else 2048), k=k)
     layer = kb.KbitLinear(flat, layout="codes", f16_acc=True)
-    cap = L.mma_gemv_max_m(L.load_table(), k, *flat.shape)  # (this GPU's table: the H200's: 32; default 8)
+    cap = L.mma_gemv_max_m(L.load_table(), k, *flat.shape)  # (this GPU's table: the H100's and H200's: 32; default 8)
     assert layer.kernel_for(M) == ("pair_gemv" if M <= 2 or M == 3 and k == 4 else "mma_gemv" if M <= cap else "gemm")
     A = rng.standard_normal((M, flat.shape[1])).astype(np.float16)
     check_close_f16_acc(layer(A, out_dtype=np.float32).copy_to_host(), A, flat, np.float32)
