@@ -434,17 +434,20 @@ def merge_tuned(old, new, rows):
     return table
 
 
-MMA_CAP_MARGIN = 0.03              # the tensor-core gemv keeps an M while at most this much slower than the gemm
+MMA_CAP_MARGIN = 0.03              # a loss of at most this much (the tensor-core gemv or the gemm) counts as none
 MMA_CAP_FROM_M = 3                 # (M = 1, 2: the codes rules' choice, from --tune-codes; a cap is never below 2)
 
 
 def mma_gemv_caps(rows):
     """``{"KxN": {"k": cap}}`` from ``mma_gemv+codes`` rows beside the code layout's gemm and dequantize + cuBLAS rows
-    (``--tune``): per shape and k, the last measured M >= 3 before the first where the tensor-core gemv is more than
-    ``MMA_CAP_MARGIN`` slower than the faster of the two (what ``linear`` runs past the cap; 2 if it lost at the
-    first). Every measured shape and k gets an entry, ``None`` where the gemv never lost (the table's cap for k then
-    holds): ``bench --tune`` merges them into the table (:func:`merge_mma_caps`), so a later tune of other shapes
-    keeps these."""
+    (``--tune``): per shape and k, the cap (the largest M the tensor-core gemv takes; past it ``linear`` runs the
+    faster of the two) whose worst loss over the measured Ms >= 3 is the smallest, a loss being how much slower the
+    kernel a cap picks at an M is than the fastest there, less ``MMA_CAP_MARGIN``. The candidates are 2, each
+    measured M and None (no cap: the table's cap for k holds); of equal worst losses the largest cap wins. So a gemv
+    that loses from some M on is capped before it, and one that loses at one M but wins past it by more is not
+    (H100, 5120x2048 k = 2: 5% behind the gemm at M = 12, 9-15% ahead at 24 and 32; benchmarks/README.md,
+    "Ninety-eighth session"). Every measured shape and k gets an entry, ``None`` where no cap is best: ``bench
+    --tune`` merges them into the table (:func:`merge_mma_caps`), so a later tune of other shapes keeps these."""
     times = {}
     for r in rows:
         kern = r["kernel"]
@@ -453,19 +456,19 @@ def mma_gemv_caps(rows):
             point[kern] = min(r["us"], point.get(kern, r["us"]))
     caps = {}
     for (shape, k), by_m in sorted(times.items()):
-        cap, kept, measured = None, MMA_CAP_FROM_M - 1, False
+        points = []                    # (M, the gemv's time, the faster other's)
         for M in sorted(by_m):
-            t = by_m[M]
-            others = [t[o] for o in ("gemm+codes", "dequant_matmul+codes") if o in t]
-            if "mma_gemv+codes" not in t or not others:
-                continue
-            measured = True
-            if t["mma_gemv+codes"] > (1 + MMA_CAP_MARGIN) * min(others):
-                cap = kept             # (the Ms between the last kept and this one unmeasured: left to the gemm)
-                break
-            kept = M
-        if measured:
-            caps.setdefault(shape, {})[k] = cap
+            others = [by_m[M][o] for o in ("gemm+codes", "dequant_matmul+codes") if o in by_m[M]]
+            if "mma_gemv+codes" in by_m[M] and others:
+                points.append((M, by_m[M]["mma_gemv+codes"], min(others)))
+        if not points:
+            continue
+
+        def worst(cap):
+            return max(max(0.0, (g if cap is None or M <= cap else o) / min(g, o) - 1 - MMA_CAP_MARGIN)
+                       for M, g, o in points)
+        candidates = [None] + [M for M, _, _ in reversed(points)] + [MMA_CAP_FROM_M - 1]
+        caps.setdefault(shape, {})[k] = min(candidates, key=worst)   # (min keeps the first, largest, of a tie)
     return caps
 
 
