@@ -78,7 +78,7 @@ PAIR_GEMV_F16_MAX_M = {4: 3}       # k -> the largest M the pair gemv with float
 # tiles beat the code layout's gemm by 2-29% at M = 12 and by 17-30% on three of five shapes at M = 16 (3.5-3.7%
 # slower on two) on the H200 (benchmarks/README.md, "Thirty-ninth session"). Both GPUs' tables take it to M = 32 at
 # k = 2 and 4 (on the H100 since 2026-12-07: 6-45% less time than the code layout's gemm at k = 4, M = 8..32, on the six
-# seed shapes; at k = 2 ahead or within 3% but for two shapes' caps; "Ninety-eighth session").
+# seed shapes; at k = 2 ahead or within 5%, the table capping 2048x512 at 24; "Ninety-eighth session").
 MMA_GEMV_MAX_M = {4: 16}           # k -> the largest M the tensor-core gemv takes (tables without a cap)
 # Its three and four token tiles (M = 17..32, CTAs of at most 8 K-warps: mma_gemv.WIDE_KW) took 6-37% less time than
 # the code layout's gemm at M = 24 and 32 on all ten measured shapes with K <= 5120 at k = 4 (H200; at k = 2 on most:
