@@ -207,15 +207,13 @@ else:
         for s in never:
             assert s not in ptx, f"{name}: unexpected {s!r} in the PTX"
 
-    @ptx_checks
-    def test_fast_inlining_leaves_the_ptx_unchanged(monkeypatch):
-        """kbit_numba._inline skips the IR inliner's block copies on its fresh-IR path: a tensor-core gemv (whose
-        helpers Numba inlines) compiles to the same PTX with and without, and the patched compile copies fewer
-        blocks (numba-cuda outside the checked versions fails here: check the patch again, then its version list)."""
+    def _fast_and_stock(monkeypatch, kernel, argtypes):
+        """(PTX, deep copies through kbit_numba._inline) of ``kernel`` compiled with _inline's patches, then with
+        Numba's own inliner and unroller (``_inline.copying``)."""
         import copy
         import types
 
-        from kbit_numba import _inline, mma_gemv
+        from kbit_numba import _inline
 
         assert _inline.enabled() and _inline._installed, "kbit_numba._inline did not patch this numba-cuda"
         copies = [0]
@@ -225,15 +223,38 @@ else:
             return copy.deepcopy(value, memo)
 
         monkeypatch.setattr(_inline, "copy", types.SimpleNamespace(deepcopy=counting))
-        spec = mma_gemv.MmaGemvSpec(k=4)
-        kernel, argtypes = mma_gemv.make_mma_gemv_kernel(spec), mma_gemv.argtypes(spec)
         fast, _ = cuda.compile_ptx(kernel.py_func, argtypes, cc=CC)
         fast_copies, copies[0] = copies[0], 0
         with _inline.copying():
             stock, _ = cuda.compile_ptx(kernel.py_func, argtypes, cc=CC)
-        assert copies[0] > 0 and fast_copies < copies[0] // 10, (fast_copies, copies[0])
-        assert _without_compile_counters(fast) == _without_compile_counters(stock)
+        return _without_compile_counters(fast), fast_copies, _without_compile_counters(stock), copies[0]
 
+    @ptx_checks
+    def test_fast_inlining_leaves_the_ptx_unchanged(monkeypatch):
+        """kbit_numba._inline skips the IR inliner's block copies on its fresh-IR path: a tensor-core gemv (whose
+        helpers Numba inlines) compiles to the same PTX with and without, and the patched compile copies fewer
+        blocks (numba-cuda outside the checked versions fails here: check the patch again, then its version list)."""
+        from kbit_numba import mma_gemv
+
+        spec = mma_gemv.MmaGemvSpec(k=4)
+        fast, fast_copies, stock, copies = _fast_and_stock(monkeypatch, mma_gemv.make_mma_gemv_kernel(spec),
+                                                           mma_gemv.argtypes(spec))
+        assert copies > 0 and fast_copies < copies // 10, (fast_copies, copies)
+        assert fast == stock
+
+    @ptx_checks
+    def test_fast_unrolling_leaves_the_ptx_unchanged(monkeypatch):
+        """kbit_numba._inline hands literal_unroll's second block copies over uncopied: a scalar gemv (whose column
+        and row loops are literal_unroll loops) compiles to the same PTX with and without, and the patched compile
+        copies fewer blocks (numba-cuda outside the checked versions fails here, as above)."""
+        from kbit_numba import scalar_gemv
+
+        spec = scalar_gemv.GemvSpec(k=4, M=2)
+        fast, fast_copies, stock, copies = _fast_and_stock(monkeypatch, scalar_gemv.make_gemv_kernel(spec),
+                                                           scalar_gemv.argtypes(spec))
+        # (the unroller's copies go through the patch: its one copy of each version's blocks is counted, the rest not)
+        assert 0 < fast_copies < copies // 4, (fast_copies, copies)
+        assert fast == stock
 
 def _without_compile_counters(ptx):
     """The PTX with the numbers each compile puts in its names (mangled ``B<n>v<m>``, the shared array's) taken out."""
