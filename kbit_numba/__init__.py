@@ -7,7 +7,7 @@ host (weights on the device, MoE experts, launch geometry) in ``core``; kernels 
 returning a ``launch.Plan`` (``plan.launch()``, ``plan.prepare().run()``); ``dispatch.linear`` picks a
 family per shape and M. PTX helpers in ``intrinsics``; shared device helpers in ``device``; calibrated
 (GPTQ-style) quantization into kbit bytes in ``calibrate``; the on-disk kernel cache in ``_cache``; the IR
-inliner without its redundant copies (faster compiles) in ``_inline``.
+inliner and ``literal_unroll`` without their redundant copies (faster compiles) in ``_inline``.
 Under Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) the package installs warp primitives so
 that the same kernels run on the CPU.
 """
@@ -17,7 +17,7 @@ if _config.ENABLE_CUDASIM:
     from . import _sim
 
     _sim.install()
-else:                           # where kernels compile: the IR inliner without its redundant copies (_inline)
+else:                           # where kernels compile: Numba's inliner and unroller, fewer copies (_inline)
     from . import _inline
 
     _inline.install()
