@@ -208,8 +208,8 @@ else:
             assert s not in ptx, f"{name}: unexpected {s!r} in the PTX"
 
     def _fast_and_stock(monkeypatch, kernel, argtypes):
-        """(PTX, deep copies through kbit_numba._inline) of ``kernel`` compiled with _inline's patches, then with
-        Numba's own inliner and unroller (``_inline.copying``)."""
+        """(PTX, deep copies through kbit_numba._inline) of ``kernel`` compiled with _inline's patches, then the same
+        pair with Numba's own inliner and unroller (``_inline.copying``): four values."""
         import copy
         import types
 
