@@ -1,11 +1,14 @@
-"""Warp primitives for Numba's CUDA simulator.
+"""Warp primitives and a faster block manager for Numba's CUDA simulator.
 
-The simulator runs one Python thread per CUDA thread but has no ``shfl_*_sync``, ``ballot_sync`` or
-``syncwarp``. We add them to its fake ``cuda`` module with PTX ``shfl.sync`` semantics: the simulated
-lanes of a warp meet at a ``threading.Barrier``, publish their value, read their source lane's value,
-and meet again before the slots can be reused. Kernels therefore call the same ``cuda.*`` names on the
-GPU and here. As on the GPU, every lane of the warp must reach the call (no early ``return`` before a
-warp collective); a lane that never arrives makes the others fail with a clear error after a timeout.
+The simulator runs one Python thread per CUDA thread but has no ``shfl_*_sync``, ``ballot_sync`` or ``syncwarp``.
+We add them to its fake ``cuda`` module with PTX ``shfl.sync`` semantics: the simulated lanes of a warp publish
+their value, meet once at a barrier, and read their source lane's value from a snapshot of the warp's values taken
+by the last lane to arrive. Kernels therefore call the same ``cuda.*`` names on the GPU and here. As on the GPU,
+every lane of the warp must reach the call (no early ``return`` before a warp collective); a lane that never
+arrives makes the others fail with a clear error after a timeout. Intrinsic twins that need the
+whole warp's registers (``mma.sync``) compute their result once a warp (``exchange(value, combine)``).
+
+The block manager (below) reuses its simulated threads from block to block and parks each on its own lock.
 
 Installed by ``kbit_numba/__init__.py`` only when ``NUMBA_ENABLE_CUDASIM=1``.
 """
@@ -20,38 +23,108 @@ WARP = 32
 _TIMEOUT_S = 120.0
 
 
+class _Barrier:
+    """A reusable barrier of ``parties`` simulated threads that wakes each waiter once.
+
+    ``threading.Barrier`` parks its waiters on one condition variable: the last arrival's ``notify_all`` makes
+    every waiter take the GIL and then the condition's lock again, one after another, before it can leave.
+    Here each thread parks on its own lock (held while it runs, see ``_gate``) and the last arrival releases
+    those locks: one wake-up a waiter (a warp's 2,048 exchanges in a small tensor-core gemv launch: ~0.80 s with
+    ``threading.Barrier``, ~0.70 s with this; local, 2 cores). A thread that waits ``_TIMEOUT_S`` breaks the barrier for every party,
+    as ``threading.Barrier`` does."""
+
+    def __init__(self, parties):
+        self.parties = parties
+        self.broken = False
+        self._lock = threading.Lock()
+        self._waiting = []
+
+    def wait(self, on_open=None):
+        """Wait for every party; the last to arrive first calls ``on_open()`` (the others are still parked)."""
+        gate = _gate()
+        with self._lock:
+            if self.broken:
+                raise threading.BrokenBarrierError
+            opens = len(self._waiting) + 1 == self.parties
+            if opens:                               # the last arrival opens the barrier for this round
+                waiting, self._waiting = self._waiting, []
+            else:
+                self._waiting.append(gate)
+        if opens:
+            try:
+                if on_open is not None:
+                    on_open()
+            finally:
+                for g in waiting:
+                    g.release()
+            return
+        if not gate.acquire(timeout=_TIMEOUT_S):
+            with self._lock:
+                if gate not in self._waiting:       # opened between the timeout and here: take the release
+                    gate.acquire()
+                    return
+                self.broken = True
+                waiting, self._waiting = self._waiting, []
+            for g in waiting:
+                if g is not gate:
+                    g.release()
+        if self.broken:
+            raise threading.BrokenBarrierError
+
+
+def _gate():
+    """The calling thread's parking lock, created held: ``acquire`` blocks until another thread releases it and
+    leaves it held again for the next wait."""
+    t = threading.current_thread()
+    gate = getattr(t, "_kbit_gate", None)
+    if gate is None:
+        gate = t._kbit_gate = threading.Lock()
+        gate.acquire()
+    return gate
+
+
 class _WarpExchange:
+    """One simulated warp's slots: each lane writes its own, and the last lane to arrive copies them (or combines
+    them) into ``result`` before it opens the barrier. A lane that races ahead to the next exchange may overwrite
+    its slot at once; ``result`` is replaced only when every lane has reached the next exchange, so after reading
+    this one's."""
+
     def __init__(self, nlanes):
-        self.barrier = threading.Barrier(nlanes, timeout=_TIMEOUT_S)
+        self.barrier = _Barrier(nlanes)
         self.slots = [None] * WARP
+        self.result = None
 
 
 _registry_lock = threading.Lock()
 
 
-def exchange(value):
-    """Publish ``value`` for this lane; return the list of all lanes' values (a snapshot)."""
+def exchange(value, combine=None):
+    """Publish ``value`` for this lane; return the list of all lanes' values (a snapshot, shared by the lanes: read
+    it, do not change it), or ``combine(snapshot)``, computed once for the warp by the last lane to arrive."""
     t = threading.current_thread()
     mod = _kernel_module()
     bx, by, bz = mod.blockDim.x, mod.blockDim.y, mod.blockDim.z
     nthreads = bx * by * bz
     tid = t.thread_id
-    warp = tid // WARP
+    warp, lane = divmod(tid, WARP)
     key = (tuple(t.blockIdx), warp)
     with _registry_lock:
         table = mod.__dict__.setdefault("_kbit_warps", {})
         ex = table.get(key)
         if ex is None:
             ex = table[key] = _WarpExchange(min(WARP, nthreads - warp * WARP))
-    ex.slots[tid % WARP] = value
-    try:
-        ex.barrier.wait()
+    ex.slots[lane] = value
+
+    def publish():
         snapshot = list(ex.slots)
-        ex.barrier.wait()
+        ex.result = snapshot if combine is None else combine(snapshot)
+
+    try:
+        ex.barrier.wait(publish)
     except threading.BrokenBarrierError:
         raise RuntimeError("simulated warp collective: not every lane of the warp arrived "
                            "(a lane returned early or took another branch)") from None
-    return snapshot
+    return ex.result
 
 
 def _kernel_module():
@@ -61,7 +134,7 @@ def _kernel_module():
 
 def named_barrier(barrier, threads):
     """``bar.sync barrier, threads``: the first ``threads`` simulated threads of the block to arrive at
-    barrier ``barrier`` meet at a ``threading.Barrier`` of that many parties (one per block and id, reused
+    barrier ``barrier`` meet at a ``_Barrier`` of that many parties (one per block and id, reused
     round after round, as the hardware's). Threads that never arrive make the others fail after a timeout."""
     t = threading.current_thread()
     mod = _kernel_module()
@@ -70,7 +143,7 @@ def named_barrier(barrier, threads):
         table = mod.__dict__.setdefault("_kbit_barriers", {})
         bar = table.get(key)
         if bar is None or bar.parties != int(threads):
-            bar = table[key] = threading.Barrier(int(threads), timeout=_TIMEOUT_S)
+            bar = table[key] = _Barrier(int(threads))
     try:
         bar.wait()
     except threading.BrokenBarrierError:
@@ -158,88 +231,149 @@ def _shared_array(self, shape, dtype, alignment=None):
     return res
 
 
-# ---- a block manager that waits instead of polling -------------------------------------------------
-# The stock ``BlockManager.run`` spins over its live threads (``is_alive()``, ``syncthreads_blocked``) until they
-# have all finished: the spinning thread holds the GIL the simulated threads need, and a 256-thread block
-# made ~27 million ``is_alive`` calls in a 128 x 128 ``quantize`` (55 s, almost all of it that loop). Here each
-# thread tells the manager, under one condition variable, when it reaches ``syncthreads`` or ends, and the
-# manager sleeps until then. The semantics are the stock ones: a barrier opens when every thread that has not
-# ended waits at it; an exception in any thread aborts the block and is raised.
-def _thread_run(self):
-    try:
-        self._kbit_stock_run()
-    finally:
-        with self._manager._kbit_cv:
-            self._manager._kbit_live -= 1
-            self._manager._kbit_cv.notify()
+# ---- a block manager with reused threads that wait instead of polling ------------------------------------------
+# The stock ``BlockManager.run`` starts a new ``threading.Thread`` for every CUDA thread of every block and spins over
+# them (``is_alive()``, ``syncthreads_blocked``) until they have all finished: the spinning thread holds the GIL the
+# simulated threads need (a 256-thread block made ~27 million ``is_alive`` calls in a 128 x 128 ``quantize``), and
+# creating, starting and joining the threads cost the launching thread more than the kernels' own code in the
+# tensor-core gemv's tests. Here a pool of simulated threads (``_Worker``) runs block after block, launch after
+# launch: the manager hands each its block and thread index and wakes it; a thread reaching ``syncthreads`` either
+# opens the barrier (it is the last live thread to arrive) or parks on its own lock; a thread that ends tells the
+# manager only when it is the block's last or has failed. The semantics are the stock ones: a barrier opens when
+# every thread that has not ended waits at it; an exception in any thread aborts the block and is raised.
+_pool = []                      # idle workers
+_pool_lock = threading.Lock()
 
 
-def _syncthreads(self):
-    if self.abort:
-        raise RuntimeError("abort flag set on syncthreads call")
-    mgr = self._manager
-    with mgr._kbit_cv:
-        self.syncthreads_blocked = True
-        mgr._kbit_blocked.append(self)
-        mgr._kbit_cv.notify()
-    self.syncthreads_event.wait()
-    self.syncthreads_event.clear()
-    if self.abort:
-        raise RuntimeError("abort flag set on syncthreads clear")
+def _worker_class():
+    from numba.cuda.simulator.kernel import BlockThread, Dim3
+
+    class _Worker(BlockThread):
+        """A simulated CUDA thread that runs one block's kernel after another (``BlockThread``'s attributes and
+        its ``syncthreads_count/and/or``; ``syncthreads`` below)."""
+
+        def __init__(self):
+            threading.Thread.__init__(self, daemon=True)
+            self._kbit_job = None
+            _gate_of(self)
+
+        def assign(self, manager, block_point, grid_point, job):
+            bx, by, _ = manager._block_dim
+            self._manager = manager
+            self.blockIdx = Dim3(*grid_point)
+            self.threadIdx = Dim3(*block_point)
+            self.thread_id = block_point[0] + bx * (block_point[1] + by * block_point[2])
+            self.exception = None
+            self.abort = False
+            self.syncthreads_blocked = False
+            self._kbit_job = job
+
+        def run(self):
+            gate = self._kbit_gate
+            while True:
+                gate.acquire()                      # parked until the manager assigns a block
+                f, args = self._kbit_job
+                try:
+                    f(*args)
+                except Exception as e:              # recorded as BlockThread.run records it
+                    where = f"tid={list(self.threadIdx)} ctaid={list(self.blockIdx)}"
+                    self.exception = (type(e)(f"{where}: {e}" if str(e) else where), sys.exc_info()[2])
+                finally:
+                    self._kbit_job = None
+                    _thread_ended(self)
+                with _pool_lock:
+                    _pool.append(self)
+
+        def syncthreads(self):
+            mgr = self._manager
+            with mgr._kbit_lock:
+                if self.abort:
+                    raise RuntimeError("abort flag set on syncthreads call")
+                if len(mgr._kbit_blocked) + 1 < mgr._kbit_live:
+                    mgr._kbit_blocked.append(self)
+                    parked = True
+                else:                               # the last live thread to arrive opens the barrier
+                    _open(mgr)
+                    parked = False
+            if parked:
+                self._kbit_gate.acquire()
+                if self.abort:
+                    raise RuntimeError("abort flag set on syncthreads clear")
+
+    return _Worker
+
+
+def _gate_of(t):
+    gate = t._kbit_gate = threading.Lock()
+    gate.acquire()
+    return gate
+
+
+def _open(mgr):
+    """Release every thread parked at the block's ``syncthreads`` (under ``mgr._kbit_lock``)."""
+    blocked, mgr._kbit_blocked = mgr._kbit_blocked, []
+    for t in blocked:
+        t._kbit_gate.release()
+
+
+def _thread_ended(t):
+    mgr = t._manager
+    with mgr._kbit_lock:
+        mgr._kbit_live -= 1
+        if t.exception is not None and mgr._kbit_failed is None:
+            mgr._kbit_failed = t
+            for other in mgr._kbit_threads:         # abort the others (as the stock manager does)
+                other.abort = True
+            _open(mgr)
+        elif mgr._kbit_live and len(mgr._kbit_blocked) == mgr._kbit_live:
+            _open(mgr)                              # every thread left waits at syncthreads
+        if (mgr._kbit_live == 0 or mgr._kbit_failed is t) and not mgr._kbit_signalled:
+            mgr._kbit_signalled = True
+            mgr._kbit_done.release()
 
 
 def _block_run(self, grid_point, *args):
-    from numba.cuda.simulator.kernel import BlockThread
-
-    self._kbit_cv = threading.Condition()
+    """``BlockManager.run`` on pooled threads (the stock ``debug`` option, a per-thread ``np.seterr``, is not
+    applied)."""
+    global _Worker
+    if _Worker is None:
+        _Worker = _worker_class()
+    points = list(np.ndindex(*self._block_dim))
+    with _pool_lock:
+        take = min(len(_pool), len(points))
+        threads = [_pool.pop() for _ in range(take)]
+    threads += [_Worker() for _ in range(len(points) - take)]
+    self._kbit_lock = threading.Lock()
     self._kbit_blocked = []
-    go = threading.Event()          # every thread starts, then waits here: Thread.start() returns only once the
-    threads = []                    # new thread runs, which is slow while earlier ones compute for the GIL
-
-    def target():
-        go.wait()
-        self._f(*args)
-
-    for block_point in np.ndindex(*self._block_dim):
-        threads.append(BlockThread(target, self, grid_point, block_point, self._debug))
     self._kbit_live = len(threads)
+    self._kbit_threads = threads
+    self._kbit_failed = None
+    self._kbit_signalled = False
+    self._kbit_done = _gate_of(self)
+    job = (self._f, args)
+    for t, point in zip(threads, points):
+        t.assign(self, point, grid_point, job)
     for t in threads:
-        t.start()
-    go.set()
-    with self._kbit_cv:
-        while True:
-            failed = next((t for t in threads if t.exception), None)
-            if failed is not None:
-                for t in threads:                 # abort the others (as the stock manager does), then raise
-                    t.abort = True
-                    t.syncthreads_blocked = False
-                    t.syncthreads_event.set()
-                raise failed.exception[0].with_traceback(failed.exception[1])
-            if self._kbit_live == 0:
-                break
-            if len(self._kbit_blocked) == self._kbit_live:      # every live thread waits: open the barrier
-                for t in self._kbit_blocked:
-                    t.syncthreads_blocked = False
-                    t.syncthreads_event.set()
-                self._kbit_blocked = []
-                continue
-            self._kbit_cv.wait(timeout=1.0)
-    for t in threads:
-        t.join()
+        t._kbit_gate.release()                      # wake a parked worker; a new one takes the job when it starts
+        if not t.is_alive():
+            t.start()
+    self._kbit_done.acquire()
+    failed = self._kbit_failed
+    if failed is not None:
+        raise failed.exception[0].with_traceback(failed.exception[1])
+
+
+_Worker = None
 
 
 def install():
     """Add the warp primitives to the simulator's fake ``cuda`` module, make its shared-array allocation
     thread-safe, and replace its polling block manager by one that waits (idempotent)."""
-    from numba.cuda.simulator.kernel import BlockManager, BlockThread
+    from numba.cuda.simulator.kernel import BlockManager
     from numba.cuda.simulator.kernelapi import FakeCUDAModule, FakeCUDAShared
 
     FakeCUDAShared.array = _shared_array
-    if not hasattr(BlockThread, "_kbit_stock_run"):
-        BlockThread._kbit_stock_run = BlockThread.run
-        BlockThread.run = _thread_run
-        BlockThread.syncthreads = _syncthreads
-        BlockManager.run = _block_run
+    BlockManager.run = _block_run
 
     def method(fn):
         return lambda self, *args: fn(*args)

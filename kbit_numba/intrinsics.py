@@ -658,9 +658,8 @@ def _fragment_maps():
 _FRAG = _fragment_maps()
 
 
-def _py_mma(bf16, *regs):
-    from ._sim import exchange, lane_id
-    frags = exchange(regs)
+def _mma_of_warp(bf16, frags):
+    """D = A @ B + C of one warp's m16n8k16, from every lane's 6 input registers and 4 accumulators."""
     bits = np.array([[int(r) & 0xFFFFFFFF for r in f[:6]] for f in frags], np.uint32)
     if bf16:
         vals = (bits.view(np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
@@ -671,9 +670,13 @@ def _py_mma(bf16, *regs):
     A[a_row, a_col] = vals[:, :8]
     B[b_row, b_col] = vals[:, 8:]
     C[c_row, c_col] = np.array([f[6:] for f in frags], np.float64)
-    D = (A @ B + C).astype(np.float32)
-    lane = lane_id()
-    return tuple(D[c_row[lane], c_col[lane]])
+    return (A @ B + C).astype(np.float32)[c_row, c_col]      # (32, 4): each lane's four results
+
+
+def _py_mma(bf16, *regs):
+    from ._sim import exchange, lane_id
+    D = exchange(regs, lambda frags: _mma_of_warp(bf16, frags))   # computed once a warp, by its last lane
+    return tuple(D[lane_id()])
 
 
 def py_mma_f16(*args):

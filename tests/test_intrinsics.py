@@ -303,3 +303,81 @@ def test_warp_primitives():
         ballot = sum(1 << j for j in range(32) if x[w + j] & 1)
         assert np.uint32(got[t, 4]) == np.uint32(ballot)
         assert got[t, 5] == x[w:w + 32].sum()
+
+
+# ---- the simulator's threads: reused from block to block, barriers with early exits, errors ------------------
+ROUNDS_XOR = 40
+
+
+@cuda.jit
+def _blocks_kernel(out, live):
+    """Threads at or past ``live`` return before the barrier; the others each read a neighbour's store after it,
+    then run ROUNDS_XOR dependent shuffles (lanes race ahead of each other between the exchanges)."""
+    sh = cuda.shared.array(128, np.int64)
+    t = cuda.threadIdx.x
+    b = cuda.blockIdx.x
+    out[b, t, 0] = b * 1000 + t
+    if t >= live:
+        return
+    sh[t] = b * 1000 + t
+    cuda.syncthreads()
+    out[b, t, 1] = sh[(t + 1) % live]
+    cuda.syncthreads()
+    v = np.int64(t)
+    if live % 32 == 0:                        # whole warps only: a warp collective needs every lane
+        for r in range(ROUNDS_XOR):
+            v = (v * 3 + cuda.shfl_xor_sync(FULL, v, r % 32)) % 1000003
+    out[b, t, 2] = v
+
+
+@pytest.mark.skipif(PTX_ONLY, reason="runs kernels")
+@pytest.mark.parametrize("shape", [(3, 128, 96), (2, 64, 64), (4, 128, 128), (1, 96, 50)])
+def test_threads_from_block_to_block(shape):
+    """Each simulated thread sees its own block and thread index, block after block and launch after launch (the
+    simulator reuses its threads); a barrier waits for the live threads only; dependent shuffles stay in step."""
+    blocks, threads, live = shape
+    out = cuda.to_device(np.full((blocks, threads, 3), -1, np.int64))
+    _blocks_kernel[blocks, threads](out, live)
+    got = out.copy_to_host()
+    b, t = np.meshgrid(np.arange(blocks), np.arange(threads), indexing="ij")
+    np.testing.assert_array_equal(got[:, :, 0], b * 1000 + t)
+    tl = np.arange(live)
+    np.testing.assert_array_equal(got[:, :live, 1], np.arange(blocks)[:, None] * 1000 + (tl + 1) % live)
+    assert (got[:, live:, 1:] == -1).all()
+    v = np.tile(np.arange(live, dtype=np.int64), (blocks, 1))
+    if live % 32 == 0:
+        lanes = np.arange(live)
+        for r in range(ROUNDS_XOR):
+            v = (v * 3 + v[:, (lanes // 32) * 32 + (lanes % 32 ^ r % 32)]) % 1000003
+    np.testing.assert_array_equal(got[:, :live, 2], v)
+
+
+@cuda.jit
+def _failing_kernel(out, bad):
+    t = cuda.threadIdx.x
+    cuda.syncthreads()
+    out[t + (1000 if t == bad else 0)] = t      # thread ``bad`` indexes past the array (the simulator checks)
+    cuda.syncthreads()
+
+
+@cuda.jit
+def _early_lane_kernel(out):
+    t = cuda.threadIdx.x
+    if t == 3:
+        return                                  # lane 3 never reaches the shuffle
+    out[t] = cuda.shfl_sync(FULL, t, 0)
+
+
+@pytest.mark.skipif(not SIM, reason="the simulator's own error paths")
+def test_simulator_errors_and_recovery(monkeypatch):
+    """A thread's error aborts its block (threads parked at the barrier included) and is raised by the launch; a
+    lane that skips a warp collective fails the others after the timeout; the next launch runs normally."""
+    from kbit_numba import _sim
+    out = cuda.to_device(np.zeros(64, np.int64))
+    with pytest.raises(IndexError, match="tid=\\[5, 0, 0\\]"):
+        _failing_kernel[2, 64](out, 5)
+    monkeypatch.setattr(_sim, "_TIMEOUT_S", 0.3)
+    with pytest.raises(RuntimeError, match="not every lane of the warp arrived"):
+        _early_lane_kernel[1, 32](out)
+    _failing_kernel[2, 64](out, -1)
+    np.testing.assert_array_equal(out.copy_to_host(), np.arange(64))
