@@ -143,11 +143,14 @@ _CHILDREN = []          # (process, log file) of the PTX children, started once 
 
 def start_children(jobs=None):
     """Start the PTX children (simulator off, every n-th specialisation each). conftest starts them as soon
-    as the session has collected this file, so they compile while the simulator tests run (those hold one
-    core: the children default to the other cores); the test below then waits for them."""
+    as the session has collected this file, so they compile while the simulator tests run; the test below then
+    waits for them. The simulator tests hold one core; the children default to the other cores, and to two on
+    a 2-core machine (CI's): there the simulator tests need ~900 s of CPU and the PTX checks ~1,500 s, so one
+    child on the second core set the run's time, and two share both cores with the simulator tests until
+    they end."""
     if _CHILDREN:
         return
-    jobs = jobs or int(os.environ.get("KBIT_NUMBA_PTX_JOBS", max(1, (os.cpu_count() or 2) - 1)))
+    jobs = jobs or int(os.environ.get("KBIT_NUMBA_PTX_JOBS", max(2, (os.cpu_count() or 2) - 1)))
     for i in range(jobs):
         env = dict(os.environ, KBIT_NUMBA_PTX_ONLY="1", KBIT_NUMBA_PTX_SHARD=f"{i}/{jobs}")
         env.pop("NUMBA_ENABLE_CUDASIM", None)
