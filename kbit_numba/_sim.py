@@ -28,10 +28,10 @@ class _Barrier:
 
     ``threading.Barrier`` parks its waiters on one condition variable: the last arrival's ``notify_all`` makes
     every waiter take the GIL and then the condition's lock again, one after another, before it can leave.
-    Here each thread parks on its own lock (held while it runs, see ``_gate``) and the last arrival releases
+    Here each thread parks on its own lock (held while it runs, see ``_gate_of``) and the last arrival releases
     those locks: one wake-up a waiter (a warp's 2,048 exchanges in a small tensor-core gemv launch: ~0.80 s with
-    ``threading.Barrier``, ~0.70 s with this; local, 2 cores). A thread that waits ``_TIMEOUT_S`` breaks the barrier for every party,
-    as ``threading.Barrier`` does."""
+    ``threading.Barrier``, ~0.70 s with this; local, 2 cores). A thread that waits ``_TIMEOUT_S`` breaks the
+    barrier for every party, as ``threading.Barrier`` does."""
 
     def __init__(self, parties):
         self.parties = parties
@@ -41,7 +41,7 @@ class _Barrier:
 
     def wait(self, on_open=None):
         """Wait for every party; the last to arrive first calls ``on_open()`` (the others are still parked)."""
-        gate = _gate()
+        gate = threading.current_thread()._kbit_gate    # (every simulated thread is a _Worker)
         with self._lock:
             if self.broken:
                 raise threading.BrokenBarrierError
@@ -70,17 +70,6 @@ class _Barrier:
                     g.release()
         if self.broken:
             raise threading.BrokenBarrierError
-
-
-def _gate():
-    """The calling thread's parking lock, created held: ``acquire`` blocks until another thread releases it and
-    leaves it held again for the next wait."""
-    t = threading.current_thread()
-    gate = getattr(t, "_kbit_gate", None)
-    if gate is None:
-        gate = t._kbit_gate = threading.Lock()
-        gate.acquire()
-    return gate
 
 
 class _WarpExchange:
@@ -304,6 +293,8 @@ def _worker_class():
 
 
 def _gate_of(t):
+    """``t``'s parking lock, created held: ``acquire`` blocks until another thread releases it and leaves it held
+    again for the next wait."""
     gate = t._kbit_gate = threading.Lock()
     gate.acquire()
     return gate
