@@ -5,8 +5,8 @@ We add them to its fake ``cuda`` module with PTX ``shfl.sync`` semantics: the si
 their value, meet once at a barrier, and read their source lane's value from a snapshot of the warp's values taken
 by the last lane to arrive. Kernels therefore call the same ``cuda.*`` names on the GPU and here. As on the GPU,
 every lane of the warp must reach the call (no early ``return`` before a warp collective); a lane that never
-arrives makes the others fail with a clear error after a timeout. Intrinsic twins that need the
-whole warp's registers (``mma.sync``) compute their result once a warp (``exchange(value, combine)``).
+arrives makes the others fail with a clear error after a timeout. Intrinsic twins that need the whole warp's
+registers (``mma.sync``) compute their result once a warp (``exchange(value, combine)``).
 
 The block manager (below) reuses its simulated threads from block to block and parks each on its own lock.
 
@@ -232,6 +232,7 @@ def _shared_array(self, shape, dtype, alignment=None):
 # every thread that has not ended waits at it; an exception in any thread aborts the block and is raised.
 _pool = []                      # idle workers
 _pool_lock = threading.Lock()
+_Worker = None                  # the class, made on first use (numba's simulator is imported late)
 
 
 def _worker_class():
@@ -254,7 +255,6 @@ def _worker_class():
             self.thread_id = block_point[0] + bx * (block_point[1] + by * block_point[2])
             self.exception = None
             self.abort = False
-            self.syncthreads_blocked = False
             self._kbit_job = job
 
         def run(self):
@@ -353,8 +353,6 @@ def _block_run(self, grid_point, *args):
     if failed is not None:
         raise failed.exception[0].with_traceback(failed.exception[1])
 
-
-_Worker = None
 
 
 def install():
