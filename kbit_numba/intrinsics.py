@@ -56,6 +56,8 @@ offset used without its base fails under the simulator too).
 """
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 from llvmlite import ir
 from numba import types
@@ -634,11 +636,29 @@ ptx_mma_f16 = _mma_intrinsic("f16")
 ptx_mma_bf16 = _mma_intrinsic("bf16")
 
 
+# The float16 pair twins go through ``struct`` (its "e" format is IEEE half precision, rounded to nearest even from a
+# float64), not through small NumPy arrays: the simulator calls them for every pair of every decode, and the arrays
+# cost ~10x as much. Only NaN payloads can differ from NumPy's (quieted here; the hardware's are canonical anyway).
+_HALF_PAIR, _TWO_F32 = struct.Struct("<2e"), struct.Struct("<2f")
+_WORD, _TWO_WORDS = struct.Struct("<I"), struct.Struct("<2I")
+
+
 def _halves(word, bf16):
-    w = np.array([int(word) & 0xFFFFFFFF], dtype=np.uint32)
+    """The two float16 (or bfloat16) values packed in a word, low half first, as Python floats."""
+    w = int(word) & 0xFFFFFFFF
     if bf16:
-        return (w.view(np.uint16).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-    return w.view(np.float16).astype(np.float64)
+        return _TWO_F32.unpack(_TWO_WORDS.pack((w & 0xFFFF) << 16, w & 0xFFFF0000))
+    return _HALF_PAIR.unpack(_WORD.pack(w))
+
+
+def _half_pair(lo, hi):
+    """uint32: lo and hi rounded to float16 (nearest even) and packed, lo in bits 0..15."""
+    try:
+        return np.uint32(_WORD.unpack(_HALF_PAIR.pack(lo, hi))[0])
+    except OverflowError:       # struct refuses what rounds past 65504, where the hardware (and NumPy) give inf
+        with np.errstate(over="ignore"):
+            h = np.array([lo, hi], dtype=np.float16).view(np.uint16).astype(np.uint32)
+        return np.uint32(h[0] | (h[1] << 16))
 
 
 def _fragment_maps():
@@ -717,18 +737,19 @@ def ptx_hfma2(typingctx, a, b, c):
     return sig, codegen
 
 
-def py_hmul2(a, b):   # a float16 product of two float16 values is exact in float32: one rounding
-    p = (_halves(a, False) * _halves(b, False)).astype(np.float32).astype(np.float16)
-    return np.uint32(int(p.view(np.uint16)[0]) | int(p.view(np.uint16)[1]) << 16)
+def py_hmul2(a, b):   # a float16 product of two float16 values is exact in float64: one rounding
+    (a0, a1), (b0, b1) = _halves(a, False), _halves(b, False)
+    return _half_pair(a0 * b0, a1 * b1)
 
 
-def py_hfma2(a, b, c):   # exact in float64 (half products have 22 bits), then one rounding to float16
-    r = (_halves(a, False).astype(np.float64) * _halves(b, False) + _halves(c, False)).astype(np.float16)
-    return np.uint32(int(r.view(np.uint16)[0]) | int(r.view(np.uint16)[1]) << 16)
+def py_hfma2(a, b, c):   # the product exact in float64 (half products have 22 bits), then one rounding to float16
+    (a0, a1), (b0, b1), (c0, c1) = _halves(a, False), _halves(b, False), _halves(c, False)
+    return _half_pair(a0 * b0 + c0, a1 * b1 + c1)
 
 
 def py_bmul2(a, b):
-    p = (_halves(a, True) * _halves(b, True)).astype(np.float32)
+    (a0, a1), (b0, b1) = _halves(a, True), _halves(b, True)
+    p = np.array([a0 * b0, a1 * b1], dtype=np.float32)      # exact: bfloat16 products have 16 bits
     from .reference import float32_to_bf16_bits         # (round to nearest even, written once)
     bits = float32_to_bf16_bits(p).view(np.uint16).astype(np.uint32)
     return np.uint32(bits[0] | bits[1] << 16)
@@ -900,8 +921,7 @@ def py_f32_as_u32(x):
 
 
 def py_f16x2_as_u32(lo, hi):
-    h = np.array([lo, hi], dtype=np.float16).view(np.uint16).astype(np.uint32)
-    return np.uint32(h[0] | (h[1] << 16))
+    return _half_pair(lo, hi)
 
 
 # ---------------------------------------------------------------------------------------------

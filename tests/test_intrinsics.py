@@ -39,6 +39,26 @@ def test_twins_known_values():
                       I.py_f16x2_as_u32(1.0, 0)) == I.py_f16x2_as_u32(1.0, 0)
 
 
+def test_half_pair_twins_round_as_numpy():
+    """The float16 pair twins (``struct``-based, for the simulator's speed) round as NumPy's float16 does, on random
+    words and on large ones that overflow to inf (subnormals, infinities, signed zeros included; NaN payloads aside)."""
+    rng = np.random.default_rng(3)
+    w = rng.integers(0, 1 << 32, size=(3, 3000), dtype=np.uint64).astype(np.uint32)
+    w[:, 2000:] = (w[:, 2000:] & 0x83FF83FF) | 0x70007000         # |x| in [2**12, 2**16): products overflow
+    h = w.view(np.float16).astype(np.float64).reshape(3, -1, 2)
+    with np.errstate(all="ignore"):
+        third = h[0] / 3
+        want = {"fma": (h[0] * h[1] + h[2]).astype(np.float16), "mul": (h[0] * h[1]).astype(np.float16),
+                "pack": third.astype(np.float16)}
+    for i in range(w.shape[1]):
+        got = {"fma": I.py_hfma2(w[0, i], w[1, i], w[2, i]), "mul": I.py_hmul2(w[0, i], w[1, i]),
+               "pack": I.py_f16x2_as_u32(third[i, 0], third[i, 1])}
+        for op, value in got.items():
+            expect = want[op][i]
+            live = ~np.isnan(expect)
+            assert np.array_equal(np.array([value], np.uint32).view(np.float16)[live], expect[live]), (op, i)
+
+
 # ---- PTX versions against the twins on random inputs (GPU) ---------------------------------------
 @cuda.jit
 def _alu_kernel(a, b, c, out):
