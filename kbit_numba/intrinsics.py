@@ -639,8 +639,8 @@ ptx_mma_bf16 = _mma_intrinsic("bf16")
 # The float16 pair twins go through ``struct`` (its "e" format is IEEE half precision, rounded to nearest even from a
 # float64), not through small NumPy arrays: the simulator calls them for every pair of every decode, and the arrays
 # cost ~10x as much. Only NaN payloads can differ from NumPy's (quieted here; the hardware's are canonical anyway).
-_HALF_PAIR, _TWO_F32 = struct.Struct("<2e"), struct.Struct("<2f")
-_WORD, _TWO_WORDS = struct.Struct("<I"), struct.Struct("<2I")
+_HALF, _HALF_PAIR, _TWO_F32 = struct.Struct("<e"), struct.Struct("<2e"), struct.Struct("<2f")
+_HALF_BITS, _WORD, _TWO_WORDS = struct.Struct("<H"), struct.Struct("<I"), struct.Struct("<2I")
 
 
 def _halves(word, bf16):
@@ -909,7 +909,10 @@ def ptx_f16_bits_to_f32(typingctx, x):
 
 
 def py_f16_bits_to_f32(x):
-    return np.float32(np.array([int(x) & 0xFFFF], dtype=np.uint16).view(np.float16)[0])
+    h = int(x) & 0xFFFF
+    if h & 0x7C00 == 0x7C00:    # inf and NaN through NumPy, which keeps a NaN's payload as cvt.f32.f16 does
+        return np.float32(np.array([h], dtype=np.uint16).view(np.float16)[0])
+    return np.float32(_HALF.unpack(_HALF_BITS.pack(h))[0])     # (exact: every float16 is a float32)
 
 
 def py_u32_as_f32(x):
