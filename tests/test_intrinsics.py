@@ -44,7 +44,7 @@ def test_half_pair_twins_round_as_numpy():
     words and on large ones that overflow to inf (subnormals, infinities, signed zeros included; NaN payloads aside)."""
     rng = np.random.default_rng(3)
     w = rng.integers(0, 1 << 32, size=(3, 3000), dtype=np.uint64).astype(np.uint32)
-    w[:, 2000:] = (w[:, 2000:] & 0x83FF83FF) | 0x70007000         # |x| in [2**12, 2**16): products overflow
+    w[:, 2000:] = (w[:, 2000:] & 0x83FF83FF) | 0x70007000         # |x| in [2**13, 2**14): products overflow
     h = w.view(np.float16).astype(np.float64).reshape(3, -1, 2)
     with np.errstate(all="ignore"):
         third = h[0] / 3
