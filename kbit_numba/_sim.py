@@ -354,7 +354,6 @@ def _block_run(self, grid_point, *args):
         raise failed.exception[0].with_traceback(failed.exception[1])
 
 
-
 def install():
     """Add the warp primitives to the simulator's fake ``cuda`` module, make its shared-array allocation
     thread-safe, and replace its polling block manager by one that waits (idempotent)."""
