@@ -250,7 +250,6 @@ class KbitWeight(_HostDevice):
         return self.n_blocks * block_bytes(self.k, self.absmax_format)
 
 
-
 CODES_K = (2, 4)           # bit widths of the kernel-native code layout: a byte holds whole codes
 
 

@@ -165,7 +165,6 @@ class PairGemvSpec(Spec):
                     accumulate=bool(self.accumulate))
 
 
-
 @lru_cache(maxsize=None)
 def make_pair_gemv_kernel(spec):
     """Kernel(A words, packed codes, absmax, codebook, out[M*N], N, n_kb) for a :class:`PairGemvSpec`;

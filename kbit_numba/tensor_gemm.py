@@ -539,8 +539,6 @@ def _to_half_kernel():
     return jit_kernel(to_half)
 
 
-
-
 def m_tile_for(M):
     """MT (16-row MMA tiles per CTA) for M rows: the fewest that cover M, at most 4."""
     for mt in M_TILES:

@@ -259,7 +259,6 @@ def test_no_kernel_family_imports_another():
                 assert all(n.split(".")[0] in SHARED for n in names), f"{fam} imports {names}"
 
 
-
 def test_one_device_weight_checks_every_container():
     qw = ref.quantize(np.ones((8, 64), np.float32), k=2)
     with pytest.raises(TypeError, match="weight.packed must have dtype"):
